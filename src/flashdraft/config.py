@@ -1,0 +1,201 @@
+"""Typed configuration: one dataclass per section of config/config.yaml.
+
+The dataclass defaults are the single place where defaults live (the DFlash recipe for training);
+workflow/schemas/config.schema.yaml checks types and documents every key. Each stage script takes its
+section as JSON (`--cfg '{...}'`), so Snakemake reruns a stage only when its own section changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TargetConfig:
+    path: str = "results/toy/target"  # HF model directory (or the toy target built by the workflow)
+    build_toy: bool = False  # build the toy target at `path` (embedded default)
+    dtype: str = "bfloat16"  # dtype the target runs in: float32 | bfloat16 | float16
+
+
+@dataclass
+class ToyConfig:
+    seed: int = 0
+    num_docs: int = 3000  # synthetic training documents for the toy target
+    vocab_size: int = 512  # BPE vocabulary (embedding keeps free rows above it, one is MASK)
+    hidden_size: int = 128
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+    seq_len: int = 128
+    batch_size: int = 16
+    steps: int = 300
+    lr: float = 3e-3
+    source_rows: int = 200  # rows in each synthetic prompt source file
+
+
+@dataclass
+class SourceConfig:
+    name: str
+    path: str  # local file or HF dataset id
+    format: str = "auto"  # auto | jsonl | json | parquet | arrow | hf
+    shape: str = "auto"  # auto | sharegpt | messages | alpaca | prompt
+    split: str = "train"
+    weight: float = 1.0
+    fields: dict[str, str] = field(default_factory=dict)  # rename source fields to canonical ones
+
+
+@dataclass
+class PromptsConfig:
+    total: int = 1000  # prompts in the training mix
+    eval_count: int = 32  # held-out prompts for evaluation
+    min_chars: int = 1
+    max_chars: int = 32000
+    seed: int = 0
+    sources: list[SourceConfig] = field(default_factory=list)
+
+
+@dataclass
+class RegenerateConfig:
+    enabled: bool = True
+    backend: str = "hf"  # hf (in-process generate)
+    max_new_tokens: int = 1024
+    batch_size: int = 16
+    temperature: float = 0.0
+    thinking: bool = False
+    part_rows: int = 256  # rows per atomically committed parquet part
+
+
+@dataclass
+class HiddenConfig:
+    shards: int = 2
+    max_length: int = 3072
+    dtype: str = "bfloat16"  # storage dtype of the hidden states
+    batch_tokens: int = 16384  # token budget of one forward batch
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 5  # K: draft layers, also the number of target layers fused
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None  # None: round(1 + i*(N-4)/(K-1))
+    mask_token_id: int | None = None  # None: len(tokenizer), the first unused embedding row
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 6
+    max_steps: int = 0  # stop after this many optimizer steps (0: run all epochs)
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    max_anchors: int = 512
+    gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
+    batch_tokens: int = 16384  # token budget of one micro-batch per process
+    buckets: list[int] = field(default_factory=lambda: [1024, 2048, 3072])  # padded lengths
+    compile: bool = True
+    attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | flex | sdpa
+    dtype: str = "bfloat16"  # autocast dtype on GPU; CPU trains in float32
+    seed: int = 0
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    log_every: int = 10
+
+    def loss_gamma(self, block_size: int) -> float:
+        if self.gamma is not None:
+            return self.gamma
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
+
+
+@dataclass
+class EvalConfig:
+    num_prompts: int = 64
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+
+
+@dataclass
+class GpusConfig:
+    target: int = 0  # GPUs for target stages; precompute runs one shard job per GPU (0: CPU)
+    drafter: int = 0  # GPUs for training, one torchrun process each (0: one CPU process)
+    lock_dir: str = "/tmp/flashdraft-gpu-locks"  # one lock file per GPU, shared by all jobs on a node
+    check_visible: bool = True  # refuse to start when more GPUs are asked for than are visible
+
+
+@dataclass
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    toy: ToyConfig = field(default_factory=ToyConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    hidden: HiddenConfig = field(default_factory=HiddenConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    gpus: GpusConfig = field(default_factory=GpusConfig)
+
+
+def from_dict(cls, data: dict[str, Any] | None, where: str = "config"):
+    """Build dataclass `cls` from a dict, recursing into nested dataclasses; unknown keys are errors."""
+    data = dict(data or {})
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    kwargs = {}
+    for name, f in known.items():
+        if name not in data:
+            continue
+        value, sub = data[name], f"{where}.{name}"
+        inner = _dataclass_type(hints[name])
+        if inner is not None and isinstance(value, dict):
+            value = from_dict(inner, value, sub)
+        elif inner is not None and isinstance(value, list):
+            value = [from_dict(inner, v, f"{sub}[{i}]") for i, v in enumerate(value)]
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _dataclass_type(tp) -> type | None:
+    """The dataclass held by a field typed `X` or `list[X]`, else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
+def load_section(cls, text: str | None, where: str):
+    """Parse a `--cfg` JSON string into the section dataclass."""
+    return from_dict(cls, json.loads(text) if text else {}, where)
+
+
+def load_config(path: str) -> Config:
+    import yaml
+
+    with open(path) as f:
+        return from_dict(Config, yaml.safe_load(f), "config")
+
+
+def to_json(obj) -> str:
+    return json.dumps(dataclasses.asdict(obj), sort_keys=True)
+
+
+def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash feature layers: round(1 + i*(N-4)/(K-1)), 0-indexed decoder layers."""
+    n, k = num_target_layers, num_draft_layers
+    if k == 1:
+        return [n // 2]
+    ids = [int(math.floor(1 + i * (n - 4) / (k - 1) + 0.5)) for i in range(k)]
+    if any(not 0 <= i < n for i in ids):
+        raise ValueError(f"target_layer_ids {ids} out of range for a target with {n} layers")
+    return ids

@@ -1,0 +1,75 @@
+"""Small shared I/O helpers: atomic writes, progress bars, dtype names, device choice."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike):
+    """Yield a temporary sibling path; rename it onto `path` only if the block succeeds.
+
+    A crash leaves no file at `path` (only a `.tmp-*` sibling that the next run ignores)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{path.name}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            if tmp.is_dir():
+                import shutil
+
+                shutil.rmtree(tmp)
+            else:
+                tmp.unlink()
+
+
+def write_json(path, obj) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_parquet(table, path) -> None:
+    """Write a pyarrow Table or pandas DataFrame atomically."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not isinstance(table, pa.Table):
+        table = pa.Table.from_pandas(table, preserve_index=False)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def progress(iterable=None, **kwargs):
+    """tqdm with rate and ETA; in log files (no TTY) it prints a line every 10 s instead of redrawing."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    kwargs.setdefault("mininterval", 0.5 if tty else 10.0)
+    kwargs.setdefault("dynamic_ncols", tty)
+    kwargs.setdefault("ascii", not tty)
+    return tqdm(iterable, file=sys.stderr, **kwargs)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
+    return getattr(torch, DTYPES[name])
+
+
+def device():
+    """cuda:0 when a GPU is visible (the lease makes every process's GPU its cuda:0), else cpu."""
+    import torch
+
+    return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,55 @@
+"""The target model: loading, feature-layer ids, MASK id. One place for each of these facts."""
+
+from __future__ import annotations
+
+from .config import DrafterConfig, target_layer_ids
+from .io import device, torch_dtype
+
+
+def load_target(path: str, dtype: str = "bfloat16", dev=None):
+    """Load a target exactly as any HF causal LM: AutoModelForCausalLM + AutoTokenizer, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = dev or device()
+    if dev.type == "cpu" and dtype != "float32":
+        dtype = "float32"  # bf16 matmuls on CPU are slow and not what any CPU user wants
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation="sdpa")
+    model.to(dev).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    return model, tokenizer
+
+
+def num_layers(target_config) -> int:
+    return target_config.num_hidden_layers
+
+
+def feature_layer_ids(target_config, drafter: DrafterConfig) -> list[int]:
+    """0-indexed decoder layers whose outputs feed the drafter (config override or DFlash formula)."""
+    n = num_layers(target_config)
+    ids = drafter.target_layer_ids or target_layer_ids(n, drafter.num_layers)
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"drafter.target_layer_ids {bad} out of range for a target with {n} layers")
+    return list(ids)
+
+
+def select_features(hidden_states, layer_ids: list[int]):
+    """Concatenate decoder-layer outputs `[.., S, H]` -> `[.., S, K*H]`.
+
+    HF `hidden_states[0]` is the embedding output, so decoder layer i is `hidden_states[i + 1]`."""
+    import torch
+
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def mask_token_id(tokenizer, target_config, drafter: DrafterConfig) -> int:
+    """MASK = the first embedding row no token uses (len(tokenizer)), a frozen row of the target embedding."""
+    mid = drafter.mask_token_id if drafter.mask_token_id is not None else len(tokenizer)
+    if not 0 <= mid < target_config.vocab_size:
+        raise ValueError(
+            f"mask token id {mid} is outside the target embedding ({target_config.vocab_size} rows); "
+            "set drafter.mask_token_id to an unused row"
+        )
+    return mid
