@@ -1,0 +1,277 @@
+"""Speculative decoding with the target and a drafter: acceptance length (tau), losslessness, tokens/s.
+
+One verify step: the drafter proposes up to B-1 tokens after the last verified token; the target scores
+[last, d1..d_{B-1}] in one forward over its KV cache; the longest prefix the target agrees with is
+accepted, plus the target's own next token (the bonus), so tau = accepted + 1. The cache is then cropped
+to the verified tokens, which leaves it exactly where target-only decoding would be. At T > 0 drafts are
+accepted by standard rejection sampling, which keeps the target's output distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .chat import prompt_messages, render
+from .config import EvalConfig
+from .io import progress, write_json, write_parquet
+from .target import select_features
+
+# ---------------------------------------------------------------------------------------------------------
+# drafters: each proposes draft tokens from the verified tokens (and the target's features of them)
+
+
+class DFlashProposer:
+    """A DFlash drafter: one parallel block prediction from the target features of the verified context."""
+
+    uses_features = True
+
+    def __init__(self, drafter, embed_weight, lm_head_weight):
+        self.drafter, self.embed, self.head = drafter, embed_weight, lm_head_weight
+
+    def propose(self, tokens, features, temperature, generator):
+        logits = self.drafter.predict_block(features, tokens[-1], self.embed, self.head).float()
+        if temperature == 0:
+            return logits.argmax(-1).tolist(), None
+        q = torch.softmax(logits / temperature, -1)
+        return torch.multinomial(q, 1, generator=generator).squeeze(-1).tolist(), q
+
+
+class NgramProposer:
+    """Prompt lookup: the continuation after the latest earlier occurrence of the last n tokens, n = max_n..1."""
+
+    uses_features = False
+
+    def __init__(self, num_draft: int, max_n: int = 3):
+        self.num_draft, self.max_n = num_draft, max_n
+
+    def propose(self, tokens, features, temperature, generator):
+        for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
+            tail = tokens[-n:]
+            # start <= len - n - 1: the match must be followed by at least one token
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == tail:
+                    return tokens[start + n : start + n + self.num_draft], None
+        return [], None  # a step with no draft is a plain target step (tau 1)
+
+
+def check_drafter(spec, target_config) -> None:
+    """Refuse a drafter built for another target, naming every mismatch."""
+    n, problems = target_config.num_hidden_layers, []
+    if spec.hidden_size != target_config.hidden_size:
+        problems.append(f"hidden_size {spec.hidden_size} != target hidden_size {target_config.hidden_size}")
+    if spec.vocab_size != target_config.vocab_size:
+        problems.append(f"vocab_size {spec.vocab_size} != target vocab_size {target_config.vocab_size}")
+    if spec.num_target_layers != n:
+        problems.append(f"num_target_layers {spec.num_target_layers} != target num_hidden_layers {n}")
+    bad = [i for i in spec.target_layer_ids if not 0 <= i < n]
+    if bad:
+        problems.append(f"target_layer_ids {bad} out of range for a target with {n} layers")
+    if not 0 <= spec.mask_token_id < target_config.vocab_size:
+        problems.append(f"mask_token_id {spec.mask_token_id} outside the target embedding ({target_config.vocab_size})")
+    if problems:
+        raise ValueError("drafter does not match the target: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decoding
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # new tokens, the prompt excluded
+    accepted: list[int]  # accepted draft tokens per verify step (target-only: 0 per step)
+    seconds: float  # decode time after the prefill (which yields the first token)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    return {int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None}
+
+
+def _pick(logits, temperature, generator) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator))
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _verify(draft, logits, q, temperature, generator) -> tuple[int, int]:
+    """(accepted draft tokens, next token) from the target logits at [last, d1..dn]."""
+    if temperature == 0:
+        g = logits.argmax(-1).tolist()
+        n = 0
+        while n < len(draft) and draft[n] == g[n]:
+            n += 1
+        return n, g[n]
+    p = torch.softmax(logits / temperature, -1)
+    for i, d in enumerate(draft):
+        qi = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).to(p)
+        # accept with probability min(1, p/q); on rejection sample from the residual max(p - q, 0)
+        if torch.rand((), generator=generator, device=p.device) * qi[d] < p[i, d]:
+            continue
+        resid = (p[i] - qi).clamp_min(0)
+        resid = resid if resid.sum() > 0 else p[i]
+        return i, int(torch.multinomial(resid / resid.sum(), 1, generator=generator))
+    return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
+
+
+@torch.no_grad()
+def target_decode(model, prompt_ids, max_new_tokens, eos, temperature=0.0, generator=None) -> Decoded:
+    """Plain autoregressive decoding, one token per forward over the same DynamicCache."""
+    from transformers import DynamicCache
+
+    dev, cache = model.device, DynamicCache(config=model.config)
+    ids = torch.tensor([prompt_ids], device=dev)
+    out = [_pick(model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1], temperature, generator)]
+    _sync(dev)
+    t0 = time.perf_counter()
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        logits = model(input_ids=torch.tensor([[out[-1]]], device=dev), past_key_values=cache).logits[0, -1]
+        out.append(_pick(logits, temperature, generator))
+    _sync(dev)
+    return Decoded(out, [0] * (len(out) - 1), time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def speculative_decode(
+    model, proposer, prompt_ids, layer_ids, max_new_tokens, eos, temperature=0.0, generator=None
+) -> Decoded:
+    from transformers import DynamicCache
+
+    dev, cache, hs = model.device, DynamicCache(config=model.config), proposer.uses_features
+    ids = torch.tensor([prompt_ids], device=dev)
+    o = model(input_ids=ids, past_key_values=cache, output_hidden_states=hs, logits_to_keep=1)
+    feats = select_features(o.hidden_states, layer_ids) if hs else None  # context: every verified token but last
+    new = [_pick(o.logits[0, -1], temperature, generator)]
+    tokens, accepted = [*prompt_ids, new[0]], []
+    _sync(dev)
+    t0 = time.perf_counter()
+    while len(new) < max_new_tokens and new[-1] not in eos:
+        draft, q = proposer.propose(tokens, feats, temperature, generator)
+        block = torch.tensor([[tokens[-1], *draft]], device=dev)
+        o = model(input_ids=block, past_key_values=cache, output_hidden_states=hs)
+        n, nxt = _verify(draft, o.logits[0].float(), q, temperature, generator)
+        accepted.append(n)
+        if hs:  # features of last + the accepted drafts; the bonus token's come with the next verify
+            feats = torch.cat([feats, select_features(o.hidden_states, layer_ids)[:, : n + 1]], 1)
+        if len(draft) > n:
+            cache.crop(-(len(draft) - n))  # negative: tokens to remove (drop the rejected drafts)
+        for t in [*draft[:n], nxt]:
+            tokens.append(t)
+            new.append(t)
+            if t in eos or len(new) >= max_new_tokens:
+                break
+    _sync(dev)
+    return Decoded(new, accepted, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# evaluation over a prompt set
+
+
+def prompt_ids(tokenizer, messages) -> list[int]:
+    text = render(tokenizer, prompt_messages(messages), add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _row(pid, name, d: Decoded, block_size, num_prompt_tokens, lossless) -> dict:
+    steps = len(d.accepted)
+    return {
+        "id": pid,
+        "drafter": name,
+        "prompt_tokens": num_prompt_tokens,
+        "new_tokens": len(d.tokens),
+        "verify_steps": steps,
+        "tau": (sum(d.accepted) + steps) / steps if steps else float("nan"),
+        "accepted": list(d.accepted),
+        "position_accepted": [sum(a >= k for a in d.accepted) for k in range(1, block_size)],
+        "decode_s": d.seconds,
+        "tokens_per_s": (len(d.tokens) - 1) / d.seconds if d.seconds > 0 else float("nan"),
+        "lossless": lossless,
+        "output": list(d.tokens),
+    }
+
+
+def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, cfg: EvalConfig, seed=0):
+    """Run target-only and every drafter on each prompt; return per-prompt rows (dicts)."""
+    eos, dev, temp = eos_ids(model, tokenizer), model.device, cfg.temperature
+    gen = torch.Generator(device=dev)
+    encoded = [(p["id"], prompt_ids(tokenizer, list(p["messages"]))) for p in prompts]
+    if encoded:  # warm up every path on the first prompt so the first timed prompt is not a cold start
+        warm = min(cfg.max_new_tokens, 2 * block_size)
+        target_decode(model, encoded[0][1], warm, eos, temp, gen)
+        for prop in proposers.values():
+            speculative_decode(model, prop, encoded[0][1], layer_ids, warm, eos, temp, gen)
+    rows = []
+    for i, (pid, ids) in enumerate(progress(encoded, desc="evaluate", unit="prompt")):
+        gen.manual_seed(seed + i)
+        ref = target_decode(model, ids, cfg.max_new_tokens, eos, temp, gen)
+        rows.append(_row(pid, "target_only", ref, block_size, len(ids), None if temp else True))
+        for name, prop in proposers.items():
+            gen.manual_seed(seed + i)
+            d = speculative_decode(model, prop, ids, layer_ids, cfg.max_new_tokens, eos, temp, gen)
+            rows.append(_row(pid, name, d, block_size, len(ids), None if temp else d.tokens == ref.tokens))
+    return rows
+
+
+def summarize(rows, block_size) -> dict:
+    """Pool verify steps over prompts: tau, tau histogram (1..B), acceptance rate per draft position."""
+    def rate(rs):
+        s = sum(r["decode_s"] for r in rs)
+        return sum(r["new_tokens"] - 1 for r in rs) / s if s > 0 else float("nan")
+
+    target = [r for r in rows if r["drafter"] == "target_only"]
+    base = rate(target)
+    summary = {"target_only": {"tokens_per_s": base}}
+    for name in dict.fromkeys(r["drafter"] for r in rows if r["drafter"] != "target_only"):
+        rs = [r for r in rows if r["drafter"] == name]
+        acc = [a for r in rs for a in r["accepted"]]
+        steps = max(len(acc), 1)
+        flags = [r["lossless"] for r in rs]
+        summary[name] = {
+            "tau": (sum(acc) + len(acc)) / steps,
+            "tau_hist": [sum(a + 1 == t for a in acc) for t in range(1, block_size + 1)],
+            "per_position_acceptance": [sum(a >= k for a in acc) / steps for k in range(1, block_size)],
+            "tokens_per_s": rate(rs),
+            "speedup": rate(rs) / base if base > 0 else float("nan"),
+            "lossless_all": None if any(f is None for f in flags) else all(flags),
+            "prompts": len(rs),
+        }
+    return summary
+
+
+def run(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, out_dir, dtype="bfloat16", seed=0) -> dict:
+    """The `evaluate` stage: trained drafter, untrained drafter and n-gram lookup against target-only."""
+    import pandas as pd
+
+    from .model import DFlashDrafter, load_drafter
+    from .target import load_target
+
+    model, tokenizer = load_target(target_dir, dtype)
+    drafter, spec = load_drafter(drafter_dir)
+    check_drafter(spec, model.config)
+    dev, dt = model.device, model.get_input_embeddings().weight.dtype
+    torch.manual_seed(seed)
+    untrained = DFlashDrafter(spec)  # same shape, random init: what training adds over nothing
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    proposers = {
+        "dflash": DFlashProposer(drafter.to(dev, dt).eval(), embed, head),
+        "dflash_untrained": DFlashProposer(untrained.to(dev, dt).eval(), embed, head),
+        "ngram": NgramProposer(spec.block_size - 1),
+    }
+    prompts = pd.read_parquet(prompts_path).head(cfg.num_prompts).to_dict("records")
+    rows = evaluate(model, tokenizer, proposers, prompts, list(spec.target_layer_ids), spec.block_size, cfg, seed)
+    summary = summarize(rows, spec.block_size)
+    out = Path(out_dir)
+    write_parquet(pd.DataFrame(rows), out / "per_prompt.parquet")
+    write_json(out / "summary.json", summary)
+    return summary

@@ -1,0 +1,196 @@
+"""One self-contained HTML report: evaluation table, training curves, acceptance plots, stage times, prompts.
+
+Plots are matplotlib (Agg) PNGs inlined as base64, so the file can be mailed or archived alone. A missing
+input leaves a note in its section instead of failing the report.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+CSS = """body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;color:#222}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.note{color:#a60}img{max-width:100%}"""
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1 else f"{v:,.2f}"
+    return html.escape(str(v))
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in r) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def note(text: str) -> str:
+    return f'<p class="note">{html.escape(text)}</p>'
+
+
+def img(fig, id: str, alt: str) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    data = base64.b64encode(buf.getvalue()).decode()
+    return f'<img id="{id}" alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sections
+
+
+def eval_section(eval_dir) -> str:
+    path = Path(eval_dir) / "summary.json"
+    if not path.exists():
+        return "<h2>Evaluation</h2>" + note(f"no evaluation summary at {path}")
+    summary = json.loads(path.read_text())
+    base = summary.get("target_only", {}).get("tokens_per_s")
+    drafters = {k: v for k, v in summary.items() if k != "target_only"}
+    rows = [["target_only", 1.0, None, base, 1.0, None]]
+    rows += [
+        [k, v.get("tau"), v.get("prompts"), v.get("tokens_per_s"), v.get("speedup"), v.get("lossless_all")]
+        for k, v in drafters.items()
+    ]
+    out = "<h2>Evaluation</h2>" + table(["drafter", "tau", "prompts", "tokens/s", "speedup", "lossless"], rows)
+    out += "<p>tau: mean tokens per target verify step (accepted drafts + 1). Lossless: greedy output equals "
+    out += "the target's own greedy output on every prompt.</p>"
+    if not drafters:
+        return out
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for k, v in drafters.items():
+        acc = v.get("per_position_acceptance") or []
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=k)
+    ax.set(xlabel="draft position k", ylabel="P(position k accepted)", ylim=(0, 1.02))
+    ax.legend()
+    out += "<h3>Acceptance per draft position</h3>" + img(fig, "acceptance", "acceptance rate per draft position")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(drafters)
+    for i, (k, v) in enumerate(drafters.items()):
+        hist = v.get("tau_hist") or []
+        total = max(sum(hist), 1)
+        ax.bar([t + 1 + (i - (len(drafters) - 1) / 2) * width for t in range(len(hist))],
+               [h / total for h in hist], width=width, label=k)
+    ax.set(xlabel="tau of a verify step", ylabel="fraction of steps")
+    ax.legend()
+    return out + "<h3>tau per verify step</h3>" + img(fig, "tau-hist", "histogram of tau per verify step")
+
+
+def training_section(metrics_csv) -> str:
+    import pandas as pd
+
+    path = Path(metrics_csv)
+    if not path.exists():
+        return "<h2>Training</h2>" + note(f"no training metrics at {path}")
+    df = pd.read_csv(path)
+    if df.empty or "step" not in df:
+        return "<h2>Training</h2>" + note(f"{path} has no rows")
+    out = "<h2>Training</h2>"
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(df["step"], df["loss"])
+    ax.set(xlabel="step", ylabel="loss", yscale="log" if (df["loss"] > 0).all() else "linear")
+    out += img(fig, "train-loss", "training loss per step")
+    pos = [c for c in df.columns if c.startswith("acc_pos_")]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if "acc" in df:
+        ax.plot(df["step"], df["acc"], lw=2, color="k", label="acc (all positions)")
+    shown = [pos[0], pos[len(pos) // 2], pos[-1]] if len(pos) > 3 else pos  # first, middle, last position
+    for c in shown:
+        ax.plot(df["step"], df[c], label=c.replace("acc_pos_", "position "))
+    ax.set(xlabel="step", ylabel="draft accuracy", ylim=(0, 1.02))
+    ax.legend()
+    out += img(fig, "train-acc", "training accuracy per step")
+    last = df.iloc[-1]
+    cols = [c for c in ["step", "epoch", "loss", "acc", "sim_tau", "lr", "tokens_per_s"] if c in df]
+    return out + "<h3>Last logged step</h3>" + table(cols, [[last[c].item() for c in cols]])
+
+
+def benchmarks_section(benchmarks_dir) -> str:
+    import pandas as pd
+
+    files = sorted(Path(benchmarks_dir).rglob("*.tsv")) if Path(benchmarks_dir).is_dir() else []
+    if not files:
+        return "<h2>Stage wall time</h2>" + note(f"no benchmark files under {benchmarks_dir}")
+    rows = []
+    for f in files:
+        df = pd.read_csv(f, sep="\t")
+        if "s" not in df or df.empty:
+            continue
+        rss = df["max_rss"].mean() if "max_rss" in df else None
+        rows.append([str(f.relative_to(benchmarks_dir).with_suffix("")), float(df["s"].mean()), rss])
+    if not rows:
+        return "<h2>Stage wall time</h2>" + note(f"no readable benchmark rows under {benchmarks_dir}")
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(rows) + 1))
+    ax.barh([r[0] for r in rows][::-1], [r[1] for r in rows][::-1])
+    ax.set(xlabel="wall time (s)")
+    total = sum(r[1] for r in rows)
+    return (
+        "<h2>Stage wall time</h2>"
+        + img(fig, "stage-time", "wall time per workflow job")
+        + table(["job", "wall s", "max RSS MB"], rows + [["total", total, None]])
+    )
+
+
+def _flatten(d: dict, prefix="") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def prompts_section(stats_json) -> str:
+    path = Path(stats_json)
+    if not path.exists():
+        return "<h2>Prompts</h2>" + note(f"no prompt statistics at {path}")
+    stats = json.loads(path.read_text())
+    sources = stats.get("sources", stats) if isinstance(stats, dict) else {}
+    per = {k: _flatten(v) for k, v in sources.items() if isinstance(v, dict)}
+    out = "<h2>Prompts</h2>"
+    if per:
+        cols = list(dict.fromkeys(c for v in per.values() for c in v))
+        out += table(["source", *cols], [[k, *(v.get(c) for c in cols)] for k, v in per.items()])
+    else:
+        out += note(f"{path} has no per-source statistics")
+    scalars = {k: v for k, v in stats.items() if not isinstance(v, (dict, list))} if isinstance(stats, dict) else {}
+    if scalars:
+        out += table(["total", "value"], [[k, v] for k, v in scalars.items()])
+    return out
+
+
+def build_report(out, eval_dir, metrics_csv, prompt_stats, benchmarks_dir) -> str:
+    """Write the report to `out` (atomically) and return its HTML."""
+    from .io import atomic_path
+
+    body = "".join(
+        [
+            eval_section(eval_dir),
+            training_section(metrics_csv),
+            prompts_section(prompt_stats),
+            benchmarks_section(benchmarks_dir),
+        ]
+    )
+    doc = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>flashdraft report</title>"
+        f"<style>{CSS}</style></head><body><h1>DFlash drafter report</h1>{body}</body></html>\n"
+    )
+    with atomic_path(out) as tmp:
+        tmp.write_text(doc)
+    return doc

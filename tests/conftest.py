@@ -1,0 +1,80 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEFILE = REPO / "workflow" / "Snakefile"
+
+
+def snakemake(workdir, *args, config=None, check=True, timeout=1800):
+    """Run the real workflow with this interpreter's Snakemake in `workdir`."""
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "-d", str(workdir), *args]
+    if config is not None:
+        cmd += ["--configfile", str(config)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """Parse the 'Job stats' table of a Snakemake (dry) run into {rule: count}."""
+    counts, inside = {}, False
+    for line in output.splitlines():
+        if line.startswith("Job stats"):
+            inside = True
+            continue
+        if inside:
+            parts = line.split()
+            if not parts or parts[0] == "total":
+                if counts:
+                    break
+                continue
+            if len(parts) == 2 and parts[1].isdigit():
+                counts[parts[0]] = int(parts[1])
+    return counts
+
+
+def write_config(path, overrides=None, base=REPO / "config" / "config.yaml"):
+    cfg = yaml.safe_load(Path(base).read_text())
+    for key, value in (overrides or {}).items():
+        section, _, name = key.partition(".")
+        if name:
+            cfg.setdefault(section, {})[name] = value
+        else:
+            cfg[section] = value
+    Path(path).write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+# A smaller embedded default for the end-to-end test: the same stages on less data.
+SMALL = {
+    "toy.num_docs": 800,
+    "toy.steps": 80,
+    "toy.source_rows": 60,
+    "prompts.total": 96,
+    "prompts.eval_count": 4,
+    "regenerate.max_new_tokens": 24,
+    "hidden.max_length": 128,
+    "train.epochs": 1,
+    "train.buckets": [128],
+    "train.checkpoint_every": 5,
+    "train.log_every": 1,
+    "eval.num_prompts": 4,
+    "eval.max_new_tokens": 24,
+}
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+    """The real DAG, run once to the end on the small config; tests inspect its artifacts."""
+    work = tmp_path_factory.mktemp("dag")
+    config = write_config(work / "config.yaml", SMALL)
+    proc = snakemake(work, "--cores", "2", config=config)
+    return work, config, proc

@@ -1,0 +1,148 @@
+"""The real Snakemake DAG: config validation, an end-to-end run, and stage reruns."""
+
+import json
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+import yaml
+from conftest import REPO, job_counts, snakemake, write_config
+
+pytestmark = pytest.mark.slow
+
+
+# ---- config validation: fails before any job runs, naming the key ----
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"train.lrr": 1.0}, "lrr"),
+        ({"train.epochs": "six"}, "epochs"),
+        ({"target": {"path": "no/such/model", "build_toy": False}}, "target.path"),
+        ({"gpus.drafter": 64}, "gpus.drafter"),
+    ],
+    ids=["unknown-key", "wrong-type", "missing-model", "too-many-gpus"],
+)
+def test_bad_config_fails_before_any_job(tmp_path, overrides, expected):
+    config = write_config(tmp_path / "config.yaml", overrides)
+    proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
+    assert proc.returncode != 0
+    assert expected in proc.stdout + proc.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_production_dry_run_shards_and_gpus(tmp_path):
+    # Dry run only: a config.json stands in for the 16 GB of Qwen3-8B weights nothing here loads.
+    model = tmp_path / "models" / "Qwen3-8B"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 36}))
+    for f in ("sharegpt.jsonl", "ultrachat.parquet", "alpaca.json"):
+        (tmp_path / "data").mkdir(exist_ok=True)
+        (tmp_path / "data" / f).write_text("")
+    config = write_config(tmp_path / "prod.yaml", {"gpus.check_visible": False},
+                          base=REPO / "config" / "production.yaml")
+    proc = snakemake(tmp_path, "-n", "--cores", "8", "--resources", "gpu=8", config=config)
+    counts = job_counts(proc.stdout)
+    assert counts["hidden_shard"] == 40
+    assert counts["train"] == 1 and "toy_target" not in counts
+    assert "nproc_per_node 3 --virtual-local-rank" in proc.stdout
+    assert "--gpus 3" in proc.stdout and "--gpus 1" in proc.stdout
+
+
+# ---- the end-to-end run ----
+
+def test_every_stage_artifact(small_run):
+    work, config, _ = small_run
+    cfg = yaml.safe_load(config.read_text())
+    r = work / "results"
+
+    assert (r / "toy" / "target" / "config.json").exists()
+    train = pd.read_parquet(r / "prompts" / "train.parquet")
+    evals = pd.read_parquet(r / "prompts" / "eval.parquet")
+    assert {"id", "source", "messages", "prompt"} <= set(train.columns)
+    assert len(evals) == cfg["prompts"]["eval_count"]
+    assert 0 < len(train) <= cfg["prompts"]["total"]
+    assert not set(train.id) & set(evals.id)
+    assert json.loads((r / "prompts" / "stats.json").read_text())
+
+    regen = pd.read_parquet(r / "regenerated" / "train.parquet")
+    assert sorted(regen.id) == sorted(train.id)
+    assert all(m[-1]["role"] == "assistant" for m in regen.messages)
+
+    rows, feats = 0, None
+    for i in range(cfg["hidden"]["shards"]):
+        manifest = json.loads((r / "hidden" / f"shard-{i:05d}.json").read_text())
+        with pa.memory_map(str(r / "hidden" / f"shard-{i:05d}.arrow")) as src:
+            table = pa.ipc.open_file(src).read_all()
+        assert table.num_rows == manifest["rows"]
+        assert manifest["target_layer_ids"] == [1, 3]
+        H = manifest["hidden_size"]
+        for row in table.slice(0, 3).to_pylist():
+            T = row["num_tokens"]
+            assert len(row["input_ids"]) == len(row["loss_mask"]) == T <= cfg["hidden"]["max_length"]
+            assert len(row["hidden"]) == T * manifest["num_features"] * H * 2  # bf16
+        rows += manifest["rows"]
+        feats = manifest["num_features"] * H
+    assert rows > 0.9 * len(regen) and feats == 2 * 128
+    verify = json.loads((r / "hidden" / "verify.json").read_text())
+    assert verify["ok"] and len(verify["shards"]) == cfg["hidden"]["shards"]
+
+    meta = json.loads((r / "compile_cache" / "meta.json").read_text())
+    assert "torch" in json.dumps(meta)
+
+    dcfg = json.loads((r / "drafter" / "config.json").read_text())
+    assert dcfg["architectures"] == ["DFlashDraftModel"]
+    assert dcfg["dflash_config"]["target_layer_ids"] == [1, 3]
+    from safetensors import safe_open
+
+    with safe_open(str(r / "drafter" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "fc.weight" in keys and not any("embed" in k or "lm_head" in k for k in keys)
+
+    metrics = pd.read_csv(r / "train" / "metrics.csv")
+    assert len(metrics) > 0 and metrics.loss.notna().all()
+
+    summary = json.loads((r / "eval" / "summary.json").read_text())
+    per_prompt = pd.read_parquet(r / "eval" / "per_prompt.parquet")
+    assert len(per_prompt) > 0
+    assert 1.0 <= summary["trained"]["tau"] <= cfg["drafter"]["block_size"]
+    assert summary["trained"]["lossless_all"]
+
+    html = (r / "report.html").read_text()
+    assert "<img" in html
+
+    for stage in ("toy_target", "prompts", "regenerate", "warmup", "train", "evaluate", "report"):
+        assert (r / "benchmarks" / f"{stage}.tsv").exists(), stage
+        assert (r / "logs" / f"{stage}.log").exists(), stage
+
+
+# ---- reruns: dry-run job lists on the finished run ----
+
+def test_complete_run_has_nothing_to_do(small_run):
+    work, config, _ = small_run
+    proc = snakemake(work, "-n", "--cores", "2", config=config)
+    assert job_counts(proc.stdout) == {}
+
+
+def test_forcerun_train_reruns_train_onward_only(small_run):
+    work, config, _ = small_run
+    proc = snakemake(work, "-n", "--cores", "2", "--forcerun", "train", config=config)
+    assert set(job_counts(proc.stdout)) == {"train", "evaluate", "report", "all"}
+
+
+def test_one_shard_builds_only_what_it_needs(tmp_path):
+    config = write_config(tmp_path / "config.yaml", {})
+    proc = snakemake(tmp_path, "-n", "--cores", "2", "results/hidden/shard-00001.arrow", config=config)
+    assert job_counts(proc.stdout) == {
+        "toy_target": 1, "toy_sources": 1, "prompts": 1, "regenerate": 1, "hidden_shard": 1,
+    }
+
+
+def test_changed_train_param_reruns_train_onward_only(small_run, tmp_path):
+    work, config, _ = small_run
+    changed = tmp_path / "changed.yaml"
+    cfg = yaml.safe_load(config.read_text())
+    cfg["train"]["lr"] = cfg["train"]["lr"] * 0.5
+    changed.write_text(yaml.safe_dump(cfg))
+    proc = snakemake(work, "-n", "--cores", "2", config=changed)
+    assert set(job_counts(proc.stdout)) == {"train", "evaluate", "report", "all"}

@@ -1,0 +1,111 @@
+import json
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+REPO = Path(workflow.basedir).parent
+sys.path.insert(0, str(REPO / "src"))
+
+from flashdraft.config import Config, from_dict  # noqa: E402
+from flashdraft.gpu import visible_gpus  # noqa: E402
+
+
+validate(config, schema="../schemas/config.schema.yaml")
+CFG = from_dict(Config, config)
+
+PY = sys.executable
+SCRIPTS = REPO / "scripts"
+RESULTS = "results"
+LOGS = f"{RESULTS}/logs"
+BENCH = f"{RESULTS}/benchmarks"
+
+# Training reads only these keys at compile time: the warmup reruns when they change, not on lr etc.
+WARMUP_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "attention", "dtype", "seed")
+# Hidden states depend on which layers are fused, not on the drafter's block size.
+HIDDEN_DRAFTER_KEYS = ("num_layers", "target_layer_ids")
+
+
+def check_config():
+    """Fail before any job runs, naming the key, on what the schema cannot see."""
+    t = CFG.target
+    if not t.build_toy and not (Path(t.path) / "config.json").exists():
+        raise WorkflowError(
+            f"config key target.path: {t.path!r} is not a local Hugging Face model directory "
+            "(no config.json); download the model there or set target.build_toy: true"
+        )
+    for s in CFG.prompts.sources:
+        if s.format != "hf" and not Path(s.path).exists() and not s.path.startswith(f"{RESULTS}/toy/"):
+            raise WorkflowError(f"config key prompts.sources[{s.name}].path: {s.path!r} does not exist")
+    if CFG.gpus.check_visible:
+        n = len(visible_gpus())
+        for key in ("target", "drafter"):
+            asked = getattr(CFG.gpus, key)
+            if asked > n:
+                raise WorkflowError(
+                    f"config key gpus.{key}: asks for {asked} GPU(s) but {n} are visible "
+                    "(set gpus.check_visible: false when jobs run on other nodes)"
+                )
+
+
+check_config()
+
+
+def section(name, keys=None):
+    """A config section as JSON (defaults filled in), passed to a stage as --cfg and as its params."""
+    d = json.loads(json.dumps(getattr(CFG, name), default=lambda o: o.__dict__))
+    if keys is not None:
+        d = {k: d[k] for k in keys}
+    return json.dumps(d, sort_keys=True)
+
+
+def stage(script, gpus=None, nproc=None):
+    """The command that runs scripts/<script>: on `gpus` leased GPUs (see src/flashdraft/gpu.py),
+    under torchrun with `nproc` processes when given."""
+    cmd = f"{PY} {SCRIPTS / script}"
+    if nproc is not None:
+        # One process per GPU; --virtual-local-rank makes every rank see its GPU as cuda:0, so the
+        # warmup's compile-cache entries (keyed by device index) hit on every rank.
+        virtual = " --virtual-local-rank" if CFG.gpus.drafter > 0 else ""
+        cmd = f"{PY} -m torch.distributed.run --standalone --nproc_per_node {nproc}{virtual} {SCRIPTS / script}"
+    if gpus is not None:
+        cmd = f"{PY} -m flashdraft.gpu --gpus {gpus} --lock-dir {CFG.gpus.lock_dir} -- {cmd}"
+    return cmd
+
+
+def parent(kind, i=0):
+    """Params function: the directory of the i-th input/output file."""
+    return lambda wildcards, input, output: str(Path((input if kind == "input" else output)[i]).parent)
+
+
+def target_gpus():
+    return 1 if CFG.gpus.target > 0 else 0
+
+
+def target_dir():
+    return CFG.target.path
+
+
+def shard_ids():
+    return [f"{i:05d}" for i in range(CFG.hidden.shards)]
+
+
+def shard_files(ext="arrow"):
+    return expand(f"{RESULTS}/hidden/shard-{{shard}}.{ext}", shard=shard_ids())
+
+
+def regenerated():
+    return f"{RESULTS}/regenerated/train.parquet"
+
+
+def all_outputs():
+    return [
+        f"{RESULTS}/hidden/verify.json",
+        f"{RESULTS}/drafter/config.json",
+        f"{RESULTS}/eval/summary.json",
+        f"{RESULTS}/report.html",
+    ]
+
+
+CONDA_ENV = "../../envs/flashdraft.yaml"

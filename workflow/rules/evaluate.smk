@@ -1,0 +1,26 @@
+rule evaluate:
+    input:
+        prompts=f"{RESULTS}/prompts/eval.parquet",
+        drafter=f"{RESULTS}/drafter/config.json",
+        target=target_dir(),
+    output:
+        per_prompt=f"{RESULTS}/eval/per_prompt.parquet",
+        summary=f"{RESULTS}/eval/summary.json",
+    params:
+        cfg=section("eval"),
+        dtype=CFG.target.dtype,
+        drafter_dir=parent("input", 1),
+        out_dir=parent("output"),
+        cmd=stage("evaluate.py", gpus=target_gpus()),
+    resources:
+        gpu=target_gpus(),
+    conda:
+        CONDA_ENV
+    log:
+        f"{LOGS}/evaluate.log",
+    benchmark:
+        f"{BENCH}/evaluate.tsv"
+    shell:
+        "{params.cmd} --cfg {params.cfg:q} --target {input.target}"
+        " --dtype {params.dtype} --drafter {params.drafter_dir} --prompts {input.prompts}"
+        " --out-dir {params.out_dir} > {log} 2>&1"

@@ -1,0 +1,45 @@
+rule hidden_shard:
+    input:
+        data=regenerated(),
+        target=target_dir(),
+    output:
+        arrow=f"{RESULTS}/hidden/shard-{{shard}}.arrow",
+        manifest=f"{RESULTS}/hidden/shard-{{shard}}.json",
+    wildcard_constraints:
+        shard=r"\d{5}",
+    params:
+        cfg=section("hidden"),
+        drafter=section("drafter", HIDDEN_DRAFTER_KEYS),
+        dtype=CFG.target.dtype,
+        num_shards=CFG.hidden.shards,
+        cmd=stage("precompute_hidden.py", gpus=target_gpus()),
+    resources:
+        gpu=target_gpus(),
+    conda:
+        CONDA_ENV
+    log:
+        f"{LOGS}/hidden_shard/{{shard}}.log",
+    benchmark:
+        f"{BENCH}/hidden_shard/{{shard}}.tsv"
+    shell:
+        "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q}"
+        " --target {input.target} --dtype {params.dtype} --data {input.data}"
+        " --shard {wildcards.shard} --num-shards {params.num_shards} --out {output.arrow} > {log} 2>&1"
+
+
+rule hidden_verify:
+    input:
+        arrows=shard_files("arrow"),
+        manifests=shard_files("json"),
+    output:
+        f"{RESULTS}/hidden/verify.json",
+    params:
+        cmd=stage("verify_hidden.py"),
+    conda:
+        CONDA_ENV
+    log:
+        f"{LOGS}/hidden_verify.log",
+    benchmark:
+        f"{BENCH}/hidden_verify.tsv"
+    shell:
+        "{params.cmd} --out {output} {input.arrows} > {log} 2>&1"

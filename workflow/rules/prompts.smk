@@ -1,0 +1,20 @@
+rule prompts:
+    input:
+        [s.path for s in CFG.prompts.sources if s.format != "hf"],
+    output:
+        train=f"{RESULTS}/prompts/train.parquet",
+        eval=f"{RESULTS}/prompts/eval.parquet",
+        rejects=f"{RESULTS}/prompts/rejects.parquet",
+        stats=f"{RESULTS}/prompts/stats.json",
+    params:
+        cfg=section("prompts"),
+        out_dir=parent("output"),
+        cmd=stage("expand_prompts.py"),
+    conda:
+        CONDA_ENV
+    log:
+        f"{LOGS}/prompts.log",
+    benchmark:
+        f"{BENCH}/prompts.tsv"
+    shell:
+        "{params.cmd} --cfg {params.cfg:q} --out-dir {params.out_dir} > {log} 2>&1"

@@ -1,0 +1,31 @@
+rule train:
+    input:
+        arrows=shard_files("arrow"),
+        verified=f"{RESULTS}/hidden/verify.json",
+        cache=f"{RESULTS}/compile_cache/meta.json",
+        target=target_dir(),
+    output:
+        config=f"{RESULTS}/drafter/config.json",
+        weights=f"{RESULTS}/drafter/model.safetensors",
+        metrics=f"{RESULTS}/train/metrics.csv",
+    params:
+        cfg=section("train"),
+        drafter=section("drafter"),
+        cache_dir=parent("input", 2),
+        drafter_dir=parent("output"),
+        checkpoints=f"{RESULTS}/checkpoints",  # not an output: Snakemake never deletes it
+        cmd=stage("train.py", gpus=CFG.gpus.drafter, nproc=max(1, CFG.gpus.drafter)),
+    resources:
+        gpu=CFG.gpus.drafter,
+    threads: max(1, CFG.gpus.drafter)
+    conda:
+        CONDA_ENV
+    log:
+        f"{LOGS}/train.log",
+    benchmark:
+        f"{BENCH}/train.tsv"
+    shell:
+        "{params.cmd} --cfg {params.cfg:q}"
+        " --drafter-cfg {params.drafter:q} --target {input.target} --compile-cache {params.cache_dir}"
+        " --checkpoints {params.checkpoints} --metrics {output.metrics} --out {params.drafter_dir}"
+        " {input.arrows} > {log} 2>&1"

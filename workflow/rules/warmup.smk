@@ -1,0 +1,25 @@
+rule warmup:
+    input:
+        manifests=shard_files("json"),
+        target=target_dir(),
+    output:
+        artifacts=f"{RESULTS}/compile_cache/artifacts.bin",
+        meta=f"{RESULTS}/compile_cache/meta.json",
+    params:
+        cfg=section("train", WARMUP_TRAIN_KEYS),
+        drafter=section("drafter"),
+        out_dir=parent("output"),
+        arrows=shard_files("arrow"),
+        cmd=stage("warmup.py", gpus=min(1, CFG.gpus.drafter)),
+    resources:
+        gpu=min(1, CFG.gpus.drafter),
+    threads: 1  # torch.compile is not thread-safe: one process, main thread
+    conda:
+        CONDA_ENV
+    log:
+        f"{LOGS}/warmup.log",
+    benchmark:
+        f"{BENCH}/warmup.tsv"
+    shell:
+        "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q}"
+        " --target {input.target} --out-dir {params.out_dir} {params.arrows} > {log} 2>&1"
