@@ -41,7 +41,7 @@ class DFlashProposer:
 
 
 class NgramProposer:
-    """Prompt lookup: the continuation after the latest earlier occurrence of the last n tokens, n = max_n..1."""
+    """Prompt lookup: the continuation after the latest earlier match of the last n tokens, n = max_n..1."""
 
     uses_features = False
 
@@ -71,7 +71,9 @@ def check_drafter(spec, target_config) -> None:
     if bad:
         problems.append(f"target_layer_ids {bad} out of range for a target with {n} layers")
     if not 0 <= spec.mask_token_id < target_config.vocab_size:
-        problems.append(f"mask_token_id {spec.mask_token_id} outside the target embedding ({target_config.vocab_size})")
+        problems.append(
+            f"mask_token_id {spec.mask_token_id} outside the target embedding ({target_config.vocab_size})"
+        )
     if problems:
         raise ValueError("drafter does not match the target: " + "; ".join(problems))
 
@@ -104,7 +106,7 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def _verify(draft, logits, q, temperature, generator) -> tuple[int, int]:
+def verify(draft, logits, q, temperature, generator) -> tuple[int, int]:
     """(accepted draft tokens, next token) from the target logits at [last, d1..dn]."""
     if temperature == 0:
         g = logits.argmax(-1).tolist()
@@ -131,7 +133,8 @@ def target_decode(model, prompt_ids, max_new_tokens, eos, temperature=0.0, gener
 
     dev, cache = model.device, DynamicCache(config=model.config)
     ids = torch.tensor([prompt_ids], device=dev)
-    out = [_pick(model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1], temperature, generator)]
+    logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
+    out = [_pick(logits, temperature, generator)]
     _sync(dev)
     t0 = time.perf_counter()
     while len(out) < max_new_tokens and out[-1] not in eos:
@@ -150,7 +153,8 @@ def speculative_decode(
     dev, cache, hs = model.device, DynamicCache(config=model.config), proposer.uses_features
     ids = torch.tensor([prompt_ids], device=dev)
     o = model(input_ids=ids, past_key_values=cache, output_hidden_states=hs, logits_to_keep=1)
-    feats = select_features(o.hidden_states, layer_ids) if hs else None  # context: every verified token but last
+    # the drafter's context: features of every verified token except the last one
+    feats = select_features(o.hidden_states, layer_ids) if hs else None
     new = [_pick(o.logits[0, -1], temperature, generator)]
     tokens, accepted = [*prompt_ids, new[0]], []
     _sync(dev)
@@ -159,7 +163,7 @@ def speculative_decode(
         draft, q = proposer.propose(tokens, feats, temperature, generator)
         block = torch.tensor([[tokens[-1], *draft]], device=dev)
         o = model(input_ids=block, past_key_values=cache, output_hidden_states=hs)
-        n, nxt = _verify(draft, o.logits[0].float(), q, temperature, generator)
+        n, nxt = verify(draft, o.logits[0].float(), q, temperature, generator)
         accepted.append(n)
         if hs:  # features of last + the accepted drafts; the bonus token's come with the next verify
             feats = torch.cat([feats, select_features(o.hidden_states, layer_ids)[:, : n + 1]], 1)
@@ -223,26 +227,31 @@ def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, 
     return rows
 
 
+def _ratio(a, b):
+    return a / b if b > 0 else None  # None, not NaN: summary.json stays strict JSON
+
+
 def summarize(rows, block_size) -> dict:
     """Pool verify steps over prompts: tau, tau histogram (1..B), acceptance rate per draft position."""
-    def rate(rs):
-        s = sum(r["decode_s"] for r in rs)
-        return sum(r["new_tokens"] - 1 for r in rs) / s if s > 0 else float("nan")
 
-    target = [r for r in rows if r["drafter"] == "target_only"]
-    base = rate(target)
+    def rate(rs):  # decode tokens/s: tokens after the prefill's first one, over decode time
+        return _ratio(sum(r["new_tokens"] - 1 for r in rs), sum(r["decode_s"] for r in rs))
+
+    base = rate([r for r in rows if r["drafter"] == "target_only"])
     summary = {"target_only": {"tokens_per_s": base}}
     for name in dict.fromkeys(r["drafter"] for r in rows if r["drafter"] != "target_only"):
         rs = [r for r in rows if r["drafter"] == name]
         acc = [a for r in rs for a in r["accepted"]]
-        steps = max(len(acc), 1)
         flags = [r["lossless"] for r in rs]
+        tps = rate(rs)
         summary[name] = {
-            "tau": (sum(acc) + len(acc)) / steps,
+            "tau": _ratio(sum(acc) + len(acc), len(acc)),
             "tau_hist": [sum(a + 1 == t for a in acc) for t in range(1, block_size + 1)],
-            "per_position_acceptance": [sum(a >= k for a in acc) / steps for k in range(1, block_size)],
-            "tokens_per_s": rate(rs),
-            "speedup": rate(rs) / base if base > 0 else float("nan"),
+            "per_position_acceptance": [
+                _ratio(sum(a >= k for a in acc), len(acc)) for k in range(1, block_size)
+            ],
+            "tokens_per_s": tps,
+            "speedup": _ratio(tps, base) if tps is not None and base else None,
             "lossless_all": None if any(f is None for f in flags) else all(flags),
             "prompts": len(rs),
         }
@@ -269,7 +278,8 @@ def run(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, out_dir, dtype="
         "ngram": NgramProposer(spec.block_size - 1),
     }
     prompts = pd.read_parquet(prompts_path).head(cfg.num_prompts).to_dict("records")
-    rows = evaluate(model, tokenizer, proposers, prompts, list(spec.target_layer_ids), spec.block_size, cfg, seed)
+    layer_ids = list(spec.target_layer_ids)
+    rows = evaluate(model, tokenizer, proposers, prompts, layer_ids, spec.block_size, cfg, seed)
     summary = summarize(rows, spec.block_size)
     out = Path(out_dir)
     write_parquet(pd.DataFrame(rows), out / "per_prompt.parquet")

@@ -36,8 +36,10 @@ def visible_gpus() -> list[str]:
 class Lease:
     """Holds flocks on `n` GPU lock files under `lock_dir` until released."""
 
-    def __init__(self, n: int, lock_dir: str, poll_s: float = 2.0, timeout_s: float | None = None):
+    def __init__(self, n: int, lock_dir: str, pool: list[str] | None = None, poll_s: float = 2.0,
+                 timeout_s: float | None = None):
         self.n, self.lock_dir, self.poll_s, self.timeout_s = n, Path(lock_dir), poll_s, timeout_s
+        self.pool = pool  # GPU ids to choose from (default: all visible)
         self.gpus: list[str] = []
         self._files = []
 
@@ -50,7 +52,7 @@ class Lease:
                 raise RuntimeError(f"asked for {self.n} GPU(s) but CUDA_VISIBLE_DEVICES={ids}")
             self.gpus = ids[: self.n]
             return self.gpus
-        ids = visible_gpus()
+        ids = self.pool if self.pool is not None else visible_gpus()
         if len(ids) < self.n:
             raise RuntimeError(f"asked for {self.n} GPU(s) but only {len(ids)} visible: {ids}")
         self.lock_dir.mkdir(parents=True, exist_ok=True)
@@ -99,12 +101,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Run a command on N leased GPUs (0: on the CPU).")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--lock-dir", default="/tmp/flashdraft-gpu-locks")
+    p.add_argument("--pool", default=None, help="comma-separated GPU ids to choose from (default: all visible)")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         p.error("no command given")
-    with Lease(args.gpus, args.lock_dir) as lease:
+    pool = args.pool.split(",") if args.pool else None
+    with Lease(args.gpus, args.lock_dir, pool=pool) as lease:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(lease.gpus))
         print(f"[gpu] {args.gpus} GPU(s) leased: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}",
               file=sys.stderr)

@@ -67,7 +67,8 @@ def eval_section(eval_dir) -> str:
         [k, v.get("tau"), v.get("prompts"), v.get("tokens_per_s"), v.get("speedup"), v.get("lossless_all")]
         for k, v in drafters.items()
     ]
-    out = "<h2>Evaluation</h2>" + table(["drafter", "tau", "prompts", "tokens/s", "speedup", "lossless"], rows)
+    header = ["drafter", "tau", "prompts", "tokens/s", "speedup", "lossless"]
+    out = "<h2>Evaluation</h2>" + table(header, rows)
     out += "<p>tau: mean tokens per target verify step (accepted drafts + 1). Lossless: greedy output equals "
     out += "the target's own greedy output on every prompt.</p>"
     if not drafters:
@@ -78,14 +79,19 @@ def eval_section(eval_dir) -> str:
         ax.plot(range(1, len(acc) + 1), acc, marker="o", label=k)
     ax.set(xlabel="draft position k", ylabel="P(position k accepted)", ylim=(0, 1.02))
     ax.legend()
-    out += "<h3>Acceptance per draft position</h3>" + img(fig, "acceptance", "acceptance rate per draft position")
+    out += "<h3>Acceptance per draft position</h3>"
+    out += img(fig, "acceptance", "acceptance rate per draft position")
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(drafters)
     for i, (k, v) in enumerate(drafters.items()):
         hist = v.get("tau_hist") or []
         total = max(sum(hist), 1)
-        ax.bar([t + 1 + (i - (len(drafters) - 1) / 2) * width for t in range(len(hist))],
-               [h / total for h in hist], width=width, label=k)
+        ax.bar(
+            [t + 1 + (i - (len(drafters) - 1) / 2) * width for t in range(len(hist))],
+            [h / total for h in hist],
+            width=width,
+            label=k,
+        )
     ax.set(xlabel="tau of a verify step", ylabel="fraction of steps")
     ax.legend()
     return out + "<h3>tau per verify step</h3>" + img(fig, "tau-hist", "histogram of tau per verify step")
@@ -115,9 +121,9 @@ def training_section(metrics_csv) -> str:
     ax.set(xlabel="step", ylabel="draft accuracy", ylim=(0, 1.02))
     ax.legend()
     out += img(fig, "train-acc", "training accuracy per step")
-    last = df.iloc[-1]
     cols = [c for c in ["step", "epoch", "loss", "acc", "sim_tau", "lr", "tokens_per_s"] if c in df]
-    return out + "<h3>Last logged step</h3>" + table(cols, [[last[c].item() for c in cols]])
+    last = [df[c].iloc[-1].item() for c in cols]  # per column: a row of mixed dtypes would turn ints to floats
+    return out + "<h3>Last logged step</h3>" + table(cols, [last])
 
 
 def benchmarks_section(benchmarks_dir) -> str:
@@ -161,7 +167,8 @@ def prompts_section(stats_json) -> str:
     if not path.exists():
         return "<h2>Prompts</h2>" + note(f"no prompt statistics at {path}")
     stats = json.loads(path.read_text())
-    sources = stats.get("sources", stats) if isinstance(stats, dict) else {}
+    stats = stats if isinstance(stats, dict) else {}
+    sources = stats.get("sources", stats)
     per = {k: _flatten(v) for k, v in sources.items() if isinstance(v, dict)}
     out = "<h2>Prompts</h2>"
     if per:
@@ -169,7 +176,7 @@ def prompts_section(stats_json) -> str:
         out += table(["source", *cols], [[k, *(v.get(c) for c in cols)] for k, v in per.items()])
     else:
         out += note(f"{path} has no per-source statistics")
-    scalars = {k: v for k, v in stats.items() if not isinstance(v, (dict, list))} if isinstance(stats, dict) else {}
+    scalars = {k: v for k, v in stats.items() if not isinstance(v, (dict, list))}
     if scalars:
         out += table(["total", "value"], [[k, v] for k, v in scalars.items()])
     return out

@@ -44,7 +44,7 @@ WORDS = {"add": ("adds", "+"), "sub": ("subtracts", "-"), "mul": ("multiplies by
 
 def _arithmetic(rng: random.Random) -> tuple[str, str]:
     op = rng.choice("+-*")
-    a, b = rng.randint(0, 20), rng.randint(0, 9)
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
     value = {"+": a + b, "-": a - b, "*": a * b}[op]
     return f"What is {a} {op} {b}?", f"{a} {op} {b} = {value}."
 
@@ -154,18 +154,25 @@ def make_target(tokenizer, cfg: ToyConfig):
     return model
 
 
-def _token_stream(tokenizer, conversations: list[list[dict]]) -> list[int]:
-    # documents separated by <|endoftext|>, as in pretraining, so packed windows cross boundaries cleanly
-    texts = [_render(c) + "<|endoftext|>" for c in conversations]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return [t for doc in ids for t in doc]
+def _token_stream(tokenizer, conversations: list[list[dict]]) -> tuple[list[int], list[int]]:
+    """Packed ids and labels: loss only on assistant turns (as in chat fine-tuning), -100 elsewhere."""
+    from .chat import tokenize_conversation
+
+    ids, labels = [], []
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    for c in conversations:
+        doc, mask, _ = tokenize_conversation(tokenizer, c)
+        ids += doc + [eot]
+        labels += [t if m else -100 for t, m in zip(doc, mask)] + [-100]
+    return ids, labels
 
 
 def train_target(model, tokenizer, conversations: list[list[dict]], cfg: ToyConfig) -> list[float]:
     """Next-token training on packed random windows of the corpus; returns the loss of every step."""
     import torch
 
-    stream = torch.tensor(_token_stream(tokenizer, conversations), dtype=torch.long)
+    ids, labels = _token_stream(tokenizer, conversations)
+    stream, targets = torch.tensor(ids), torch.tensor(labels)
     if len(stream) <= cfg.seq_len:
         raise ValueError(f"toy corpus has {len(stream)} tokens, fewer than seq_len {cfg.seq_len}")
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -179,7 +186,8 @@ def train_target(model, tokenizer, conversations: list[list[dict]], cfg: ToyConf
     for _ in bar:
         starts = torch.randint(0, len(stream) - cfg.seq_len, (cfg.batch_size,), generator=gen)
         batch = torch.stack([stream[s : s + cfg.seq_len] for s in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels itself
+        label = torch.stack([targets[s : s + cfg.seq_len] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=label).loss  # HF shifts the labels itself
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,0 +1,26 @@
+"""Evaluate the trained drafter (plus untrained and n-gram baselines) against target-only decoding."""
+
+import argparse
+import json
+
+from flashdraft.config import EvalConfig, load_section
+from flashdraft.evaluate import run
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--cfg", default=None, help="the `eval` config section as JSON")
+    p.add_argument("--target", required=True, help="HF target model directory")
+    p.add_argument("--dtype", default="bfloat16", help="target dtype: float32 | bfloat16 | float16")
+    p.add_argument("--drafter", required=True, help="DFlash drafter export directory")
+    p.add_argument("--prompts", required=True, help="eval prompts parquet (messages column)")
+    p.add_argument("--out-dir", required=True, help="writes per_prompt.parquet and summary.json here")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    cfg = load_section(EvalConfig, a.cfg, "eval")
+    summary = run(cfg, a.target, a.drafter, a.prompts, a.out_dir, dtype=a.dtype, seed=a.seed)
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

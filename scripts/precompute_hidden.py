@@ -1,0 +1,37 @@
+"""Precompute the target's hidden states for one shard of the training set (one job per target GPU).
+
+python scripts/precompute_hidden.py --cfg '{"dtype": "bfloat16"}' --drafter-cfg '{}' \
+    --target results/toy/target --dtype float32 --data results/regenerated/train.parquet \
+    --shard 0 --num-shards 2 --out results/hidden/shard-00000.arrow
+"""
+
+import argparse
+import json
+
+from flashdraft.config import DrafterConfig, HiddenConfig, load_section
+from flashdraft.hidden import precompute_shard
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cfg", default="{}", help="the `hidden` config section as JSON")
+    p.add_argument("--drafter-cfg", default="{}", help="the `drafter` config section as JSON (layer ids)")
+    p.add_argument("--target", required=True, help="HF model directory of the target")
+    p.add_argument("--dtype", default="bfloat16", help="dtype the target runs in (CPU always uses float32)")
+    p.add_argument("--data", required=True, help="parquet with columns id and messages")
+    p.add_argument("--shard", type=int, required=True)
+    p.add_argument("--num-shards", type=int, default=None, help="default: hidden.shards")
+    p.add_argument("--out", required=True, help="the shard's .arrow file; its manifest goes next to it")
+    args = p.parse_args(argv)
+    hidden_cfg = load_section(HiddenConfig, args.cfg, "hidden")
+    drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
+    num_shards = args.num_shards or hidden_cfg.shards
+    manifest = precompute_shard(
+        args.target, args.dtype, args.data, args.shard, num_shards, args.out, hidden_cfg, drafter_cfg
+    )
+    keys = ("shard", "num_shards", "rows", "tokens", "truncated", "skipped", "bytes")
+    print(json.dumps({k: manifest[k] for k in keys}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""Write the self-contained HTML report from the evaluation, training metrics, prompt stats and benchmarks."""
+
+import argparse
+
+from flashdraft.report import build_report
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True, help="the HTML file to write")
+    p.add_argument("--eval-dir", required=True, help="directory with summary.json (and per_prompt.parquet)")
+    p.add_argument("--metrics", required=True, help="training metrics.csv")
+    p.add_argument("--prompt-stats", required=True, help="prompts stats.json")
+    p.add_argument("--benchmarks-dir", required=True, help="Snakemake benchmark TSV files")
+    a = p.parse_args()
+    build_report(a.out, a.eval_dir, a.metrics, a.prompt_stats, a.benchmarks_dir)
+    print(f"report: {a.out}")
+
+
+if __name__ == "__main__":
+    main()

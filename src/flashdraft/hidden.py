@@ -1,0 +1,545 @@
+"""Hidden-state store: Arrow IPC shards of target features, their manifests, a memory-mapped reader,
+verification, and the precompute pipeline that fills the shards.
+
+A shard is one Arrow IPC file with one row per sample:
+  id (string), input_ids (list<int32>), loss_mask (list<int8>), num_tokens (int32),
+  hidden (large_binary: the [num_tokens, K*H] features row-major in the storage dtype; bf16 as raw bits).
+The schema metadata names the format, dtype, K, H, the target and its layer ids, so a shard describes
+itself; the manifest next to it (`shard-00000.arrow` -> `shard-00000.json`) adds counts and the sha256.
+Files appear under their final name only when complete (written to a temporary sibling, then renamed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import queue
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import torch
+
+from .chat import tokenize_conversation
+from .config import DrafterConfig, HiddenConfig
+from .io import atomic_path, device, progress, torch_dtype, write_json
+from .target import feature_layer_ids, load_target, select_features
+
+FORMAT = "flashdraft.hidden/1"
+STORAGE_DTYPES = {"bfloat16": 2, "float32": 4}  # name -> bytes per element
+META_KEYS = ("target", "target_layer_ids", "dtype", "hidden_size", "num_features")
+
+# Shards are mapped read-only by design; torch warns once that it cannot mark such tensors read-only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def storage_dtype(name: str) -> torch.dtype:
+    if name not in STORAGE_DTYPES:
+        raise ValueError(
+            f"hidden.dtype {name!r} is not supported; use one of {sorted(STORAGE_DTYPES)} "
+            "(fp8 storage is not available yet)"
+        )
+    return torch_dtype(name)
+
+
+def manifest_path(arrow_path) -> Path:
+    """The manifest of a shard: `shard-00000.arrow` -> `shard-00000.json`."""
+    return Path(arrow_path).with_suffix(".json")
+
+
+def shard_of(sample_id: str, num_shards: int) -> int:
+    """Stable sample -> shard assignment (Python's hash() is salted per process, so use sha1)."""
+    digest = hashlib.sha1(str(sample_id).encode()).digest()
+    return int.from_bytes(digest[:8], "little") % num_shards
+
+
+def shard_schema(target: str, layer_ids: list[int], hidden_size: int, dtype: str) -> pa.Schema:
+    meta = {
+        "format": FORMAT,
+        "target": str(target),
+        "target_layer_ids": json.dumps([int(i) for i in layer_ids]),
+        "dtype": dtype,
+        "hidden_size": str(int(hidden_size)),
+        "num_features": str(len(layer_ids)),
+    }
+    fields = [
+        ("id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("num_tokens", pa.int32()),
+        ("hidden", pa.large_binary()),
+    ]
+    return pa.schema(fields, metadata={f"flashdraft.{k}": v for k, v in meta.items()})
+
+
+def read_meta(schema: pa.Schema, path) -> dict:
+    """Check a shard's schema and decode its metadata (target, layer ids, dtype, H, K)."""
+    raw = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+    if raw.get("flashdraft.format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} shard (format {raw.get('flashdraft.format')!r})")
+    meta = {
+        "target": raw["flashdraft.target"],
+        "target_layer_ids": json.loads(raw["flashdraft.target_layer_ids"]),
+        "dtype": raw["flashdraft.dtype"],
+        "hidden_size": int(raw["flashdraft.hidden_size"]),
+        "num_features": int(raw["flashdraft.num_features"]),
+    }
+    expected = shard_schema(meta["target"], meta["target_layer_ids"], meta["hidden_size"], meta["dtype"])
+    if not schema.equals(expected, check_metadata=False):
+        got, want = schema.remove_metadata(), expected.remove_metadata()
+        raise ValueError(f"{path}: schema {got} differs from {want}")
+    storage_dtype(meta["dtype"])
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+class _HashingSink:
+    """File sink that hashes what it writes, so the manifest's sha256 costs no second read of the shard."""
+
+    def __init__(self, path):
+        self.file, self.sha, self.closed = open(path, "wb"), hashlib.sha256(), False
+
+    def write(self, data):
+        self.sha.update(data)
+        return self.file.write(data)
+
+    def tell(self):
+        return self.file.tell()
+
+    def flush(self):
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+        self.closed = True
+
+
+class ShardWriter:
+    """Appends rows to one Arrow IPC file, a few rows per record batch so memory stays bounded.
+
+    Use it through `open_shard`, which writes a temporary sibling and renames it only on success."""
+
+    def __init__(
+        self, path, *, target, layer_ids, hidden_size, dtype="bfloat16", max_rows=8, max_bytes=256 << 20
+    ):
+        self.torch_dtype = storage_dtype(dtype)
+        self.meta = {
+            "target": str(target),
+            "target_layer_ids": [int(i) for i in layer_ids],
+            "dtype": dtype,
+            "hidden_size": int(hidden_size),
+            "num_features": len(layer_ids),
+        }
+        self.width = len(layer_ids) * hidden_size
+        self.schema = shard_schema(target, layer_ids, hidden_size, dtype)
+        self.sink = _HashingSink(path)
+        self.writer = ipc.new_file(pa.PythonFile(self.sink, mode="w"), self.schema)
+        self.max_rows, self.max_bytes = max_rows, max_bytes
+        self.pending, self.pending_bytes = [], 0
+        self.rows = self.tokens = self.bytes = 0
+        self.sha256 = None
+
+    def write(self, sample_id: str, input_ids, loss_mask, hidden: torch.Tensor) -> None:
+        n, shape = len(input_ids), tuple(hidden.shape)
+        if n == 0 or len(loss_mask) != n or shape != (n, self.width) or hidden.dtype != self.torch_dtype:
+            raise ValueError(
+                f"row {sample_id!r}: {n} input ids, {len(loss_mask)} mask values, hidden {shape} "
+                f"{hidden.dtype}; expected a non-empty row with hidden [{n}, {self.width}] {self.torch_dtype}"
+            )
+        raw = hidden.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
+        self.pending.append((str(sample_id), list(input_ids), list(loss_mask), raw))
+        self.pending_bytes += raw.size
+        self.rows, self.tokens = self.rows + 1, self.tokens + n
+        if len(self.pending) >= self.max_rows or self.pending_bytes >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        ids, input_ids, masks, raws = zip(*self.pending, strict=True)
+        offsets = np.zeros(len(raws) + 1, np.int64)
+        np.cumsum([r.size for r in raws], out=offsets[1:])
+        # one copy into a contiguous data buffer; offsets are multiples of the itemsize, so rows stay aligned
+        hidden = pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), len(raws), [None, pa.py_buffer(offsets), pa.py_buffer(np.concatenate(raws))]
+        )
+        columns = [
+            pa.array(ids, pa.string()),
+            pa.array(input_ids, pa.list_(pa.int32())),
+            pa.array(masks, pa.list_(pa.int8())),
+            pa.array([len(x) for x in input_ids], pa.int32()),
+            hidden,
+        ]
+        self.writer.write_batch(pa.record_batch(columns, schema=self.schema))
+        self.pending, self.pending_bytes = [], 0
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
+        self.bytes, self.sha256 = self.sink.tell(), self.sink.sha.hexdigest()
+        self.sink.close()
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+        self.sink.close()
+
+
+@contextlib.contextmanager
+def open_shard(path, **meta):
+    """Yield a ShardWriter; the shard appears at `path` only if the block completes without error."""
+    with atomic_path(path) as tmp:
+        writer = ShardWriter(tmp, **meta)
+        try:
+            yield writer
+            writer.close()
+        except BaseException:
+            writer.abort()  # release the file so atomic_path can remove the temporary
+            raise
+
+
+def write_manifest(path, writer: ShardWriter, **extra) -> dict:
+    """Manifest of a closed shard: what it holds, its size and checksum (+ `extra`: shard, counts, ...)."""
+    manifest = {
+        "format": FORMAT,
+        **writer.meta,
+        "rows": writer.rows,
+        "tokens": writer.tokens,
+        "bytes": writer.bytes,
+        "sha256": writer.sha256,
+        **extra,
+    }
+    write_json(path, manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+class HiddenStore:
+    """Memory-mapped, zero-copy view over shards; item i is one sample (global index across shards).
+
+    The hidden tensors alias the read-only file mapping: copy them (e.g. `.to(device)`) before writing."""
+
+    def __init__(self, paths):
+        self.paths = [str(paths)] if isinstance(paths, (str, Path)) else [str(p) for p in paths]
+        if not self.paths:
+            raise ValueError("HiddenStore needs at least one shard")
+        self.meta, self._batches, locs, lengths = None, [], [], []
+        for s, path in enumerate(self.paths):
+            reader = ipc.open_file(pa.memory_map(path, "r"))
+            meta = read_meta(reader.schema, path)
+            if self.meta is None:
+                self.meta = meta
+            diff = [k for k in META_KEYS if meta[k] != self.meta[k]]
+            if diff:
+                got = ", ".join(f"{k}={meta[k]!r}" for k in diff)
+                want = ", ".join(f"{k}={self.meta[k]!r}" for k in diff)
+                raise ValueError(f"shard {path} has {got} but {self.paths[0]} has {want}: shards differ")
+            batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
+            for b, batch in enumerate(batches):
+                n = batch.column("num_tokens").to_numpy()
+                lengths.append(n)
+                locs += [(s, b, r) for r in range(len(n))]
+            self._batches.append(batches)
+        self.lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
+        self._locs = locs
+        self._dtype = storage_dtype(self.meta["dtype"])
+
+    def __len__(self) -> int:
+        return len(self._locs)
+
+    def num_tokens(self, i: int) -> int:
+        return int(self.lengths[i])
+
+    def __getitem__(self, i: int) -> dict:
+        s, b, r = self._locs[range(len(self))[i]]  # range() handles negative indices and bounds
+        batch = self._batches[s][b]
+        col = batch.column("hidden")
+        _, offsets, data = col.buffers()
+        start, end = np.frombuffer(offsets, np.int64)[col.offset + r : col.offset + r + 2]
+        n = int(batch.column("num_tokens")[r].as_py())
+        hidden = torch.frombuffer(memoryview(data)[start:end], dtype=self._dtype).view(n, -1)
+        return {
+            "id": batch.column("id")[r].as_py(),
+            "input_ids": torch.tensor(batch.column("input_ids")[r].values.to_numpy(), dtype=torch.long),
+            "loss_mask": torch.tensor(batch.column("loss_mask")[r].values.to_numpy(), dtype=torch.long),
+            "hidden": hidden,
+        }
+
+    @property
+    def hidden_size(self) -> int:
+        return self.meta["hidden_size"]
+
+    @property
+    def num_features(self) -> int:
+        return self.meta["num_features"]
+
+    @property
+    def dtype(self) -> str:
+        return self.meta["dtype"]
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.meta["target_layer_ids"])
+
+    @property
+    def target(self) -> str:
+        return self.meta["target"]
+
+
+# --------------------------------------------------------------------------------------------- verifying
+
+
+def file_sha256(path, chunk=16 << 20) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def verify_shard(arrow_path, manifest_file=None, max_errors=20) -> dict:
+    """Check a shard against its manifest and itself; every error names the shard (and the row)."""
+    arrow_path = Path(arrow_path)
+    manifest_file = Path(manifest_file) if manifest_file else manifest_path(arrow_path)
+    errors = []
+    result = {"shard": str(arrow_path), "ok": False, "errors": errors}
+
+    def err(msg):
+        errors.append(f"{arrow_path}: {msg}")
+
+    for p in (arrow_path, manifest_file):
+        if not p.exists():
+            err(f"missing file {p}")
+    if errors:
+        return result
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except ValueError as e:
+        err(f"manifest {manifest_file} is not valid JSON: {e}")
+        return result
+    if manifest.get("format") != FORMAT:
+        err(f"manifest format {manifest.get('format')!r}, expected {FORMAT!r}")
+    size = arrow_path.stat().st_size
+    if size != manifest.get("bytes"):
+        err(f"file has {size} bytes, manifest says {manifest.get('bytes')}")
+    digest = file_sha256(arrow_path)
+    if digest != manifest.get("sha256"):
+        err(f"sha256 {digest} does not match the manifest's {manifest.get('sha256')}")
+    try:
+        store = HiddenStore([arrow_path])
+    except (pa.ArrowException, OSError, ValueError, KeyError) as e:
+        err(f"cannot be read as a hidden shard: {e}")
+        return result
+    for k in META_KEYS:
+        if store.meta[k] != manifest.get(k):
+            err(f"schema metadata {k}={store.meta[k]!r} but manifest says {manifest.get(k)!r}")
+    if len(store) != manifest.get("rows"):
+        err(f"{len(store)} rows, manifest says {manifest.get('rows')}")
+    if int(store.lengths.sum()) != manifest.get("tokens"):
+        err(f"{int(store.lengths.sum())} tokens, manifest says {manifest.get('tokens')}")
+
+    row_bytes = store.num_features * store.hidden_size * STORAGE_DTYPES[store.dtype]
+    row, bad_rows = 0, 0
+    for batch in store._batches[0]:
+        ids, col = batch.column("id"), batch.column("hidden")
+        offsets = np.frombuffer(col.buffers()[1], np.int64)[col.offset : col.offset + len(batch) + 1]
+        for r in range(len(batch)):
+            n = batch.column("num_tokens")[r].as_py()
+            problems = []
+            lens = (len(batch.column("input_ids")[r]), len(batch.column("loss_mask")[r]))
+            if lens != (n, n):
+                problems.append(f"{lens[0]} input ids and {lens[1]} mask values for num_tokens={n}")
+            if offsets[r + 1] - offsets[r] != n * row_bytes:
+                problems.append(f"hidden has {offsets[r + 1] - offsets[r]} bytes, expected {n} x {row_bytes}")
+            elif not torch.isfinite(store[row]["hidden"]).all():
+                problems.append("hidden has NaN or Inf values")
+            if problems:
+                bad_rows += 1
+                if bad_rows <= max_errors:
+                    err(f"row {row} (id {ids[r].as_py()!r}): " + "; ".join(problems))
+            row += 1
+    if bad_rows > max_errors:
+        err(f"{bad_rows - max_errors} more bad rows not listed")
+    result["ok"] = not errors
+    return result
+
+
+# -------------------------------------------------------------------------------------------- precompute
+
+
+def preflight(tokens_estimate: int, bytes_per_token: int, out_dir, margin: float = 0.1) -> int:
+    """Refuse to start when the disk under `out_dir` cannot hold the estimated bytes (+ margin)."""
+    need = int(tokens_estimate * bytes_per_token * (1 + margin))
+    d = Path(out_dir).resolve()
+    while not d.exists():
+        d = d.parent
+    free = shutil.disk_usage(d).free
+    if need > free:
+        raise RuntimeError(
+            f"not enough disk space in {out_dir}: hidden states need about {need / 2**30:.2f} GiB "
+            f"({need} bytes: {tokens_estimate} tokens x {bytes_per_token} bytes/token + {margin:.0%} margin) "
+            f"but only {free / 2**30:.2f} GiB ({free} bytes) are free"
+        )
+    return need
+
+
+def tokenize_shard(tokenizer, data_parquet, shard: int, num_shards: int, max_length: int):
+    """The shard's samples as (id, input_ids, loss_mask), plus counts of truncated and skipped samples."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(data_parquet, columns=["id", "messages"])
+    mine = [shard_of(i, num_shards) == shard for i in table.column("id").to_pylist()]
+    table = table.filter(pa.array(mine, pa.bool_()))
+    samples, truncated, skipped = [], 0, 0
+    columns = table.column("id").to_pylist(), table.column("messages").to_pylist()
+    for sid, messages in zip(*columns, strict=True):
+        ids, mask, cut = tokenize_conversation(tokenizer, messages, max_length=max_length)
+        if not any(mask):  # nothing to learn from (no assistant token survived)
+            skipped += 1
+            continue
+        truncated += cut
+        samples.append((sid, ids, mask))
+    return samples, truncated, skipped
+
+
+def token_batches(lengths: list[int], batch_tokens: int, window: int = 1024) -> list[list[int]]:
+    """Group indices into batches whose padded size (rows x longest) fits `batch_tokens` (at least one row).
+
+    Sorting by length only within a window keeps padding low and the output order close to the input's."""
+    batches = []
+    for start in range(0, len(lengths), window):
+        order = sorted(range(start, min(start + window, len(lengths))), key=lambda i: -lengths[i])
+        cur = []
+        for i in order:
+            if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:  # cur[0] is the longest
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+    return batches
+
+
+@torch.inference_mode()
+def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dtype, pad_id: int):
+    """Target features [B, S, K*H] in the storage dtype, on the host, right-padded.
+
+    On CUDA the copy lands in pinned memory without blocking; the returned event marks it done."""
+    dev = next(model.parameters()).device
+    ids = torch.full((len(batch_ids), max(map(len, batch_ids))), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, x in enumerate(batch_ids):
+        ids[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(x)] = 1
+    # the decoder alone: no LM head, whose logits would be [B, S, vocab]
+    out = model.base_model(
+        input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True, use_cache=False
+    )
+    feats = select_features(out.hidden_states, layer_ids).to(dtype)
+    if dev.type != "cuda":
+        return feats, None
+    host = torch.empty(feats.shape, dtype=dtype, pin_memory=True)
+    host.copy_(feats, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+class WriterThread:
+    """Runs `fn(item)` for queued items on one background thread that only does I/O.
+
+    The bounded queue caps host memory at `depth` batches in flight; the model stays on the main thread
+    (compiled code must never run off it). After an error the thread keeps draining, so `put` never hangs."""
+
+    def __init__(self, fn, depth: int = 2):
+        self.fn, self.queue, self.error, self.aborted = fn, queue.Queue(depth), None, False
+        self.thread = threading.Thread(target=self._run, name="hidden-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while (item := self.queue.get()) is not None:
+            if self.error is None and not self.aborted:
+                try:
+                    self.fn(item)
+                except BaseException as e:
+                    self.error = e
+
+    def put(self, item) -> None:
+        self._check()
+        self.queue.put(item)
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for the queued items (or drop them on abort); re-raise a writer error here."""
+        self.aborted = abort
+        self.queue.put(None)
+        self.thread.join()
+        if not abort:
+            self._check()
+
+    def _check(self):
+        if self.error is not None:
+            raise RuntimeError(f"hidden-state writer thread failed: {self.error!r}") from self.error
+
+
+def _write_rows(writer: ShardWriter, rows, feats, event) -> None:
+    if event is not None:
+        event.synchronize()  # the non-blocking device-to-host copy has landed
+    for (sid, ids, mask), f in zip(rows, feats, strict=True):
+        writer.write(sid, ids, mask, f[: len(ids)])
+
+
+def precompute_shard(
+    target_path,
+    dtype: str,
+    data_parquet,
+    shard: int,
+    num_shards: int,
+    out_arrow,
+    hidden_cfg: HiddenConfig,
+    drafter_cfg: DrafterConfig,
+    manifest=None,
+) -> dict:
+    """Forward the target over this shard's samples and store the drafter's features; returns the manifest.
+
+    `dtype` is what the target runs in, `hidden_cfg.dtype` what is stored."""
+    store_dtype = storage_dtype(hidden_cfg.dtype)
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
+    model, tokenizer = load_target(str(target_path), dtype, device())
+    layer_ids = feature_layer_ids(model.config, drafter_cfg)
+    hidden_size = model.config.hidden_size
+    max_length = hidden_cfg.max_length
+    samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards, max_length)
+    lengths = [len(s[1]) for s in samples]
+    # + 5: the int32 input id and int8 loss mask stored next to each token's features
+    per_token = len(layer_ids) * hidden_size * STORAGE_DTYPES[hidden_cfg.dtype] + 5
+    preflight(sum(lengths), per_token, Path(out_arrow).parent)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked, right side
+
+    bar = progress(total=sum(lengths), unit="tok", unit_scale=True, desc=f"hidden shard {shard}/{num_shards}")
+    meta = dict(target=str(target_path), layer_ids=layer_ids, hidden_size=hidden_size, dtype=hidden_cfg.dtype)
+    with open_shard(out_arrow, **meta) as writer:
+        io_thread = WriterThread(lambda item: _write_rows(writer, *item))
+        try:
+            for batch in token_batches(lengths, hidden_cfg.batch_tokens):
+                rows = [samples[i] for i in batch]
+                feats, event = forward_features(model, [r[1] for r in rows], layer_ids, store_dtype, pad_id)
+                io_thread.put((rows, feats, event))
+                bar.update(sum(lengths[i] for i in batch))
+        except BaseException:
+            io_thread.close(abort=True)
+            raise
+        finally:
+            bar.close()
+        io_thread.close()
+    counts = {"shard": shard, "num_shards": num_shards, "truncated": truncated, "skipped": skipped}
+    return write_manifest(manifest or manifest_path(out_arrow), writer, **counts)

@@ -1,0 +1,57 @@
+"""Config: the schema documents every key the dataclasses hold, and both shipped configs validate."""
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from snakemake.utils import validate
+
+from flashdraft.config import Config, TrainConfig, from_dict, load_config, load_section, target_layer_ids
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+
+
+def _check(cls, node, where):
+    props = node["properties"] if "properties" in node else node["items"]["properties"]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert set(props) == fields, f"{where}: schema {sorted(props)} vs dataclass {sorted(fields)}"
+    assert node.get("additionalProperties", node.get("items", {}).get("additionalProperties")) is False
+    hints = typing.get_type_hints(cls)
+    for name, prop in props.items():
+        inner = hints[name]
+        inner = typing.get_args(inner)[0] if typing.get_origin(inner) is list else inner
+        if dataclasses.is_dataclass(inner):
+            _check(inner, prop, f"{where}.{name}")
+        elif name != "name":
+            assert prop.get("description"), f"{where}.{name} has no description in the schema"
+
+
+def test_schema_documents_every_dataclass_key():
+    _check(Config, yaml.safe_load(SCHEMA.read_text()), "config")
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "production.yaml"])
+def test_shipped_configs_validate(name):
+    data = yaml.safe_load((REPO / "config" / name).read_text())
+    validate(data, str(SCHEMA))
+    cfg = load_config(REPO / "config" / name)
+    assert cfg.drafter.block_size in (8, 16)
+
+
+def test_unknown_key_named():
+    with pytest.raises(ValueError, match=r"config\.train: unknown key\(s\) \['lrr'\]"):
+        from_dict(Config, {"train": {"lrr": 1}})
+
+
+def test_section_json_fills_defaults():
+    t = load_section(TrainConfig, '{"lr": 0.001}', "train")
+    assert t.lr == 0.001 and t.epochs == 6 and t.max_anchors == 512
+    assert t.loss_gamma(16) == 7 and t.loss_gamma(10) == 5 and t.loss_gamma(8) == 4
+
+
+def test_target_layer_ids_formula():
+    assert target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert target_layer_ids(6, 2) == [1, 3]  # the toy target
