@@ -19,7 +19,8 @@ def snakemake(workdir, *args, config=None, check=True, timeout=1800):
     env.pop("CUDA_VISIBLE_DEVICES", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"snakemake {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
 
 

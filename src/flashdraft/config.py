@@ -145,13 +145,13 @@ class Config:
 def from_dict(cls, data: dict[str, Any] | None, where: str = "config"):
     """Build dataclass `cls` from a dict, recursing into nested dataclasses; unknown keys are errors."""
     data = dict(data or {})
-    known = {f.name: f for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
     kwargs = {}
-    for name, f in known.items():
+    for name in sorted(known):
         if name not in data:
             continue
         value, sub = data[name], f"{where}.{name}"

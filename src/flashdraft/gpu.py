@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Run a command on N leased GPUs (0: on the CPU).")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--lock-dir", default="/tmp/flashdraft-gpu-locks")
-    p.add_argument("--pool", default=None, help="comma-separated GPU ids to choose from (default: all visible)")
+    p.add_argument("--pool", default=None,
+                   help="comma-separated GPU ids to choose from (default: all visible)")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd

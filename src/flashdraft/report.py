@@ -93,6 +93,7 @@ def eval_section(eval_dir) -> str:
             label=k,
         )
     ax.set(xlabel="tau of a verify step", ylabel="fraction of steps")
+    ax.set_xticks(range(1, max(len(v.get("tau_hist") or []) for v in drafters.values()) + 1))
     ax.legend()
     return out + "<h3>tau per verify step</h3>" + img(fig, "tau-hist", "histogram of tau per verify step")
 
