@@ -14,10 +14,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import queue
 import shutil
 import threading
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +33,6 @@ from .target import feature_layer_ids, load_target, select_features
 FORMAT = "flashdraft.hidden/1"
 STORAGE_DTYPES = {"bfloat16": 2, "float32": 4}  # name -> bytes per element
 META_KEYS = ("target", "target_layer_ids", "dtype", "hidden_size", "num_features")
-
-# Shards are mapped read-only by design; torch warns once that it cannot mark such tensors read-only.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 def storage_dtype(name: str) -> torch.dtype:
@@ -226,15 +223,19 @@ def write_manifest(path, writer: ShardWriter, **extra) -> dict:
 class HiddenStore:
     """Memory-mapped, zero-copy view over shards; item i is one sample (global index across shards).
 
-    The hidden tensors alias the read-only file mapping: copy them (e.g. `.to(device)`) before writing."""
+    Files are mapped copy-on-write: hidden tensors alias the page cache, and an in-place op on one
+    changes only this process's copy of those pages, never the shard (a read-only map would segfault)."""
 
     def __init__(self, paths):
         self.paths = [str(paths)] if isinstance(paths, (str, Path)) else [str(p) for p in paths]
         if not self.paths:
             raise ValueError("HiddenStore needs at least one shard")
-        self.meta, self._batches, locs, lengths = None, [], [], []
+        self.meta, self._maps, self._batches, locs, lengths = None, [], [], [], []
         for s, path in enumerate(self.paths):
-            reader = ipc.open_file(pa.memory_map(path, "r"))
+            with open(path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            base = pa.py_buffer(mapped)
+            reader = ipc.open_file(pa.BufferReader(base))
             meta = read_meta(reader.schema, path)
             if self.meta is None:
                 self.meta = meta
@@ -248,10 +249,14 @@ class HiddenStore:
                 n = batch.column("num_tokens").to_numpy()
                 lengths.append(n)
                 locs += [(s, b, r) for r in range(len(n))]
+            self._maps.append((mapped, base.address))
             self._batches.append(batches)
         self.lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
         self._locs = locs
         self._dtype = storage_dtype(self.meta["dtype"])
+
+    def __reduce__(self):
+        return HiddenStore, (self.paths,)  # DataLoader workers reopen the maps instead of pickling them
 
     def __len__(self) -> int:
         return len(self._locs)
@@ -266,7 +271,9 @@ class HiddenStore:
         _, offsets, data = col.buffers()
         start, end = np.frombuffer(offsets, np.int64)[col.offset + r : col.offset + r + 2]
         n = int(batch.column("num_tokens")[r].as_py())
-        hidden = torch.frombuffer(memoryview(data)[start:end], dtype=self._dtype).view(n, -1)
+        mapped, base = self._maps[s]
+        count, offset = (end - start) // self._dtype.itemsize, data.address - base + start
+        hidden = torch.frombuffer(mapped, dtype=self._dtype, count=count, offset=offset).view(n, -1)
         return {
             "id": batch.column("id")[r].as_py(),
             "input_ids": torch.tensor(batch.column("input_ids")[r].values.to_numpy(), dtype=torch.long),
