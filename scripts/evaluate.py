@@ -1,7 +1,6 @@
 """Evaluate the trained drafter (plus untrained and n-gram baselines) against target-only decoding."""
 
 import argparse
-import json
 
 from flashdraft.config import EvalConfig, load_section
 from flashdraft.evaluate import run
@@ -19,7 +18,12 @@ def main():
     a = p.parse_args()
     cfg = load_section(EvalConfig, a.cfg, "eval")
     summary = run(cfg, a.target, a.drafter, a.prompts, a.out_dir, dtype=a.dtype, seed=a.seed)
-    print(json.dumps(summary, indent=2))
+    print(f"target_only: {summary['target_only']['tokens_per_s'] or 0:.1f} tok/s")
+    for name, s in summary.items():
+        if name != "target_only":
+            tau, speedup = s["tau"] or 0, s["speedup"] or 0
+            print(f"{name}: tau {tau:.2f}  speedup {speedup:.2f}x  lossless {s['lossless_all']}")
+    print(f"-> {a.out_dir}/summary.json, {a.out_dir}/per_prompt.parquet")
 
 
 if __name__ == "__main__":

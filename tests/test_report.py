@@ -38,6 +38,16 @@ def write_inputs(root: Path) -> dict:
     }
     (root / "eval").mkdir()
     (root / "eval" / "summary.json").write_text(json.dumps(summary))
+    per_prompt = [
+        ("a", "target_only", 1.0, 30, True),
+        ("a", "dflash", 3.5, 30, True),
+        ("a", "ngram", 1.25, 30, False),
+        ("b", "target_only", 1.0, 12, True),
+        ("b", "dflash", 2.75, 12, True),
+        ("b", "ngram", 1.5, 12, True),
+    ]
+    cols = ["id", "drafter", "tau", "new_tokens", "lossless"]
+    pd.DataFrame(per_prompt, columns=cols).to_parquet(root / "eval" / "per_prompt.parquet")
     steps = list(range(0, 50, 10))
     metrics = {
         "step": steps,
@@ -48,18 +58,37 @@ def write_inputs(root: Path) -> dict:
     metrics.update({f"acc_pos_{k}": [0.2 / k, 0.4 / k, 0.6 / k, 0.7 / k, 0.8 / k] for k in range(1, B)})
     metrics.update({"sim_tau": [1.1, 1.5, 2.0, 2.4, 2.6], "lr": [1e-4] * 5, "tokens_per_s": [900.0] * 5})
     pd.DataFrame(metrics).to_csv(root / "metrics.csv", index=False)
-    stats = {
+    stats = {  # the structure prompts.expand writes
         "sources": {
             "sharegpt": {
                 "read": 200,
                 "kept": 190,
-                "rejected": {"unparseable": 1, "empty": 2},
+                "rejected": {"empty": 2, "unparseable": 1},
                 "duplicates": 7,
+                "sampled_train": 60,
+                "sampled_eval": 2,
             },
-            "alpaca": {"read": 200, "kept": 197, "rejected": {"not_a_string": 1}, "duplicates": 2},
+            "alpaca": {
+                "read": 200,
+                "kept": 197,
+                "rejected": {"not a string": 1},
+                "duplicates": 2,
+                "sampled_train": 36,
+                "sampled_eval": 2,
+            },
         },
-        "train": 96,
-        "eval": 4,
+        "totals": {
+            "read": 400,
+            "kept": 387,
+            "duplicates": 9,
+            "sampled_train": 96,
+            "sampled_eval": 4,
+            "rejected": 4,
+        },
+        "requested_train": 96,
+        "requested_eval": 4,
+        "pool": 387,
+        "note": "pool of 387 unique prompts is smaller than total + eval_count",
     }
     (root / "stats.json").write_text(json.dumps(stats))
     bench = root / "benchmarks"
@@ -113,8 +142,15 @@ def test_report_has_plots_tables_and_numbers(tmp_path):
     # headline numbers: tau, speedup, losslessness per drafter
     assert "<td>dflash</td><td>3.21</td><td>4</td><td>250.00</td><td>2.50</td><td>yes</td>" in doc
     assert "<td>ngram</td><td>1.37</td>" in doc and "<td>NO</td>" in doc
-    # prompt stats per source, nested reject reasons flattened into columns
-    assert "<th>rejected.unparseable</th>" in doc and "<td>sharegpt</td><td>200</td><td>190</td>" in doc
+    # tau per prompt, one column per drafter; a prompt is lossless only if every drafter was
+    assert "<td>a</td><td>30</td><td>3.50</td><td>1.25</td><td>NO</td>" in doc
+    assert "<td>b</td><td>12</td><td>2.75</td><td>1.50</td><td>yes</td>" in doc
+    # prompt stats per source: reject total, then one column per reason (0 where a source has none)
+    assert "<th>rejected: unparseable</th>" in doc
+    assert "<td>sharegpt</td><td>200</td><td>190</td><td>3</td><td>2</td><td>1</td><td>7</td>" in doc
+    assert "<td>alpaca</td><td>200</td><td>197</td><td>1</td><td>0</td><td>0</td><td>2</td>" in doc
+    assert "<td>total</td><td>400</td><td>387</td><td>4</td>" in doc
+    assert "<td>requested_train</td><td>96</td>" in doc and "smaller than total + eval_count" in doc
     # stage wall times, nested benchmark names kept, and their total
     assert "<td>hidden_shard/1</td><td>13.00</td>" in doc and "<td>train</td><td>421.75</td>" in doc
     assert "<td>total</td><td>448.25</td>" in doc

@@ -178,6 +178,21 @@ def speculative_decode(
     return Decoded(new, accepted, time.perf_counter() - t0)
 
 
+@torch.no_grad()
+def first_mismatch(model, prompt_ids, ref: list[int], out: list[int]) -> tuple[int, float]:
+    """Where `out` first leaves the target-only output `ref` (-1: never), and the target's logit gap there
+    between the two choices: a gap near 0 is a near-tie that the rounding of a B-token verify forward and
+    a 1-token forward decided differently (bf16 on GPU), not a decoding bug."""
+    if out == ref:
+        return -1, float("nan")
+    j = next((i for i, (a, b) in enumerate(zip(ref, out, strict=False)) if a != b), min(len(ref), len(out)))
+    if j == min(len(ref), len(out)):
+        return j, float("nan")  # one is a prefix of the other
+    logits = model(input_ids=torch.tensor([[*prompt_ids, *ref[:j]]], device=model.device), logits_to_keep=1)
+    logits = logits.logits[0, -1].float()
+    return j, float(logits[ref[j]] - logits[out[j]])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # evaluation over a prompt set
 
@@ -187,7 +202,7 @@ def prompt_ids(tokenizer, messages) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _row(pid, name, d: Decoded, block_size, num_prompt_tokens, lossless) -> dict:
+def _row(pid, name, d: Decoded, block_size, num_prompt_tokens, lossless, mismatch=(-1, float("nan"))) -> dict:
     steps = len(d.accepted)
     return {
         "id": pid,
@@ -201,6 +216,8 @@ def _row(pid, name, d: Decoded, block_size, num_prompt_tokens, lossless) -> dict
         "decode_s": d.seconds,
         "tokens_per_s": (len(d.tokens) - 1) / d.seconds if d.seconds > 0 else float("nan"),
         "lossless": lossless,
+        "first_mismatch": mismatch[0],
+        "mismatch_logit_gap": mismatch[1],
         "output": list(d.tokens),
     }
 
@@ -223,7 +240,11 @@ def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, 
         for name, prop in proposers.items():
             gen.manual_seed(seed + i)
             d = speculative_decode(model, prop, ids, layer_ids, cfg.max_new_tokens, eos, temp, gen)
-            rows.append(_row(pid, name, d, block_size, len(ids), None if temp else d.tokens == ref.tokens))
+            if temp:  # sampled outputs differ by design; losslessness is checked greedily
+                rows.append(_row(pid, name, d, block_size, len(ids), None))
+            else:
+                mismatch = first_mismatch(model, ids, ref.tokens, d.tokens)
+                rows.append(_row(pid, name, d, block_size, len(ids), mismatch[0] < 0, mismatch))
     return rows
 
 

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -26,7 +27,7 @@ th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.note{color:
 def _fmt(v) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
-    if isinstance(v, bool):
+    if isinstance(v, (bool, np.bool_)):
         return "yes" if v else "NO"
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1 else f"{v:,.2f}"
@@ -43,12 +44,12 @@ def note(text: str) -> str:
     return f'<p class="note">{html.escape(text)}</p>'
 
 
-def img(fig, id: str, alt: str) -> str:
+def img(fig, element_id: str, alt: str) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
     data = base64.b64encode(buf.getvalue()).decode()
-    return f'<img id="{id}" alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+    return f'<img id="{element_id}" alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -75,7 +76,7 @@ def eval_section(eval_dir) -> str:
         return out
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for k, v in drafters.items():
-        acc = v.get("per_position_acceptance") or []
+        acc = [math.nan if a is None else a for a in v.get("per_position_acceptance") or []]
         ax.plot(range(1, len(acc) + 1), acc, marker="o", label=k)
     ax.set(xlabel="draft position k", ylabel="P(position k accepted)", ylim=(0, 1.02))
     ax.legend()
@@ -96,6 +97,27 @@ def eval_section(eval_dir) -> str:
     ax.set_xticks(range(1, max(len(v.get("tau_hist") or []) for v in drafters.values()) + 1))
     ax.legend()
     return out + "<h3>tau per verify step</h3>" + img(fig, "tau-hist", "histogram of tau per verify step")
+
+
+def per_prompt_section(eval_dir) -> str:
+    """tau per prompt and drafter (collapsed): shows whether a mean hides a few bad prompts."""
+    import pandas as pd
+
+    path = Path(eval_dir) / "per_prompt.parquet"
+    if not path.exists():
+        return note(f"no per-prompt results at {path}")
+    df = pd.read_parquet(path, columns=["id", "drafter", "tau", "new_tokens", "lossless"])
+    tau = df.pivot_table(index="id", columns="drafter", values="tau", sort=False)
+    names = [c for c in tau.columns if c != "target_only"]
+    lossless = (
+        df[df["drafter"] != "target_only"]
+        .groupby("id", sort=False)["lossless"]
+        .agg(lambda x: None if x.isna().any() else bool(x.all()))
+    )
+    new = df[df["drafter"] == "target_only"].set_index("id")["new_tokens"]
+    rows = [[i, new.get(i), *(tau.at[i, c] for c in names), lossless.get(i)] for i in tau.index]
+    header = ["prompt", "new tokens", *(f"tau {c}" for c in names), "lossless"]
+    return f"<details><summary>tau per prompt ({len(rows)} prompts)</summary>{table(header, rows)}</details>"
 
 
 def training_section(metrics_csv) -> str:
@@ -123,7 +145,9 @@ def training_section(metrics_csv) -> str:
     ax.legend()
     out += img(fig, "train-acc", "training accuracy per step")
     cols = [c for c in ["step", "epoch", "loss", "acc", "sim_tau", "lr", "tokens_per_s"] if c in df]
-    last = [df[c].iloc[-1].item() for c in cols]  # per column: a row of mixed dtypes would turn ints to floats
+    last = [
+        df[c].iloc[-1].item() for c in cols
+    ]  # per column: a row of mixed dtypes would turn ints to floats
     return out + "<h3>Last logged step</h3>" + table(cols, [last])
 
 
@@ -153,33 +177,42 @@ def benchmarks_section(benchmarks_dir) -> str:
     )
 
 
-def _flatten(d: dict, prefix="") -> dict:
-    out = {}
-    for k, v in d.items():
+def _counts_row(st: dict) -> dict:
+    """One table row from a source's counts; a nested count dict (rejected by reason) gives its total
+    and one column per key."""
+    row = {}
+    for k, v in st.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            row[k] = sum(x for x in v.values() if isinstance(x, (int, float)))
+            row.update({f"{k}: {r}": x for r, x in v.items()})
         else:
-            out[f"{prefix}{k}"] = v
-    return out
+            row[k] = v
+    return row
 
 
 def prompts_section(stats_json) -> str:
+    """Per-source counts from prompts/stats.json ({sources: {name: counts}, totals: counts, ...})."""
     path = Path(stats_json)
     if not path.exists():
         return "<h2>Prompts</h2>" + note(f"no prompt statistics at {path}")
     stats = json.loads(path.read_text())
     stats = stats if isinstance(stats, dict) else {}
-    sources = stats.get("sources", stats)
-    per = {k: _flatten(v) for k, v in sources.items() if isinstance(v, dict)}
+    sources = stats.get("sources") if isinstance(stats.get("sources"), dict) else {}
+    rows = {k: _counts_row(v) for k, v in sources.items() if isinstance(v, dict)}
+    if isinstance(stats.get("totals"), dict):
+        rows["total"] = _counts_row(stats["totals"])
     out = "<h2>Prompts</h2>"
-    if per:
-        cols = list(dict.fromkeys(c for v in per.values() for c in v))
-        out += table(["source", *cols], [[k, *(v.get(c) for c in cols)] for k, v in per.items()])
+    if rows:
+        cols = list(dict.fromkeys(c for r in rows.values() for c in r))
+        # a reason one source never hit is a zero there, not a missing value
+        out += table(["source", *cols], [[k, *(r.get(c, 0) for c in cols)] for k, r in rows.items()])
     else:
-        out += note(f"{path} has no per-source statistics")
-    scalars = {k: v for k, v in stats.items() if not isinstance(v, (dict, list))}
-    if scalars:
-        out += table(["total", "value"], [[k, v] for k, v in scalars.items()])
+        out += note(f"{path} has no per-source statistics (no 'sources' section)")
+    other = {k: v for k, v in stats.items() if k not in ("sources", "totals", "note")}
+    if other:
+        out += table(["setting", "value"], [[k, v] for k, v in other.items()])
+    if stats.get("note"):
+        out += note(str(stats["note"]))
     return out
 
 
@@ -190,6 +223,7 @@ def build_report(out, eval_dir, metrics_csv, prompt_stats, benchmarks_dir) -> st
     body = "".join(
         [
             eval_section(eval_dir),
+            per_prompt_section(eval_dir),
             training_section(metrics_csv),
             prompts_section(prompt_stats),
             benchmarks_section(benchmarks_dir),

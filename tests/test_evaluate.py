@@ -1,0 +1,281 @@
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from flashdraft.config import DrafterConfig, EvalConfig, ToyConfig
+from flashdraft.evaluate import (
+    DFlashProposer,
+    NgramProposer,
+    check_drafter,
+    eos_ids,
+    evaluate,
+    first_mismatch,
+    prompt_ids,
+    speculative_decode,
+    summarize,
+    target_decode,
+    verify,
+)
+from flashdraft.target import feature_layer_ids, load_target, select_features
+from flashdraft.toy import build_toy_target, task_conversations
+
+REPO = Path(__file__).resolve().parents[1]
+B = 4
+MAX_NEW = 40
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Decoding a tiny model is thousands of small ops: extra intra-op threads only add contention."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory):
+    """A real tiny random Qwen3 target with its tokenizer, plus tokenized eval prompts."""
+    path = tmp_path_factory.mktemp("eval") / "target"
+    build_toy_target(ToyConfig(steps=0, num_docs=200), str(path))
+    model, tokenizer = load_target(str(path), "float32")
+    prompts = [{"id": f"p{i}", "messages": c} for i, c in enumerate(task_conversations(3, seed=7))]
+    layer_ids = feature_layer_ids(model.config, DrafterConfig(num_layers=2))
+    return path, model, tokenizer, prompts, layer_ids
+
+
+def untrained(model, tokenizer, seed=0):
+    from flashdraft.model import DFlashDrafter, DrafterSpec
+
+    spec = DrafterSpec.from_target(model.config, tokenizer, DrafterConfig(num_layers=2, block_size=B))
+    torch.manual_seed(seed)
+    return DFlashDrafter(spec).eval(), spec
+
+
+def head(model):
+    return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+
+
+class OracleDrafter:
+    """Test double, not a drafter: it knows the target's greedy continuation and returns it as one-hot
+    logits. It also checks that the context features it is given are exactly the target's features of
+    the verified tokens before the anchor, as one full forward over the final sequence computes them."""
+
+    def __init__(self, model, sequence, layer_ids, miss_every_step=False):
+        self.sequence, self.vocab, self.miss = sequence, model.config.vocab_size, miss_every_step
+        with torch.no_grad():
+            hs = model(input_ids=torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        self.features = select_features(hs, layer_ids)
+        self.calls = 0
+
+    def predict_block(self, target_hidden, last_token, embed_weight, lm_head_weight):
+        s = target_hidden.shape[1]
+        assert self.sequence[s] == last_token  # the anchor sits right after the context
+        torch.testing.assert_close(target_hidden, self.features[:, :s], atol=1e-4, rtol=1e-4)
+        draft = torch.tensor(self.sequence[s + 1 : s + B])
+        if self.miss and self.calls % B < B - 1:  # call i gets draft position i % B wrong (B-1: none)
+            draft[self.calls % B] = (draft[self.calls % B] + 1) % self.vocab
+        self.calls += 1
+        return torch.nn.functional.one_hot(draft, self.vocab).float() * 10
+
+
+def test_ngram_lookup_proposes_the_latest_continuation():
+    ngram = NgramProposer(num_draft=3)
+    # the last 3 tokens (7 8 9) occur at 1 and 5; the latest earlier match (5) wins
+    assert ngram.propose([1, 7, 8, 9, 4, 7, 8, 9, 5, 6, 7, 8, 9], None, 0.0, None) == ([5, 6, 7], None)
+    # no 3- or 2-gram match: fall back to the last token alone, and keep the continuation short
+    assert ngram.propose([3, 1, 2, 4, 5, 3], None, 0.0, None) == ([1, 2, 4], None)
+    assert ngram.propose([1, 2, 3], None, 0.0, None) == ([], None)
+
+
+def test_ngram_speculation_is_lossless_and_exercises_rejections(toy):
+    _, model, tokenizer, prompts, layer_ids = toy
+    eos, steps = eos_ids(model, tokenizer), []
+    for p in prompts:
+        ids = prompt_ids(tokenizer, p["messages"])
+        ref = target_decode(model, ids, MAX_NEW, eos)
+        d = speculative_decode(model, NgramProposer(B - 1), ids, layer_ids, MAX_NEW, eos)
+        assert d.tokens == ref.tokens
+        assert len(d.tokens) == MAX_NEW or d.tokens[-1] in eos
+        steps += d.accepted
+    assert all(0 <= a <= B - 1 for a in steps)
+    assert 0 in steps and max(steps) >= 1  # both cache crops after rejections and accepted runs happened
+
+
+def test_untrained_drafter_is_lossless(toy):
+    _, model, tokenizer, prompts, layer_ids = toy
+    drafter, spec = untrained(model, tokenizer)
+    assert list(spec.target_layer_ids) == layer_ids
+    cfg = EvalConfig(num_prompts=len(prompts), max_new_tokens=MAX_NEW)
+    proposers = {"dflash_untrained": DFlashProposer(drafter, *head(model)), "ngram": NgramProposer(B - 1)}
+    rows = evaluate(model, tokenizer, proposers, prompts, layer_ids, B, cfg)
+    assert len(rows) == 3 * len(prompts)
+    assert all(r["lossless"] for r in rows) and all(r["first_mismatch"] == -1 for r in rows)
+    eos = eos_ids(model, tokenizer)
+    for r in rows:
+        assert 1 <= r["tau"] <= B
+        # every verify step yields accepted + 1 tokens after the prefill's first; only eos or the cap cut it
+        produced = 1 + sum(a + 1 for a in r["accepted"])
+        assert r["new_tokens"] == min(produced, MAX_NEW) or (
+            r["output"][-1] in eos and r["new_tokens"] <= produced
+        )
+    assert all(r["tau"] == 1 for r in rows if r["drafter"] == "target_only")
+    summary = summarize(rows, B)
+    assert set(summary) == {"target_only", "dflash_untrained", "ngram"}
+    for name in ("dflash_untrained", "ngram"):
+        s = summary[name]
+        assert s["lossless_all"] is True and s["prompts"] == len(prompts)
+        assert 1 <= s["tau"] <= B and len(s["tau_hist"]) == B and len(s["per_position_acceptance"]) == B - 1
+        assert sum(s["tau_hist"]) == sum(r["verify_steps"] for r in rows if r["drafter"] == name)
+    json.dumps(summary, allow_nan=False)  # strict JSON
+
+
+def test_oracle_drafter_reaches_full_blocks(toy):
+    _, model, tokenizer, prompts, layer_ids = toy
+    ids = prompt_ids(tokenizer, prompts[0]["messages"])
+    # a long continuation without stopping at eos, so the oracle always knows B-1 tokens ahead
+    ref = target_decode(model, ids, MAX_NEW + B, eos=set())
+    oracle = OracleDrafter(model, ids + ref.tokens, layer_ids)
+    d = speculative_decode(model, DFlashProposer(oracle, *head(model)), ids, layer_ids, MAX_NEW, set())
+    assert d.tokens == ref.tokens[:MAX_NEW]  # truncated to max_new_tokens exactly
+    assert oracle.calls == len(d.accepted) == -(-(MAX_NEW - 1) // B)  # B tokens per verify step
+    assert all(a == B - 1 for a in d.accepted)
+    row = summarize(
+        [
+            {
+                "drafter": "oracle",
+                "accepted": d.accepted,
+                "new_tokens": MAX_NEW,
+                "decode_s": 1.0,
+                "lossless": True,
+            }
+        ],
+        B,
+    )["oracle"]
+    assert row["tau"] == B and row["per_position_acceptance"] == [1.0] * (B - 1)
+    # an oracle that misses at a different position each step: rejections at every depth, cache crops,
+    # and context features appended for exactly the verified tokens (checked inside the double)
+    oracle = OracleDrafter(model, ids + ref.tokens, layer_ids, miss_every_step=True)
+    d = speculative_decode(model, DFlashProposer(oracle, *head(model)), ids, layer_ids, MAX_NEW, set())
+    assert d.tokens == ref.tokens[:MAX_NEW]
+    assert d.accepted == [i % B for i in range(len(d.accepted))]
+
+
+def test_eos_inside_an_accepted_run_stops_there(toy):
+    _, model, tokenizer, prompts, layer_ids = toy
+    ids = prompt_ids(tokenizer, prompts[1]["messages"])
+    ref = target_decode(model, ids, MAX_NEW, eos=set())
+    stop = {ref.tokens[6]}  # pretend the 7th generated token is an end of sequence
+    oracle = OracleDrafter(model, ids + ref.tokens, layer_ids)
+    d = speculative_decode(model, DFlashProposer(oracle, *head(model)), ids, layer_ids, MAX_NEW, stop)
+    assert d.tokens == target_decode(model, ids, MAX_NEW, stop).tokens
+    assert d.tokens[-1] in stop and len(d.tokens) == ref.tokens.index(ref.tokens[6]) + 1
+
+
+def test_first_mismatch_locates_the_divergence_and_its_logit_gap(toy):
+    _, model, tokenizer, prompts, _ = toy
+    ids = prompt_ids(tokenizer, prompts[0]["messages"])
+    ref = target_decode(model, ids, 12, eos=set()).tokens
+    assert first_mismatch(model, ids, ref, list(ref))[0] == -1
+    wrong = [*ref[:5], (ref[5] + 1) % model.config.vocab_size, *ref[6:]]
+    j, gap = first_mismatch(model, ids, ref, wrong)
+    assert j == 5 and gap > 0  # the greedy reference is the argmax, so it wins by a positive margin
+    assert first_mismatch(model, ids, ref, ref[:7])[0] == 7
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    p_logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    q = torch.softmax(
+        torch.tensor([[-1.0, 0.0, 1.5, 0.5]]), -1
+    )  # a bad drafter: most mass where p has little
+    p = torch.softmax(p_logits, -1)[0]
+    gen, n = torch.Generator().manual_seed(0), 2000
+    counts = torch.zeros(4)
+    for _ in range(n):
+        d = int(torch.multinomial(q[0], 1, generator=gen))
+        accepted, nxt = verify([d], p_logits, q, 1.0, gen)
+        counts[d if accepted else nxt] += 1
+    assert torch.allclose(counts / n, p, atol=0.05), (counts / n, p)  # ~5 sigma
+    # a deterministic draft (n-gram, q one-hot) is accepted with probability p(d)
+    acc = sum(verify([0], p_logits, None, 1.0, gen)[0] for _ in range(n)) / n
+    assert abs(acc - float(p[0])) < 0.05
+
+
+def test_sampled_speculation_runs_and_is_not_called_lossless(toy):
+    _, model, tokenizer, prompts, layer_ids = toy
+    cfg = EvalConfig(max_new_tokens=12, temperature=0.8)
+    drafter, _ = untrained(model, tokenizer)
+    proposers = {"ngram": NgramProposer(B - 1), "dflash_untrained": DFlashProposer(drafter, *head(model))}
+    rows = evaluate(model, tokenizer, proposers, prompts[:1], layer_ids, B, cfg)
+    assert [r["lossless"] for r in rows] == [None, None, None]
+    assert all(0 < r["new_tokens"] <= 12 and 1 <= r["tau"] <= B for r in rows)
+    assert summarize(rows, B)["ngram"]["lossless_all"] is None
+
+
+def test_mismatched_drafter_is_refused_by_name(toy):
+    _, model, tokenizer, _, _ = toy
+    _, spec = untrained(model, tokenizer)
+    check_drafter(spec, model.config)
+    n = model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=r"hidden_size 96 != target hidden_size"):
+        check_drafter(dataclasses.replace(spec, hidden_size=96), model.config)
+    with pytest.raises(ValueError, match=r"vocab_size .* != target vocab_size"):
+        check_drafter(dataclasses.replace(spec, vocab_size=spec.vocab_size + 64), model.config)
+    with pytest.raises(
+        ValueError,
+        match=rf"num_target_layers {n + 30} != target num_hidden_layers {n}.*"
+        rf"target_layer_ids \[{n + 1}\] out of range",
+    ):
+        check_drafter(
+            dataclasses.replace(spec, num_target_layers=n + 30, target_layer_ids=[0, n + 1]), model.config
+        )
+
+
+def test_evaluate_cli_writes_outputs(toy, tmp_path):
+    from flashdraft.model import export_drafter
+
+    path, model, tokenizer, prompts, _ = toy
+    drafter, spec = untrained(model, tokenizer, seed=1)
+    export_drafter(drafter, spec, tmp_path / "drafter")
+    rows = [{"id": p["id"], "source": "toy", "messages": p["messages"]} for p in prompts]
+    pd.DataFrame(rows).to_parquet(tmp_path / "eval.parquet")
+    cfg = json.dumps({"num_prompts": 2, "max_new_tokens": 10, "temperature": 0.0})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "evaluate.py"),
+            "--cfg",
+            cfg,
+            "--target",
+            str(path),
+            "--dtype",
+            "float32",
+            "--drafter",
+            str(tmp_path / "drafter"),
+            "--prompts",
+            str(tmp_path / "eval.parquet"),
+            "--out-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert set(summary) == {"target_only", "dflash", "dflash_untrained", "ngram"}
+    assert all(
+        summary[k]["lossless_all"] is True and summary[k]["prompts"] == 2
+        for k in summary
+        if k != "target_only"
+    )
+    df = pd.read_parquet(tmp_path / "out" / "per_prompt.parquet")
+    assert sorted(df["id"].unique()) == ["p0", "p1"] and len(df) == 8
+    assert (df["new_tokens"] <= 10).all() and df["lossless"].dropna().all()
