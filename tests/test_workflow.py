@@ -105,8 +105,8 @@ def test_every_stage_artifact(small_run):
     summary = json.loads((r / "eval" / "summary.json").read_text())
     per_prompt = pd.read_parquet(r / "eval" / "per_prompt.parquet")
     assert len(per_prompt) > 0
-    assert 1.0 <= summary["trained"]["tau"] <= cfg["drafter"]["block_size"]
-    assert summary["trained"]["lossless_all"]
+    assert 1.0 <= summary["dflash"]["tau"] <= cfg["drafter"]["block_size"]
+    assert summary["dflash"]["lossless_all"]
 
     html = (r / "report.html").read_text()
     assert "<img" in html
