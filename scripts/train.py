@@ -1,0 +1,41 @@
+"""Train the DFlash drafter on precomputed hidden states; one process per device.
+
+torchrun --standalone --nproc_per_node 2 scripts/train.py --cfg '{"epochs": 1}' --drafter-cfg '{}' \
+    --target results/toy/target --compile-cache results/compile_cache --checkpoints results/checkpoints \
+    --metrics results/train/metrics.csv --out results/drafter results/hidden/shard-*.arrow
+
+`python scripts/train.py ...` runs one process. A rerun with the same configs and shards resumes from the
+latest checkpoint under --checkpoints/<run key>.
+"""
+
+import argparse
+import json
+import os
+
+from flashdraft.config import DrafterConfig, TrainConfig, load_section
+from flashdraft.train import train
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cfg", default="{}", help="the `train` config section as JSON")
+    p.add_argument("--drafter-cfg", default="{}", help="the `drafter` config section as JSON")
+    p.add_argument("--target", required=True, help="HF model directory of the target")
+    p.add_argument("--compile-cache", default=None, help="the warmup's directory (artifacts.bin, meta.json)")
+    p.add_argument("--checkpoints", required=True, help="resumable state goes to <this>/<run key>/")
+    p.add_argument("--metrics", required=True, help="final metrics CSV")
+    p.add_argument("--out", required=True, help="export directory of the trained drafter")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="save a checkpoint after this step and exit without exporting (simulated preemption)")
+    p.add_argument("shards", nargs="+", help="hidden-state shards (.arrow)")
+    args = p.parse_args(argv)
+    cfg = load_section(TrainConfig, args.cfg, "train")
+    drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
+    result = train(cfg, drafter_cfg, args.target, args.shards, args.checkpoints, args.metrics, args.out,
+                   compile_cache=args.compile_cache, stop_at=args.stop_at)
+    if not result["stopped"] and int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps({**result["rows"][-1], "compile_cache": result["compile_cache"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Compile the drafter's training step once per length bucket and save the compile caches.
+
+python scripts/warmup.py --cfg '{"buckets": [128, 256]}' --drafter-cfg '{}' --target results/toy/target \
+    --out-dir results/compile_cache results/hidden/shard-*.arrow
+
+One process, main thread (torch.compile is not thread-safe). Writes <out-dir>/artifacts.bin (the
+Mega-Cache blob; empty with compile: false) and <out-dir>/meta.json (the cache key and counters).
+"""
+
+import argparse
+import json
+
+from flashdraft.config import DrafterConfig, TrainConfig, load_section
+from flashdraft.warmup import warmup
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cfg", default="{}", help="the `train` config section as JSON")
+    p.add_argument("--drafter-cfg", default="{}", help="the `drafter` config section as JSON")
+    p.add_argument("--target", required=True, help="HF model directory of the target")
+    p.add_argument("--out-dir", required=True, help="where artifacts.bin and meta.json go")
+    p.add_argument("shards", nargs="*", help="hidden-state shards (.arrow); their manifests give K*H")
+    args = p.parse_args(argv)
+    cfg = load_section(TrainConfig, args.cfg, "train")
+    drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
+    meta = warmup(cfg, drafter_cfg, args.target, args.shards, args.out_dir)
+    print(json.dumps({k: meta[k] for k in ("compile", "seconds", "counters", "artifact_bytes")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,541 @@
+"""The DFlash drafter: K Qwen3-style layers that denoise a block of B tokens from target features.
+
+A training sample is a sequence of S tokens with the target's features `[S, K*H]` (outputs of K target
+decoder layers). Per step we sample anchors p (positions with loss_mask[p] and loss_mask[p+1]); each
+anchor makes one block `[token[p], MASK x (B-1)]` at positions p..p+B-1. Every drafter layer attends
+from the block tokens to keys/values `[proj(context); proj(block)]` (KV injection): a block sees the
+context strictly before its anchor and its own block (bidirectionally), nothing else. Block position k
+predicts token[p+k] (same position, no shift), k=1..B-1, with loss weight loss_mask[p+k]*exp(-(k-1)/gamma).
+
+The drafter has no embedding and no LM head: it uses the target's, frozen, passed in as tensors.
+Parameter names are the DFlash export keys, so the state dict is the export.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import DrafterConfig
+from .io import atomic_path
+
+FLEX_MULTIPLE = 128  # flex_attention kernels need Q and KV lengths padded to its block size
+
+
+@dataclass
+class DrafterSpec:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int  # K draft layers
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    max_position_embeddings: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+
+    @property
+    def num_features(self) -> int:
+        """Target layers fused by `fc` (K in `[S, K*H]`)."""
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target(cls, target_config, tokenizer, drafter_cfg: DrafterConfig) -> DrafterSpec:
+        """Shapes from the target's HF config; `tokenizer` (or its length) places the MASK row."""
+        from .target import feature_layer_ids, mask_token_id, num_layers
+
+        c = target_config
+        if isinstance(tokenizer, int):
+            tokenizer = range(tokenizer)  # mask_token_id only needs len(tokenizer)
+        return cls(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            num_layers=drafter_cfg.num_layers,
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(c),
+            vocab_size=c.vocab_size,
+            max_position_embeddings=getattr(c, "max_position_embeddings", 32768),
+            block_size=drafter_cfg.block_size,
+            mask_token_id=mask_token_id(tokenizer, c, drafter_cfg),
+            target_layer_ids=feature_layer_ids(c, drafter_cfg),
+            num_target_layers=num_layers(c),
+        )
+
+    def to_config_dict(self, dtype: str = "bfloat16") -> dict:
+        """config.json in the DFlash format SGLang and vLLM load (a Qwen3 config plus DFlash keys)."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "layer_types": ["full_attention"] * self.num_layers,
+            "max_window_layers": self.num_layers,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "dtype": dtype,
+        }
+
+    @classmethod
+    def from_config_dict(cls, d: dict) -> DrafterSpec:
+        dflash = d.get("dflash_config", {})
+        return cls(
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_heads=d["num_attention_heads"],
+            num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            num_layers=d["num_hidden_layers"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            vocab_size=d["vocab_size"],
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            block_size=d.get("block_size", dflash.get("block_size", 16)),
+            mask_token_id=dflash.get("mask_token_id", d.get("mask_token_id")),
+            target_layer_ids=list(dflash.get("target_layer_ids", d.get("target_layer_ids", []))),
+            num_target_layers=d["num_target_layers"],
+        )
+
+
+def _rope_theta(config) -> float:
+    """RoPE base from a transformers 5 (`rope_parameters`) or 4 (`rope_theta`) config.
+
+    The drafter always uses default (unscaled) RoPE: its export says so (`rope_scaling: null`), so it is
+    consistent with itself whatever scaling the target uses for long contexts."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(config, "rope_theta", None) or 10000.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the network
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm: normalize in float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions, head_dim: int, theta: float):
+    """cos, sin `[b, L, head_dim]` in float32 for absolute `positions` `[b, L]` (default RoPE)."""
+    dims = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+    inv_freq = 1.0 / theta ** (dims / head_dim)
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x `[b, heads, L, d]`; cos/sin `[b, L, d]`."""
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def attend(q, k, v, mask):
+    """Attention of block queries over `[context; blocks]` keys.
+
+    mask: None (everything visible, inference), a flex BlockMask, or `(dense, keep)` for SDPA: `dense`
+    `[b, 1, Q, KV]` boolean and `keep` `[b, 1, Q, 1]` zeroing padded blocks (see `dense_mask`)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    if isinstance(mask, tuple):
+        dense, keep = mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True) * keep
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+
+    def forward(self, x, ctx, cos, sin, mask):
+        b, q_len, _ = x.shape
+        # KV injection: keys and values of the context features and of the block, same projections
+        kv_in = torch.cat([ctx, x], dim=1)
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(b, -1, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])  # queries are the block tokens, the last q_len
+        k = apply_rope(k, cos, sin)
+        out = attend(q.to(v.dtype), k.to(v.dtype), v, mask)  # RMSNorm/RoPE upcast; attention wants one dtype
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        self.self_attn = Attention(spec)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, ctx, cos, sin, mask):
+        # the context is normalized once by hidden_norm, not by each layer's input_layernorm
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        self.spec = spec
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.fc = nn.Linear(spec.num_features * spec.hidden_size, spec.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, target_hidden, block_embeds, positions, mask=None):
+        """target_hidden `[b, S, K*H]`, block_embeds `[b, Q, H]`, positions `[b, S+Q]` (context then
+        block tokens, absolute), mask see `attend`. Returns the normalized block hidden states `[b, Q, H]`."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, ctx, cos, sin, mask)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def predict_block(self, target_hidden, last_token: int, embed_weight, lm_head_weight):
+        """Logits `[B-1, V]` for the tokens at S+1..S+B-1 after a context of S verified tokens.
+
+        target_hidden `[1, S, K*H]` covers positions 0..S-1; `last_token` (the token at S, whose
+        features the target has not computed yet) is the anchor, so the block sits at S..S+B-1."""
+        spec, dev = self.spec, target_hidden.device
+        s = target_hidden.shape[1]
+        ids = torch.full((1, spec.block_size), spec.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = int(last_token)
+        positions = torch.arange(s + spec.block_size, device=dev)[None]
+        embeds = F.embedding(ids, embed_weight)
+        dtype = self.fc.weight.dtype
+        out = self(target_hidden.to(dtype), embeds.to(dtype), positions, mask=None)
+        return out[0, 1:] @ lm_head_weight.to(out.dtype).T
+
+
+# ---------------------------------------------------------------------------------------------------------
+# training: anchors, masks, block inputs, loss
+
+
+def num_anchor_slots(seq_len: int, max_anchors: int, block_size: int) -> int:
+    """Anchors per sample for a padded length: at most max_anchors and seq_len-1, rounded up so the
+    block queries (slots * B) are a multiple of 128, which flex_attention needs. Fixed per length bucket,
+    so every step of a bucket has one shape (no recompiles)."""
+    a = max(1, min(max_anchors, seq_len - 1))
+    step = FLEX_MULTIPLE // math.gcd(FLEX_MULTIPLE, block_size)
+    return -(-a // step) * step
+
+
+def sample_anchors(loss_mask, max_anchors: int, block_size: int, generator=None):
+    """Random anchors per sample: positions p with loss_mask[p] and loss_mask[p+1], drawn uniformly
+    without replacement, sorted. Returns anchors `[b, A]` (-1 where padded) and valid `[b, A]`, with
+    A = num_anchor_slots(S, max_anchors, block_size)."""
+    b, s = loss_mask.shape
+    a = num_anchor_slots(s, max_anchors, block_size)
+    lm = loss_mask.bool().cpu()
+    eligible = lm[:, :-1] & lm[:, 1:]  # [b, S-1]: p in 0..S-2
+    keys = torch.rand(eligible.shape, generator=generator)
+    keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))  # ineligible sort last
+    k = min(max_anchors, s - 1)
+    picked_keys, picked = keys.topk(k, dim=1, largest=False)
+    valid = picked_keys < 1.0
+    picked = torch.where(valid, picked, torch.full_like(picked, s)).sort(dim=1).values
+    valid = picked < s
+    anchors = torch.full((b, a), -1, dtype=torch.long)
+    anchors[:, :k] = torch.where(valid, picked, torch.full_like(picked, -1))
+    valid = anchors >= 0
+    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+
+
+def dflash_mask_mod(anchors, valid, ctx_len: int, block_size: int):
+    """mask_mod(b, h, q_idx, kv_idx) over kv = [context (ctx_len); blocks (A*B)], queries = blocks.
+
+    Block j sees context kv < anchor_j (strictly: the target features AT the anchor already encode the
+    next token, and at inference the anchor's features do not exist yet), all of its own block, nothing
+    else; padded blocks see nothing."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // block_size
+        ctx = (kv_idx < ctx_len) & (kv_idx < anchors[b, blk])
+        own = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == blk)
+        return (ctx | own) & valid[b, blk]
+
+    return mask_mod
+
+
+def dense_mask(anchors, valid, ctx_len: int, block_size: int):
+    """The same mask as a dense boolean `[b, 1, Q, KV]` for SDPA, plus `keep` `[b, 1, Q, 1]`.
+
+    SDPA returns NaN on a fully masked row (and its backward too), so here a padded block attends to
+    itself and `keep` zeroes its output afterwards: exactly the zeros flex_attention gives a row that
+    sees nothing, and nothing else reads a padded block."""
+    b, a = anchors.shape
+    dev, q_len = anchors.device, a * block_size
+    bi = torch.arange(b, device=dev)[:, None, None]
+    qi = torch.arange(q_len, device=dev)[None, :, None]
+    kvi = torch.arange(ctx_len + q_len, device=dev)[None, None, :]
+    mask = dflash_mask_mod(anchors, valid, ctx_len, block_size)(bi, 0, qi, kvi)
+    blk = qi // block_size
+    own = (kvi >= ctx_len) & ((kvi - ctx_len) // block_size == blk)
+    keep = valid[bi, blk]  # [b, Q, 1]
+    mask = mask | (~keep & own)
+    return mask[:, None], keep[:, None]
+
+
+def flex_mask(anchors, valid, ctx_len: int, block_size: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, a = anchors.shape
+    q_len = a * block_size
+    mod = dflash_mask_mod(anchors, valid, ctx_len, block_size)
+    return create_block_mask(mod, B=b, H=None, Q_LEN=q_len, KV_LEN=ctx_len + q_len, device=anchors.device)
+
+
+def resolve_attention(name: str, device) -> str:
+    """auto = flex on CUDA (fast, no dense mask), sdpa on CPU (flex has no CPU backward)."""
+    if name == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    if name not in ("flex", "sdpa"):
+        raise ValueError(f"attention must be auto, flex or sdpa, not {name!r}")
+    return name
+
+
+def block_inputs(input_ids, anchors, block_size: int, mask_token_id: int):
+    """Block token ids `[b, A*B]` (`[token at anchor, MASK x (B-1)]`) and their positions (anchor+k)."""
+    b, a = anchors.shape
+    safe = anchors.clamp(min=0)
+    ids = torch.full((b, a, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
+    ids[:, :, 0] = input_ids.gather(1, safe)
+    positions = safe[:, :, None] + torch.arange(block_size, device=anchors.device)
+    return ids.view(b, -1), positions.view(b, -1)
+
+
+def block_labels(input_ids, loss_mask, anchors, valid, block_size: int, gamma: float):
+    """Labels, loss weights and label mask `[b, A, B-1]` for block positions k=1..B-1.
+
+    Block position k predicts token[anchor+k] (the same position: no shift). Weight
+    loss_mask[anchor+k] * exp(-(k-1)/gamma); 0 past the sequence end and for padded anchors."""
+    s = input_ids.shape[1]
+    k = torch.arange(1, block_size, device=anchors.device)
+    idx = anchors[:, :, None] + k  # [b, A, B-1]
+    inside = (idx < s) & valid[:, :, None]
+    idx = idx.clamp(0, s - 1)
+    labels = input_ids.gather(1, idx.flatten(1)).view_as(idx)
+    label_mask = inside & (loss_mask.gather(1, idx.flatten(1)).view_as(idx) > 0)
+    decay = torch.exp(-(k - 1).float() / gamma)
+    weights = label_mask.float() * decay
+    return labels, weights, label_mask
+
+
+def _spec(drafter) -> DrafterSpec:
+    return drafter.module.spec if hasattr(drafter, "module") else drafter.spec  # DDP wraps the drafter
+
+
+def train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, attention: str):
+    """Drafter output `[b, A, B, H]` for the blocks at `anchors` over context `hidden` `[b, S, K*H]`."""
+    spec = _spec(drafter)
+    b, s = input_ids.shape
+    a, bs = anchors.shape[1], spec.block_size
+    ids, block_pos = block_inputs(input_ids, anchors, bs, spec.mask_token_id)
+    if attention == "flex" and s % FLEX_MULTIPLE:
+        # pad the context to flex's block size; padded positions are >= S > every anchor: never visible
+        hidden = F.pad(hidden, (0, 0, 0, FLEX_MULTIPLE - s % FLEX_MULTIPLE))
+        s = hidden.shape[1]
+    positions = torch.cat([torch.arange(s, device=ids.device).expand(b, s), block_pos], dim=1)
+    mask = (flex_mask if attention == "flex" else dense_mask)(anchors, valid, s, bs)
+    # the residual stream starts from the frozen (maybe bf16) embedding rows, kept in the weights' fp32
+    embeds = F.embedding(ids, embed_weight).to(next(drafter.parameters()).dtype)
+    out = drafter(hidden, embeds, positions, mask)
+    return out.view(b, a, bs, -1)
+
+
+def _chunk_loss(h, lm_head_weight, labels, weights):
+    logits = h @ lm_head_weight.T
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view_as(labels)
+    return (ce * weights).sum(), logits.argmax(-1) == labels
+
+
+def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_weight, lm_head_weight,
+                gamma: float, attention: str = "sdpa", chunk_blocks: int = 128):
+    """Weighted block CE: loss = sum(w*CE)/sum(w). The LM head + CE run `chunk_blocks` blocks at a time
+    under activation checkpointing, so full logits `[blocks*(B-1), V]` never exist at once, not even
+    for the backward.
+
+    Returns (loss, stats): stats is one detached float vector of sums, summable across steps and ranks
+    (see `summarize`): [sum w*CE, sum w, sum tau, blocks, correct_k (B-1), counted_k (B-1)]."""
+    bs = _spec(drafter).block_size
+    out = train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, attention)
+    labels, weights, label_mask = block_labels(input_ids, loss_mask, anchors, valid, bs, gamma)
+    sel = valid.flatten()  # only real blocks go through the LM head
+    h = out[:, :, 1:].flatten(0, 1)[sel]
+    labels, weights, label_mask = (t.flatten(0, 1)[sel] for t in (labels, weights, label_mask))
+    ce_sum = out.new_zeros((), dtype=torch.float32)
+    correct = []
+    for i in range(0, h.shape[0], chunk_blocks):
+        j = slice(i, i + chunk_blocks)
+        part, corr = checkpoint(_chunk_loss, h[j], lm_head_weight, labels[j], weights[j], use_reentrant=False)
+        ce_sum = ce_sum + part
+        correct.append(corr)
+    correct = torch.cat(correct) if correct else label_mask.clone()
+    w_sum = weights.sum()
+    # a degenerate batch (no anchors) must still touch every parameter, or DDP's all-reduce waits forever
+    touch = sum(p.sum() for p in drafter.parameters()) * 0.0
+    loss = ce_sum / w_sum.clamp(min=1e-6) + touch
+    with torch.no_grad():
+        hit = correct & label_mask
+        tau = simulated_tau(hit)
+        blocks = torch.tensor(float(h.shape[0]), device=h.device)
+        head = torch.stack([ce_sum.detach(), w_sum, tau.sum(), blocks])
+        stats = torch.cat([head, hit.sum(0).float(), label_mask.sum(0).float()])
+    return loss, stats
+
+
+def simulated_tau(hit):
+    """Acceptance length per block from hits `[blocks, B-1]`: the draft is accepted up to its first miss
+    (a position without a label counts as a miss), plus the target's bonus token."""
+    return hit.long().cumprod(dim=1).sum(dim=1).float() + 1.0
+
+
+def summarize(stats, block_size: int) -> dict:
+    """Metrics from summed `dflash_loss` stats: loss, acc, acc_pos_1..B-1, sim_tau."""
+    stats = stats.double().cpu().tolist()
+    ce, w, tau, blocks = stats[:4]
+    n = block_size - 1
+    correct, counted = stats[4 : 4 + n], stats[4 + n : 4 + 2 * n]
+    row = {"loss": ce / w if w else float("nan"), "acc": sum(correct) / max(1.0, sum(counted))}
+    for k in range(n):
+        row[f"acc_pos_{k + 1}"] = correct[k] / counted[k] if counted[k] else float("nan")
+    row["sim_tau"] = tau / blocks if blocks else float("nan")
+    return row
+
+
+def stats_size(block_size: int) -> int:
+    return 4 + 2 * (block_size - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the target's embedding and LM head; export and load
+
+
+def load_target_head(target_dir):
+    """(embed_weight, lm_head_weight) read straight from the target's safetensors, without building the
+    target. Handles sharded checkpoints (model.safetensors.index.json) and tied embeddings."""
+    from safetensors import safe_open
+
+    target_dir = Path(target_dir)
+    config = json.loads((target_dir / "config.json").read_text())
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        with safe_open(target_dir / "model.safetensors", framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+
+    def find(*suffixes):
+        for suffix in suffixes:
+            for key in sorted(weight_map):
+                if key.endswith(suffix):
+                    with safe_open(target_dir / weight_map[key], framework="pt") as f:
+                        return f.get_tensor(key)
+        return None
+
+    embed = find("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
+    if embed is None:
+        raise ValueError(f"{target_dir}: no input embedding (embed_tokens.weight) in the safetensors")
+    head = None if config.get("tie_word_embeddings", False) else find("lm_head.weight")
+    return embed, embed if head is None else head
+
+
+def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir, dtype: torch.dtype | None = None):
+    """config.json + model.safetensors in the DFlash format, written as one directory atomically."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.state_dict().items()}
+    bad = [k for k in state if "embed_tokens" in k or "lm_head" in k]
+    assert not bad, f"the drafter must not carry the target's embedding or head: {bad}"
+    saved = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(spec.to_config_dict(saved), indent=2) + "\n")
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+
+
+def load_drafter(path, device="cpu") -> tuple[DFlashDrafter, DrafterSpec]:
+    """The drafter of an export directory, in the dtype it was saved in."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    spec = DrafterSpec.from_config_dict(json.loads((path / "config.json").read_text()))
+    state = load_file(path / "model.safetensors", device=str(device))
+    drafter = DFlashDrafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
+    drafter.load_state_dict(state, strict=True)
+    return drafter, spec

@@ -1,0 +1,476 @@
+"""Drafter training: one process per device (torchrun), DDP, token-budget micro-batches, checkpoints.
+
+Data order is a pure function of (seed, epoch): each epoch's seeded permutation is cut into micro-batches
+of one length bucket each (rows = batch_tokens // bucket), the same list on every rank. Global step t of
+an epoch takes micro-batches [cursor, cursor + world); rank r takes cursor + r. Anchors are drawn from a
+generator seeded by (seed, epoch, micro-batch index). So a resumed run replays exactly what an
+uninterrupted one would have seen, and a resume on another number of processes continues from the same
+micro-batch. The model has no other randomness (no dropout), so that is all the RNG state a resume needs.
+Model and optimizer are replicated (DDP), so checkpoints do not depend on the world size. Each rank
+normalizes its loss by its own weight sum and DDP averages the gradients; the logged loss is the
+weighted mean over all ranks and steps since the last log.
+
+torch.compile is not thread-safe: everything compiled runs on the main thread of this process; data
+loading uses DataLoader worker processes on GPU and the main thread on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .config import DrafterConfig, TrainConfig, to_json
+from .hidden import HiddenStore, manifest_path
+from .io import atomic_path, progress, torch_dtype
+from .model import (
+    DFlashDrafter,
+    DrafterSpec,
+    dflash_loss,
+    export_drafter,
+    load_target_head,
+    resolve_attention,
+    sample_anchors,
+    stats_size,
+    summarize,
+)
+
+# ---------------------------------------------------------------------------------------------------------
+# processes and devices
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_dist() -> Dist:
+    """torch.distributed from torchrun's environment (gloo on CPU, nccl on GPU); one process otherwise.
+
+    Each rank should see its GPU as cuda:0 (per-process CUDA_VISIBLE_DEVICES or torchrun
+    --virtual-local-rank): the compile cache's keys hold the device index, so only then do the warmup's
+    entries hit on every rank. With all GPUs visible, rank r uses cuda:LOCAL_RANK."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        dev = torch.device("cuda", 0 if torch.cuda.device_count() == 1 else local)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if "RANK" not in os.environ:
+        return Dist(device=dev)
+    cuda = dev.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=dev if cuda else None)
+    return Dist(dist.get_rank(), dist.get_world_size(), dev)
+
+
+def _barrier(d: Dist):
+    if d.world > 1:
+        dist.barrier()
+
+
+def _all_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.world > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------------------
+# data: buckets, the per-epoch micro-batch plan, collation
+
+
+def bucket_for(length: int, buckets: list[int]) -> int:
+    """The smallest bucket that fits; longer samples are truncated to the largest."""
+    for b in sorted(buckets):
+        if length <= b:
+            return b
+    return max(buckets)
+
+
+def rows_per_batch(bucket: int, batch_tokens: int) -> int:
+    return max(1, batch_tokens // bucket)
+
+
+def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
+    """This epoch's micro-batches (sample indices), identical on every rank: the seeded permutation is
+    dealt into per-bucket batches of rows_per_batch rows, emitted as they fill (partial ones at the end)."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    pending: dict[int, list[int]] = {}
+    out = []
+    for i in order:
+        b = bucket_for(lengths[i], cfg.buckets)
+        pending.setdefault(b, []).append(i)
+        if len(pending[b]) == rows_per_batch(b, cfg.batch_tokens):
+            out.append(pending.pop(b))
+    out += [pending[b] for b in sorted(pending)]
+    return out
+
+
+def anchor_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """Anchors of micro-batch `index` of `epoch`: fixed by the data position, not by rank or history."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_000_019 + index)
+
+
+class Collate:
+    """Pads a micro-batch to its bucket: input_ids, loss_mask, hidden [rows, bucket, K*H]; counts tokens.
+
+    Rows beyond the samples are all padding (no anchors), so every batch of a bucket has one shape."""
+
+    def __init__(self, buckets, batch_tokens, hidden_dtype):
+        self.buckets, self.batch_tokens, self.hidden_dtype = buckets, batch_tokens, hidden_dtype
+
+    def __call__(self, samples: list[dict]) -> dict:
+        s = bucket_for(max(len(x["input_ids"]) for x in samples), self.buckets)
+        rows = rows_per_batch(s, self.batch_tokens)
+        width = samples[0]["hidden"].shape[-1]
+        ids = torch.zeros(rows, s, dtype=torch.long)
+        mask = torch.zeros(rows, s)
+        hidden = torch.zeros(rows, s, width, dtype=self.hidden_dtype)
+        tokens = 0
+        for r, x in enumerate(samples):
+            n = min(len(x["input_ids"]), s)
+            ids[r, :n] = x["input_ids"][:n]
+            mask[r, :n] = x["loss_mask"][:n].float()
+            hidden[r, :n] = x["hidden"][:n].to(self.hidden_dtype)
+            tokens += n
+        return {"input_ids": ids, "loss_mask": mask, "hidden": hidden, "tokens": tokens, "bucket": s}
+
+
+def batch_loader(store, batches: list[list[int]], collate: Collate, device: torch.device):
+    """Collated micro-batches in order. On GPU, DataLoader worker processes read and pad ahead of the
+    step (pinned memory); on CPU the main thread does it (no spare cores to give a worker)."""
+    if device.type != "cuda":
+        return (collate([store[i] for i in b]) for b in batches)
+    return torch.utils.data.DataLoader(
+        store, batch_sampler=batches, collate_fn=collate, num_workers=2, prefetch_factor=4,
+        pin_memory=True, persistent_workers=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the training step (shared with the compile warmup, so both compile the same graphs)
+
+
+@dataclass
+class Step:
+    """Everything one forward+backward needs besides the batch."""
+
+    model: torch.nn.Module  # the drafter, compiled in place, maybe wrapped in DDP
+    spec: DrafterSpec
+    embed: torch.Tensor  # frozen target embedding [V, H]
+    head: torch.Tensor  # frozen target LM head [V, H]
+    gamma: float
+    attention: str  # flex | sdpa
+    max_anchors: int
+    device: torch.device
+    amp_dtype: torch.dtype | None  # autocast dtype (GPU), None: plain float32 (CPU)
+
+
+def load_spec(target_dir, drafter_cfg: DrafterConfig) -> DrafterSpec:
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(target_dir)
+    return DrafterSpec.from_target(config, AutoTokenizer.from_pretrained(target_dir), drafter_cfg)
+
+
+def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.device) -> Step:
+    """A seeded fp32 drafter on `device` (compiled in place when cfg.compile) and the target's frozen head."""
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(spec).to(device)
+    if cfg.compile:
+        # one graph per length bucket: dynamic=False keeps shapes static, buckets bound the recompiles
+        drafter.compile(dynamic=False)
+    amp = torch_dtype(cfg.dtype) if device.type == "cuda" and cfg.dtype != "float32" else None
+    embed, head = load_target_head(target_dir)
+    embed, head = (t.to(device, amp or torch.float32) for t in (embed, head))
+    gamma, attention = cfg.loss_gamma(spec.block_size), resolve_attention(cfg.attention, device)
+    return Step(drafter, spec, embed, head, gamma, attention, cfg.max_anchors, device, amp)
+
+
+def anchors_for(step: Step, loss_mask, generator):
+    anchors, valid = sample_anchors(loss_mask, step.max_anchors, step.spec.block_size, generator)
+    return anchors.to(step.device), valid.to(step.device)
+
+
+def forward_backward(step: Step, batch: dict, anchors, valid):
+    """Loss, backward; returns (detached loss, stats). The optimizer step is the caller's."""
+    dev = step.device
+    ids, mask, hidden = (batch[k].to(dev, non_blocking=True) for k in ("input_ids", "loss_mask", "hidden"))
+    with torch.autocast(dev.type, dtype=step.amp_dtype or torch.bfloat16, enabled=step.amp_dtype is not None):
+        loss, stats = dflash_loss(step.model, ids, mask, hidden, anchors, valid, step.embed, step.head,
+                                  step.gamma, step.attention)
+    loss.backward()
+    return loss.detach(), stats
+
+
+def cache_counters() -> dict:
+    """Compile-cache hits and misses so far in this process (FX graph and AOTAutograd caches)."""
+    from torch._dynamo.utils import counters
+
+    keys = [("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+            ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss")]
+    return {k: int(counters[group][k]) for group, k in keys}
+
+
+def cache_key(cfg: TrainConfig, spec: DrafterSpec, device: torch.device) -> dict:
+    """What the compiled graphs depend on; the warmup writes it to meta.json and training compares."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {
+        "torch": torch.__version__, "device": name, "spec": asdict(spec), "buckets": sorted(cfg.buckets),
+        "batch_tokens": cfg.batch_tokens, "max_anchors": cfg.max_anchors, "compile": cfg.compile,
+        "attention": resolve_attention(cfg.attention, device),
+        "dtype": cfg.dtype if device.type == "cuda" else "float32",
+    }
+
+
+def load_compile_cache(cache_dir, key: dict, d: Dist) -> bool:
+    """Load the warmup's Mega-Cache blob into this process's compile caches, if there is one."""
+    if not cache_dir or not (Path(cache_dir) / "artifacts.bin").exists():
+        log(d, f"compile cache: none at {cache_dir}; compiling from scratch")
+        return False
+    blob = Path(cache_dir) / "artifacts.bin"
+    meta = Path(cache_dir) / "meta.json"
+    theirs = json.loads(meta.read_text()).get("key", {}) if meta.exists() else {}
+    differ = sorted(k for k in key if theirs.get(k) != key[k])
+    if differ:
+        log(d, f"compile cache: warmup key differs in {differ}; expect cache misses")
+    if blob.stat().st_size == 0:
+        log(d, "compile cache: empty (warmup ran with compile: false)")
+        return False
+    torch.compiler.load_cache_artifacts(blob.read_bytes())
+    log(d, f"compile cache: loaded {blob} ({blob.stat().st_size} bytes)")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# schedule, run key, checkpoints
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
+    """Linear warmup over warmup_ratio of the steps, then cosine to 0 (step counts from 0)."""
+    warmup = int(round(warmup_ratio * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress_ = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress_)))
+
+
+def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str]) -> str:
+    """Short hash of both configs and the shard manifests: a changed config never resumes an old run."""
+    h = hashlib.sha256((to_json(cfg) + to_json(drafter_cfg)).encode())
+    for path in shards:
+        m = manifest_path(path)
+        h.update(m.read_bytes() if m.exists() else str(Path(path).stat().st_size).encode())
+    return h.hexdigest()[:12]
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (an interrupted save leaves only a `.tmp-*` sibling)."""
+    return sorted(p for p in run_dir.glob("step-*") if (p / "state.json").exists())
+
+
+def save_checkpoint(run_dir: Path, drafter, optimizer, scheduler, state: dict, keep: int) -> Path:
+    path = run_dir / f"step-{state['step']:08d}"
+    with atomic_path(path) as tmp:
+        tmp.mkdir(parents=True)
+        torch.save(drafter.state_dict(), tmp / "model.pt")
+        opt = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        torch.save(opt, tmp / "optim.pt")
+        (tmp / "state.json").write_text(json.dumps(state))
+    for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def load_checkpoint(path: Path, drafter, optimizer, scheduler, device) -> dict:
+    drafter.load_state_dict(torch.load(path / "model.pt", map_location=device))
+    opt = torch.load(path / "optim.pt", map_location=device)
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    return json.loads((path / "state.json").read_text())
+
+
+METRIC_KEYS = ["step", "epoch", "loss", "acc"]
+
+
+def metric_fields(block_size: int) -> list[str]:
+    pos = [f"acc_pos_{k}" for k in range(1, block_size)]
+    return METRIC_KEYS + pos + ["sim_tau", "lr", "grad_norm", "tokens_per_s"]
+
+
+def write_metrics(path, rows: list[dict], fields: list[str]) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the loop
+
+
+def log(d: Dist, msg: str) -> None:
+    if d.main:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def steps_left(lengths, cfg: TrainConfig, world: int, epoch: int = 0, cursor: int = 0) -> int:
+    """Optimizer steps from data position (epoch, cursor) to the end of cfg.epochs."""
+    left = 0
+    for e in range(epoch, cfg.epochs):
+        left += (len(epoch_batches(lengths, cfg, e)) - (cursor if e == epoch else 0)) // world
+    return left
+
+
+def train(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list[str], checkpoints,
+          metrics_path, out_dir, compile_cache=None, stop_at: int | None = None) -> dict:
+    """Train (or resume) and export; returns a summary. `stop_at`: save a checkpoint after that step and
+    return without exporting (a deliberate preemption)."""
+    d = setup_dist()
+    try:
+        return _train(d, cfg, drafter_cfg, target_dir, shards, Path(checkpoints), metrics_path, out_dir,
+                      compile_cache, stop_at)
+    finally:
+        if d.world > 1:
+            dist.destroy_process_group()
+
+
+def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoints: Path, metrics_path,
+           out_dir, compile_cache, stop_at):
+    spec = load_spec(target_dir, drafter_cfg)
+    store = HiddenStore(shards)
+    if store.layer_ids != spec.target_layer_ids or store.hidden_size != spec.hidden_size:
+        raise ValueError(
+            f"hidden shards hold layers {store.layer_ids} (H={store.hidden_size}) but the drafter wants "
+            f"{spec.target_layer_ids} (H={spec.hidden_size}); recompute the hidden states"
+        )
+    lengths = [store.num_tokens(i) for i in range(len(store))]
+    run_dir = checkpoints / run_key(cfg, drafter_cfg, shards)
+    log(d, f"train: {len(store)} samples, {sum(lengths)} tokens, {d.world} process(es) on {d.device}")
+
+    if cfg.compile:
+        load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
+    step_fn = build_step(cfg, spec, target_dir, d.device)
+    drafter = step_fn.model
+    if d.world > 1:
+        # Dynamo's DDP optimizer would split the compiled graph at DDP's bucket boundaries: graphs the
+        # single-process warmup never built, so every rank would miss the cache. Keep the warmup's graph.
+        torch._dynamo.config.optimize_ddp = False
+        ids = [d.device.index] if d.device.type == "cuda" else None
+        step_fn.model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=ids)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=d.device.type == "cuda")
+    total = cfg.max_steps or steps_left(lengths, cfg, d.world)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
+
+    # resume: model, optimizer, schedule, data position, logged rows and the open metrics window
+    state = {"step": 0, "epoch": 0, "cursor": 0, "rows": [], "window": None}
+    found = checkpoint_dirs(run_dir)
+    if found:
+        state = load_checkpoint(found[-1], drafter, optimizer, scheduler, d.device)
+        if not cfg.max_steps and state["world"] != d.world:  # the same data split another way
+            total = state["step"] + steps_left(lengths, cfg, d.world, state["epoch"], state["cursor"])
+        log(d, f"resumed from {found[-1]}: step {state['step']}/{total}, saved by {state['world']} rank(s)")
+    else:
+        log(d, f"new run in {run_dir}: {total} steps")
+    step, epoch, cursor, rows = state["step"], state["epoch"], state["cursor"], state["rows"]
+    width = stats_size(spec.block_size) + 1  # + tokens
+    # summed stats since the last log; a resumed window lives on rank 0 (the ranks' sum is what counts)
+    window = torch.zeros(width, dtype=torch.float64, device=d.device)
+    if state["window"] and d.main:
+        window += torch.tensor(state["window"], dtype=torch.float64, device=d.device)
+    fields = metric_fields(spec.block_size)
+    live_csv = run_dir / "metrics.csv"
+    if d.main:
+        write_metrics(live_csv, rows, fields)  # drops rows a killed run logged after its last checkpoint
+
+    collate = Collate(cfg.buckets, cfg.batch_tokens, step_fn.amp_dtype or torch.float32)
+    seen_buckets: set[int] = set()
+    bar = progress(total=total, initial=step, desc="train", unit="step", disable=not d.main)
+    t_window = time.perf_counter()
+    drafter.train()
+    while step < total:
+        batches = epoch_batches(lengths, cfg, epoch)
+        if len(batches) < d.world:
+            raise ValueError(f"{len(batches)} micro-batches per epoch for {d.world} processes: "
+                             "lower train.batch_tokens or add data")
+        n = min((len(batches) - cursor) // d.world, total - step)
+        mine = [batches[cursor + i * d.world + d.rank] for i in range(max(0, n))]
+        for batch in batch_loader(store, mine, collate, d.device):
+            gen = anchor_generator(cfg.seed, epoch, cursor + d.rank)
+            anchors, valid = anchors_for(step_fn, batch["loss_mask"], gen)
+            first = batch["bucket"] not in seen_buckets
+            t_step = time.perf_counter()
+            # after a bucket's first step its graph exists: a recompile now is a bug, or an eager fallback
+            stance = torch.compiler.set_stance("fail_on_recompile") if cfg.compile and not first else None
+            with stance or contextlib.nullcontext():
+                loss, stats = forward_backward(step_fn, batch, anchors, valid)
+            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+            lr = scheduler.get_last_lr()[0]  # the rate this step uses
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step, cursor = step + 1, cursor + d.world
+            window[:-1] += stats.double()
+            window[-1] += batch["tokens"]
+            bar.update(1)
+            if first:
+                seen_buckets.add(batch["bucket"])
+                if d.device.type == "cuda":
+                    torch.cuda.synchronize(d.device)
+                what = f"compiled, caches {cache_counters()}" if cfg.compile else "eager"
+                log(d, f"bucket {batch['bucket']}: first step {time.perf_counter() - t_step:.1f} s ({what})")
+
+            if step % cfg.log_every == 0 or step == total:
+                summed = _all_sum(window, d).cpu()
+                dt, t_window = time.perf_counter() - t_window, time.perf_counter()
+                row = {"step": step, "epoch": round(epoch + cursor / len(batches), 4),
+                       **summarize(summed[:-1], spec.block_size), "lr": lr, "grad_norm": float(grad_norm),
+                       "tokens_per_s": float(summed[-1]) / max(dt, 1e-9)}
+                rows.append(row)
+                window.zero_()
+                if d.main:
+                    with open(live_csv, "a", newline="") as f:
+                        csv.DictWriter(f, fieldnames=fields).writerow(row)
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}", refresh=False)
+
+            stopping = stop_at is not None and step >= stop_at
+            if step % cfg.checkpoint_every == 0 or step == total or stopping:
+                ck = {"step": step, "epoch": epoch, "cursor": cursor, "world": d.world, "rows": rows,
+                      "window": _all_sum(window, d).tolist(), "spec": asdict(spec)}
+                if d.main:
+                    save_checkpoint(run_dir, drafter, optimizer, scheduler, ck, cfg.keep_checkpoints)
+                _barrier(d)
+            if stopping:
+                bar.close()
+                log(d, f"stopped after step {step}; rerun the same command to resume from {run_dir}")
+                return {"step": step, "stopped": True, "run_dir": str(run_dir), "rows": rows}
+        if step < total:
+            epoch, cursor = epoch + 1, 0
+    bar.close()
+
+    if d.main:
+        export_drafter(drafter, spec, out_dir, dtype=step_fn.amp_dtype)
+        write_metrics(metrics_path, rows, fields)
+        log(d, f"exported {out_dir} after {step} steps; metrics in {metrics_path}")
+    _barrier(d)
+    return {"step": step, "stopped": False, "run_dir": str(run_dir), "rows": rows,
+            "compile_cache": cache_counters()}

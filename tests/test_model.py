@@ -1,0 +1,303 @@
+"""The DFlash drafter against DESIGN.md section 3: masks, anchors, labels, loss weights, export format."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from flashdraft.config import DrafterConfig
+from flashdraft.model import (
+    DFlashDrafter,
+    DrafterSpec,
+    block_inputs,
+    block_labels,
+    dense_mask,
+    dflash_loss,
+    dflash_mask_mod,
+    export_drafter,
+    load_drafter,
+    load_target_head,
+    num_anchor_slots,
+    sample_anchors,
+    simulated_tau,
+    summarize,
+    train_forward,
+)
+
+B = 8  # block size of the tiny drafter
+V = 100
+MASK = 99
+
+
+def tiny_spec(**kw) -> DrafterSpec:
+    base = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                num_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=V,
+                max_position_embeddings=512, block_size=B, mask_token_id=MASK, target_layer_ids=[1, 3],
+                num_target_layers=6)
+    return DrafterSpec(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    spec = tiny_spec()
+    drafter = DFlashDrafter(spec).eval()
+    s = 40
+    ids = torch.randint(0, MASK, (2, s))
+    loss_mask = torch.zeros(2, s)
+    loss_mask[0, 10:] = 1
+    loss_mask[1, 5:30] = 1
+    hidden = torch.randn(2, s, 2 * 64)
+    embed, head = torch.randn(V, 64), torch.randn(V, 64) * 0.1
+    anchors = torch.full((2, 16), -1)
+    anchors[0, :3] = torch.tensor([12, 20, 30])
+    anchors[1, :2] = torch.tensor([6, 25])
+    return drafter, ids, loss_mask, hidden, embed, head, anchors, anchors >= 0
+
+
+def block_out(setup, hidden=None, ids=None, attention="sdpa"):
+    drafter, ids0, _, hidden0, embed, _, anchors, valid = setup
+    with torch.no_grad():
+        return train_forward(drafter, ids0 if ids is None else ids, hidden0 if hidden is None else hidden,
+                             anchors, valid, embed, attention)
+
+
+def test_feature_layers_and_mask_id_for_qwen3_8b_shape():
+    config = Qwen3Config(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                         rope_theta=1e6)
+    spec = DrafterSpec.from_target(config, 151669, DrafterConfig())
+    assert spec.target_layer_ids == [1, 9, 17, 25, 33]
+    assert (spec.num_layers, spec.block_size, spec.mask_token_id) == (5, 16, 151669)
+    assert (spec.num_kv_heads, spec.head_dim, spec.rope_theta, spec.num_target_layers) == (8, 128, 1e6, 36)
+    assert DFlashDrafter(tiny_spec()).fc.weight.shape == (64, 2 * 64)  # fc: K*H -> H, no bias
+    assert DFlashDrafter(tiny_spec()).fc.bias is None
+
+
+def test_anchors_only_where_loss_mask_at_p_and_p_plus_1():
+    loss_mask = torch.tensor([[0, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 0], [0] * 11 + [1]])
+    eligible = {1, 4, 5, 9}
+    seen = set()
+    for seed in range(30):
+        anchors, valid = sample_anchors(loss_mask, 3, B, torch.Generator().manual_seed(seed))
+        assert anchors.shape[1] == num_anchor_slots(12, 3, B) and anchors.shape[1] * B % 128 == 0
+        got = anchors[0][valid[0]].tolist()
+        assert len(got) == 3 and set(got) <= eligible and got == sorted(got)
+        assert (anchors[~valid] == -1).all() and not valid[1].any()  # row 1 has no p with mask[p] & mask[p+1]
+        seen |= set(got)
+    assert seen == eligible  # resampled: every eligible position is drawn at some step
+
+
+def test_mask_context_strictly_before_anchor_own_block_only_padded_sees_nothing():
+    anchors, valid = torch.tensor([[5, 9, -1]]), torch.tensor([[True, True, False]])
+    s, bs = 12, 4
+    mod = dflash_mask_mod(anchors, valid, s, bs)
+    q, kv = torch.arange(3 * bs)[:, None], torch.arange(s + 3 * bs)[None, :]
+    m = mod(torch.tensor(0), 0, q, kv)
+    assert m[0, :5].all() and not m[0, 5:s].any()  # block 0 (anchor 5): context 0..4, not 5 (strict)
+    assert m[bs, :9].all() and not m[bs, 9:s].any()  # block 1 (anchor 9): context 0..8
+    assert m[:bs, s : s + bs].all() and not m[:bs, s + bs :].any()  # own block, bidirectional; not block 1
+    assert m[bs : 2 * bs, s + bs : s + 2 * bs].all() and not m[bs : 2 * bs, s : s + bs].any()
+    assert not m[2 * bs :].any()  # the padded block sees nothing
+    dense, keep = dense_mask(anchors, valid, s, bs)
+    assert torch.equal(dense[0, 0, : 2 * bs], m[: 2 * bs])
+    # SDPA path: the padded block attends only to itself (no NaN rows) and its output is zeroed
+    assert dense[0, 0, 2 * bs :, s + 2 * bs :].all() and dense[0, 0, 2 * bs :].sum() == bs * bs
+    assert keep[0, 0, :, 0].tolist() == [True] * 2 * bs + [False] * bs
+
+
+def test_context_is_visible_strictly_before_the_anchor(setup):
+    """SpecForge bug 2: context up to and including the anchor (`<=`) leaks the next token."""
+    hidden = setup[3]
+    ref = block_out(setup)
+    at = hidden.clone()
+    at[0, 20] += 5.0  # features AT anchor 20 (block 1 of row 0)
+    out = block_out(setup, hidden=at)
+    assert torch.equal(out[0, 1], ref[0, 1])  # the anchor's block does not see them
+    assert not torch.allclose(out[0, 2], ref[0, 2])  # block at 30 does
+    before = hidden.clone()
+    before[0, 19] += 5.0
+    assert not torch.allclose(block_out(setup, hidden=before)[0, 1], ref[0, 1])
+
+
+def test_blocks_do_not_see_each_other_and_padded_blocks_see_nothing(setup):
+    ids = setup[1].clone()
+    ids[0, 20] = (ids[0, 20] + 1) % MASK  # the anchor token of block 1 (and a context position of none)
+    ref, out = block_out(setup), block_out(setup, ids=ids)
+    assert not torch.allclose(out[0, 1], ref[0, 1])
+    assert torch.equal(out[0, 0], ref[0, 0]) and torch.equal(out[0, 2], ref[0, 2])
+    assert torch.equal(out[1], ref[1])
+    noise = setup[3] + torch.randn_like(setup[3])
+    padded = block_out(setup, hidden=noise)[0, 3:]
+    assert torch.equal(padded, ref[0, 3:])  # padded blocks: independent of everything real
+
+
+def test_attention_is_bidirectional_inside_a_block(setup):
+    drafter, _, _, hidden, embed, _, _, _ = setup
+    embeds = torch.randn(1, B, 64)
+    positions = torch.arange(10 + B)[None]
+    with torch.no_grad():
+        ref = drafter(hidden[:1, :10], embeds, positions)
+        changed = embeds.clone()
+        changed[0, -1] += 1.0  # the last block token
+        out = drafter(hidden[:1, :10], changed, positions)
+    assert not torch.allclose(out[0, 0], ref[0, 0])  # ...reaches the first one
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_forward_agrees_with_sdpa_on_cpu(setup):
+    """flex_attention runs its forward on CPU (eager), not its backward: the training path there is SDPA."""
+    sdpa, flex = block_out(setup, attention="sdpa"), block_out(setup, attention="flex")
+    torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-4)
+
+
+def test_block_inputs_and_unshifted_labels():
+    """SpecForge bug 1: block position k predicts token[anchor+k] (no shift by one)."""
+    ids = torch.arange(100, 120)[None]
+    anchors, valid = torch.tensor([[3, 15, -1]]), torch.tensor([[True, True, False]])
+    block, pos = block_inputs(ids, anchors, 4, MASK)
+    assert block.view(3, 4)[:2].tolist() == [[103, MASK, MASK, MASK], [115, MASK, MASK, MASK]]
+    assert pos.view(3, 4)[:2].tolist() == [[3, 4, 5, 6], [15, 16, 17, 18]]
+    loss_mask = torch.ones(1, 20)
+    labels, _, label_mask = block_labels(ids, loss_mask, anchors, valid, 4, gamma=7.0)
+    assert labels[0, 0].tolist() == [104, 105, 106]  # k = 1, 2, 3 -> token[anchor + k]
+    assert labels[0, 1].tolist() == [116, 117, 118]
+    assert label_mask[0, :2].all() and not label_mask[0, 2].any()
+
+
+def test_loss_weights_formula():
+    s, gamma = 12, 7.0
+    ids = torch.arange(s)[None]
+    loss_mask = torch.ones(1, s)
+    loss_mask[0, 6] = 0
+    anchors, valid = torch.tensor([[2, 8, -1]]), torch.tensor([[True, True, False]])
+    _, w, _ = block_labels(ids, loss_mask, anchors, valid, B, gamma)
+    expect = torch.zeros(3, B - 1)
+    for j, a in enumerate([2, 8]):
+        for k in range(1, B):
+            if a + k < s:
+                expect[j, k - 1] = loss_mask[0, a + k] * math.exp(-(k - 1) / gamma)
+    torch.testing.assert_close(w[0], expect)
+    assert w[0, 0, 3] == 0 and w[0, 1, 4:].eq(0).all()  # loss_mask 0 at 6; past the end of the sequence
+
+
+def test_loss_is_weighted_ce_of_predict_block_logits(setup):
+    """The training loss, recomputed from inference-time predictions: same positions, same labels."""
+    drafter, ids, loss_mask, hidden, embed, head, anchors, valid = setup
+    gamma = 4.0
+    with torch.no_grad():
+        loss, stats = dflash_loss(drafter, ids, loss_mask, hidden, anchors, valid, embed, head, gamma,
+                                  chunk_blocks=2)
+    num, den = 0.0, 0.0
+    for r in range(2):
+        for a in anchors[r][valid[r]].tolist():
+            logits = drafter.predict_block(hidden[r : r + 1, :a], ids[r, a].item(), embed, head)
+            for k in range(1, B):
+                if a + k < ids.shape[1]:
+                    w = loss_mask[r, a + k].item() * math.exp(-(k - 1) / gamma)
+                    num += w * F.cross_entropy(logits[k - 1], ids[r, a + k]).item()
+                    den += w
+    assert loss.item() == pytest.approx(num / den, rel=1e-4)
+    assert summarize(stats, B)["loss"] == pytest.approx(num / den, rel=1e-4)
+
+
+def test_predict_block_equals_training_forward(setup):
+    drafter, ids, _, hidden, embed, head, anchors, _ = setup
+    train = block_out(setup)
+    for r, j in [(0, 0), (0, 2), (1, 1)]:
+        a = anchors[r, j].item()
+        logits = drafter.predict_block(hidden[r : r + 1, :a], ids[r, a].item(), embed, head)
+        torch.testing.assert_close(logits, train[r, j, 1:] @ head.T, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_loss_equals_unchunked_in_value_and_gradient(setup):
+    _, ids, loss_mask, hidden, embed, head, anchors, valid = setup
+    grads, losses = [], []
+    for chunk in (1, 128):
+        torch.manual_seed(1)
+        d = DFlashDrafter(tiny_spec())
+        loss, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 7.0, chunk_blocks=chunk)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in d.parameters()]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+    assert grads[0].abs().sum() > 0
+
+
+def test_simulated_tau_and_per_position_metrics():
+    hit = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    assert simulated_tau(hit).tolist() == [3.0, 1.0, 5.0]  # accepted prefix + the bonus token
+    stats = torch.tensor([6.0, 3.0, 9.0, 3.0, 2, 3, 2, 3, 3, 3, 3, 3])  # B = 5: 4 positions
+    row = summarize(stats, 5)
+    assert row["loss"] == 2.0 and row["sim_tau"] == 3.0 and row["acc"] == 10 / 12
+    assert [row[f"acc_pos_{k}"] for k in range(1, 5)] == [2 / 3, 1.0, 2 / 3, 1.0]
+
+
+def test_export_keys_config_and_reload_reproduce_logits(setup, tmp_path):
+    drafter, ids, _, hidden, embed, head, _, _ = setup
+    spec = drafter.spec
+    export_drafter(drafter, spec, tmp_path / "drafter")
+    with safe_open(tmp_path / "drafter" / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    want = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(spec.num_layers):
+        want |= {f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"}
+        want |= {f"layers.{i}.self_attn.{p}_norm.weight" for p in "qk"}
+        want |= {f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+        want |= {f"layers.{i}.{p}_layernorm.weight" for p in ("input", "post_attention")}
+    assert keys == want  # no embed_tokens, no lm_head
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 3]}
+    assert (config["block_size"], config["num_target_layers"], config["num_hidden_layers"]) == (B, 6, 2)
+    qwen3 = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    assert (qwen3.hidden_size, qwen3.num_key_value_heads, qwen3.head_dim) == (64, 2, 16)
+    assert DrafterSpec.from_config_dict(config) == spec
+    loaded, spec2 = load_drafter(tmp_path / "drafter")
+    assert spec2 == spec
+    a = 25
+    before = drafter.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head)
+    after = loaded.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_target_head_reads_sharded_and_tied_checkpoints(tmp_path, tied):
+    config = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")  # several shards + model.safetensors.index.json
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    embed, head = load_target_head(tmp_path)
+    assert torch.equal(embed, model.get_input_embeddings().weight.detach())
+    assert torch.equal(head, model.get_output_embeddings().weight.detach())
+    assert torch.equal(embed, head) == tied
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flex_and_sdpa_agree_on_gpu_in_loss_and_gradients():
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    s = 128
+    ids = torch.randint(0, MASK, (2, s), device=dev)
+    loss_mask = (torch.rand(2, s, device=dev) < 0.8).float()
+    hidden = torch.randn(2, s, 2 * 64, device=dev)
+    embed, head = torch.randn(V, 64, device=dev), torch.randn(V, 64, device=dev) * 0.1
+    anchors, valid = sample_anchors(loss_mask, 12, B, torch.Generator().manual_seed(0))
+    anchors, valid = anchors.to(dev), valid.to(dev)
+    results = []
+    for attention in ("sdpa", "flex"):
+        torch.manual_seed(1)
+        d = DFlashDrafter(tiny_spec()).to(dev)
+        loss, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0, attention)
+        loss.backward()
+        results.append((loss.item(), torch.cat([p.grad.flatten() for p in d.parameters()])))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-4)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=1e-3)

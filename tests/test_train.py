@@ -1,0 +1,258 @@
+"""Training: the data plan, schedule, run key, real torchrun runs (gloo on CPU), resume, compile warmup."""
+
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashdraft.config import DrafterConfig, ToyConfig, TrainConfig, to_json
+from flashdraft.hidden import HiddenStore, manifest_path, open_shard, write_manifest
+from flashdraft.model import load_drafter
+from flashdraft.toy import build_toy_target
+from flashdraft.train import Collate, bucket_for, epoch_batches, load_spec, lr_factor, rows_per_batch, run_key
+from flashdraft.warmup import warmup
+
+REPO = Path(__file__).resolve().parents[1]
+DRAFTER = {"num_layers": 2, "block_size": 8}
+TRAIN = {"max_steps": 6, "lr": 3e-3, "max_anchors": 16, "batch_tokens": 512, "buckets": [128, 256],
+         "compile": False, "checkpoint_every": 4, "log_every": 1}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A random (untrained) toy target and two real hidden-state shards of learnable token patterns."""
+    root = tmp_path_factory.mktemp("train")
+    build_toy_target(ToyConfig(steps=0, num_docs=200), str(root / "target"))
+    spec = load_spec(root / "target", DrafterConfig(**DRAFTER))
+    g = torch.Generator().manual_seed(0)
+    width = spec.num_features * spec.hidden_size
+    shards = []
+    for s in range(2):
+        path = root / f"shard-{s:05d}.arrow"
+        meta = dict(target="toy", layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size)
+        with open_shard(path, **meta) as w:
+            for i in range(24):
+                n = int(torch.randint(40, 300, (1,), generator=g))  # some longer than the largest bucket
+                start = int(torch.randint(0, 50, (1,), generator=g))
+                ids = [(start + 3 * j) % 97 + 10 for j in range(n)]  # an arithmetic pattern: learnable
+                mask = [0] * (n // 3) + [1] * (n - n // 3)  # a "prompt" third, then the "answer"
+                w.write(f"s{s}-{i}", ids, mask, torch.randn(n, width, generator=g).to(torch.bfloat16))
+        write_manifest(manifest_path(path), w)
+        shards.append(str(path))
+    return root, shards
+
+
+def train_cmd(root, shards, out, cfg=TRAIN, nproc=2, drafter=DRAFTER, extra=()):
+    """scripts/train.py under torchrun (nproc > 1) or as a plain process."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    script = str(REPO / "scripts" / "train.py")
+    args = [script, "--cfg", json.dumps(cfg), "--drafter-cfg", json.dumps(drafter),
+            "--target", str(root / "target"), "--checkpoints", str(out / "checkpoints"),
+            "--metrics", str(out / "metrics.csv"), "--out", str(out / "drafter"), *extra, *shards]
+    return (launcher if nproc > 1 else [sys.executable]) + args
+
+
+def run(cmd, env=None, gpu=False):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tests stay on the CPU (gloo) even on a GPU machine
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def read_rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def losses(rows):
+    return [float(r["loss"]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """An uninterrupted 2-process run."""
+    root, shards = data
+    out = tmp_path_factory.mktemp("reference")
+    run(train_cmd(root, shards, out))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the data plan, schedule, run key
+
+
+def test_buckets_and_epoch_plan():
+    assert [bucket_for(n, [256, 128]) for n in (1, 128, 129, 256, 5000)] == [128, 128, 256, 256, 256]
+    lengths = [50, 300, 120, 200, 90, 260, 10, 130] * 5
+    cfg = TrainConfig(buckets=[128, 256], batch_tokens=512, seed=3)
+    plan = epoch_batches(lengths, cfg, epoch=0)
+    assert sorted(i for b in plan for i in b) == list(range(len(lengths)))  # each sample once per epoch
+    for b in plan:
+        buckets = {bucket_for(lengths[i], cfg.buckets) for i in b}
+        assert len(buckets) == 1 and len(b) <= rows_per_batch(buckets.pop(), cfg.batch_tokens)
+    assert plan == epoch_batches(lengths, cfg, epoch=0)  # deterministic: every rank computes the same plan
+    assert plan != epoch_batches(lengths, cfg, epoch=1)  # a new permutation every epoch
+
+
+def test_lr_warmup_then_cosine_to_zero():
+    total, ratio = 100, 0.1
+    f = [lr_factor(s, total, ratio) for s in range(total)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)  # linear warmup over 10 steps
+    assert f[10] == pytest.approx(1.0) and f[55] == pytest.approx(0.5, abs=0.01)
+    assert all(a >= b for a, b in zip(f[10:], f[11:], strict=False)) and f[-1] < 1e-3
+    assert lr_factor(0, 10, 0.0) == 1.0
+
+
+def test_run_key_changes_with_config_and_data(data, tmp_path):
+    _, shards = data
+    cfg, dcfg = TrainConfig(), DrafterConfig()
+    key = run_key(cfg, dcfg, shards)
+    assert key == run_key(TrainConfig(), DrafterConfig(), shards) and len(key) == 12
+    assert key != run_key(TrainConfig(lr=1e-3), dcfg, shards)
+    assert key != run_key(cfg, DrafterConfig(block_size=8), shards)
+    copy = [str(tmp_path / Path(p).name) for p in shards]
+    for src, dst in zip(shards, copy, strict=True):
+        shutil.copy(src, dst)
+        manifest = json.loads(manifest_path(src).read_text())
+        manifest_path(dst).write_text(json.dumps({**manifest, "rows": manifest["rows"] + 1}))
+    assert key != run_key(cfg, dcfg, copy)
+    assert to_json(cfg) == to_json(TrainConfig())
+
+
+def test_collate_pads_to_bucket_and_truncates_to_the_largest(data):
+    _, shards = data
+    store = HiddenStore(shards)
+    long = max(range(len(store)), key=store.num_tokens)
+    short = min(range(len(store)), key=store.num_tokens)
+    assert store.num_tokens(long) > 256 and store.num_tokens(short) <= 128
+    collate = Collate([128, 256], 512, torch.float32)
+    batch = collate([store[long], store[short]])
+    assert batch["bucket"] == 256 and batch["input_ids"].shape == (2, 256)  # 512 // 256 rows
+    assert batch["hidden"].shape == (2, 256, store.num_features * store.hidden_size)
+    n = store.num_tokens(short)
+    assert batch["tokens"] == 256 + n
+    assert torch.equal(batch["input_ids"][1, :n], store[short]["input_ids"])
+    assert batch["loss_mask"][1, n:].eq(0).all() and batch["hidden"][1, n:].eq(0).all()
+    small = collate([store[short]])
+    assert small["bucket"] == 128 and small["input_ids"].shape == (4, 128)  # padding rows keep one shape
+    assert small["loss_mask"][1:].eq(0).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# real runs
+
+
+def test_torchrun_two_processes_train_and_export(data, reference):
+    root, _ = data
+    rows = read_rows(reference / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 7))
+    assert {"acc", "acc_pos_1", "acc_pos_7", "sim_tau", "lr", "tokens_per_s"} <= set(rows[0])
+    loss = losses(rows)
+    assert all(math.isfinite(x) for x in loss) and loss[-1] < loss[0]
+    assert all(1.0 <= float(r["sim_tau"]) <= 8.0 for r in rows)
+    drafter, spec = load_drafter(reference / "drafter")
+    assert spec == load_spec(root / "target", DrafterConfig(**DRAFTER))
+    assert all(torch.isfinite(p).all() for p in drafter.parameters())
+    run_dirs = list((reference / "checkpoints").iterdir())
+    assert len(run_dirs) == 1  # one run key
+    assert [p.name for p in sorted(run_dirs[0].glob("step-*"))] == ["step-00000004", "step-00000006"]
+
+
+def test_stopped_run_resumes_to_the_same_losses_on_two_or_one_processes(data, reference, tmp_path):
+    root, shards = data
+    ref = read_rows(reference / "metrics.csv")
+    stopped = tmp_path / "stopped"
+    run(train_cmd(root, shards, stopped, extra=["--stop-at", "3"]))
+    assert not (stopped / "drafter").exists()  # stopped: no export yet
+    one = tmp_path / "one"
+    shutil.copytree(stopped, one)
+
+    run(train_cmd(root, shards, stopped))  # resume on 2 processes
+    rows = read_rows(stopped / "metrics.csv")
+    assert [r["step"] for r in rows] == [r["step"] for r in ref]
+    assert losses(rows) == pytest.approx(losses(ref), rel=1e-9, abs=0)  # the same curve, step for step
+    assert [r["acc"] for r in rows] == [r["acc"] for r in ref]
+    a, _ = load_drafter(reference / "drafter")
+    b, _ = load_drafter(stopped / "drafter")
+    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), k
+
+    run(train_cmd(root, shards, one, nproc=1))  # resume on 1 process: same data position, another split
+    rows = read_rows(one / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 7))
+    assert losses(rows)[:3] == losses(ref)[:3]
+    assert all(math.isfinite(x) for x in losses(rows)) and (one / "drafter" / "model.safetensors").exists()
+
+
+def test_warmup_without_compile_writes_meta_and_empty_artifacts(data, tmp_path):
+    root, shards = data
+    cfg = TrainConfig(**{**TRAIN, "compile": False})
+    meta = warmup(cfg, DrafterConfig(**DRAFTER), root / "target", shards, tmp_path / "cache")
+    assert (tmp_path / "cache" / "artifacts.bin").read_bytes() == b""
+    saved = json.loads((tmp_path / "cache" / "meta.json").read_text())
+    assert saved["compile"] is False and saved["key"]["buckets"] == [128, 256]
+    assert saved["key"]["torch"] == torch.__version__
+    assert saved["key"]["attention"] == ("flex" if torch.cuda.is_available() else "sdpa")
+    assert set(meta["seconds"]) == {128, 256}
+
+
+@pytest.mark.slow
+def test_warmup_cache_gives_hits_in_a_fresh_training_process(data, tmp_path):
+    """Compile once in the warmup, then a fresh process (its own empty Inductor cache dir) loads the blob:
+    FX-graph and AOTAutograd cache hits, no misses, and step 2 runs under fail_on_recompile."""
+    root, shards = data
+    drafter = {"num_layers": 1, "block_size": 8, "target_layer_ids": [1, 3]}  # the shards fuse 2 layers
+    cfg = {**TRAIN, "compile": True, "buckets": [128], "batch_tokens": 256, "max_steps": 2}
+    cache = tmp_path / "cache"
+    warm = [sys.executable, str(REPO / "scripts" / "warmup.py"), "--cfg", json.dumps(cfg), "--drafter-cfg",
+            json.dumps(drafter), "--target", str(root / "target"), "--out-dir", str(cache), *shards]
+    run(warm, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")})
+    meta = json.loads((cache / "meta.json").read_text())
+    assert meta["compile"] is True and meta["artifact_bytes"] > 0
+    assert meta["counters"]["fxgraph_cache_miss"] > 0  # the warmup compiled for real
+    out = tmp_path / "train"
+    cmd = train_cmd(root, shards, out, cfg, nproc=1, drafter=drafter, extra=["--compile-cache", str(cache)])
+    proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-train")})
+    counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
+    assert counters["fxgraph_cache_hit"] > 0 and counters["autograd_cache_hit"] > 0
+    assert counters["fxgraph_cache_miss"] == 0 and counters["autograd_cache_miss"] == 0
+    assert len(read_rows(out / "metrics.csv")) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(data, tmp_path):
+    """On GPU: flex attention, bf16 autocast, compiled per bucket in the warmup; training ranks (one per GPU,
+    each seeing cuda:0) load the blob, hit the caches, and run every later step under fail_on_recompile
+    (a recompile would end the run), while new anchors (new block masks) arrive every step."""
+    root, shards = data
+    cfg = {**TRAIN, "compile": True, "max_steps": 8, "lr": 1e-3}
+    cache = tmp_path / "cache"
+    warm = [sys.executable, str(REPO / "scripts" / "warmup.py"), "--cfg", json.dumps(cfg), "--drafter-cfg",
+            json.dumps(DRAFTER), "--target", str(root / "target"), "--out-dir", str(cache), *shards]
+    run(warm, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")}, gpu=True)
+    meta = json.loads((cache / "meta.json").read_text())
+    print("warmup:", json.dumps({k: meta[k] for k in ("seconds", "counters", "artifact_bytes")}))
+    assert meta["key"]["attention"] == "flex" and meta["artifact_bytes"] > 0
+    nproc = min(2, torch.cuda.device_count())
+    out = tmp_path / "train"
+    cmd = train_cmd(root, shards, out, cfg, nproc=nproc, extra=["--compile-cache", str(cache)])
+    if nproc > 1:
+        cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
+    proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-train")}, gpu=True)
+    print(proc.stderr[-2000:])
+    counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
+    assert counters["fxgraph_cache_hit"] > 0 and counters["fxgraph_cache_miss"] == 0
+    rows = read_rows(out / "metrics.csv")
+    assert len(rows) == 8 and all(math.isfinite(x) for x in losses(rows))
+    drafter, _ = load_drafter(out / "drafter")
+    assert next(drafter.parameters()).dtype == torch.bfloat16  # exported in the training dtype
