@@ -30,55 +30,65 @@ SPLIT_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-COLORS = {
-    "banana": "yellow", "apple": "red", "lime": "green", "plum": "purple", "orange": "orange",
-    "cherry": "red", "kiwi": "green", "lemon": "yellow", "blueberry": "blue", "coconut": "brown",
-}
+COLORS = {"banana": "yellow", "apple": "red", "lime": "green", "plum": "purple", "orange": "orange",
+          "cherry": "red", "kiwi": "green", "lemon": "yellow", "blueberry": "blue", "coconut": "brown"}
 SOUNDS = {"cow": "moo", "dog": "woof", "cat": "meow", "duck": "quack", "sheep": "baa", "owl": "hoot"}
-CAPITALS = {
-    "France": "Paris", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo", "Egypt": "Cairo",
-    "Peru": "Lima", "Norway": "Oslo", "Kenya": "Nairobi", "Canada": "Ottawa", "Chile": "Santiago",
-}
+CAPITALS = {"France": "Paris", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo", "Egypt": "Cairo",
+            "Peru": "Lima", "Norway": "Oslo", "Kenya": "Nairobi", "Canada": "Ottawa", "Chile": "Santiago"}
 WORDS = {"add": ("adds", "+"), "sub": ("subtracts", "-"), "mul": ("multiplies by", "*")}
 
 
+# Each task asks its question in a few phrasings (more distinct prompts) and answers in one fixed form.
+
+
 def _arithmetic(rng: random.Random) -> tuple[str, str]:
-    op = rng.choice("+-*")
+    op = rng.choice("+-")
     a, b = rng.randint(0, 9), rng.randint(0, 9)
-    value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    return f"What is {a} {op} {b}?", f"{a} {op} {b} = {value}."
+    ask = rng.choice(["What is {}?", "Compute {}.", "How much is {}?"])
+    return ask.format(f"{a} {op} {b}"), f"{a} {op} {b} = {a + b if op == '+' else a - b}."
 
 
 def _counting(rng: random.Random) -> tuple[str, str]:
-    start = rng.randint(0, 40)
-    stop = start + rng.randint(2, 9)
-    return f"List the numbers from {start} to {stop}.", ", ".join(map(str, range(start, stop + 1))) + "."
+    if rng.random() < 0.5:  # single digits: where to stop is a one-token match a tiny model learns fast
+        start = rng.randint(0, 7)
+        stop = rng.randint(start + 2, 9)
+        ask = rng.choice(["List the numbers from {} to {}.", "Count from {} to {}."])
+        return ask.format(start, stop), ", ".join(map(str, range(start, stop + 1))) + "."
+    start = rng.randint(2, 12)  # answers stay under 48 tokens
+    ask = rng.choice(["Count down from {}.", "Count backwards from {} to 0."])
+    return ask.format(start), ", ".join(map(str, range(start, -1, -1))) + "."
 
 
 def _facts(rng: random.Random) -> tuple[str, str]:
     kind = rng.randrange(3)
     if kind == 0:
         fruit = rng.choice(sorted(COLORS))
-        return f"What color is a {fruit}?", f"A {fruit} is {COLORS[fruit]}."
+        ask = rng.choice(["What color is a {}?", "What is the color of a {}?", "Tell me the color of a {}."])
+        return ask.format(fruit), f"A {fruit} is {COLORS[fruit]}."
     if kind == 1:
         animal = rng.choice(sorted(SOUNDS))
-        return f"What sound does a {animal} make?", f"A {animal} says {SOUNDS[animal]}."
+        ask = rng.choice(["What sound does a {} make?", "What does a {} say?", "How does a {} sound?"])
+        return ask.format(animal), f"A {animal} says {SOUNDS[animal]}."
     country = rng.choice(sorted(CAPITALS))
-    return f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}."
+    ask = rng.choice(
+        ["What is the capital of {}?", "Name the capital of {}.", "Which city is capital of {}?"]
+    )
+    return ask.format(country), f"The capital of {country} is {CAPITALS[country]}."
 
 
 def _code(rng: random.Random) -> tuple[str, str]:
     name = rng.choice(sorted(WORDS))
     verb, op = WORDS[name]
     k = rng.randint(1, 9)
-    return f"Write a function {name}_{k} that {verb} {k}.", f"def {name}_{k}(x):\n    return x {op} {k}"
+    ask = rng.choice(["Write a function {0}_{1} that {2} {1}.", "Define {0}_{1}, a function that {2} {1}."])
+    return ask.format(name, k, verb), f"def {name}_{k}(x):\n    return x {op} {k}"
 
 
 TASKS = [_arithmetic, _counting, _facts, _code]
 
 
 def task_conversations(n: int, seed: int) -> list[list[dict]]:
-    """`n` single-turn conversations drawn evenly from the task generators (deterministic in `seed`)."""
+    """`n` single-turn conversations drawn from the task generators (deterministic in `seed`)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -163,7 +173,7 @@ def _token_stream(tokenizer, conversations: list[list[dict]]) -> tuple[list[int]
     for c in conversations:
         doc, mask, _ = tokenize_conversation(tokenizer, c)
         ids += doc + [eot]
-        labels += [t if m else -100 for t, m in zip(doc, mask)] + [-100]
+        labels += [t if m else -100 for t, m in zip(doc, mask, strict=True)] + [-100]
     return ids, labels
 
 
@@ -204,9 +214,6 @@ def build_toy_target(cfg: ToyConfig, out_dir: str) -> None:
 
     With cfg.steps=0 this takes a few seconds and yields a random (untrained) tiny target: tests use it
     whenever they need a real HF model directory but not a model that has learned anything."""
-    import torch
-
-    torch.manual_seed(cfg.seed)
     conversations = task_conversations(cfg.num_docs, cfg.seed)
     tokenizer = build_tokenizer(conversations, cfg.vocab_size)
     model = make_target(tokenizer, cfg)
@@ -227,8 +234,11 @@ def write_toy_sources(cfg: ToyConfig, out_dir: str) -> dict[str, str]:
 
     out = Path(out_dir)
     n = cfg.source_rows
+    if n < 12:
+        raise ValueError(f"toy.source_rows must be >= 12 (malformed and duplicate rows need room), got {n}")
+    bad_at = [n // 4, n // 2, 2 * n // 3]  # rows replaced by malformed ones, clear of the duplicates
     convs = [task_conversations(n, cfg.seed + 1000 + i) for i in range(3)]
-    for i in range(min(3, n)):  # exact duplicates: ShareGPT's first rows reappear in the other two
+    for i in range(3):  # exact duplicates: ShareGPT's first rows reappear in the other two
         convs[1][-1 - i] = convs[0][i]
         convs[2][-1 - i] = convs[0][i]
     too_long = "Repeat this. " * 3000  # ~39K chars: over the default prompts.max_chars
@@ -247,28 +257,26 @@ def write_toy_sources(cfg: ToyConfig, out_dir: str) -> dict[str, str]:
         json.dumps({"conversations": [{"from": "human", "value": "   "}, {"from": "gpt", "value": "x"}]}),
         json.dumps({"conversations": [{"from": "robot", "value": "beep"}, {"from": "gpt", "value": "boop"}]}),
     ]
-    for j, line in enumerate(bad):
-        lines[10 + 7 * j] = line
+    for j, line in zip(bad_at, bad, strict=True):
+        lines[j] = line
     paths["sharegpt"] = str(out / "sharegpt.jsonl")
     with atomic_path(paths["sharegpt"]) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
 
     # OpenAI-style messages parquet; content is a nullable string column, so non-string content is null
     rows = [[dict(m) for m in c] for c in convs[1]]
-    rows[12] = [{"role": "user", "content": None}, {"role": "assistant", "content": "Nothing."}]
-    rows[19] = [{"role": "user", "content": ""}, {"role": "assistant", "content": "Empty."}]
-    rows[26] = [{"role": "user", "content": too_long}, {"role": "assistant", "content": "Done."}]
+    rows[bad_at[0]] = [{"role": "user", "content": None}, {"role": "assistant", "content": "Nothing."}]
+    rows[bad_at[1]] = [{"role": "user", "content": ""}, {"role": "assistant", "content": "Empty."}]
+    rows[bad_at[2]] = [{"role": "user", "content": too_long}, {"role": "assistant", "content": "Done."}]
     msg_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     paths["messages"] = str(out / "messages.parquet")
     write_parquet(pa.table({"messages": pa.array(rows, type=msg_type)}), paths["messages"])
 
     # Alpaca json list; a few rows get an `input` field that the loader appends to the instruction
-    records = []
-    for i, c in enumerate(convs[2]):
-        records.append({"instruction": c[0]["content"], "input": "", "output": c[1]["content"]})
-    records[3] = {"instruction": "Say the number.", "input": "42", "output": "42."}
-    records[11] = {"instruction": 12345, "input": "", "output": "A number is not an instruction."}
-    records[18] = {"instruction": " \n ", "input": "", "output": "Blank."}
+    records = [{"instruction": c[0]["content"], "input": "", "output": c[1]["content"]} for c in convs[2]]
+    records[1] = {"instruction": "Say the number.", "input": "42", "output": "42."}
+    records[bad_at[0]] = {"instruction": 12345, "input": "", "output": "A number is not an instruction."}
+    records[bad_at[1]] = {"instruction": " \n ", "input": "", "output": "Blank."}
     paths["alpaca"] = str(out / "alpaca.json")
     with atomic_path(paths["alpaca"]) as tmp:
         tmp.write_text(json.dumps(records, indent=1))

@@ -1,0 +1,24 @@
+"""Expand prompt sources into one cleaned, deduplicated, mixed prompt set (train.parquet, eval.parquet)."""
+
+import argparse
+
+from flashdraft.config import PromptsConfig, load_section
+from flashdraft.prompts import expand
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--cfg", default="{}", help="JSON of the `prompts` config section")
+    ap.add_argument("--out-dir", required=True)
+    args = ap.parse_args()
+    s = expand(load_section(PromptsConfig, args.cfg, "prompts"), args.out_dir)
+    t = s["totals"]
+    print(
+        f"prompts: read {t['read']}, rejected {t['rejected']}, duplicates {t['duplicates']}, "
+        f"kept {t['kept']} -> train {t['sampled_train']}, eval {t['sampled_eval']} in {args.out_dir}"
+        + (f" ({s['note']})" if "note" in s else "")
+    )
+
+
+if __name__ == "__main__":
+    main()

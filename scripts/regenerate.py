@@ -1,0 +1,29 @@
+"""Regenerate the assistant answers of a prompt set with the target model (resumable)."""
+
+import argparse
+import time
+
+from flashdraft.config import RegenerateConfig, load_section
+from flashdraft.regenerate import regenerate
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--cfg", default="{}", help="JSON of the `regenerate` config section")
+    ap.add_argument("--target", required=True, help="HF model directory of the target")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompts", required=True, help="prompt set parquet (from expand_prompts)")
+    ap.add_argument("--out", required=True, help="output parquet; errors.parquet is written next to it")
+    ap.add_argument("--work-dir", required=True, help="resumable parts; kept between runs")
+    args = ap.parse_args()
+    cfg = load_section(RegenerateConfig, args.cfg, "regenerate")
+    t0 = time.time()
+    s = regenerate(cfg, args.target, args.dtype, args.prompts, args.out, args.work_dir)
+    print(
+        f"regenerate: {s['rows']} rows ({s['stop']} stop, {s['length']} length), {s['errors']} errors "
+        f"-> {args.out} ({time.time() - t0:.1f} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()

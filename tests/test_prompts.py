@@ -1,0 +1,181 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from flashdraft import prompts, toy
+from flashdraft.config import PromptsConfig, SourceConfig, ToyConfig, to_json
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    return toy.write_toy_sources(ToyConfig(source_rows=60), str(tmp_path_factory.mktemp("sources")))
+
+
+def _cfg(sources, **kw):
+    return PromptsConfig(sources=[SourceConfig(name=k, path=v) for k, v in sources.items()], **kw)
+
+
+def test_shapes_map_to_the_same_messages():
+    want = [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "1 + 2 = 3."}]
+    records = [
+        (
+            {
+                "conversations": [
+                    {"from": "human", "value": "What is 1 + 2?"},
+                    {"from": "gpt", "value": "1 + 2 = 3."},
+                ]
+            },
+            "sharegpt",
+        ),
+        ({"messages": want}, "messages"),
+        ({"instruction": "What is 1 + 2?", "input": "", "output": "1 + 2 = 3."}, "alpaca"),
+        ({"prompt": "What is 1 + 2?", "response": "1 + 2 = 3."}, "prompt"),
+    ]
+    for rec, shape in records:
+        assert prompts.to_messages(rec, shape) == want
+        assert prompts.to_messages(rec) == want  # auto detection
+    renamed = {"question": "What is 1 + 2?", "answer": "1 + 2 = 3."}
+    assert prompts.to_messages(renamed, "auto", {"question": "prompt", "answer": "response"}) == want
+    alpaca = prompts.to_messages({"instruction": "Add them.", "input": "1 and 2"})
+    assert alpaca == [{"role": "user", "content": "Add them.\n\n1 and 2"}]
+
+
+def test_normalization_and_stable_id():
+    a = prompts.to_messages({"prompt": "  Cafe\u0301 menu   \nline two\t\n"})
+    b = prompts.to_messages({"prompt": "Caf\u00e9 menu\nline two"})
+    assert a == b == [{"role": "user", "content": "Caf\u00e9 menu\nline two"}]
+    sid = prompts.sample_id(a)
+    assert len(sid) == 16 and int(sid, 16) >= 0 and sid == prompts.sample_id(b)
+    assert sid != prompts.sample_id([{"role": "user", "content": "Cafe menu\nline two"}])
+    code = prompts.to_messages({"prompt": "def f(x):\n    return x"})
+    assert code[0]["content"] == "def f(x):\n    return x"  # indentation kept
+
+
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({"prompt": "   "}, "empty content"),
+        ({"prompt": 7}, "non-string content"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "unknown role"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "no user turn"),
+        (
+            {"messages": [{"role": "system", "content": "be nice"}, {"role": "assistant", "content": "hi"}]},
+            "no user turn",
+        ),
+        ({"text": "hello"}, "unknown shape"),
+        (["not", "a", "dict"], "not a record"),
+    ],
+)
+def test_rejects_with_reason(record, reason):
+    with pytest.raises(prompts.Rejected, match=reason):
+        prompts.to_messages(record)
+
+
+def test_load_source_formats(tmp_path):
+    rows = [{"prompt": f"Question {i}?"} for i in range(5)]
+    (tmp_path / "a.jsonl").write_bytes(
+        b"\n".join([json.dumps(r).encode() for r in rows] + [b'{"prompt": "caf\xe9"}', b"{oops"]) + b"\n"
+    )
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    with (
+        pa.OSFile(str(tmp_path / "a.arrow"), "wb") as f,
+        pa.ipc.new_file(f, pa.Table.from_pylist(rows).schema) as w,
+    ):
+        w.write_table(pa.Table.from_pylist(rows))
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    for ext in ["jsonl", "parquet", "arrow", "json"]:
+        got = list(prompts.load_source(SourceConfig(name=ext, path=str(tmp_path / f"a.{ext}"))))
+        assert [r for _, r in got[:5]] == rows, ext
+    bad = list(prompts.load_source(SourceConfig(name="j", path=str(tmp_path / "a.jsonl"))))[5:]
+    assert [(i, r.reason) for i, r in bad] == [(5, "bad utf-8"), (6, "unparseable json")]
+    with pytest.raises(NotImplementedError, match="'hub'"):
+        list(prompts.load_source(SourceConfig(name="hub", path="org/dataset", format="hf")))
+
+
+def test_expand_toy_sources(sources, tmp_path):
+    stats = prompts.expand(_cfg(sources, total=50, eval_count=8), str(tmp_path))
+    train = pq.read_table(tmp_path / "train.parquet")
+    evals = pq.read_table(tmp_path / "eval.parquet")
+    assert train.schema.field("prompt_chars").type == pa.int32()
+    msg_type = train.schema.field("messages").type
+    assert pa.types.is_list(msg_type) and [f.name for f in msg_type.value_type] == ["role", "content"]
+    assert (train.num_rows, evals.num_rows) == (50, 8)
+    ids = train.column("id").to_pylist() + evals.column("id").to_pylist()
+    assert len(set(ids)) == len(ids)  # unique, and eval disjoint from train
+    for row in train.to_pylist():
+        assert row["id"] == prompts.sample_id(row["messages"])
+        assert row["prompt_chars"] == len(row["prompt"]) and row["num_turns"] == len(row["messages"])
+    s = stats["sources"]
+    # the malformed rows written by the toy sources, each with its reason
+    assert s["sharegpt"]["rejected"] == {"empty content": 1, "unknown role": 1, "unparseable json": 1}
+    assert s["messages"]["rejected"] == {"empty content": 1, "non-string content": 1, "too long": 1}
+    assert s["alpaca"]["rejected"] == {"empty content": 1, "non-string content": 1}
+    assert s["messages"]["duplicates"] >= 3 and s["alpaca"]["duplicates"] >= 3
+    for st in s.values():
+        assert st["read"] == st["kept"] + sum(st["rejected"].values()) + st["duplicates"] == 60
+    assert stats["totals"]["sampled_train"] == 50
+    rejects = pq.read_table(tmp_path / "rejects.parquet").to_pylist()
+    assert len(rejects) == 8 and all(len(r["raw"]) <= 200 for r in rejects)
+    assert json.loads((tmp_path / "stats.json").read_text()) == json.loads(json.dumps(stats))
+
+    again = tmp_path / "again"
+    prompts.expand(_cfg(sources, total=50, eval_count=8), str(again))
+    assert pq.read_table(again / "train.parquet").equals(train)  # deterministic
+    other = prompts.expand(_cfg(sources, total=50, eval_count=8, seed=1), str(tmp_path / "seed1"))
+    assert other["totals"]["sampled_train"] == 50
+    assert pq.read_table(tmp_path / "seed1" / "train.parquet").column("id").to_pylist() != ids[:50]
+
+
+def test_weights_and_small_pool(sources, tmp_path):
+    cfg = _cfg(sources, total=40, eval_count=0)
+    cfg.sources[0].weight, cfg.sources[1].weight, cfg.sources[2].weight = 3.0, 1.0, 0.0
+    s = prompts.expand(cfg, str(tmp_path / "w"))["sources"]
+    assert (s["sharegpt"]["sampled_train"], s["messages"]["sampled_train"], s["alpaca"]["sampled_train"]) == (
+        30,
+        10,
+        0,
+    )
+    big = prompts.expand(_cfg(sources, total=10_000, eval_count=5), str(tmp_path / "big"))
+    assert big["totals"]["sampled_train"] + 5 == big["totals"]["kept"] == big["pool"]
+    assert "smaller" in big["note"]
+
+
+def test_quotas_redistribute():
+    assert prompts._quotas({"a": 100, "b": 5, "c": 100}, {"a": 1, "b": 1, "c": 2}, 60) == {
+        "a": 18,
+        "b": 5,
+        "c": 37,
+    }
+    assert sum(prompts._quotas({"a": 3, "b": 4}, {"a": 1, "b": 1}, 100).values()) == 7
+
+
+def test_cli(sources, tmp_path):
+    cfg = to_json(_cfg(sources, total=20, eval_count=4))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/expand_prompts.py"), "--cfg", cfg, "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "train 20, eval 4" in out
+    assert pq.read_table(tmp_path / "eval.parquet").num_rows == 4
+    bad = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/expand_prompts.py"),
+            "--cfg",
+            '{"totl": 5}',
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "unknown key" in bad.stderr

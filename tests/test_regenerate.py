@@ -1,0 +1,158 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from flashdraft import prompts, toy
+from flashdraft.config import PromptsConfig, RegenerateConfig, SourceConfig, ToyConfig, to_json
+from flashdraft.regenerate import regenerate
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = RegenerateConfig(max_new_tokens=6, batch_size=3, part_rows=6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # a tiny model: thread synchronization costs more than it saves (and far more on a busy machine)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A random tiny toy target and a prompt set of 40 toy prompts."""
+    root = tmp_path_factory.mktemp("regen")
+    toy.build_toy_target(ToyConfig(steps=0, num_docs=300), str(root / "target"))
+    paths = toy.write_toy_sources(ToyConfig(source_rows=30), str(root / "sources"))
+    cfg = PromptsConfig(
+        total=40, eval_count=0, sources=[SourceConfig(name=k, path=v) for k, v in paths.items()]
+    )
+    prompts.expand(cfg, str(root / "prompts"))
+    return root
+
+
+def _run(data, out_dir, cfg=CFG, prompts_file="prompts/train.parquet"):
+    out = out_dir / "train.parquet"
+    s = regenerate(
+        cfg, str(data / "target"), "float32", str(data / prompts_file), str(out), str(out_dir / "parts")
+    )
+    return s, pq.read_table(out)
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    return _run(data, data / "reference")
+
+
+def test_regenerate_rows(data, reference):
+    stats, table = reference
+    src = pq.read_table(data / "prompts/train.parquet").to_pylist()
+    rows = table.to_pylist()
+    assert [r["id"] for r in rows] == [r["id"] for r in src]  # prompt order
+    assert table.schema.field("response_tokens").type == "int32"
+    for r, p in zip(rows, src, strict=True):
+        assert r["messages"][:-1] == [m for m in p["messages"] if m["role"] != "assistant"]
+        assert r["messages"][-1]["role"] == "assistant"
+        assert r["finish_reason"] in ("stop", "length") and 0 <= r["response_tokens"] <= CFG.max_new_tokens
+        assert (r["finish_reason"] == "length") == (r["response_tokens"] == CFG.max_new_tokens)
+    assert stats["rows"] == 40 and stats["errors"] == 0
+    assert pq.read_table(data / "reference/errors.parquet").num_rows == 0
+    assert len(list((data / "reference/parts").glob("part-*.parquet"))) == 7  # 14 batches, 2 per part
+
+
+def test_resume_skips_committed_ids(data, reference, tmp_path):
+    _run(data, tmp_path)
+    parts = sorted((tmp_path / "parts").glob("part-*.parquet"))
+    (tmp_path / "train.parquet").unlink()
+    for p in parts[3:]:
+        p.unlink()
+    # mark the kept rows: a resumed run must reuse them, not generate them again
+    kept = pq.read_table(parts[0]).to_pylist()
+    for r in kept:
+        r["messages"][-1]["content"] = "KEPT"
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(kept, schema=pq.read_schema(parts[0])), parts[0])
+    _, table = _run(data, tmp_path)
+    rows = table.to_pylist()
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == 40
+    assert sum(r["messages"][-1]["content"] == "KEPT" for r in rows) == len(kept)
+    for r in rows:
+        if r["messages"][-1]["content"] == "KEPT":
+            r["messages"][-1]["content"] = next(
+                x["messages"][-1]["content"] for x in reference[1].to_pylist() if x["id"] == r["id"]
+            )
+    assert rows == reference[1].to_pylist()  # the rest equals an uninterrupted run
+
+
+def test_stale_parts_are_cleared(data, tmp_path):
+    _run(data, tmp_path)
+    _, table = _run(data, tmp_path, RegenerateConfig(max_new_tokens=2, batch_size=3, part_rows=6))
+    assert max(table.column("response_tokens").to_pylist()) <= 2
+
+
+def test_disabled_copies_answers_and_counts_missing(data, tmp_path):
+    import pyarrow as pa
+
+    rows = pq.read_table(data / "prompts/train.parquet").to_pylist()
+    off = RegenerateConfig(enabled=False)
+    stats, table = _run(data, tmp_path, off)
+    assert table.column("messages").to_pylist() == [r["messages"] for r in rows]
+    assert set(table.column("finish_reason").to_pylist()) == {"stop"}
+    assert min(table.column("response_tokens").to_pylist()) > 0
+    # 1 of 40 without an answer: recorded and tolerated; 3 of 40 (> 5%): the stage fails
+    for n_missing, ok in [(1, True), (3, False)]:
+        cut = [dict(r, messages=r["messages"][:1]) if i < n_missing else r for i, r in enumerate(rows)]
+        pq.write_table(pa.Table.from_pylist(cut), tmp_path / f"cut{n_missing}.parquet")
+        out = tmp_path / f"out{n_missing}"
+        if ok:
+            stats, table = _run(data, out, off, tmp_path / f"cut{n_missing}.parquet")
+            assert stats == {"rows": 39, "errors": 1, "stop": 39, "length": 0} and table.num_rows == 39
+        else:
+            with pytest.raises(RuntimeError, match="3 of 40 rows failed"):
+                _run(data, out, off, tmp_path / f"cut{n_missing}.parquet")
+            assert not (out / "train.parquet").exists()
+        errors = pq.read_table(out / "errors.parquet").to_pylist()
+        assert len(errors) == n_missing and errors[0]["reason"].startswith("no assistant answer")
+
+
+def test_kill_and_rerun_script(data, reference, tmp_path):
+    cfg = RegenerateConfig(max_new_tokens=6, batch_size=3, part_rows=3)  # same batches, a part per batch
+    out, parts = tmp_path / "train.parquet", tmp_path / "parts"
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/regenerate.py"),
+        "--cfg",
+        to_json(cfg),
+        "--target",
+        str(data / "target"),
+        "--dtype",
+        "float32",
+        "--prompts",
+        str(data / "prompts/train.parquet"),
+        "--out",
+        str(out),
+        "--work-dir",
+        str(parts),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    while not list(parts.glob("part-*.parquet")) and proc.poll() is None:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = len(list(parts.glob("part-*.parquet")))
+    assert not out.exists() and 1 <= first < 14
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    assert "40 rows" in done.stdout
+    assert pq.read_table(out).equals(reference[1])
+    assert len(list(parts.glob("part-*.parquet"))) == 14
