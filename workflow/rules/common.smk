@@ -74,9 +74,14 @@ def stage(script, gpus=None, nproc=None):
     return cmd
 
 
-def parent(kind, i=0):
-    """Params function: the directory of the i-th input/output file."""
-    return lambda wildcards, input, output: str(Path((input if kind == "input" else output)[i]).parent)
+def parent(kind, key=0):
+    """Params function: the directory of an input/output file, by position or name."""
+
+    def f(wildcards, input, output):
+        files = input if kind == "input" else output
+        return str(Path(files[key] if isinstance(key, int) else getattr(files, key)).parent)
+
+    return f
 
 
 def target_gpus():

@@ -9,7 +9,7 @@ rule evaluate:
     params:
         cfg=section("eval"),
         dtype=CFG.target.dtype,
-        drafter_dir=parent("input", 1),
+        drafter_dir=parent("input", "drafter"),
         out_dir=parent("output"),
         cmd=stage("evaluate.py", gpus=target_gpus()),
     resources:

@@ -11,7 +11,7 @@ rule train:
     params:
         cfg=section("train"),
         drafter=section("drafter"),
-        cache_dir=parent("input", 2),
+        cache_dir=parent("input", "cache"),
         drafter_dir=parent("output"),
         checkpoints=f"{RESULTS}/checkpoints",  # not an output: Snakemake never deletes it
         cmd=stage("train.py", gpus=CFG.gpus.drafter, nproc=max(1, CFG.gpus.drafter)),
