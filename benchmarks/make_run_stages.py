@@ -18,6 +18,9 @@ def main():
     p.add_argument("--results", default="results")
     p.add_argument("--wall", type=float, default=None, help="measured wall time of the whole `make run`")
     p.add_argument("--out", default="benchmarks/results/make_run_stages.json")
+    p.add_argument("--what",
+                   default="wall time per stage of `make run` on the embedded default (config/config.yaml)")
+    p.add_argument("--machine", default=None, help="where the run happened (default: this machine)")
     args = p.parse_args()
 
     rows = []
@@ -31,13 +34,17 @@ def main():
     stages = pd.DataFrame(rows).groupby("stage", sort=False).agg(jobs=("job", "count"), s=("s", "sum"),
                                                                     max_rss_mb=("max_rss_mb", "max"))
     result = {
-        "what": "wall time per stage of `make run` on the embedded default (config/config.yaml)",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "what": args.what,
+        "machine": args.machine or f"{os.cpu_count()} CPUs, {platform.platform()}",
         "wall_s_make_run": args.wall,
         "sum_of_jobs_s": round(float(stages.s.sum()), 1),
         "stages": {k: {"jobs": int(v.jobs), "s": round(float(v.s), 1), "max_rss_mb": v.max_rss_mb}
                    for k, v in stages.iterrows()},
     }
+    summary = Path(args.results, "eval", "summary.json")
+    if summary.exists():  # what the run bought, next to what it cost
+        result["eval"] = {k: {m: v.get(m) for m in ("tau", "speedup", "lossless_all", "tokens_per_s")}
+                          for k, v in json.loads(summary.read_text()).items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(stages.to_string())

@@ -42,6 +42,18 @@ def job_counts(output: str) -> dict[str, int]:
     return counts
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run thousands of small ops: a second intra-op thread gains little and costs much
+    when other processes share the cores."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def write_config(path, overrides=None, base=REPO / "config" / "config.yaml"):
     cfg = yaml.safe_load(Path(base).read_text())
     for key, value in (overrides or {}).items():

@@ -26,18 +26,13 @@ from flashdraft.evaluate import (
 from flashdraft.target import feature_layer_ids, load_target, select_features
 from flashdraft.toy import build_toy_target, task_conversations
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 B = 4
 MAX_NEW = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Decoding a tiny model is thousands of small ops: extra intra-op threads only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

@@ -7,23 +7,17 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from flashdraft import prompts, toy
 from flashdraft.config import PromptsConfig, RegenerateConfig, SourceConfig, ToyConfig, to_json
 from flashdraft.regenerate import regenerate
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 CFG = RegenerateConfig(max_new_tokens=6, batch_size=3, part_rows=6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # a tiny model: thread synchronization costs more than it saves (and far more on a busy machine)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

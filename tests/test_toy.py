@@ -3,7 +3,6 @@ import re
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from flashdraft import chat, toy
 from flashdraft.config import DrafterConfig, ToyConfig
@@ -81,15 +80,6 @@ def _greedy(model, tok, questions: list[str]) -> list[str]:
     x = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     out = model.generate(**x, max_new_tokens=96, do_sample=False, eos_token_id=tok.eos_token_id)
     return tok.batch_decode(out[:, x.input_ids.shape[1] :], skip_special_tokens=True)
-
-
-@pytest.fixture
-def one_thread():
-    # a tiny model gains little from a second thread and loses much when other processes share the cores
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_trained_toy_target_answers_in_distribution_prompts(one_thread):
