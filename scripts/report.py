@@ -12,8 +12,9 @@ def main():
     p.add_argument("--metrics", required=True, help="training metrics.csv")
     p.add_argument("--prompt-stats", required=True, help="prompts stats.json")
     p.add_argument("--benchmarks-dir", required=True, help="Snakemake benchmark TSV files")
+    p.add_argument("--plots-dir", default=None, help="also write each plot as <id>.png here")
     a = p.parse_args()
-    build_report(a.out, a.eval_dir, a.metrics, a.prompt_stats, a.benchmarks_dir)
+    build_report(a.out, a.eval_dir, a.metrics, a.prompt_stats, a.benchmarks_dir, a.plots_dir)
     print(f"report: {a.out}")
 
 

@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,19 @@ def small_run(tmp_path_factory):
     config = write_config(work / "config.yaml", SMALL)
     proc = snakemake(work, "--cores", "2", config=config)
     return work, config, proc
+
+
+def headless_dom(html_path, tmp_path, script: str = "") -> str:
+    """Open a local HTML file in headless Chromium, run its scripts (and `script`), return the DOM."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if exe is None:
+        pytest.skip("no Chromium on this machine (.ci/run installs Debian's chromium)")
+    page = Path(html_path)
+    if script:
+        page = Path(tmp_path) / f"with-script-{page.name}"
+        page.write_text(Path(html_path).read_text() + f"<script>{script}</script>")
+    cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'chromium-profile'}", "--virtual-time-budget=10000",
+           "--dump-dom", page.resolve().as_uri()]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+from conftest import headless_dom
 
 from flashdraft.report import build_report
 
@@ -128,6 +129,8 @@ def test_report_has_plots_tables_and_numbers(tmp_path):
             str(inputs["prompt_stats"]),
             "--benchmarks-dir",
             str(inputs["benchmarks_dir"]),
+            "--plots-dir",
+            str(tmp_path / "plots"),
         ],
         capture_output=True,
         text=True,
@@ -136,8 +139,9 @@ def test_report_has_plots_tables_and_numbers(tmp_path):
     doc = out.read_text()
     imgs = images(doc)
     assert set(imgs) == {"acceptance", "tau-hist", "train-loss", "train-acc", "stage-time"}
-    for data in imgs.values():
+    for name, data in imgs.items():
         assert base64.b64decode(data).startswith(b"\x89PNG")
+        assert (tmp_path / "plots" / f"{name}.png").read_bytes() == base64.b64decode(data)
     assert "http" not in doc  # self-contained: nothing loaded from elsewhere
     # headline numbers: tau, speedup, losslessness per drafter
     assert "<td>dflash</td><td>3.21</td><td>4</td><td>250.00</td><td>2.50</td><td>yes</td>" in doc
@@ -173,3 +177,16 @@ def test_report_notes_missing_inputs(tmp_path):
         "no training metrics at" in doc and "no prompt statistics at" in doc and "no benchmark files" in doc
     )
     assert (tmp_path / "r.html").read_text() == doc
+
+
+def test_report_renders_in_headless_chromium(tmp_path):
+    inputs = write_inputs(tmp_path)
+    out = tmp_path / "report.html"
+    build_report(out, **inputs)
+    # After the page loads, record each image's decoded width: 0 means the browser could not draw it.
+    mark_widths = "for (const i of document.images) i.setAttribute('data-w', i.naturalWidth)"
+    dom = headless_dom(out, tmp_path, mark_widths)
+    widths = dict(re.findall(r'<img id="([\w-]+)" alt="[^"]+" src="[^"]+" data-w="(\d+)"', dom))
+    assert set(widths) == {"acceptance", "tau-hist", "train-loss", "train-acc", "stage-time"}
+    assert all(int(w) > 100 for w in widths.values()), widths
+    assert "DFlash drafter report" in dom

@@ -7,7 +7,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 import yaml
-from conftest import REPO, job_counts, snakemake, write_config
+from conftest import REPO, headless_dom, job_counts, snakemake, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,9 @@ def test_every_stage_artifact(small_run):
     assert summary["dflash"]["lossless_all"]
 
     html = (r / "report.html").read_text()
-    assert "<img" in html
+    assert html.count("<img") == 5
+    assert sorted(p.name for p in (r / "report_plots").iterdir()) == [
+        "acceptance.png", "stage-time.png", "tau-hist.png", "train-acc.png", "train-loss.png"]
 
     for stage in ("toy_target", "prompts", "regenerate", "warmup", "train", "evaluate", "report"):
         assert (r / "benchmarks" / f"{stage}.tsv").exists(), stage
@@ -150,3 +152,12 @@ def test_changed_train_param_reruns_train_onward_only(small_run, tmp_path):
     changed.write_text(yaml.safe_dump(cfg))
     proc = snakemake(work, "-n", "--cores", "2", config=changed)
     assert set(job_counts(proc.stdout)) == {"train", "evaluate", "report", "all"}
+
+
+def test_snakemake_report_renders_with_plots(small_run, tmp_path):
+    work, config, _ = small_run
+    out = tmp_path / "snakemake-report.html"
+    snakemake(work, "--report", str(out), config=config)
+    dom = headless_dom(out, tmp_path)
+    for name in ("acceptance.png", "tau-hist.png", "train-loss.png", "report.html"):
+        assert name in dom, name

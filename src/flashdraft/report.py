@@ -216,8 +216,21 @@ def prompts_section(stats_json) -> str:
     return out
 
 
-def build_report(out, eval_dir, metrics_csv, prompt_stats, benchmarks_dir) -> str:
-    """Write the report to `out` (atomically) and return its HTML."""
+def export_plots(doc: str, plots_dir) -> list[str]:
+    """Write every plot embedded in the report as `<id>.png` (what `snakemake --report` shows)."""
+    import re
+
+    plots_dir = Path(plots_dir)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    ids = []
+    for m in re.finditer(r'<img id="([\w-]+)" alt="[^"]*" src="data:image/png;base64,([^"]+)">', doc):
+        (plots_dir / f"{m[1]}.png").write_bytes(base64.b64decode(m[2]))
+        ids.append(m[1])
+    return ids
+
+
+def build_report(out, eval_dir, metrics_csv, prompt_stats, benchmarks_dir, plots_dir=None) -> str:
+    """Write the report to `out` (atomically), its plots to `plots_dir` if given, and return its HTML."""
     from .io import atomic_path
 
     body = "".join(
@@ -235,4 +248,6 @@ def build_report(out, eval_dir, metrics_csv, prompt_stats, benchmarks_dir) -> st
     )
     with atomic_path(out) as tmp:
         tmp.write_text(doc)
+    if plots_dir is not None:
+        export_plots(doc, plots_dir)
     return doc

@@ -84,6 +84,12 @@ def parent(kind, key=0):
     return f
 
 
+def train_threads():
+    """Training on GPUs: one core per process. On the CPU: one process on every core. The warmup uses
+    the same count, since Inductor's CPU kernels (and so the compile-cache keys) depend on it."""
+    return CFG.gpus.drafter if CFG.gpus.drafter > 0 else workflow.cores
+
+
 def target_gpus():
     return 1 if CFG.gpus.target > 0 else 0
 
@@ -110,6 +116,7 @@ def all_outputs():
         f"{RESULTS}/drafter/config.json",
         f"{RESULTS}/eval/summary.json",
         f"{RESULTS}/report.html",
+        f"{RESULTS}/report_plots",
     ]
 
 

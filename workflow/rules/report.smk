@@ -4,11 +4,17 @@ rule report:
         metrics=f"{RESULTS}/train/metrics.csv",
         stats=f"{RESULTS}/prompts/stats.json",
     output:
-        f"{RESULTS}/report.html",
+        html=report(f"{RESULTS}/report.html", caption="../report/report.rst", category="Summary"),
+        plots=report(
+            directory(f"{RESULTS}/report_plots"),
+            patterns=["{name}.png"],
+            caption="../report/plots.rst",
+            category="Plots",
+        ),
     params:
         eval_dir=parent("input"),
-        cmd=stage("report.py"),
         bench_dir=BENCH,
+        cmd=stage("report.py"),
     conda:
         CONDA_ENV
     log:
@@ -16,5 +22,6 @@ rule report:
     benchmark:
         f"{BENCH}/report.tsv"
     shell:
-        "{params.cmd} --out {output} --eval-dir {params.eval_dir} --metrics {input.metrics}"
-        " --prompt-stats {input.stats} --benchmarks-dir {params.bench_dir} > {log} 2>&1"
+        "{params.cmd} --out {output.html} --plots-dir {output.plots} --eval-dir {params.eval_dir}"
+        " --metrics {input.metrics} --prompt-stats {input.stats} --benchmarks-dir {params.bench_dir}"
+        " > {log} 2>&1"

@@ -17,7 +17,7 @@ rule train:
         cmd=stage("train.py", gpus=CFG.gpus.drafter, nproc=max(1, CFG.gpus.drafter)),
     resources:
         gpu=CFG.gpus.drafter,
-    threads: CFG.gpus.drafter if CFG.gpus.drafter > 0 else workflow.cores  # CPU: one process, all cores
+    threads: train_threads()
     conda:
         CONDA_ENV
     log:

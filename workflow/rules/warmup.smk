@@ -13,7 +13,9 @@ rule warmup:
         cmd=stage("warmup.py", gpus=min(1, CFG.gpus.drafter)),
     resources:
         gpu=min(1, CFG.gpus.drafter),
-    threads: 1  # torch.compile is not thread-safe: one process, main thread
+    # One process compiles on its main thread (torch.compile is not thread-safe); `threads` is the
+    # intra-op count training will use, which is part of Inductor's CPU cache keys.
+    threads: 1 if CFG.gpus.drafter > 0 else train_threads()
     conda:
         CONDA_ENV
     log:
