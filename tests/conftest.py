@@ -76,7 +76,6 @@ SMALL = {
     "prompts.eval_count": 4,
     "regenerate.max_new_tokens": 24,
     "hidden.max_length": 128,
-    "train.epochs": 1,
     "train.buckets": [128],
     "train.checkpoint_every": 5,
     "train.log_every": 1,

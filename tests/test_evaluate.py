@@ -68,7 +68,7 @@ class OracleDrafter:
         with torch.no_grad():
             hs = model(input_ids=torch.tensor([sequence]), output_hidden_states=True).hidden_states
         self.features = select_features(hs, layer_ids)
-        self.calls = 0
+        self.calls, self.cache = 0, None
 
     def predict_block(self, target_hidden, last_token, embed_weight, lm_head_weight):
         s = target_hidden.shape[1]
@@ -79,6 +79,15 @@ class OracleDrafter:
             draft[self.calls % B] = (draft[self.calls % B] + 1) % self.vocab
         self.calls += 1
         return torch.nn.functional.one_hot(draft, self.vocab).float() * 10
+
+    def predict_block_cached(self, new_hidden, last_token, embed_weight, lm_head_weight, cache, context_len):
+        # the increments handed over since the cache was made must add up to the verified context
+        if cache is not self.cache:
+            self.cache, self.seen = cache, new_hidden
+        else:
+            self.seen = torch.cat([self.seen, new_hidden], 1)
+        assert self.seen.shape[1] == context_len
+        return self.predict_block(self.seen, last_token, embed_weight, lm_head_weight)
 
 
 def test_ngram_lookup_proposes_the_latest_continuation():
@@ -132,13 +141,15 @@ def test_untrained_drafter_is_lossless(toy):
     json.dumps(summary, allow_nan=False)  # strict JSON
 
 
-def test_oracle_drafter_reaches_full_blocks(toy):
+@pytest.mark.parametrize("cached", [True, False])
+def test_oracle_drafter_reaches_full_blocks(toy, cached):
     _, model, tokenizer, prompts, layer_ids = toy
     ids = prompt_ids(tokenizer, prompts[0]["messages"])
     # a long continuation without stopping at eos, so the oracle always knows B-1 tokens ahead
     ref = target_decode(model, ids, MAX_NEW + B, eos=set())
     oracle = OracleDrafter(model, ids + ref.tokens, layer_ids)
-    d = speculative_decode(model, DFlashProposer(oracle, *head(model)), ids, layer_ids, MAX_NEW, set())
+    proposer = DFlashProposer(oracle, *head(model), cached=cached)
+    d = speculative_decode(model, proposer, ids, layer_ids, MAX_NEW, set())
     assert d.tokens == ref.tokens[:MAX_NEW]  # truncated to max_new_tokens exactly
     assert oracle.calls == len(d.accepted) == -(-(MAX_NEW - 1) // B)  # B tokens per verify step
     assert all(a == B - 1 for a in d.accepted)
@@ -158,9 +169,39 @@ def test_oracle_drafter_reaches_full_blocks(toy):
     # an oracle that misses at a different position each step: rejections at every depth, cache crops,
     # and context features appended for exactly the verified tokens (checked inside the double)
     oracle = OracleDrafter(model, ids + ref.tokens, layer_ids, miss_every_step=True)
-    d = speculative_decode(model, DFlashProposer(oracle, *head(model)), ids, layer_ids, MAX_NEW, set())
+    proposer = DFlashProposer(oracle, *head(model), cached=cached)
+    d = speculative_decode(model, proposer, ids, layer_ids, MAX_NEW, set())
     assert d.tokens == ref.tokens[:MAX_NEW]
     assert d.accepted == [i % B for i in range(len(d.accepted))]
+
+
+class RecordingProposer(DFlashProposer):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.drafts = []
+
+    def propose(self, *args):
+        draft, q = super().propose(*args)
+        self.drafts.append(draft)
+        return draft, q
+
+
+def test_cached_drafter_decodes_exactly_as_the_uncached_one(toy):
+    """The drafter's context cache changes the cost of a draft, not the draft: the same draft at every
+    step as recomputing the whole context, so the same acceptance and output (target-only's)."""
+    _, model, tokenizer, prompts, layer_ids = toy
+    drafter, _ = untrained(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
+    cached = RecordingProposer(drafter, *head(model))
+    full = RecordingProposer(drafter, *head(model), cached=False)
+    for p in prompts:  # one proposer over several prompts: each decode starts from an empty cache
+        ids = prompt_ids(tokenizer, p["messages"])
+        a = speculative_decode(model, cached, ids, layer_ids, MAX_NEW, eos)
+        b = speculative_decode(model, full, ids, layer_ids, MAX_NEW, eos)
+        assert a.tokens == b.tokens == target_decode(model, ids, MAX_NEW, eos).tokens
+        assert a.accepted == b.accepted
+    assert cached.drafts == full.drafts and len(cached.drafts) > 2 * len(prompts)
+    assert len({tuple(d) for d in cached.drafts}) > len(prompts)  # drafts that vary with the context
 
 
 def test_eos_inside_an_accepted_run_stops_there(toy):

@@ -12,6 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from flashdraft.config import DrafterConfig
 from flashdraft.model import (
     DFlashDrafter,
+    DraftCache,
     DrafterSpec,
     block_inputs,
     block_labels,
@@ -212,6 +213,24 @@ def test_predict_block_equals_training_forward(setup):
         a = anchors[r, j].item()
         logits = drafter.predict_block(hidden[r : r + 1, :a], ids[r, a].item(), embed, head)
         torch.testing.assert_close(logits, train[r, j, 1:] @ head.T, atol=1e-4, rtol=1e-4)
+
+
+def test_cached_drafting_equals_predict_block_over_the_full_context(setup):
+    """Speculative decoding's drafter: the context's keys/values are cached and grow by the positions
+    each verify step accepts (the prompt first, then accepted drafts + 1); the block is recomputed."""
+    drafter, ids, _, hidden, embed, head, _, _ = setup
+    cache, s = DraftCache(), 0
+    for new in [9, 1, 4, B, 2, 1, 7]:
+        got = drafter.predict_block_cached(hidden[:1, s : s + new], ids[0, s + new].item(), embed, head,
+                                           cache, s + new)
+        s += new
+        want = drafter.predict_block(hidden[:1, :s], ids[0, s].item(), embed, head)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert cache.length == s and all(k.shape[2] == s for k in cache.k + cache.v)
+    assert len(cache.k) == drafter.spec.num_layers
+    # the caller's count of verified tokens must match: a rejected draft that entered the cache is caught
+    with pytest.raises(AssertionError, match="holds 33 positions, not 32"):
+        drafter.predict_block_cached(hidden[:1, s : s + 1], ids[0, s + 1].item(), embed, head, cache, s)
 
 
 def test_chunked_loss_equals_unchunked_in_value_and_gradient(setup):
