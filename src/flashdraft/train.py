@@ -238,6 +238,8 @@ def cache_key(cfg: TrainConfig, spec: DrafterSpec, device: torch.device) -> dict
         "batch_tokens": cfg.batch_tokens, "max_anchors": cfg.max_anchors, "compile": cfg.compile,
         "attention": resolve_attention(cfg.attention, device),
         "dtype": cfg.dtype if device.type == "cuda" else "float32",
+        # Inductor's CPU kernels are generated for the intra-op thread count
+        "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
     }
 
 
