@@ -3,8 +3,10 @@
 One verify step: the drafter proposes up to B-1 tokens after the last verified token; the target scores
 [last, d1..d_{B-1}] in one forward over its KV cache; the longest prefix the target agrees with is
 accepted, plus the target's own next token (the bonus), so tau = accepted + 1. The cache is then cropped
-to the verified tokens, which leaves it exactly where target-only decoding would be. At T > 0 drafts are
-accepted by standard rejection sampling, which keeps the target's output distribution.
+to the verified tokens, which leaves it exactly where target-only decoding would be. The DFlash drafter
+keeps its own cache of the context's keys/values, fed only the verified tokens' features, so it only
+grows. At T > 0 drafts are accepted by standard rejection sampling, which keeps the target's output
+distribution.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from .chat import prompt_messages, render
 from .config import EvalConfig
 from .io import progress, write_json, write_parquet
+from .model import DraftCache
 from .target import select_features
 
 # ---------------------------------------------------------------------------------------------------------
@@ -25,15 +28,33 @@ from .target import select_features
 
 
 class DFlashProposer:
-    """A DFlash drafter: one parallel block prediction from the target features of the verified context."""
+    """A DFlash drafter: one parallel block prediction from the target features of the verified context.
+
+    The context's keys/values live in a `DraftCache` that grows by the positions each verify step
+    accepts; `cached=False` recomputes them over the whole context every step (the reference)."""
 
     uses_features = True
 
-    def __init__(self, drafter, embed_weight, lm_head_weight):
-        self.drafter, self.embed, self.head = drafter, embed_weight, lm_head_weight
+    def __init__(self, drafter, embed_weight, lm_head_weight, cached: bool = True):
+        self.drafter, self.embed, self.head, self.cached = drafter, embed_weight, lm_head_weight, cached
+        self.reset()
 
-    def propose(self, tokens, features, temperature, generator):
-        logits = self.drafter.predict_block(features, tokens[-1], self.embed, self.head).float()
+    def reset(self):
+        """A new sequence: forget the context."""
+        self.cache, self.features = DraftCache(), None
+
+    def propose(self, tokens, new_features, temperature, generator):
+        """new_features: target features of the positions verified since the last call; the context is
+        every verified token but the last, which anchors the block."""
+        if self.cached:
+            logits = self.drafter.predict_block_cached(
+                new_features, tokens[-1], self.embed, self.head, self.cache, len(tokens) - 1
+            )
+        else:
+            f = self.features
+            self.features = new_features if f is None else torch.cat([f, new_features], 1)
+            logits = self.drafter.predict_block(self.features, tokens[-1], self.embed, self.head)
+        logits = logits.float()
         if temperature == 0:
             return logits.argmax(-1).tolist(), None
         q = torch.softmax(logits / temperature, -1)
@@ -48,7 +69,10 @@ class NgramProposer:
     def __init__(self, num_draft: int, max_n: int = 3):
         self.num_draft, self.max_n = num_draft, max_n
 
-    def propose(self, tokens, features, temperature, generator):
+    def reset(self):
+        pass  # stateless: it reads the tokens it is given
+
+    def propose(self, tokens, new_features, temperature, generator):
         for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
             tail = tokens[-n:]
             # start <= len - n - 1: the match must be followed by at least one token
@@ -151,9 +175,11 @@ def speculative_decode(
     from transformers import DynamicCache
 
     dev, cache, hs = model.device, DynamicCache(config=model.config), proposer.uses_features
+    proposer.reset()
     ids = torch.tensor([prompt_ids], device=dev)
     o = model(input_ids=ids, past_key_values=cache, output_hidden_states=hs, logits_to_keep=1)
-    # the drafter's context: features of every verified token except the last one
+    # the drafter's context is every verified token but the last; it is handed over in increments:
+    # first the prompt's features, then after each verify those of last + the accepted drafts
     feats = select_features(o.hidden_states, layer_ids) if hs else None
     new = [_pick(o.logits[0, -1], temperature, generator)]
     tokens, accepted = [*prompt_ids, new[0]], []
@@ -165,8 +191,8 @@ def speculative_decode(
         o = model(input_ids=block, past_key_values=cache, output_hidden_states=hs)
         n, nxt = verify(draft, o.logits[0].float(), q, temperature, generator)
         accepted.append(n)
-        if hs:  # features of last + the accepted drafts; the bonus token's come with the next verify
-            feats = torch.cat([feats, select_features(o.hidden_states, layer_ids)[:, : n + 1]], 1)
+        if hs:  # the bonus token's features come with the next verify; rejected drafts' never
+            feats = select_features(o.hidden_states, layer_ids)[:, : n + 1]
         if len(draft) > n:
             cache.crop(-(len(draft) - n))  # negative: tokens to remove (drop the rejected drafts)
         for t in [*draft[:n], nxt]:

@@ -205,16 +205,26 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
 
+    def kv(self, h, cos, sin):
+        """Keys (QK-norm, RoPE) and values `[b, kv_heads, L, d]` of inputs h `[b, L, H]`."""
+        b = h.shape[0]
+        k = self.k_norm(self.k_proj(h).view(b, -1, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(b, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin).to(v.dtype), v  # RMSNorm/RoPE upcast; attention wants one dtype
+
     def forward(self, x, ctx, cos, sin, mask):
+        """ctx: the normalized context features `[b, S, H]` (cos/sin then cover context and block), or
+        the context's keys and values `(k, v)` already projected, as a `DraftCache` holds them."""
         b, q_len, _ = x.shape
-        # KV injection: keys and values of the context features and of the block, same projections
-        kv_in = torch.cat([ctx, x], dim=1)
+        qcos, qsin = cos[:, -q_len:], sin[:, -q_len:]  # queries are the block tokens, the last q_len
+        if isinstance(ctx, tuple):
+            k, v = self.kv(x, qcos, qsin)
+            k, v = torch.cat([ctx[0], k], dim=2), torch.cat([ctx[1], v], dim=2)
+        else:  # KV injection: keys and values of the context features and of the block, same projections
+            k, v = self.kv(torch.cat([ctx, x], dim=1), cos, sin)
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(b, -1, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])  # queries are the block tokens, the last q_len
-        k = apply_rope(k, cos, sin)
-        out = attend(q.to(v.dtype), k.to(v.dtype), v, mask)  # RMSNorm/RoPE upcast; attention wants one dtype
+        q = apply_rope(q, qcos, qsin)
+        out = attend(q.to(v.dtype), k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -265,21 +275,73 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, cos, sin, mask)
         return self.norm(x)
 
+    def _block_embeds(self, last_token: int, embed_weight, device):
+        """`[token at anchor, MASK x (B-1)]` through the target's embedding, in the drafter's dtype."""
+        spec = self.spec
+        ids = torch.full((1, spec.block_size), spec.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = int(last_token)
+        return F.embedding(ids, embed_weight).to(self.fc.weight.dtype)
+
     @torch.no_grad()
     def predict_block(self, target_hidden, last_token: int, embed_weight, lm_head_weight):
         """Logits `[B-1, V]` for the tokens at S+1..S+B-1 after a context of S verified tokens.
 
         target_hidden `[1, S, K*H]` covers positions 0..S-1; `last_token` (the token at S, whose
         features the target has not computed yet) is the anchor, so the block sits at S..S+B-1."""
-        spec, dev = self.spec, target_hidden.device
-        s = target_hidden.shape[1]
-        ids = torch.full((1, spec.block_size), spec.mask_token_id, dtype=torch.long, device=dev)
-        ids[0, 0] = int(last_token)
-        positions = torch.arange(s + spec.block_size, device=dev)[None]
-        embeds = F.embedding(ids, embed_weight)
-        dtype = self.fc.weight.dtype
-        out = self(target_hidden.to(dtype), embeds.to(dtype), positions, mask=None)
+        dev, s = target_hidden.device, target_hidden.shape[1]
+        positions = torch.arange(s + self.spec.block_size, device=dev)[None]
+        embeds = self._block_embeds(last_token, embed_weight, dev)
+        out = self(target_hidden.to(self.fc.weight.dtype), embeds, positions, mask=None)
         return out[0, 1:] @ lm_head_weight.to(out.dtype).T
+
+    @torch.no_grad()
+    def extend_cache(self, cache: DraftCache, new_hidden) -> None:
+        """Project the features `[1, n, K*H]` of context positions cache.length..+n-1 into every layer's
+        keys and values and append them: the context's share of the work, done once per position."""
+        n = new_hidden.shape[1]
+        if n == 0:
+            return
+        ctx = self.hidden_norm(self.fc(new_hidden.to(self.fc.weight.dtype)))
+        positions = torch.arange(cache.length, cache.length + n, device=new_hidden.device)[None]
+        cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
+        cache.append([layer.self_attn.kv(ctx, cos, sin) for layer in self.layers])
+
+    @torch.no_grad()
+    def predict_block_cached(self, new_hidden, last_token: int, embed_weight, lm_head_weight,
+                             cache: DraftCache, context_len: int):
+        """`predict_block` over a context held in `cache`: new_hidden `[1, n, K*H]` are the features of
+        the positions verified since the last call (all of the prompt on the first), appended first.
+
+        `context_len` is the caller's count of verified tokens before the anchor; the cache must hold
+        exactly that many positions (a rejected draft must never have entered it)."""
+        self.extend_cache(cache, new_hidden)
+        assert cache.length == context_len, f"drafter cache holds {cache.length} positions, not {context_len}"
+        dev, s = new_hidden.device, context_len
+        positions = torch.arange(s, s + self.spec.block_size, device=dev)[None]
+        cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
+        x = self._block_embeds(last_token, embed_weight, dev)
+        for layer, k, v in zip(self.layers, cache.k, cache.v, strict=True):
+            x = layer(x, (k, v), cos, sin, None)
+        out = self.norm(x)
+        return out[0, 1:] @ lm_head_weight.to(out.dtype).T
+
+
+class DraftCache:
+    """Per drafter layer, the keys (QK-norm, RoPE'd) and values `[1, kv_heads, length, d]` of context
+    positions 0..length-1. Only verified positions enter it and a rejected draft never becomes context,
+    so it only grows (no crop). The block's own keys/values change every step and are never stored."""
+
+    def __init__(self):
+        self.k, self.v, self.length = [], [], 0
+
+    def append(self, kv: list) -> None:
+        """kv: one `(k, v)` per layer, `[1, kv_heads, n, d]`, for positions length..length+n-1."""
+        if not self.k:
+            self.k, self.v = [k for k, _ in kv], [v for _, v in kv]
+        else:
+            self.k = [torch.cat([old, k], dim=2) for old, (k, _) in zip(self.k, kv, strict=True)]
+            self.v = [torch.cat([old, v], dim=2) for old, (_, v) in zip(self.v, kv, strict=True)]
+        self.length += kv[0][0].shape[2]
 
 
 # ---------------------------------------------------------------------------------------------------------
