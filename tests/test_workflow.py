@@ -116,7 +116,7 @@ def test_every_stage_artifact(small_run):
 
     html = (r / "report.html").read_text()
     assert html.count("<img") == 5
-    assert sorted(p.name for p in (r / "report_plots").iterdir()) == [
+    assert sorted(p.name for p in (r / "report_plots").glob("*.png")) == [
         "acceptance.png", "stage-time.png", "tau-hist.png", "train-acc.png", "train-loss.png"]
 
     for stage in ("toy_target", "prompts", "regenerate", "warmup", "train", "evaluate", "report"):

@@ -59,17 +59,38 @@ class PromptsConfig:
     max_chars: int = 32000
     seed: int = 0
     sources: list[SourceConfig] = field(default_factory=list)
+    near_dup: bool = True  # drop MinHash-LSH near-duplicates after exact dedup
+    near_dup_threshold: float = 0.85  # estimated Jaccard similarity of word n-gram shingles
+    near_dup_num_perm: int = 64
+    near_dup_ngram: int = 5  # words per shingle
+    # templates ("{prompt}" is the last user turn) that fill the gap when the unique pool is too small
+    augment: list[str] = field(
+        default_factory=lambda: [
+            "{prompt} Answer briefly.",
+            "{prompt} Explain step by step.",
+            "{prompt} Respond in French.",
+            "Think carefully, then answer.\n\n{prompt}",
+        ]
+    )
 
 
 @dataclass
 class RegenerateConfig:
     enabled: bool = True
-    backend: str = "hf"  # hf (in-process generate)
+    backend: str = "hf"  # hf (in-process generate) | openai (any OpenAI-compatible server)
     max_new_tokens: int = 1024
     batch_size: int = 16
     temperature: float = 0.0
     thinking: bool = False
     part_rows: int = 256  # rows per atomically committed parquet part
+    # backend openai: the server, and how hard to try it
+    base_url: str = ""  # e.g. http://127.0.0.1:8000/v1
+    model: str | None = None  # model name sent in requests; None: the target path
+    api_key_env: str = "OPENAI_API_KEY"  # env var holding the API key (unset: no key sent)
+    concurrency: int = 32  # requests in flight
+    max_retries: int = 5  # per request, on connection errors, timeouts, 429 and 5xx
+    timeout_s: float = 600.0  # per request
+    backoff_s: float = 1.0  # first retry delay; doubled per retry (capped at 60 s), with jitter
 
 
 @dataclass

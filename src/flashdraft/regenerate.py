@@ -1,14 +1,23 @@
-"""Regenerate assistant answers with the target itself (HF generate), resumable by sample id.
+"""Regenerate assistant answers with the target itself, resumable by sample id.
 
-The drafter must learn the target's own distribution, not the dataset's answers. Results are committed
-as atomic parquet parts of whole batches in a work dir; a restart reads the ids already there and skips
-them, so a killed run loses at most the part in progress. The final file is the parts in prompt order.
+The drafter must learn the target's own distribution, not the dataset's answers. Two backends: `hf`
+(in-process generate) and `openai` (concurrent requests to any OpenAI-compatible server). Both commit
+results as atomic parquet parts in a work dir; a restart reads the ids already there and skips them, so
+a killed run loses at most the part in progress. The final file is the parts in prompt order.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from http.client import HTTPException
 from pathlib import Path
 
 from .chat import prompt_messages, render
@@ -16,6 +25,9 @@ from .config import RegenerateConfig, to_json
 from .io import progress, write_json, write_parquet
 
 MAX_ERROR_FRACTION = 0.05
+FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash loses little
+# settings of how to reach the server, not of what it answers: changing them keeps committed parts
+TRANSPORT_KEYS = ("base_url", "api_key_env", "concurrency", "max_retries", "timeout_s", "backoff_s")
 
 
 def _schema(error: bool):
@@ -40,43 +52,77 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig, eos: list[int]) -> list[dict]:
-    """Answer a batch of prompt rows; returns output rows (messages = prompt + the target's answer)."""
+def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
+             thinking: bool, eos: list[int]) -> list[tuple[str, int, int, str]]:
+    """Answer a batch of chat prompts: (answer, prompt tokens, answer tokens, finish_reason) each."""
     import torch
 
-    prompts = [prompt_messages(r["messages"]) for r in rows]
-    texts = [render(tokenizer, p, add_generation_prompt=True, thinking=cfg.thinking) for p in prompts]
+    texts = [render(tokenizer, p, add_generation_prompt=True, thinking=thinking) for p in prompts]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     # greedy: unset the model's sampling defaults so generate does not warn that they are ignored
     sampling = (
-        dict(do_sample=True, temperature=cfg.temperature)
-        if cfg.temperature > 0
+        dict(do_sample=True, temperature=temperature)
+        if temperature > 0
         else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     )
     with torch.inference_mode():
         out = model.generate(
             **enc,
-            max_new_tokens=cfg.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             eos_token_id=eos,
             pad_token_id=tokenizer.pad_token_id,
             **sampling,
         )
-    results = []
-    for row, prompt, new in zip(rows, prompts, out[:, enc["input_ids"].shape[1] :].tolist(), strict=True):
+    results, new_ids = [], out[:, enc["input_ids"].shape[1] :].tolist()
+    for mask, new in zip(enc["attention_mask"].tolist(), new_ids, strict=True):
         stop = next((i for i, t in enumerate(new) if t in eos), None)
         tokens = new if stop is None else new[:stop]
-        answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-        results.append(
-            {
-                "id": row["id"],
-                "source": row["source"],
-                "messages": prompt + [{"role": "assistant", "content": answer}],
-                "response_tokens": len(tokens),
-                "finish_reason": "length" if stop is None else "stop",
-                "error": None,
-            }
-        )
+        answer = tokenizer.decode(tokens, skip_special_tokens=True)
+        results.append((answer, sum(mask), len(tokens), "length" if stop is None else "stop"))
     return results
+
+
+def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig, eos: list[int]) -> list[dict]:
+    """Answer a batch of prompt rows; returns output rows (messages = prompt + the target's answer)."""
+    prompts = [prompt_messages(r["messages"]) for r in rows]
+    out = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.thinking, eos)
+    return [
+        _result(row, prompt, answer, n, finish)
+        for row, prompt, (answer, _, n, finish) in zip(rows, prompts, out, strict=True)
+    ]
+
+
+def load_for_generate(target: str, dtype: str):
+    """The target ready for batched generate: left padding, a pad token, and its end-of-turn ids."""
+    from .target import load_target
+
+    model, tokenizer = load_target(target, dtype)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, _eos_ids(model, tokenizer)
+
+
+def _result(row, prompt, answer: str, n_tokens: int, finish: str) -> dict:
+    return {
+        "id": row["id"],
+        "source": row["source"],
+        "messages": prompt + [{"role": "assistant", "content": answer.strip()}],
+        "response_tokens": n_tokens,
+        "finish_reason": finish,
+        "error": None,
+    }
+
+
+def _error(row, reason: str) -> dict:
+    return {
+        "id": row["id"],
+        "source": row["source"],
+        "messages": prompt_messages(row["messages"]),
+        "response_tokens": 0,
+        "finish_reason": "error",
+        "error": reason,
+    }
 
 
 def _safe_batch(model, tokenizer, rows, cfg, eos) -> list[dict]:
@@ -90,17 +136,147 @@ def _safe_batch(model, tokenizer, rows, cfg, eos) -> list[dict]:
         try:
             out += generate_batch(model, tokenizer, [row], cfg, eos)
         except Exception as e:  # recorded, and the run fails later if there are too many
-            out.append(
-                {
-                    "id": row["id"],
-                    "source": row["source"],
-                    "messages": prompt_messages(row["messages"]),
-                    "response_tokens": 0,
-                    "finish_reason": "error",
-                    "error": f"{type(e).__name__}: {e}",
-                }
-            )
+            out.append(_error(row, f"{type(e).__name__}: {e}"))
     return out
+
+
+def _run_hf(cfg, target, dtype, pending, order, parts, bar) -> list[dict]:
+    model, tokenizer, eos = load_for_generate(target, dtype)
+    # batches are fixed over the whole sorted prompt list (longest first, so memory errors show early),
+    # and parts hold whole batches: a resumed run forms exactly the batches an uninterrupted one does
+    texts = [render(tokenizer, prompt_messages(r["messages"]), True, cfg.thinking) for r in pending]
+    lengths = {
+        r["id"]: len(ids)
+        for r, ids in zip(pending, tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True)
+    }
+    pending.sort(key=lambda r: (-lengths[r["id"]], order[r["id"]]))
+    parts.rows_per_part = max(1, cfg.part_rows // cfg.batch_size) * cfg.batch_size
+    for i in range(0, len(pending), cfg.batch_size):
+        parts.add(_safe_batch(model, tokenizer, pending[i : i + cfg.batch_size], cfg, eos))
+        bar.update(len(pending[i : i + cfg.batch_size]))
+    return []
+
+
+class _GiveUp(Exception):
+    """Retries exhausted on a transient failure (server down, overloaded, timing out)."""
+
+
+def _server_message(e: urllib.error.HTTPError) -> str:
+    body = e.read().decode(errors="replace")
+    try:
+        return json.loads(body)["error"]["message"]
+    except Exception:
+        return body[:500] or e.reason
+
+
+def _post(url: str, body: dict, headers: dict, cfg: RegenerateConfig) -> dict:
+    """POST JSON with retries (exponential backoff + jitter) on connection errors, timeouts, 429 and 5xx;
+    any other HTTP error is the request's own fault and raises at once with the server's message."""
+    data = json.dumps(body).encode()
+    for attempt in range(cfg.max_retries + 1):
+        wait = min(60.0, cfg.backoff_s * 2**attempt) * (0.5 + random.random())
+        try:
+            req = urllib.request.Request(url, data=data, headers=headers, method="POST")
+            with urllib.request.urlopen(req, timeout=cfg.timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            reason = f"HTTP {e.code}: {_server_message(e)}"
+            if e.code != 429 and e.code < 500:
+                raise ValueError(reason) from None
+            after = e.headers.get("Retry-After", "")
+            wait = max(wait, min(60.0, float(after))) if after.isdigit() else wait
+        except (urllib.error.URLError, OSError, HTTPException) as e:  # refused, reset, timed out
+            reason = f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
+        if attempt < cfg.max_retries:
+            time.sleep(wait)
+    raise _GiveUp(f"{url}: {reason} (after {cfg.max_retries} retries)")
+
+
+def _ask(row, url, headers, cfg, model, count) -> tuple[dict, bool]:
+    """One prompt -> (result row, whether to commit it). Give-ups are not committed: a rerun retries them."""
+    prompt = prompt_messages(row["messages"])
+    body = {
+        "model": model,
+        "messages": prompt,
+        "max_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "chat_template_kwargs": {"enable_thinking": cfg.thinking},
+    }
+    try:
+        resp = _post(url, body, headers, cfg)
+        choice = resp["choices"][0]
+        answer, finish = choice["message"].get("content") or "", choice["finish_reason"]
+        if finish not in ("stop", "length"):
+            raise ValueError(f"finish_reason {finish!r}")
+        n = (resp.get("usage") or {}).get("completion_tokens")
+        # servers count the end-of-turn token of a stopped answer; the hf backend does not
+        n = count(answer.strip()) if n is None else n - (finish == "stop")
+        return _result(row, prompt, answer, n, finish), True
+    except _GiveUp as e:
+        return _error(row, str(e)), False
+    except Exception as e:  # a bad request or answer: recorded like a failed hf row
+        return _error(row, f"{type(e).__name__}: {e}"), True
+
+
+def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float) -> list[dict]:
+    """Answer `pending` by concurrent requests; returns the give-ups (errors not committed).
+    Stops early once the errors exceed `max_errors`: the stage fails anyway, so spare the server."""
+    from transformers import AutoTokenizer
+
+    if not cfg.base_url:
+        raise ValueError("regenerate.backend 'openai' needs regenerate.base_url, e.g. http://127.0.0.1:8000/v1")
+    tokenizer, lock = AutoTokenizer.from_pretrained(target), threading.Lock()
+
+    def count(text):  # fast tokenizers are not thread-safe
+        with lock:
+            return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    url = cfg.base_url.rstrip("/") + "/chat/completions"
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get(cfg.api_key_env or ""):
+        headers["Authorization"] = f"Bearer {os.environ[cfg.api_key_env]}"
+    parts.flush_s, gave_up = FLUSH_S, []
+    ex = ThreadPoolExecutor(cfg.concurrency)
+    try:
+        futures = [ex.submit(_ask, r, url, headers, cfg, cfg.model or target, count) for r in pending]
+        for f in as_completed(futures):
+            row, commit = f.result()
+            if commit:
+                parts.add([row])
+            else:
+                gave_up.append(row)
+            bar.update(1)
+            errors += row["error"] is not None
+            if errors > max_errors:
+                print(f"regenerate: {errors} failed rows, more than the stage tolerates; stopping")
+                break
+    finally:
+        ex.shutdown(cancel_futures=True)  # unsent requests are dropped; in-flight ones run out
+    return gave_up
+
+
+class _Parts:
+    """The committed parts of a work dir: rows are buffered and written as one atomic part file."""
+
+    def __init__(self, work: Path, rows_per_part: int):
+        self.work, self.rows_per_part, self.flush_s = work, rows_per_part, None
+        self.next = 1 + max((int(p.stem.split("-")[1]) for p in work.glob("part-*.parquet")), default=-1)
+        self.buf, self.rows, self.t = [], [], time.monotonic()
+
+    def add(self, rows: list[dict]):
+        self.buf += rows
+        late = self.flush_s is not None and time.monotonic() - self.t > self.flush_s
+        if len(self.buf) >= self.rows_per_part or (late and self.buf):
+            self.flush()
+
+    def flush(self):
+        import pyarrow as pa
+
+        if self.buf:
+            table = pa.Table.from_pylist(self.buf, schema=_schema(error=True))
+            write_parquet(table, self.work / f"part-{self.next:05d}.parquet")
+            self.rows, self.next, self.buf = self.rows + self.buf, self.next + 1, []
+        self.t = time.monotonic()
 
 
 def _read_parts(work: Path, wanted: set[str]) -> list[dict]:
@@ -123,13 +299,13 @@ def _prepare_work_dir(work: Path, key: dict) -> None:
         write_json(meta, key)
 
 
-def _finish(rows: list[dict], errors: list[dict], out: str) -> dict:
+def _finish(rows: list[dict], errors: list[dict], out: str, total: int | None = None) -> dict:
     import pyarrow as pa
 
     err_path = Path(out).parent / "errors.parquet"
     err_schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("reason", pa.string())])
     write_parquet(pa.Table.from_pylist(errors, schema=err_schema), err_path)
-    total = len(rows) + len(errors)
+    total = total or len(rows) + len(errors)
     if errors and len(errors) > MAX_ERROR_FRACTION * total:
         raise RuntimeError(
             f"regenerate: {len(errors)} of {total} rows failed (> {MAX_ERROR_FRACTION:.0%}); "
@@ -171,7 +347,6 @@ def regenerate(
     cfg: RegenerateConfig, target: str, dtype: str, prompts_path: str, out: str, work_dir: str
 ) -> dict:
     """Answer every prompt of `prompts_path` with the target; write `out` and errors.parquet beside it."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     prompt_rows = pq.read_table(prompts_path, columns=["id", "source", "messages"]).to_pylist()
@@ -182,58 +357,43 @@ def regenerate(
         from transformers import AutoTokenizer
 
         return copy_original(prompt_rows, AutoTokenizer.from_pretrained(target), out)
-    if cfg.backend != "hf":
-        raise ValueError(f"regenerate.backend {cfg.backend!r} is not supported; use 'hf'")
-
-    from .target import load_target
+    if cfg.backend not in ("hf", "openai"):
+        raise ValueError(f"regenerate.backend {cfg.backend!r} is not supported; use 'hf' or 'openai'")
 
     work = Path(work_dir)
+    key = {k: v for k, v in json.loads(to_json(cfg)).items() if k not in TRANSPORT_KEYS}
     _prepare_work_dir(
         work,
         {
             "target": str(Path(target).resolve()),
             "dtype": dtype,
-            "cfg": json.loads(to_json(cfg)),
+            "cfg": key,
             "prompts": str(Path(prompts_path).resolve()),
         },
     )
     done = _read_parts(work, set(order))  # failed rows are committed too: a rerun does not retry them
     done_ids = {r["id"] for r in done}
     pending = [r for r in prompt_rows if r["id"] not in done_ids]
+    gave_up = []
     if pending:
-        model, tokenizer = load_target(target, dtype)
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        eos = _eos_ids(model, tokenizer)
-        # batches are fixed over the whole sorted prompt list (longest first, so memory errors show early),
-        # and parts hold whole batches: a resumed run forms exactly the batches an uninterrupted one does
-        texts = [render(tokenizer, prompt_messages(r["messages"]), True, cfg.thinking) for r in pending]
-        lengths = {
-            r["id"]: len(ids)
-            for r, ids in zip(pending, tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True)
-        }
-        pending.sort(key=lambda r: (-lengths[r["id"]], order[r["id"]]))
-        per_part = max(1, cfg.part_rows // cfg.batch_size)
-        batches = [pending[i : i + cfg.batch_size] for i in range(0, len(pending), cfg.batch_size)]
-        next_part = 1 + max((int(p.stem.split("-")[1]) for p in work.glob("part-*.parquet")), default=-1)
+        parts = _Parts(work, cfg.part_rows)
         bar = progress(total=len(prompt_rows), initial=len(done), desc="regenerate", unit="prompt")
-        buf = []
-        for b, batch in enumerate(batches):
-            buf += _safe_batch(model, tokenizer, batch, cfg, eos)
-            bar.update(len(batch))
-            if (b + 1) % per_part == 0 or b == len(batches) - 1:
-                write_parquet(
-                    pa.Table.from_pylist(buf, schema=_schema(error=True)),
-                    work / f"part-{next_part:05d}.parquet",
-                )
-                done += buf
-                next_part, buf = next_part + 1, []
-        bar.close()
+        try:
+            if cfg.backend == "hf":
+                gave_up = _run_hf(cfg, target, dtype, pending, order, parts, bar)
+            else:
+                n_err = sum(r["error"] is not None for r in done)
+                max_err = MAX_ERROR_FRACTION * len(prompt_rows)
+                gave_up = _run_openai(cfg, target, pending, parts, bar, n_err, max_err)
+        finally:
+            parts.flush()  # what finished is kept, even when the run fails
+            bar.close()
+        done += parts.rows
 
+    done += gave_up
     done.sort(key=lambda r: order[r["id"]])
     rows = [{k: v for k, v in r.items() if k != "error"} for r in done if r["error"] is None]
     errors = [
         {"id": r["id"], "source": r["source"], "reason": r["error"]} for r in done if r["error"] is not None
     ]
-    return _finish(rows, errors, out)
+    return _finish(rows, errors, out, len(prompt_rows))

@@ -53,11 +53,14 @@ check_config()
 
 
 def section(name, keys=None):
-    """A config section as JSON (defaults filled in), passed to a stage as --cfg and as its params."""
+    """A config section as JSON (defaults filled in), passed to a stage as --cfg and as its params.
+
+    Returned as a params function: Snakemake would read `{...}` inside a plain string as a wildcard."""
     d = json.loads(json.dumps(getattr(CFG, name), default=lambda o: o.__dict__))
     if keys is not None:
         d = {k: d[k] for k in keys}
-    return json.dumps(d, sort_keys=True)
+    text = json.dumps(d, sort_keys=True)
+    return lambda wildcards: text
 
 
 def stage(script, gpus=None, nproc=None):

@@ -1,3 +1,8 @@
+def regenerate_gpus():
+    """openai: a server answers, this job only sends requests (the target dir gives the tokenizer)."""
+    return 0 if CFG.regenerate.backend == "openai" else target_gpus()
+
+
 rule regenerate:
     input:
         prompts=f"{RESULTS}/prompts/train.parquet",
@@ -8,9 +13,9 @@ rule regenerate:
         cfg=section("regenerate"),
         dtype=CFG.target.dtype,
         work_dir=f"{RESULTS}/regenerated/parts",  # committed parts survive a crash: not an output
-        cmd=stage("regenerate.py", gpus=target_gpus()),
+        cmd=stage("regenerate.py", gpus=regenerate_gpus()),
     resources:
-        gpu=target_gpus(),
+        gpu=regenerate_gpus(),
     conda:
         CONDA_ENV
     log:
