@@ -116,6 +116,7 @@ def test_every_stage_artifact(small_run):
 
     html = (r / "report.html").read_text()
     assert html.count("<img") == 5
+    assert "<h2>Throughput</h2>" in html and "hidden_shard/00001" in html and " answers</td>" in html
     assert sorted(p.name for p in (r / "report_plots").glob("*.png")) == [
         "acceptance.png", "stage-time.png", "tau-hist.png", "train-acc.png", "train-loss.png"]
 

@@ -177,6 +177,28 @@ def benchmarks_section(benchmarks_dir) -> str:
     )
 
 
+def throughput_section(benchmarks_dir, hidden_dir=None, regenerated=None) -> str:
+    """Work per second of the data stages: tokens/s per hidden-state shard, answers/s of regeneration."""
+    import pandas as pd
+
+    def seconds(job):
+        f = Path(benchmarks_dir) / f"{job}.tsv"
+        return float(pd.read_csv(f, sep="\t")["s"].mean()) if f.exists() else None
+
+    rows = []
+    if regenerated and Path(regenerated).exists():
+        import pyarrow.parquet as pq
+
+        n, s = pq.read_metadata(regenerated).num_rows, seconds("regenerate")
+        rows.append(["regenerate", f"{n} answers", s, n / s if s else None])
+    for manifest in sorted(Path(hidden_dir).glob("shard-*.json")) if hidden_dir else []:
+        tokens, s = json.loads(manifest.read_text())["tokens"], seconds(f"hidden_shard/{manifest.stem[6:]}")
+        rows.append([f"hidden_shard/{manifest.stem[6:]}", f"{tokens} tokens", s, tokens / s if s else None])
+    if not rows:
+        return ""
+    return "<h2>Throughput</h2>" + table(["job", "work", "wall s", "per s"], rows)
+
+
 def _counts_row(st: dict) -> dict:
     """One table row from a source's counts; a nested count dict (rejected by reason) gives its total
     and one column per key."""
@@ -229,7 +251,8 @@ def export_plots(doc: str, plots_dir) -> list[str]:
     return ids
 
 
-def build_report(out, eval_dir, metrics_csv, prompt_stats, benchmarks_dir, plots_dir=None) -> str:
+def build_report(out, eval_dir, metrics_csv, prompt_stats, benchmarks_dir, plots_dir=None, hidden_dir=None,
+                 regenerated=None) -> str:
     """Write the report to `out` (atomically), its plots to `plots_dir` if given, and return its HTML."""
     from .io import atomic_path
 
@@ -240,6 +263,7 @@ def build_report(out, eval_dir, metrics_csv, prompt_stats, benchmarks_dir, plots
             training_section(metrics_csv),
             prompts_section(prompt_stats),
             benchmarks_section(benchmarks_dir),
+            throughput_section(benchmarks_dir, hidden_dir, regenerated),
         ]
     )
     doc = (

@@ -82,7 +82,8 @@ def parent(kind, key=0):
 
     def f(wildcards, input, output):
         files = input if kind == "input" else output
-        return str(Path(files[key] if isinstance(key, int) else getattr(files, key)).parent)
+        f = files[key] if isinstance(key, int) else getattr(files, key)
+        return str(Path(f if isinstance(f, str) else f[0]).parent)  # a named list: its first file
 
     return f
 
