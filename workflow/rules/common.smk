@@ -102,6 +102,11 @@ def target_dir():
     return CFG.target.path
 
 
+def regenerate_gpus():
+    """openai: a server answers, this job only sends requests (the target dir gives the tokenizer)."""
+    return 0 if CFG.regenerate.backend == "openai" else target_gpus()
+
+
 def shard_ids():
     return [f"{i:05d}" for i in range(CFG.hidden.shards)]
 

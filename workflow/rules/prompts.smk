@@ -6,6 +6,7 @@ rule prompts:
         eval=f"{RESULTS}/prompts/eval.parquet",
         rejects=f"{RESULTS}/prompts/rejects.parquet",
         stats=f"{RESULTS}/prompts/stats.json",
+        stats_table=f"{RESULTS}/prompts/stats.parquet",
     params:
         cfg=section("prompts"),
         out_dir=parent("output"),

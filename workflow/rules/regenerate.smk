@@ -1,8 +1,3 @@
-def regenerate_gpus():
-    """openai: a server answers, this job only sends requests (the target dir gives the tokenizer)."""
-    return 0 if CFG.regenerate.backend == "openai" else target_gpus()
-
-
 rule regenerate:
     input:
         prompts=f"{RESULTS}/prompts/train.parquet",
