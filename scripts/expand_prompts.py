@@ -15,7 +15,8 @@ def main():
     t = s["totals"]
     print(
         f"prompts: read {t['read']}, rejected {t['rejected']}, duplicates {t['duplicates']}, "
-        f"kept {t['kept']} -> train {t['sampled_train']}, eval {t['sampled_eval']} in {args.out_dir}"
+        f"near duplicates {t['near_duplicates']}, kept {t['kept']} -> train {t['sampled_train']} "
+        f"({t['augmented']} augmented), eval {t['sampled_eval']} in {args.out_dir}"
         + (f" ({s['note']})" if "note" in s else "")
     )
 

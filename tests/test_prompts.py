@@ -95,8 +95,12 @@ def test_load_source_formats(tmp_path):
         assert [r for _, r in got[:5]] == rows, ext
     bad = list(prompts.load_source(SourceConfig(name="j", path=str(tmp_path / "a.jsonl"))))[5:]
     assert [(i, r.reason) for i, r in bad] == [(5, "bad utf-8"), (6, "unparseable json")]
-    with pytest.raises(NotImplementedError, match="'hub'"):
-        list(prompts.load_source(SourceConfig(name="hub", path="org/dataset", format="hf")))
+    folder = tmp_path / "hf" / "data"  # a local dataset folder, as `datasets` reads it offline
+    folder.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows[:3]), folder / "train-00000-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[3:]), folder / "train-00001-of-00002.parquet")
+    hf = SourceConfig(name="hf", path=str(tmp_path / "hf"), format="hf", split="train")
+    assert [r for _, r in prompts.load_source(hf)] == rows
 
 
 def test_expand_toy_sources(sources, tmp_path):
@@ -119,8 +123,22 @@ def test_expand_toy_sources(sources, tmp_path):
     assert s["alpaca"]["rejected"] == {"empty content": 1, "non-string content": 1}
     assert s["messages"]["duplicates"] >= 3 and s["alpaca"]["duplicates"] >= 3
     for st in s.values():
-        assert st["read"] == st["kept"] + sum(st["rejected"].values()) + st["duplicates"] == 60
+        gone = sum(st["rejected"].values()) + st["duplicates"] + st["near_duplicates"]
+        assert st["read"] == st["kept"] + gone == 60 and st["augmented"] == 0
     assert stats["totals"]["sampled_train"] == 50
+    assert not any(train.column("augmented").to_pylist())
+    table = pq.read_table(tmp_path / "stats.parquet").to_pylist()
+    assert [r["source"] for r in table] == list(s)
+    for r in table:
+        st = s[r["source"]]
+        assert (
+            r["rejected"] == sum(st["rejected"].values()) and dict(r["rejected_by_reason"]) == st["rejected"]
+        )
+        assert (r["kept"], r["duplicates"], r["sampled_train"]) == (
+            st["kept"],
+            st["duplicates"],
+            st["sampled_train"],
+        )
     rejects = pq.read_table(tmp_path / "rejects.parquet").to_pylist()
     assert len(rejects) == 8 and all(len(r["raw"]) <= 200 for r in rejects)
     assert json.loads((tmp_path / "stats.json").read_text()) == json.loads(json.dumps(stats))
@@ -142,9 +160,85 @@ def test_weights_and_small_pool(sources, tmp_path):
         10,
         0,
     )
-    big = prompts.expand(_cfg(sources, total=10_000, eval_count=5), str(tmp_path / "big"))
+    big = prompts.expand(_cfg(sources, total=10_000, eval_count=5, augment=[]), str(tmp_path / "big"))
     assert big["totals"]["sampled_train"] + 5 == big["totals"]["kept"] == big["pool"]
     assert "smaller" in big["note"]
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+LOREM = (
+    "describe how the water cycle moves moisture between oceans clouds rivers and soil over one year "
+    "and name the main forces that drive each stage of it in a temperate climate zone"
+)
+
+
+def test_exact_dedup_on_prompt_and_near_dup(tmp_path):
+    records = [
+        {"prompt": "What is the capital of France?", "response": "Paris."},
+        {"prompt": "What is the capital of France?", "response": "It is Paris."},  # same prompt
+        {"prompt": LOREM.capitalize() + "?"},
+        {"prompt": LOREM.upper() + ", please!"},  # near duplicate: case, punctuation, one word more
+        {"prompt": "Name three prime numbers."},
+    ]
+    src = SourceConfig(name="a", path=_write_jsonl(tmp_path / "a.jsonl", records))
+    s = prompts.expand(PromptsConfig(sources=[src], total=3, eval_count=0), str(tmp_path / "on"))
+    st = s["sources"]["a"]
+    assert (st["kept"], st["duplicates"], st["near_duplicates"]) == (3, 1, 1)
+    train = pq.read_table(tmp_path / "on" / "train.parquet").to_pylist()
+    kept = {r["prompt"]: r for r in train}
+    assert kept["What is the capital of France?"]["messages"][1]["content"] == "Paris."  # the first stays
+    assert LOREM.capitalize() + "?" in kept  # the earlier of the near pair stays
+    off = PromptsConfig(sources=[src], total=4, eval_count=0, near_dup=False)
+    assert prompts.expand(off, str(tmp_path / "off"))["sources"]["a"]["kept"] == 4
+
+
+def test_augment_fills_the_gap(tmp_path):
+    records = [{"prompt": f"Write a short poem about the number {i}."} for i in range(30)]
+    records += [
+        {
+            "messages": [
+                {"role": "user", "content": f"Tell me about city {i}."},
+                {"role": "assistant", "content": "A city."},
+            ]
+        }
+        for i in range(10)
+    ]
+    a = SourceConfig(name="a", path=_write_jsonl(tmp_path / "a.jsonl", records[:30]), weight=3.0)
+    b = SourceConfig(name="b", path=_write_jsonl(tmp_path / "b.jsonl", records[30:]))
+    cfg = PromptsConfig(
+        sources=[a, b], total=70, eval_count=2, augment=["{prompt} Answer briefly.", "Hi. {prompt}"]
+    )
+    s = prompts.expand(cfg, str(tmp_path / "out"))
+    train = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    evals = pq.read_table(tmp_path / "out" / "eval.parquet").to_pylist()
+    assert len(train) == 70 and len(evals) == 2 and not any(r["augmented"] for r in evals)
+    aug = [r for r in train if r["augmented"]]
+    assert len(aug) == s["totals"]["augmented"] == 70 - (40 - 2)
+    assert s["sources"]["a"]["augmented"] == 3 * s["sources"]["b"]["augmented"]  # gap split by weight
+    assert len({r["prompt"] for r in train + evals}) == 72 and len({r["id"] for r in train + evals}) == 72
+    for r in aug:
+        assert r["id"] == prompts.sample_id(r["messages"]) and r["messages"][-1]["role"] == "user"
+        assert r["prompt"].endswith(" Answer briefly.") or r["prompt"].startswith("Hi. ")
+    # eval stays disjoint: no training prompt is a variant of an eval prompt
+    eval_prompts = {r["prompt"] for r in evals}
+    for r in aug:
+        base = r["prompt"].removesuffix(" Answer briefly.").removeprefix("Hi. ")
+        assert base not in eval_prompts
+    assert s["totals"]["sampled_train"] == 70 and "note" not in s
+    again = prompts.expand(cfg, str(tmp_path / "again"))
+    assert pq.read_table(tmp_path / "again" / "train.parquet").equals(
+        pq.read_table(tmp_path / "out" / "train.parquet")
+    )
+    assert again == s
+    short = prompts.expand(
+        PromptsConfig(sources=[a, b], total=1000, eval_count=6, augment=["{prompt}!"]),
+        str(tmp_path / "short"),
+    )
+    assert short["totals"]["sampled_train"] == 34 * 2 and "smaller" in short["note"]
 
 
 def test_quotas_redistribute():
@@ -164,7 +258,7 @@ def test_cli(sources, tmp_path):
         text=True,
         check=True,
     ).stdout
-    assert "train 20, eval 4" in out
+    assert "train 20 (0 augmented), eval 4" in out
     assert pq.read_table(tmp_path / "eval.parquet").num_rows == 4
     bad = subprocess.run(
         [

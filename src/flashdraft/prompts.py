@@ -1,23 +1,28 @@
 """Prompt sources -> normalized, cleaned, deduplicated, mixed train/eval prompt sets.
 
-Every source row ends up either in the pool (normalized messages with a stable id) or in rejects with a
-reason; stats.json counts both per source, so a user sees where rows went.
+Every source row ends up in the pool (normalized messages with a stable id), in rejects with a reason, or
+counted as an exact or near duplicate of an earlier prompt; stats.json/stats.parquet count all of them per
+source, so a user sees where rows went. Memory stays bounded: kept rows are spooled to an Arrow file in the
+output directory and only hashes, source indices and MinHash signatures stay in memory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import random
 import re
+import tempfile
 import unicodedata
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .chat import prompt_messages
 from .config import PromptsConfig, SourceConfig
-from .io import write_json, write_parquet
+from .io import atomic_path, progress, write_json, write_parquet
 
 EXTENSIONS = {
     ".jsonl": "jsonl",
@@ -69,11 +74,11 @@ def source_format(src: SourceConfig) -> str:
 def load_source(src: SourceConfig):
     """Yield (row_index, record dict or ParseError) for every row of a local source file."""
     fmt = source_format(src)
-    if fmt == "hf":
-        raise NotImplementedError(
-            f"source {src.name!r}: format 'hf' (Hugging Face datasets) is not supported yet; "
-            f"export {src.path!r} to parquet or jsonl and point `path` at the file"
-        )
+    if fmt == "hf":  # a hub id (cached or online) or a local folder of data files, streamed row by row
+        import datasets
+
+        yield from enumerate(datasets.load_dataset(src.path, split=src.split, streaming=True))
+        return
     if not Path(src.path).is_file():
         raise FileNotFoundError(f"source {src.name!r}: no file at {src.path!r}")
     if fmt == "jsonl":
@@ -187,9 +192,41 @@ def sample_id(messages: list[dict]) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
+def prompt_hash(messages: list[dict]) -> int:
+    """Exact-dedup key: the prompt turns only, since answers are regenerated anyway."""
+    blob = json.dumps(prompt_messages(messages), ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    return int.from_bytes(hashlib.blake2b(blob.encode("utf-8"), digest_size=8).digest(), "little")
+
+
 def prompt_text(messages: list[dict]) -> str:
     """The text the target is prompted with: every turn before the first assistant answer."""
     return "\n\n".join(m["content"] for m in prompt_messages(messages))
+
+
+def augment_messages(messages: list[dict], template: str) -> list[dict]:
+    """The prompt turns with `template` applied to the last user turn; the answer is dropped, since it
+    answered a different question."""
+    out = [dict(m) for m in prompt_messages(messages)]
+    last = max(i for i, m in enumerate(out) if m["role"] == "user")
+    out[last]["content"] = template.replace("{prompt}", out[last]["content"]).strip()
+    return out
+
+
+def _row(messages: list[dict], source: str, augmented: bool = False) -> dict:
+    prompt = prompt_text(messages)
+    return {
+        "id": sample_id(messages),
+        "source": source,
+        "messages": messages,
+        "prompt": prompt,
+        "prompt_chars": len(prompt),
+        "num_turns": len(messages),
+        "augmented": augmented,
+    }
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed & 0xFFFFFFFF, zlib.crc32(name.encode("utf-8"))])
 
 
 def _quotas(sizes: dict[str, int], weights: dict[str, float], n: int) -> dict[str, int]:
@@ -217,10 +254,13 @@ def _quotas(sizes: dict[str, int], weights: dict[str, float], n: int) -> dict[st
     return quota
 
 
-def _table(rows: list[dict]):
+CHUNK = 8192  # rows per spool batch, signature batch and output row group
+
+
+def _schema():
     import pyarrow as pa
 
-    schema = pa.schema(
+    return pa.schema(
         [
             ("id", pa.string()),
             ("source", pa.string()),
@@ -228,104 +268,256 @@ def _table(rows: list[dict]):
             ("prompt", pa.string()),
             ("prompt_chars", pa.int32()),
             ("num_turns", pa.int32()),
+            ("augmented", pa.bool_()),  # a template variant made to fill the mix; it has no answer
         ]
     )
-    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _table(rows: list[dict]):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist(rows, schema=_schema())
+
+
+class _Rejects:
+    """rejects.parquet written in row groups as rows arrive."""
+
+    def __init__(self, path):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.schema = pa.schema(
+            [("source", pa.string()), ("row", pa.int64()), ("reason", pa.string()), ("raw", pa.string())]
+        )
+        self.writer, self.rows = pq.ParquetWriter(path, self.schema), []
+
+    def add(self, row: dict):
+        self.rows.append(row)
+        if len(self.rows) >= CHUNK:
+            self.flush()
+
+    def flush(self):
+        import pyarrow as pa
+
+        self.writer.write_table(pa.Table.from_pylist(self.rows, schema=self.schema))
+        self.rows = []
+
+    def close(self):
+        self.flush()
+        self.writer.close()
+
+
+def _read_pool(cfg: PromptsConfig, spool: str, rejects: _Rejects):
+    """Pass 1: read, clean and exact-dedup every source; kept rows go to the spool file in order.
+    Returns (stats, source index per spooled row, MinHash signatures or None, prompt hashes seen)."""
+    import pyarrow as pa
+
+    from .dedup import MinHasher
+
+    hasher = MinHasher(cfg.near_dup_num_perm, cfg.near_dup_ngram) if cfg.near_dup else None
+    seen: set[int] = set()
+    stats, src_idx, sigs, buf = {}, [], [], []
+    with pa.OSFile(spool, "wb") as f, pa.ipc.new_file(f, _schema()) as writer:
+
+        def flush(si):
+            if buf:
+                writer.write_table(_table(buf))
+                src_idx.append(np.full(len(buf), si, np.int32))
+                if hasher:
+                    sigs.append(hasher.signatures([r["prompt"] for r in buf]))
+                buf.clear()
+
+        for si, src in enumerate(cfg.sources):
+            st = stats[src.name] = {"read": 0, "kept": 0, "rejected": Counter(), "duplicates": 0}
+            for i, rec in progress(load_source(src), desc=f"read {src.name}", unit=" rows"):
+                st["read"] += 1
+                try:
+                    if isinstance(rec, ParseError):
+                        raise Rejected(rec.reason)
+                    messages = to_messages(rec, src.shape, src.fields)
+                    prompt = prompt_text(messages)
+                    if len(prompt) < cfg.min_chars:
+                        raise Rejected("too short")
+                    if len(prompt) > cfg.max_chars:
+                        raise Rejected("too long")
+                except Rejected as e:
+                    st["rejected"][str(e)] += 1
+                    raw = (
+                        rec.raw
+                        if isinstance(rec, ParseError)
+                        else json.dumps(rec, ensure_ascii=False, default=str)
+                    )
+                    rejects.add({"source": src.name, "row": i, "reason": str(e), "raw": raw[:200]})
+                    continue
+                key = prompt_hash(messages)
+                if key in seen:
+                    st["duplicates"] += 1
+                    continue
+                seen.add(key)
+                st["kept"] += 1
+                buf.append(_row(messages, src.name))
+                if len(buf) >= CHUNK:
+                    flush(si)
+            flush(si)
+    src = np.concatenate(src_idx) if src_idx else np.zeros(0, np.int32)
+    sig = np.concatenate(sigs) if sigs else None
+    return stats, src, sig, seen
+
+
+def _augment(cfg, pool, train_idx, src, seen) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """Pick (base row, template) pairs from training rows only (eval stays disjoint), by source weight,
+    each giving a prompt not seen before. Returns base spool rows, template indices, count per source."""
+    gap = cfg.total - len(train_idx)
+    names = [s.name for s in cfg.sources]
+    counts = dict.fromkeys(names, 0)
+    if gap <= 0 or not cfg.augment:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), counts
+    n_tpl = len(cfg.augment)
+    train_src = src[train_idx]
+    bases = {n: train_idx[train_src == si] for si, n in enumerate(names)}
+    quota = _quotas(
+        {n: len(b) * n_tpl for n, b in bases.items()}, {s.name: s.weight for s in cfg.sources}, gap
+    )
+    out_b, out_t = [], []
+    for name, base in bases.items():
+        if not quota[name]:
+            continue
+        order = _rng(cfg.seed, f"augment:{name}").permutation(base)
+        cand_b, cand_t = (
+            np.tile(order, n_tpl),
+            np.repeat(np.arange(n_tpl), len(order)),
+        )  # template by template
+        for c in range(0, len(cand_b), CHUNK):
+            b, t = cand_b[c : c + CHUNK], cand_t[c : c + CHUNK]
+            for bi, ti, rec in zip(b, t, pool.take(b).column("messages").to_pylist(), strict=True):
+                key = prompt_hash(augment_messages(rec, cfg.augment[ti]))
+                if key not in seen:  # a variant that already exists would be an exact duplicate
+                    seen.add(key)
+                    out_b.append(bi)
+                    out_t.append(ti)
+                    counts[name] += 1
+                    if counts[name] == quota[name]:
+                        break
+            if counts[name] == quota[name]:
+                break
+    return np.array(out_b, np.int64), np.array(out_t, np.int64), counts
+
+
+def _write(pool, base: np.ndarray, tpl: np.ndarray, templates: list[str], path):
+    """Write pool rows `base` (tpl < 0: as is, else augmented with templates[tpl]) in row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, _schema()) as w:
+        for c in range(0, max(len(base), 1), CHUNK):
+            b, t = base[c : c + CHUNK], tpl[c : c + CHUNK]
+            chunk = pool.take(pa.array(b, pa.int64()))
+            if (t >= 0).any():
+                rows = chunk.to_pylist()
+                for k in np.flatnonzero(t >= 0):
+                    rows[k] = _row(
+                        augment_messages(rows[k]["messages"], templates[t[k]]), rows[k]["source"], True
+                    )
+                chunk = _table(rows)
+            w.write_table(chunk)
 
 
 def expand(cfg: PromptsConfig, out_dir: str) -> dict:
-    """Read, clean, dedup and mix every source; write train/eval/rejects parquet and stats.json."""
+    """Read, clean, dedup (exact, then near) and mix every source; write train/eval/rejects parquet,
+    stats.json and stats.parquet."""
     import pyarrow as pa
+
+    from .dedup import near_duplicates
 
     if not cfg.sources:
         raise ValueError("prompts.sources is empty: list at least one prompt source")
     names = [s.name for s in cfg.sources]
     if len(set(names)) != len(names):
         raise ValueError(f"prompts.sources: duplicate source names {names}")
-    pool: dict[str, list[dict]] = {}
-    seen: set[str] = set()
-    rejects, stats = [], {}
-    for src in cfg.sources:
-        st = stats[src.name] = {"read": 0, "kept": 0, "rejected": Counter(), "duplicates": 0}
-        rows = pool[src.name] = []
-        for i, rec in load_source(src):
-            st["read"] += 1
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".tmp-spool-") as tmp:
+        with atomic_path(out / "rejects.parquet") as rejects_tmp:
+            rejects = _Rejects(rejects_tmp)
             try:
-                if isinstance(rec, ParseError):
-                    raise Rejected(rec.reason)
-                messages = to_messages(rec, src.shape, src.fields)
-                prompt = prompt_text(messages)
-                if len(prompt) < cfg.min_chars:
-                    raise Rejected("too short")
-                if len(prompt) > cfg.max_chars:
-                    raise Rejected("too long")
-            except Rejected as e:
-                st["rejected"][str(e)] += 1
-                raw = (
-                    rec.raw
-                    if isinstance(rec, ParseError)
-                    else json.dumps(rec, ensure_ascii=False, default=str)
-                )
-                rejects.append({"source": src.name, "row": i, "reason": str(e), "raw": raw[:200]})
-                continue
-            sid = sample_id(messages)
-            if sid in seen:
-                st["duplicates"] += 1
-                continue
-            seen.add(sid)
-            st["kept"] += 1
-            rows.append(
-                {
-                    "id": sid,
-                    "source": src.name,
-                    "messages": messages,
-                    "prompt": prompt,
-                    "prompt_chars": len(prompt),
-                    "num_turns": len(messages),
-                }
-            )
+                stats, src, sig, seen = _read_pool(cfg, f"{tmp}/pool.arrow", rejects)
+            finally:
+                rejects.close()
+        near = near_duplicates(sig, cfg.near_dup_threshold) if sig is not None else np.zeros(len(src), bool)
+        del sig
+        near_by_src = np.bincount(src[near], minlength=len(names))
+        alive = np.flatnonzero(~near)
 
-    # mix: per-source quotas by weight, a seeded sample inside each source, then one seeded shuffle
-    want = cfg.total + cfg.eval_count
-    weights = {s.name: s.weight for s in cfg.sources}
-    quota = _quotas({k: len(v) for k, v in pool.items()}, weights, want)
-    picked = []
-    for name, rows in pool.items():
-        picked += random.Random(f"{cfg.seed}:{name}").sample(rows, quota[name])
-    if not picked:
-        raise ValueError(f"no usable prompt in any source; see {out_dir}/rejects.parquet")
-    random.Random(cfg.seed).shuffle(picked)
-    n_eval = min(cfg.eval_count, len(picked) // 2)  # a small pool still leaves half for training
-    eval_rows, train_rows = picked[:n_eval], picked[n_eval:]
+        # mix: per-source quotas by weight, a seeded sample inside each source, then one seeded shuffle
+        want = cfg.total + cfg.eval_count
+        weights = {s.name: s.weight for s in cfg.sources}
+        pools = {n: alive[src[alive] == si] for si, n in enumerate(names)}
+        quota = _quotas({n: len(p) for n, p in pools.items()}, weights, want)
+        picked = np.concatenate([_rng(cfg.seed, n).permutation(p)[: quota[n]] for n, p in pools.items()])
+        if not len(picked):
+            raise ValueError(f"no usable prompt in any source; see {out_dir}/rejects.parquet")
+        picked = _rng(cfg.seed, "mix").permutation(picked)
+        n_eval = min(cfg.eval_count, len(picked) // 2)  # a small pool still leaves half for training
+        eval_idx, train_idx = picked[:n_eval], picked[n_eval:]
 
-    for name, st in stats.items():
+        with pa.memory_map(f"{tmp}/pool.arrow") as mm:
+            pool = pa.ipc.open_file(mm).read_all()
+            aug_b, aug_t, augmented = _augment(cfg, pool, train_idx, src, seen)
+            del seen
+            base = np.concatenate([train_idx, aug_b])
+            tpl = np.concatenate([np.full(len(train_idx), -1), aug_t])
+            order = _rng(cfg.seed, "train").permutation(len(base)) if len(aug_b) else np.arange(len(base))
+            _write(pool, base[order], tpl[order], cfg.augment, out / "train.parquet")
+            _write(pool, eval_idx, np.full(n_eval, -1), cfg.augment, out / "eval.parquet")
+            del pool
+
+    train_by_src = np.bincount(src[train_idx], minlength=len(names))
+    eval_by_src = np.bincount(src[eval_idx], minlength=len(names))
+    for si, (name, st) in enumerate(stats.items()):
         st["rejected"] = dict(sorted(st["rejected"].items()))
-        st["sampled_train"] = sum(r["source"] == name for r in train_rows)
-        st["sampled_eval"] = sum(r["source"] == name for r in eval_rows)
-    totals = {
-        k: sum(st[k] for st in stats.values())
-        for k in ("read", "kept", "duplicates", "sampled_train", "sampled_eval")
-    }
+        st["near_duplicates"] = int(near_by_src[si])
+        st["kept"] -= st["near_duplicates"]
+        st["augmented"] = augmented[name]
+        st["sampled_train"] = int(train_by_src[si]) + augmented[name]  # augmented rows included
+        st["sampled_eval"] = int(eval_by_src[si])
+    keys = ("read", "kept", "duplicates", "near_duplicates", "augmented", "sampled_train", "sampled_eval")
+    totals = {k: sum(st[k] for st in stats.values()) for k in keys}
     totals["rejected"] = sum(sum(st["rejected"].values()) for st in stats.values())
     summary = {
         "sources": stats,
         "totals": totals,
         "requested_train": cfg.total,
         "requested_eval": cfg.eval_count,
-        "pool": sum(len(v) for v in pool.values()),
+        "pool": len(alive),
     }
-    if len(picked) < want:
+    if totals["sampled_train"] + n_eval < want:
         summary["note"] = (
-            f"pool of {len(picked)} unique prompts is smaller than total + eval_count = {want}; "
-            "took all of them"
+            f"pool of {len(picked)} unique prompts (+{totals['augmented']} augmented) is smaller than "
+            f"total + eval_count = {want}; took all of them"
         )
-
-    out = Path(out_dir)
-    write_parquet(_table(train_rows), out / "train.parquet")
-    write_parquet(_table(eval_rows), out / "eval.parquet")
-    reject_schema = pa.schema(
-        [("source", pa.string()), ("row", pa.int64()), ("reason", pa.string()), ("raw", pa.string())]
-    )
-    write_parquet(pa.Table.from_pylist(rejects, schema=reject_schema), out / "rejects.parquet")
     write_json(out / "stats.json", summary)
+    write_parquet(_stats_table(stats), out / "stats.parquet")
     return summary
+
+
+def _stats_table(stats: dict):
+    """stats.parquet: one row per source; rejected is the total, rejected_by_reason the breakdown."""
+    import pyarrow as pa
+
+    ints = ["read", "kept", "rejected", "duplicates", "near_duplicates", "augmented"]
+    ints += ["sampled_train", "sampled_eval"]
+    schema = pa.schema(
+        [("source", pa.string())]
+        + [(k, pa.int64()) for k in ints]
+        + [("rejected_by_reason", pa.map_(pa.string(), pa.int64()))]
+    )
+    rows = [
+        {
+            **{k: st[k] for k in ints if k != "rejected"},
+            "source": name,
+            "rejected": sum(st["rejected"].values()),
+            "rejected_by_reason": list(st["rejected"].items()),
+        }
+        for name, st in stats.items()
+    ]
+    return pa.Table.from_pylist(rows, schema=schema)
