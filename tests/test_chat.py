@@ -81,3 +81,35 @@ def test_template_that_is_not_prefix_stable_is_refused(qwen_style):
     tok.chat_template = "{{ messages | length }}" + toy.CHAT_TEMPLATE
     with pytest.raises(ValueError, match="not prefix-stable"):
         chat.tokenize_conversation(tok, CONV)
+
+
+# Qwen3's template shape: an empty think block before every past answer and, with thinking off, in the
+# generation prompt as well (so the model is told not to think).
+QWEN3_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_style():
+    tok = toy.build_tokenizer(_corpus(), 512)
+    tok.add_tokens(["<think>", "</think>"], special_tokens=True)
+    tok.chat_template = QWEN3_TEMPLATE
+    return tok
+
+
+def test_mask_on_qwen3_style_thinking_template(qwen3_style):
+    conv = CONV[1:3]
+    # thinking off: the empty think block is part of the prompt, the model only learns the answer
+    ids, mask, _ = chat.tokenize_conversation(qwen3_style, conv, thinking=False)
+    assert _masked_text(qwen3_style, ids, mask) == "2 + 3 = 5.<|im_end|>"
+    # thinking on: the model itself writes the (empty) think block, so it is learned too
+    ids, mask, _ = chat.tokenize_conversation(qwen3_style, conv, thinking=True)
+    assert _masked_text(qwen3_style, ids, mask).replace("\n", "") == "<think></think>2 + 3 = 5.<|im_end|>"

@@ -117,6 +117,10 @@ def test_disabled_copies_answers_and_counts_missing(data, tmp_path):
             assert not (out / "train.parquet").exists()
         errors = pq.read_table(out / "errors.parquet").to_pylist()
         assert len(errors) == n_missing and errors[0]["reason"].startswith("no assistant answer")
+    # the tolerated share is config: at 10%, 3 of 40 pass
+    stats, _ = _run(data, tmp_path / "lenient", RegenerateConfig(enabled=False, max_error_fraction=0.1),
+                    tmp_path / "cut3.parquet")
+    assert stats["errors"] == 3 and stats["rows"] == 37
 
 
 def test_kill_and_rerun_script(data, reference, tmp_path):

@@ -83,6 +83,7 @@ class RegenerateConfig:
     temperature: float = 0.0
     thinking: bool = False
     part_rows: int = 256  # rows per atomically committed parquet part
+    max_error_fraction: float = 0.05  # fail the stage when more rows than this fail
     # backend openai: the server, and how hard to try it
     base_url: str = ""  # e.g. http://127.0.0.1:8000/v1
     model: str | None = None  # model name sent in requests; None: the target path

@@ -24,7 +24,6 @@ from .chat import prompt_messages, render
 from .config import RegenerateConfig, to_json
 from .io import progress, write_json, write_parquet
 
-MAX_ERROR_FRACTION = 0.05
 FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash loses little
 # settings of how to reach the server, not of what it answers: changing them keeps committed parts
 TRANSPORT_KEYS = ("base_url", "api_key_env", "concurrency", "max_retries", "timeout_s", "backoff_s")
@@ -299,16 +298,18 @@ def _prepare_work_dir(work: Path, key: dict) -> None:
         write_json(meta, key)
 
 
-def _finish(rows: list[dict], errors: list[dict], out: str, total: int | None = None) -> dict:
+def _finish(rows: list[dict], errors: list[dict], out: str, max_fraction: float,
+            total: int | None = None) -> dict:
     import pyarrow as pa
 
     err_path = Path(out).parent / "errors.parquet"
     err_schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("reason", pa.string())])
     write_parquet(pa.Table.from_pylist(errors, schema=err_schema), err_path)
     total = total or len(rows) + len(errors)
-    if errors and len(errors) > MAX_ERROR_FRACTION * total:
+    if errors and len(errors) > max_fraction * total:
         raise RuntimeError(
-            f"regenerate: {len(errors)} of {total} rows failed (> {MAX_ERROR_FRACTION:.0%}); "
+            f"regenerate: {len(errors)} of {total} rows failed "
+            f"(> {max_fraction:.0%}, regenerate.max_error_fraction); "
             f"reasons in {err_path}, first: {errors[0]['reason']}"
         )
     write_parquet(pa.Table.from_pylist(rows, schema=_schema(error=False)), out)
@@ -316,7 +317,7 @@ def _finish(rows: list[dict], errors: list[dict], out: str, total: int | None = 
     return {"rows": len(rows), "errors": len(errors), "stop": stop, "length": len(rows) - stop}
 
 
-def copy_original(prompt_rows: list[dict], tokenizer, out: str) -> dict:
+def copy_original(prompt_rows: list[dict], tokenizer, out: str, max_error_fraction: float) -> dict:
     """Regeneration disabled: keep each conversation's own answers (rows without one become errors)."""
     rows, errors = [], []
     for r in prompt_rows:
@@ -340,7 +341,7 @@ def copy_original(prompt_rows: list[dict], tokenizer, out: str) -> dict:
                 "finish_reason": "stop",
             }
         )
-    return _finish(rows, errors, out)
+    return _finish(rows, errors, out, max_error_fraction)
 
 
 def regenerate(
@@ -356,7 +357,7 @@ def regenerate(
     if not cfg.enabled:
         from transformers import AutoTokenizer
 
-        return copy_original(prompt_rows, AutoTokenizer.from_pretrained(target), out)
+        return copy_original(prompt_rows, AutoTokenizer.from_pretrained(target), out, cfg.max_error_fraction)
     if cfg.backend not in ("hf", "openai"):
         raise ValueError(f"regenerate.backend {cfg.backend!r} is not supported; use 'hf' or 'openai'")
 
@@ -383,7 +384,7 @@ def regenerate(
                 gave_up = _run_hf(cfg, target, dtype, pending, order, parts, bar)
             else:
                 n_err = sum(r["error"] is not None for r in done)
-                max_err = MAX_ERROR_FRACTION * len(prompt_rows)
+                max_err = cfg.max_error_fraction * len(prompt_rows)
                 gave_up = _run_openai(cfg, target, pending, parts, bar, n_err, max_err)
         finally:
             parts.flush()  # what finished is kept, even when the run fails
@@ -396,4 +397,4 @@ def regenerate(
     errors = [
         {"id": r["id"], "source": r["source"], "reason": r["error"]} for r in done if r["error"] is not None
     ]
-    return _finish(rows, errors, out, len(prompt_rows))
+    return _finish(rows, errors, out, cfg.max_error_fraction, len(prompt_rows))
