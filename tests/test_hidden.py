@@ -17,12 +17,14 @@ from flashdraft import hidden
 from flashdraft.chat import tokenize_conversation
 from flashdraft.config import DrafterConfig, HiddenConfig, ToyConfig
 from flashdraft.hidden import (
+    FP8,
     HiddenStore,
     ShardWriter,
     manifest_path,
     open_shard,
     precompute_shard,
     preflight,
+    quantize_fp8,
     shard_of,
     token_batches,
     verify_shard,
@@ -40,8 +42,8 @@ def write_shard(path, rows, dtype="bfloat16", layer_ids=(1, 3), hidden_size=8, t
     """Write (id, input_ids, loss_mask, hidden) rows to a shard + manifest; return the manifest."""
     meta = dict(target=target, layer_ids=list(layer_ids), hidden_size=hidden_size, dtype=dtype)
     with open_shard(path, **meta, **kw) as w:
-        for row in rows:
-            w.write(*row)
+        for sid, ids, mask, h in rows:
+            w.write(sid, ids, mask, *quantize_fp8(h)) if dtype == FP8 else w.write(sid, ids, mask, h)
     return write_manifest(manifest_path(path), w, shard=0, num_shards=1, truncated=0, skipped=0)
 
 
@@ -180,8 +182,103 @@ def test_preflight_and_storage_dtype(tmp_path):
     with pytest.raises(RuntimeError, match=r"need about [\d.]+ GiB .*but only [\d.]+ GiB") as e:
         preflight(10**15, 4, tmp_path)
     assert f"({10**15 * 4 * 11 // 10} bytes" in str(e.value)
-    with pytest.raises(ValueError, match="fp8"):
+    with pytest.raises(ValueError, match=r"'float8_e4m3fn' is not supported; use one of .*'float8_e4m3'"):
         hidden.storage_dtype("float8_e4m3fn")
+    assert hidden.storage_dtype(FP8) == torch.float8_e4m3fn
+    # features + the int32 id and int8 mask; fp8 adds one float32 scale per token
+    assert [hidden.bytes_per_token(d, 2048) for d in ("float32", "bfloat16", FP8)] == [8197, 4101, 2057]
+
+
+def activations(t, width, g):
+    """Activation-like rows: gaussian, per-token magnitudes over 4 decades, a few huge outlier channels."""
+    x = torch.randn(t, width, generator=g) * 10 ** (4 * torch.rand(t, 1, generator=g) - 2)
+    x[:, [7, width // 3, width - 5]] *= 80
+    return x
+
+
+def test_fp8_round_trip_error_and_bytes(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(6):
+        t = int(torch.randint(20, 60, (1,), generator=g))
+        x = activations(t, 2 * 1024, g)
+        x[1] = 0  # an all-zero token must not get a zero scale
+        rows.append((f"r{i}", list(range(t)), [1] * t, x))
+    fp8, bf16 = tmp_path / "fp8.arrow", tmp_path / "bf16.arrow"
+    manifest = write_shard(fp8, rows, dtype=FP8, layer_ids=(1, 3), hidden_size=1024, max_rows=4)
+    write_shard(bf16, [(*r[:3], r[3].bfloat16()) for r in rows], layer_ids=(1, 3), hidden_size=1024)
+    assert fp8.stat().st_size <= 0.52 * bf16.stat().st_size
+    assert manifest["dtype"] == FP8 and verify_shard(fp8)["ok"]
+
+    store = HiddenStore([fp8])
+    assert store.dtype == FP8 and len(store) == 6
+    for i, (sid, ids, _, x) in enumerate(rows):
+        item = store[i]
+        assert item["id"] == sid and item["input_ids"].tolist() == ids
+        assert item["hidden"].dtype == torch.bfloat16 and item["hidden"].shape == x.shape
+        err = (item["hidden"].float() - x).abs()
+        amax = x.abs().amax(-1, keepdim=True)
+        assert (err <= 2**-3 * amax).all()  # e4m3 keeps 3 mantissa bits of the token's range
+        assert (err <= 2**-4 * x.abs() + 2**-9 * amax / 448).all()  # per element: half an ulp (+ subnormals)
+        assert torch.equal(item["hidden"][1], torch.zeros(x.shape[1], dtype=torch.bfloat16))
+        rel = err.norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
+        assert rel.max() < 0.05
+    assert torch.equal(pickle.loads(pickle.dumps(store))[3]["hidden"], store[3]["hidden"])
+    # the stored e4m3 bytes are read in place from the mapping, then dequantized
+    raw = store._column(0, store._batches[0][0], 0, "hidden", torch.float8_e4m3fn)
+    assert any(lo <= raw.data_ptr() < hi for lo, hi in mapped_ranges(fp8))
+    assert torch.equal(raw.view(torch.uint8), quantize_fp8(rows[0][3])[0].view(torch.uint8).flatten())
+
+
+def test_fp8_writer_and_verify_check_scales(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    rows = [(f"r{i}", [5] * 9, [1] * 9, activations(9, 16, g)) for i in range(3)]
+    good = tmp_path / "good.arrow"
+    write_shard(good, rows, dtype=FP8)
+    assert verify_shard(good)["ok"]
+
+    # a flipped byte in the scale column: the sha256 catches it, and the scale check once the manifest agrees
+    bad = tmp_path / "bad.arrow"
+    data = bytearray(good.read_bytes())
+    at = data.find(quantize_fp8(rows[0][3])[1].numpy().tobytes())
+    assert at > 0
+    data[at + 3] ^= 0x80  # sign bit of row 0's first scale (little endian)
+    bad.write_bytes(data)
+    manifest = json.loads(manifest_path(good).read_text())
+    manifest_path(bad).write_text(json.dumps(manifest))
+    assert "sha256" in " ".join(verify_shard(bad)["errors"])
+    manifest.update(sha256=hidden.file_sha256(bad))
+    manifest_path(bad).write_text(json.dumps(manifest))
+    assert verify_shard(bad)["errors"] == [
+        f"{bad}: row 0 (id 'r0'): scale has values that are not finite and > 0"
+    ]
+
+    # NaN (e4m3fn has no Inf) in the values, and a zero scale, written through the writer
+    nan = tmp_path / "nan.arrow"
+    with open_shard(nan, target="tgt", layer_ids=[1, 3], hidden_size=8, dtype=FP8) as w:
+        q, scale = quantize_fp8(rows[0][3])
+        q.view(torch.uint8)[2, 5] = 0x7F
+        w.write("a", *rows[0][1:3], q, scale)
+        w.write("b", *rows[1][1:3], *quantize_fp8(rows[1][3]))
+        w.write("c", *rows[2][1:3], quantize_fp8(rows[2][3])[0], torch.zeros(9))
+    write_manifest(manifest_path(nan), w)
+    assert verify_shard(nan)["errors"] == [
+        f"{nan}: row 0 (id 'a'): hidden has NaN or Inf values",
+        f"{nan}: row 2 (id 'c'): scale has values that are not finite and > 0",
+    ]
+
+    sid, ids, mask, x = rows[0]
+    with pytest.raises(ValueError, match="scale"):
+        write_shard(tmp_path / "x.arrow", [(sid, ids, mask, x)], dtype=FP8, layer_ids=(1, 3), hidden_size=4)
+    with pytest.raises(ValueError, match="scale"):  # fp8 values without their scales
+        with open_shard(tmp_path / "y.arrow", target="t", layer_ids=[1, 3], hidden_size=8, dtype=FP8) as w:
+            w.write(sid, ids, mask, quantize_fp8(x)[0])
+    with pytest.raises(ValueError, match="scale"):  # a bf16 shard takes no scale
+        with open_shard(tmp_path / "z.arrow", target="t", layer_ids=[1, 3], hidden_size=8) as w:
+            w.write(sid, ids, mask, x.bfloat16(), torch.ones(9))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{n}.{e}" for n in ("good", "bad", "nan") for e in ("arrow", "json")
+    )
 
 
 def test_shard_assignment_and_token_batches():
@@ -255,6 +352,29 @@ def test_precompute_matches_direct_forward(precomputed, toy_target, train_parque
         torch.testing.assert_close(item["hidden"].float(), ref, rtol=2**-7, atol=1e-5)
         exact.append((item["hidden"] == ref.to(torch.bfloat16)).float().mean())
     assert min(exact) > 0.99  # equal up to bf16 rounding
+
+
+def test_precompute_fp8_end_to_end(precomputed, toy_target, train_parquet, tmp_path, monkeypatch):
+    shards, manifests = precomputed
+    need = []
+    monkeypatch.setattr(hidden, "preflight", lambda tokens, per_token, d: need.append(per_token))
+    out = tmp_path / "shard-00001.arrow"
+    cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=CFG.batch_tokens, dtype=FP8)
+    manifest = precompute_shard(toy_target, "float32", train_parquet, 1, 2, out, cfg, LAYERS)
+    assert need == [3 * 128 + 4 + 5]  # preflight counts 1 byte per value + the scale
+    assert manifest["dtype"] == FP8 and json.loads(manifest_path(out).read_text()) == manifest
+    assert verify_shard(out)["ok"]
+    assert (manifest["rows"], manifest["tokens"]) == (manifests[1]["rows"], manifests[1]["tokens"])
+    assert manifest["bytes"] <= 0.55 * manifests[1]["bytes"]  # H=128: small rows, so Arrow overhead shows
+
+    store, ref = HiddenStore([out]), HiddenStore([shards[1]])
+    assert store.dtype == FP8 and store.layer_ids == ref.layer_ids
+    for i in range(len(store)):
+        item, want = store[i], ref[i]
+        assert item["id"] == want["id"] and torch.equal(item["input_ids"], want["input_ids"])
+        assert item["hidden"].dtype == torch.bfloat16 and item["hidden"].shape == want["hidden"].shape
+        err = (item["hidden"].float() - want["hidden"].float()).norm(dim=-1)
+        assert (err / want["hidden"].float().norm(dim=-1)).max() < 0.05
 
 
 def _rows(path):

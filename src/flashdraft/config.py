@@ -98,7 +98,7 @@ class RegenerateConfig:
 class HiddenConfig:
     shards: int = 2
     max_length: int = 3072
-    dtype: str = "bfloat16"  # storage dtype of the hidden states
+    dtype: str = "bfloat16"  # hidden-state storage: bfloat16 | float32 | float8_e4m3 (per-token scale)
     batch_tokens: int = 16384  # token budget of one forward batch
 
 

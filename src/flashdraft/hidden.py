@@ -3,9 +3,14 @@ verification, and the precompute pipeline that fills the shards.
 
 A shard is one Arrow IPC file with one row per sample:
   id (string), input_ids (list<int32>), loss_mask (list<int8>), num_tokens (int32),
-  hidden (large_binary: the [num_tokens, K*H] features row-major in the storage dtype; bf16 as raw bits).
-The schema metadata names the format, dtype, K, H, the target and its layer ids, so a shard describes
-itself; the manifest next to it (`shard-00000.arrow` -> `shard-00000.json`) adds counts and the sha256.
+  hidden (large_binary: the [num_tokens, K*H] features row-major in the storage dtype; bf16 as raw bits),
+  and for float8_e4m3 shards only, scale (large_binary: float32[num_tokens], one scale per token).
+FP8 shards store e4m3 values x / scale with scale = amax(|x|) / 448 per token (the row of K*H features);
+the reader dequantizes them to bf16. bf16 and fp32 shards have no scale column and are unchanged, so the
+format stays version 1: the schema that goes with a dtype is fixed, and readers that predate fp8 reject
+such shards by their dtype. The schema metadata names the format, dtype, K, H, the target and its layer
+ids, so a shard describes itself; the manifest next to it (`shard-00000.arrow` -> `shard-00000.json`)
+adds counts and the sha256.
 Files appear under their final name only when complete (written to a temporary sibling, then renamed).
 """
 
@@ -27,21 +32,39 @@ import torch
 
 from .chat import tokenize_conversation
 from .config import DrafterConfig, HiddenConfig
-from .io import atomic_path, device, progress, torch_dtype, write_json
+from .io import atomic_path, device, progress, write_json
 from .target import feature_layer_ids, load_target, select_features
 
 FORMAT = "flashdraft.hidden/1"
-STORAGE_DTYPES = {"bfloat16": 2, "float32": 4}  # name -> bytes per element
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3": torch.float8_e4m3fn}
+FP8 = "float8_e4m3"
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 META_KEYS = ("target", "target_layer_ids", "dtype", "hidden_size", "num_features")
 
 
 def storage_dtype(name: str) -> torch.dtype:
     if name not in STORAGE_DTYPES:
-        raise ValueError(
-            f"hidden.dtype {name!r} is not supported; use one of {sorted(STORAGE_DTYPES)} "
-            "(fp8 storage is not available yet)"
-        )
-    return torch_dtype(name)
+        raise ValueError(f"hidden.dtype {name!r} is not supported; use one of {sorted(STORAGE_DTYPES)}")
+    return STORAGE_DTYPES[name]
+
+
+def bytes_per_token(dtype: str, width: int) -> int:
+    """Bytes one token takes in a shard: K*H features (+ an fp32 scale for fp8), int32 id, int8 mask."""
+    return width * storage_dtype(dtype).itemsize + (4 if dtype == FP8 else 0) + 5
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3: x [..., W] -> (x / scale as float8_e4m3fn, float32 scale [...]), on x's device."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)  # an all-zero token keeps scale 1, never 0
+    # clamp: x / scale may round just past 448, which e4m3fn (no Inf) would turn into NaN
+    q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.float() * scale.unsqueeze(-1)).to(torch.bfloat16)
 
 
 def manifest_path(arrow_path) -> Path:
@@ -71,6 +94,8 @@ def shard_schema(target: str, layer_ids: list[int], hidden_size: int, dtype: str
         ("num_tokens", pa.int32()),
         ("hidden", pa.large_binary()),
     ]
+    if dtype == FP8:
+        fields.append(("scale", pa.large_binary()))
     return pa.schema(fields, metadata={f"flashdraft.{k}": v for k, v in meta.items()})
 
 
@@ -143,16 +168,20 @@ class ShardWriter:
         self.rows = self.tokens = self.bytes = 0
         self.sha256 = None
 
-    def write(self, sample_id: str, input_ids, loss_mask, hidden: torch.Tensor) -> None:
-        n, shape = len(input_ids), tuple(hidden.shape)
-        if n == 0 or len(loss_mask) != n or shape != (n, self.width) or hidden.dtype != self.torch_dtype:
+    def write(self, sample_id: str, input_ids, loss_mask, hidden: torch.Tensor, scale=None) -> None:
+        """One row; fp8 shards take the quantized hidden with its float32 scale [n] (see quantize_fp8)."""
+        n, fp8 = len(input_ids), self.meta["dtype"] == FP8
+        scale_sig = None if scale is None else (tuple(scale.shape), scale.dtype)
+        got = (tuple(hidden.shape), hidden.dtype, scale_sig)
+        want = ((n, self.width), self.torch_dtype, ((n,), torch.float32) if fp8 else None)
+        if n == 0 or len(loss_mask) != n or got != want:
             raise ValueError(
-                f"row {sample_id!r}: {n} input ids, {len(loss_mask)} mask values, hidden {shape} "
-                f"{hidden.dtype}; expected a non-empty row with hidden [{n}, {self.width}] {self.torch_dtype}"
+                f"row {sample_id!r}: {n} input ids, {len(loss_mask)} mask values, (hidden, scale) {got}; "
+                f"expected a non-empty row with (hidden, scale) {want}"
             )
-        raw = hidden.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
-        self.pending.append((str(sample_id), list(input_ids), list(loss_mask), raw))
-        self.pending_bytes += raw.size
+        raws = [_raw(hidden)] + ([_raw(scale)] if fp8 else [])
+        self.pending.append((str(sample_id), list(input_ids), list(loss_mask), raws))
+        self.pending_bytes += sum(r.size for r in raws)
         self.rows, self.tokens = self.rows + 1, self.tokens + n
         if len(self.pending) >= self.max_rows or self.pending_bytes >= self.max_bytes:
             self.flush()
@@ -161,18 +190,12 @@ class ShardWriter:
         if not self.pending:
             return
         ids, input_ids, masks, raws = zip(*self.pending, strict=True)
-        offsets = np.zeros(len(raws) + 1, np.int64)
-        np.cumsum([r.size for r in raws], out=offsets[1:])
-        # one copy into a contiguous data buffer; offsets are multiples of the itemsize, so rows stay aligned
-        hidden = pa.LargeBinaryArray.from_buffers(
-            pa.large_binary(), len(raws), [None, pa.py_buffer(offsets), pa.py_buffer(np.concatenate(raws))]
-        )
         columns = [
             pa.array(ids, pa.string()),
             pa.array(input_ids, pa.list_(pa.int32())),
             pa.array(masks, pa.list_(pa.int8())),
             pa.array([len(x) for x in input_ids], pa.int32()),
-            hidden,
+            *(_binary(col) for col in zip(*raws, strict=True)),  # hidden (and scale)
         ]
         self.writer.write_batch(pa.record_batch(columns, schema=self.schema))
         self.pending, self.pending_bytes = [], 0
@@ -187,6 +210,18 @@ class ShardWriter:
         with contextlib.suppress(Exception):
             self.writer.close()
         self.sink.close()
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
+
+
+def _binary(raws) -> pa.LargeBinaryArray:
+    offsets = np.zeros(len(raws) + 1, np.int64)
+    np.cumsum([r.size for r in raws], out=offsets[1:])
+    # one copy into a contiguous data buffer; offsets are multiples of the itemsize, so rows stay aligned
+    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(np.concatenate(raws))]
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(raws), buffers)
 
 
 @contextlib.contextmanager
@@ -223,6 +258,7 @@ def write_manifest(path, writer: ShardWriter, **extra) -> dict:
 class HiddenStore:
     """Memory-mapped, zero-copy view over shards; item i is one sample (global index across shards).
 
+    fp8 shards are read zero-copy too, then dequantized to a new bf16 tensor per item.
     Files are mapped copy-on-write: hidden tensors alias the page cache, and an in-place op on one
     changes only this process's copy of those pages, never the shard (a read-only map would segfault)."""
 
@@ -264,16 +300,22 @@ class HiddenStore:
     def num_tokens(self, i: int) -> int:
         return int(self.lengths[i])
 
+    def _column(self, s: int, batch, r: int, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Row r of a large_binary column as a tensor over the mapped file (no copy)."""
+        col = batch.column(name)
+        _, offsets, data = col.buffers()
+        start, end = np.frombuffer(offsets, np.int64)[col.offset + r : col.offset + r + 2]
+        mapped, base = self._maps[s]
+        count, offset = (end - start) // dtype.itemsize, data.address - base + start
+        return torch.frombuffer(mapped, dtype=dtype, count=count, offset=offset)
+
     def __getitem__(self, i: int) -> dict:
         s, b, r = self._locs[range(len(self))[i]]  # range() handles negative indices and bounds
         batch = self._batches[s][b]
-        col = batch.column("hidden")
-        _, offsets, data = col.buffers()
-        start, end = np.frombuffer(offsets, np.int64)[col.offset + r : col.offset + r + 2]
         n = int(batch.column("num_tokens")[r].as_py())
-        mapped, base = self._maps[s]
-        count, offset = (end - start) // self._dtype.itemsize, data.address - base + start
-        hidden = torch.frombuffer(mapped, dtype=self._dtype, count=count, offset=offset).view(n, -1)
+        hidden = self._column(s, batch, r, "hidden", self._dtype).view(n, -1)
+        if self.dtype == FP8:
+            hidden = dequantize_fp8(hidden, self._column(s, batch, r, "scale", torch.float32))
         return {
             "id": batch.column("id")[r].as_py(),
             "input_ids": torch.tensor(batch.column("input_ids")[r].values.to_numpy(), dtype=torch.long),
@@ -311,6 +353,12 @@ def file_sha256(path, chunk=16 << 20) -> str:
         while block := f.read(chunk):
             sha.update(block)
     return sha.hexdigest()
+
+
+def _sizes(batch, name: str) -> np.ndarray:
+    """Bytes per row of a large_binary column, from its offsets."""
+    col = batch.column(name)
+    return np.diff(np.frombuffer(col.buffers()[1], np.int64)[col.offset : col.offset + len(batch) + 1])
 
 
 def verify_shard(arrow_path, manifest_file=None, max_errors=20) -> dict:
@@ -354,20 +402,29 @@ def verify_shard(arrow_path, manifest_file=None, max_errors=20) -> dict:
     if int(store.lengths.sum()) != manifest.get("tokens"):
         err(f"{int(store.lengths.sum())} tokens, manifest says {manifest.get('tokens')}")
 
-    row_bytes = store.num_features * store.hidden_size * STORAGE_DTYPES[store.dtype]
+    fp8 = store.dtype == FP8
+    row_bytes = store.num_features * store.hidden_size * storage_dtype(store.dtype).itemsize
     row, bad_rows = 0, 0
     for batch in store._batches[0]:
-        ids, col = batch.column("id"), batch.column("hidden")
-        offsets = np.frombuffer(col.buffers()[1], np.int64)[col.offset : col.offset + len(batch) + 1]
+        ids = batch.column("id")
+        hidden_bytes, scale_bytes = _sizes(batch, "hidden"), _sizes(batch, "scale") if fp8 else None
         for r in range(len(batch)):
             n = batch.column("num_tokens")[r].as_py()
             problems = []
             lens = (len(batch.column("input_ids")[r]), len(batch.column("loss_mask")[r]))
             if lens != (n, n):
                 problems.append(f"{lens[0]} input ids and {lens[1]} mask values for num_tokens={n}")
-            if offsets[r + 1] - offsets[r] != n * row_bytes:
-                problems.append(f"hidden has {offsets[r + 1] - offsets[r]} bytes, expected {n} x {row_bytes}")
-            elif not torch.isfinite(store[row]["hidden"]).all():
+            sized = hidden_bytes[r] == n * row_bytes
+            if not sized:
+                problems.append(f"hidden has {hidden_bytes[r]} bytes, expected {n} x {row_bytes}")
+            if fp8 and scale_bytes[r] != n * 4:
+                sized = False
+                problems.append(f"scale has {scale_bytes[r]} bytes, expected {n} x 4")
+            elif fp8 and sized:
+                scale = store._column(0, batch, r, "scale", torch.float32)
+                if not (torch.isfinite(scale) & (scale > 0)).all():
+                    problems.append("scale has values that are not finite and > 0")
+            if sized and not torch.isfinite(store[row]["hidden"]).all():
                 problems.append("hidden has NaN or Inf values")
             if problems:
                 bad_rows += 1
@@ -437,10 +494,12 @@ def token_batches(lengths: list[int], batch_tokens: int, window: int = 1024) -> 
 
 
 @torch.inference_mode()
-def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dtype, pad_id: int):
-    """Target features [B, S, K*H] in the storage dtype, on the host, right-padded.
+def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dtype: str, pad_id: int):
+    """Target features [B, S, K*H] in the storage dtype, on the host, right-padded, with their per-token
+    float32 scales [B, S] for fp8 (else None).
 
-    On CUDA the copy lands in pinned memory without blocking; the returned event marks it done."""
+    fp8 is quantized on the model's device, so the copy moves half the bytes of bf16. On CUDA the copy
+    lands in pinned memory without blocking; the returned event marks it done."""
     dev = next(model.parameters()).device
     ids = torch.full((len(batch_ids), max(map(len, batch_ids))), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -451,14 +510,18 @@ def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dt
     out = model.base_model(
         input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True, use_cache=False
     )
-    feats = select_features(out.hidden_states, layer_ids).to(dtype)
+    feats = select_features(out.hidden_states, layer_ids)
+    feats, scales = quantize_fp8(feats) if dtype == FP8 else (feats.to(storage_dtype(dtype)), None)
     if dev.type != "cuda":
-        return feats, None
-    host = torch.empty(feats.shape, dtype=dtype, pin_memory=True)
-    host.copy_(feats, non_blocking=True)
+        return feats, scales, None
+
+    def to_host(t):
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+    feats, scales = to_host(feats), None if scales is None else to_host(scales)
     event = torch.cuda.Event()
     event.record()
-    return host, event
+    return feats, scales, event
 
 
 class WriterThread:
@@ -497,11 +560,12 @@ class WriterThread:
             raise RuntimeError(f"hidden-state writer thread failed: {self.error!r}") from self.error
 
 
-def _write_rows(writer: ShardWriter, rows, feats, event) -> None:
+def _write_rows(writer: ShardWriter, rows, feats, scales, event) -> None:
     if event is not None:
         event.synchronize()  # the non-blocking device-to-host copy has landed
-    for (sid, ids, mask), f in zip(rows, feats, strict=True):
-        writer.write(sid, ids, mask, f[: len(ids)])
+    for i, (sid, ids, mask) in enumerate(rows):
+        n = len(ids)
+        writer.write(sid, ids, mask, feats[i, :n], None if scales is None else scales[i, :n])
 
 
 def precompute_shard(
@@ -518,7 +582,7 @@ def precompute_shard(
     """Forward the target over this shard's samples and store the drafter's features; returns the manifest.
 
     `dtype` is what the target runs in, `hidden_cfg.dtype` what is stored."""
-    store_dtype = storage_dtype(hidden_cfg.dtype)
+    storage_dtype(hidden_cfg.dtype)  # fail before loading the model
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
     model, tokenizer = load_target(str(target_path), dtype, device())
@@ -527,8 +591,7 @@ def precompute_shard(
     max_length = hidden_cfg.max_length
     samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards, max_length)
     lengths = [len(s[1]) for s in samples]
-    # + 5: the int32 input id and int8 loss mask stored next to each token's features
-    per_token = len(layer_ids) * hidden_size * STORAGE_DTYPES[hidden_cfg.dtype] + 5
+    per_token = bytes_per_token(hidden_cfg.dtype, len(layer_ids) * hidden_size)
     preflight(sum(lengths), per_token, Path(out_arrow).parent)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked, right side
 
@@ -539,8 +602,8 @@ def precompute_shard(
         try:
             for batch in token_batches(lengths, hidden_cfg.batch_tokens):
                 rows = [samples[i] for i in batch]
-                feats, event = forward_features(model, [r[1] for r in rows], layer_ids, store_dtype, pad_id)
-                io_thread.put((rows, feats, event))
+                feats = forward_features(model, [r[1] for r in rows], layer_ids, hidden_cfg.dtype, pad_id)
+                io_thread.put((rows, *feats))
                 bar.update(sum(lengths[i] for i in batch))
         except BaseException:
             io_thread.close(abort=True)
