@@ -77,6 +77,14 @@ def losses(rows):
     return [float(r["loss"]) for r in rows]
 
 
+def tensorboard_losses(run_dir) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("train/loss")}
+
+
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
     """An uninterrupted 2-process run."""
@@ -165,6 +173,8 @@ def test_torchrun_two_processes_train_and_export(data, reference):
     run_dirs = list((reference / "checkpoints").iterdir())
     assert len(run_dirs) == 1  # one run key
     assert [p.name for p in sorted(run_dirs[0].glob("step-*"))] == ["step-00000004", "step-00000006"]
+    tb = tensorboard_losses(run_dirs[0])  # the same numbers as the CSV, for TensorBoard
+    assert sorted(tb) == list(range(1, 7)) and list(tb.values()) == pytest.approx(loss, rel=1e-6)
 
 
 def test_stopped_run_resumes_to_the_same_losses_on_two_or_one_processes(data, reference, tmp_path):
@@ -181,6 +191,8 @@ def test_stopped_run_resumes_to_the_same_losses_on_two_or_one_processes(data, re
     assert [r["step"] for r in rows] == [r["step"] for r in ref]
     assert losses(rows) == pytest.approx(losses(ref), rel=1e-9, abs=0)  # the same curve, step for step
     assert [r["acc"] for r in rows] == [r["acc"] for r in ref]
+    tb = tensorboard_losses(next((stopped / "checkpoints").iterdir()))  # one event per step after resuming
+    assert sorted(tb) == list(range(1, 7)) and list(tb.values()) == pytest.approx(losses(ref), rel=1e-6)
     a, _ = load_drafter(reference / "drafter")
     b, _ = load_drafter(stopped / "drafter")
     for (k, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):

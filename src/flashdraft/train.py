@@ -318,6 +318,19 @@ def metric_fields(block_size: int) -> list[str]:
     return METRIC_KEYS + pos + ["sim_tau", "lr", "grad_norm", "tokens_per_s"]
 
 
+def tensorboard(log_dir: Path, step: int, d: Dist):
+    """A TensorBoard writer on rank 0 next to the checkpoints; `purge_step` drops the events a killed
+    run logged after its last checkpoint, as the live CSV does."""
+    if not d.main:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # the tensorboard package is optional: the CSV has every number
+        log(d, "tensorboard not installed; metrics go to CSV only")
+        return None
+    return SummaryWriter(str(log_dir), purge_step=step + 1 if step else None)  # `step` is checkpointed
+
+
 def write_metrics(path, rows: list[dict], fields: list[str]) -> None:
     with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
@@ -403,6 +416,7 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
     live_csv = run_dir / "metrics.csv"
     if d.main:
         write_metrics(live_csv, rows, fields)  # drops rows a killed run logged after its last checkpoint
+    tb = tensorboard(run_dir / "tensorboard", step, d)
 
     collate = Collate(cfg.buckets, cfg.batch_tokens, step_fn.amp_dtype or torch.float32)
     seen_buckets: set[int] = set()
@@ -453,6 +467,11 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                     with open(live_csv, "a", newline="") as f:
                         csv.DictWriter(f, fieldnames=fields).writerow(row)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}", refresh=False)
+                if tb is not None:
+                    for k, v in row.items():
+                        if k != "step":
+                            tb.add_scalar(f"train/{k}", v, step)
+                    tb.flush()
 
             stopping = stop_at is not None and step >= stop_at
             if step % cfg.checkpoint_every == 0 or step == total or stopping:
@@ -463,11 +482,15 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                 _barrier(d)
             if stopping:
                 bar.close()
+                if tb is not None:
+                    tb.close()
                 log(d, f"stopped after step {step}; rerun the same command to resume from {run_dir}")
                 return {"step": step, "stopped": True, "run_dir": str(run_dir), "rows": rows}
         if step < total:
             epoch, cursor = epoch + 1, 0
     bar.close()
+    if tb is not None:
+        tb.close()
 
     if d.main:
         export_drafter(drafter, spec, out_dir, dtype=step_fn.amp_dtype)
