@@ -55,6 +55,19 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def toy_prompt_set(root, num_docs: int = 200, total: int = 40):
+    """A random tiny toy target (root/target) and `total` toy prompts expanded into root/prompts."""
+    from flashdraft import prompts, toy
+    from flashdraft.config import PromptsConfig, SourceConfig, ToyConfig
+
+    toy.build_toy_target(ToyConfig(steps=0, num_docs=num_docs), str(root / "target"))
+    paths = toy.write_toy_sources(ToyConfig(source_rows=30), str(root / "sources"))
+    cfg = PromptsConfig(total=total, eval_count=0,
+                        sources=[SourceConfig(name=k, path=v) for k, v in paths.items()])
+    prompts.expand(cfg, str(root / "prompts"))
+    return root
+
+
 def write_config(path, overrides=None, base=REPO / "config" / "config.yaml"):
     cfg = yaml.safe_load(Path(base).read_text())
     for key, value in (overrides or {}).items():

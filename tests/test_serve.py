@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import toy_prompt_set
 
-from flashdraft import prompts, toy
-from flashdraft.config import PromptsConfig, RegenerateConfig, SourceConfig, ToyConfig, to_json
+from flashdraft.config import RegenerateConfig, to_json
 from flashdraft.regenerate import regenerate
 from flashdraft.serve import Server
 
@@ -28,14 +28,7 @@ TOKENS = 6
 @pytest.fixture(scope="session")
 def data(tmp_path_factory):
     """A random tiny toy target and a prompt set of 40 toy prompts."""
-    root = tmp_path_factory.mktemp("serve")
-    toy.build_toy_target(ToyConfig(steps=0, num_docs=200), str(root / "target"))
-    paths = toy.write_toy_sources(ToyConfig(source_rows=30), str(root / "sources"))
-    cfg = PromptsConfig(
-        total=40, eval_count=0, sources=[SourceConfig(name=k, path=v) for k, v in paths.items()]
-    )
-    prompts.expand(cfg, str(root / "prompts"))
-    return root
+    return toy_prompt_set(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")

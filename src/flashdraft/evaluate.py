@@ -21,7 +21,7 @@ from .chat import prompt_messages, render
 from .config import EvalConfig
 from .io import progress, write_json, write_parquet
 from .model import DraftCache
-from .target import select_features
+from .target import eos_ids, select_features
 
 # ---------------------------------------------------------------------------------------------------------
 # drafters: each proposes draft tokens from the verified tokens (and the target's features of them)
@@ -111,12 +111,6 @@ class Decoded:
     tokens: list[int]  # new tokens, the prompt excluded
     accepted: list[int]  # accepted draft tokens per verify step (target-only: 0 per step)
     seconds: float  # decode time after the prefill (which yields the first token)
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None)
-    ids = ids if isinstance(ids, list) else [ids]
-    return {int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None}
 
 
 def _pick(logits, temperature, generator) -> int:

@@ -42,15 +42,6 @@ def _schema(error: bool):
     return pa.schema(fields + ([("error", pa.string())] if error else []))
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    for tok in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")):
-        if isinstance(tok, int) and tok != tokenizer.unk_token_id and tok not in ids:
-            ids.append(tok)
-    return ids
-
-
 def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
              thinking: bool, eos: list[int]) -> list[tuple[str, int, int, str]]:
     """Answer a batch of chat prompts: (answer, prompt tokens, answer tokens, finish_reason) each."""
@@ -93,13 +84,13 @@ def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig, eo
 
 def load_for_generate(target: str, dtype: str):
     """The target ready for batched generate: left padding, a pad token, and its end-of-turn ids."""
-    from .target import load_target
+    from .target import eos_ids, load_target
 
     model, tokenizer = load_target(target, dtype)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer, _eos_ids(model, tokenizer)
+    return model, tokenizer, eos_ids(model, tokenizer)
 
 
 def _result(row, prompt, answer: str, n_tokens: int, finish: str) -> dict:

@@ -44,6 +44,14 @@ def select_features(hidden_states, layer_ids: list[int]):
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+def eos_ids(model, tokenizer) -> list[int]:
+    """Tokens that end an answer: the generation config's eos ids plus the tokenizer's eos token."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    extra = tokenizer.eos_token_id
+    return sorted({int(i) for i in ids} | ({int(extra)} if isinstance(extra, int) else set()))
+
+
 def mask_token_id(tokenizer, target_config, drafter: DrafterConfig) -> int:
     """MASK = the first embedding row no token uses (len(tokenizer)), a frozen row of the target embedding."""
     mid = drafter.mask_token_id if drafter.mask_token_id is not None else len(tokenizer)
