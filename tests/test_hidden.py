@@ -357,7 +357,7 @@ def test_precompute_matches_direct_forward(precomputed, toy_target, train_parque
 def test_precompute_fp8_end_to_end(precomputed, toy_target, train_parquet, tmp_path, monkeypatch):
     shards, manifests = precomputed
     need = []
-    monkeypatch.setattr(hidden, "preflight", lambda tokens, per_token, d: need.append(per_token))
+    monkeypatch.setattr(hidden, "preflight", lambda tokens, per_token, d, margin: need.append(per_token))
     out = tmp_path / "shard-00001.arrow"
     cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=CFG.batch_tokens, dtype=FP8)
     manifest = precompute_shard(toy_target, "float32", train_parquet, 1, 2, out, cfg, LAYERS)
@@ -407,7 +407,7 @@ def test_failed_precompute_leaves_no_file(toy_target, train_parquet, tmp_path, m
         return fn
 
     if where == "writer":  # a row that fails to write, on the I/O thread
-        monkeypatch.setattr(ShardWriter, "write", failing(ShardWriter.write))
+        monkeypatch.setattr(ShardWriter, "write_rows", failing(ShardWriter.write_rows))
     else:  # the forward pass fails on the main thread while rows are queued
         monkeypatch.setattr(hidden, "forward_features", failing(hidden.forward_features))
     out = tmp_path / "hidden" / "shard-00000.arrow"
@@ -415,3 +415,77 @@ def test_failed_precompute_leaves_no_file(toy_target, train_parquet, tmp_path, m
         precompute_shard(toy_target, "float32", train_parquet, 0, 1, out, CFG, LAYERS)
     assert calls["n"] == 3
     assert list(out.parent.iterdir()) == []  # no shard, no manifest, no temporary
+
+
+def test_killed_shard_leaves_no_file_and_rerun_equals_uninterrupted(toy_target, tmp_path):
+    """kill -9 while the shard is half written: no final file; the rerun's manifest (sha256 included)
+    equals an uninterrupted run's."""
+    import os
+    import signal
+    import time
+
+    convs = task_conversations(300, seed=3)
+    data = tmp_path / "train.parquet"
+    ids = [f"k-{i}" for i in range(len(convs))]
+    pq.write_table(pa.table({"id": ids, "source": ["toy"] * len(ids), "messages": convs}), data)
+    cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=32, dtype="bfloat16")  # one row per batch
+    ref_out = tmp_path / "ref" / "shard-00000.arrow"
+    ref = precompute_shard(toy_target, "float32", data, 0, 1, ref_out, cfg, LAYERS)
+
+    out = tmp_path / "run" / "shard-00000.arrow"
+    cmd = [sys.executable, str(REPO / "scripts" / "precompute_hidden.py"), "--cfg", json.dumps(cfg.__dict__),
+           "--drafter-cfg", '{"num_layers": 3}', "--target", str(toy_target), "--dtype", "float32",
+           "--data", str(data), "--shard", "0", "--num-shards", "1", "--out", str(out)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    partial, deadline = 0, time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        tmps = list(out.parent.glob(".tmp-*")) if out.parent.exists() else []
+        sizes = [p.stat().st_size for p in tmps if p.exists()]
+        if sizes and max(sizes) > 64 << 10:  # rows are on disk, the shard is not finished
+            partial = max(sizes)
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    proc.wait()
+    assert partial, f"the run ended before it could be killed mid-shard: {proc.stderr.read()[-2000:]!r}"
+    assert proc.returncode == -signal.SIGKILL
+    assert not out.exists() and not manifest_path(out).exists()
+
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    again = json.loads(manifest_path(out).read_text())
+    assert again == ref and again["sha256"] == hidden.file_sha256(out) and verify_shard(out)["ok"]
+    assert partial < again["bytes"]
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name, manifest_path(out).name]  # temp gone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", FP8])
+def test_gpu_features_packed_quantized_on_device_copied_async_to_pinned(toy_target, dtype):
+    """On the GPU: features come back packed (no padding) in pinned host memory through a side stream, with
+    an event to wait on; fp8 is quantized on the device (its scales come back pinned too); each row equals
+    its own unpadded forward through all layers, within bf16 (and e4m3) rounding."""
+    dev = torch.device("cuda")
+    model, _ = load_target(str(toy_target), "bfloat16", dev)
+    layer_ids = [1, 2, 3]
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (37, 5, 64, 20)]
+    feats, scales, event = hidden.forward_features(model, batch, layer_ids, dtype, 0, torch.cuda.Stream())
+    assert event is not None and feats.device.type == "cpu" and feats.is_pinned()
+    event.synchronize()
+    assert feats.shape == (sum(map(len, batch)), 3 * model.config.hidden_size)
+    if dtype == FP8:
+        assert feats.dtype == torch.float8_e4m3fn and scales.is_pinned() and scales.shape == (feats.shape[0],)
+        got = hidden.dequantize_fp8(feats, scales).float()
+    else:
+        assert feats.dtype == torch.bfloat16 and scales is None
+        got = feats.float()
+    refs = []
+    with torch.inference_mode():
+        for ids in batch:
+            out = model(input_ids=torch.tensor([ids], device=dev), output_hidden_states=True)
+            refs.append(select_features(out.hidden_states, layer_ids)[0].float().cpu())
+    ref = torch.cat(refs)
+    rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel.max() < (0.06 if dtype == FP8 else 0.02), rel.max()

@@ -100,6 +100,7 @@ class HiddenConfig:
     max_length: int = 3072
     dtype: str = "bfloat16"  # hidden-state storage: bfloat16 | float32 | float8_e4m3 (per-token scale)
     batch_tokens: int = 16384  # token budget of one forward batch
+    disk_margin: float = 0.1  # preflight: free space must exceed the estimated bytes by this fraction
 
 
 @dataclass

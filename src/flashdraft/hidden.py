@@ -33,7 +33,7 @@ import torch
 from .chat import tokenize_conversation
 from .config import DrafterConfig, HiddenConfig
 from .io import atomic_path, device, progress, write_json
-from .target import feature_layer_ids, load_target, select_features
+from .target import decoder_prefix, feature_layer_ids, layers_needed, load_target, select_features
 
 FORMAT = "flashdraft.hidden/1"
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3": torch.float8_e4m3fn}
@@ -123,14 +123,25 @@ def read_meta(schema: pa.Schema, path) -> dict:
 
 
 class _HashingSink:
-    """File sink that hashes what it writes, so the manifest's sha256 costs no second read of the shard."""
+    """File sink that hashes what it writes, so the manifest's sha256 costs no second read of the shard.
+
+    The hash runs on its own thread: hashlib and file writes both release the GIL, so hashing one
+    buffer overlaps writing the next and the shard is written at the disk's rate, not disk + hash."""
 
     def __init__(self, path):
         self.file, self.sha, self.closed = open(path, "wb"), hashlib.sha256(), False
+        self.queue = queue.Queue(4)  # holds references to buffers Arrow has already written
+        self.thread = threading.Thread(target=self._hash, name="hidden-sha256", daemon=True)
+        self.thread.start()
+
+    def _hash(self):
+        while (data := self.queue.get()) is not None:
+            self.sha.update(data)
 
     def write(self, data):
-        self.sha.update(data)
-        return self.file.write(data)
+        n = self.file.write(data)
+        self.queue.put(data)
+        return n
 
     def tell(self):
         return self.file.tell()
@@ -139,6 +150,8 @@ class _HashingSink:
         self.file.flush()
 
     def close(self):
+        self.queue.put(None)
+        self.thread.join()
         self.file.close()
         self.closed = True
 
@@ -168,43 +181,66 @@ class ShardWriter:
         self.rows = self.tokens = self.bytes = 0
         self.sha256 = None
 
-    def write(self, sample_id: str, input_ids, loss_mask, hidden: torch.Tensor, scale=None) -> None:
-        """One row; fp8 shards take the quantized hidden with its float32 scale [n] (see quantize_fp8)."""
-        n, fp8 = len(input_ids), self.meta["dtype"] == FP8
-        scale_sig = None if scale is None else (tuple(scale.shape), scale.dtype)
-        got = (tuple(hidden.shape), hidden.dtype, scale_sig)
-        want = ((n, self.width), self.torch_dtype, ((n,), torch.float32) if fp8 else None)
-        if n == 0 or len(loss_mask) != n or got != want:
+    def _check(self, sample_id, n: int, mask_len: int, got, want) -> None:
+        if n == 0 or mask_len != n or got != want:
             raise ValueError(
-                f"row {sample_id!r}: {n} input ids, {len(loss_mask)} mask values, (hidden, scale) {got}; "
+                f"row {sample_id!r}: {n} input ids, {mask_len} mask values, (hidden, scale) {got}; "
                 f"expected a non-empty row with (hidden, scale) {want}"
             )
-        raws = [_raw(hidden)] + ([_raw(scale)] if fp8 else [])
+
+    def _want(self, n: int):
+        fp8 = self.meta["dtype"] == FP8
+        return (n, self.width), self.torch_dtype, ((n,), torch.float32) if fp8 else None
+
+    def write(self, sample_id: str, input_ids, loss_mask, hidden: torch.Tensor, scale=None) -> None:
+        """One row; fp8 shards take the quantized hidden with its float32 scale [n] (see quantize_fp8)."""
+        n = len(input_ids)
+        self._check(sample_id, n, len(loss_mask), _signature(hidden, scale), self._want(n))
+        raws = [_raw(hidden)] + ([_raw(scale)] if scale is not None else [])
         self.pending.append((str(sample_id), list(input_ids), list(loss_mask), raws))
         self.pending_bytes += sum(r.size for r in raws)
         self.rows, self.tokens = self.rows + 1, self.tokens + n
         if len(self.pending) >= self.max_rows or self.pending_bytes >= self.max_bytes:
             self.flush()
 
+    def write_rows(self, rows, hidden: torch.Tensor, scale=None) -> None:
+        """Rows (id, input_ids, loss_mask) whose features lie back to back in `hidden` [T, W] (and fp8
+        `scale` [T]), as one record batch that points at `hidden`'s memory: no copy before the file."""
+        self.flush()
+        lengths = [len(r[1]) for r in rows]
+        total = sum(lengths)
+        for sid, ids, mask in rows:
+            self._check(sid, len(ids), len(mask), None, None)
+        first_last = f"{rows[0][0]}..{rows[-1][0]}"
+        self._check(first_last, total, total, _signature(hidden, scale), self._want(total))
+        raws = [_raw(hidden)] + ([_raw(scale)] if scale is not None else [])
+        ids, input_ids, masks = zip(*((str(a), list(b), list(c)) for a, b, c in rows), strict=True)
+        self._write_batch(ids, input_ids, masks, [_binary_rows(r, lengths) for r in raws])
+        self.rows, self.tokens = self.rows + len(rows), self.tokens + total
+
     def flush(self) -> None:
         if not self.pending:
             return
         ids, input_ids, masks, raws = zip(*self.pending, strict=True)
+        self._write_batch(ids, input_ids, masks, [_binary(col) for col in zip(*raws, strict=True)])
+        self.pending, self.pending_bytes = [], 0
+
+    def _write_batch(self, ids, input_ids, masks, binaries) -> None:
         columns = [
             pa.array(ids, pa.string()),
             pa.array(input_ids, pa.list_(pa.int32())),
             pa.array(masks, pa.list_(pa.int8())),
             pa.array([len(x) for x in input_ids], pa.int32()),
-            *(_binary(col) for col in zip(*raws, strict=True)),  # hidden (and scale)
+            *binaries,  # hidden (and scale)
         ]
         self.writer.write_batch(pa.record_batch(columns, schema=self.schema))
-        self.pending, self.pending_bytes = [], 0
 
     def close(self) -> None:
         self.flush()
         self.writer.close()
-        self.bytes, self.sha256 = self.sink.tell(), self.sink.sha.hexdigest()
-        self.sink.close()
+        self.bytes = self.sink.tell()
+        self.sink.close()  # waits for the hash thread
+        self.sha256 = self.sink.sha.hexdigest()
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
@@ -212,8 +248,22 @@ class ShardWriter:
         self.sink.close()
 
 
+def _signature(hidden: torch.Tensor, scale):
+    scale_sig = None if scale is None else (tuple(scale.shape), scale.dtype)
+    return tuple(hidden.shape), hidden.dtype, scale_sig
+
+
 def _raw(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
+
+
+def _binary_rows(raw: np.ndarray, lengths: list[int]) -> pa.LargeBinaryArray:
+    """Rows of `lengths` tokens back to back in `raw`, as a binary column over raw's own memory."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    offsets *= raw.size // max(1, int(offsets[-1]))  # bytes per token
+    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(raw)]
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(lengths), buffers)
 
 
 def _binary(raws) -> pa.LargeBinaryArray:
@@ -226,7 +276,12 @@ def _binary(raws) -> pa.LargeBinaryArray:
 
 @contextlib.contextmanager
 def open_shard(path, **meta):
-    """Yield a ShardWriter; the shard appears at `path` only if the block completes without error."""
+    """Yield a ShardWriter; the shard appears at `path` only if the block completes without error.
+
+    A killed run leaves its temporary behind (nothing runs after kill -9); the rerun deletes it."""
+    path = Path(path)
+    for stale in path.parent.glob(f".tmp-*-{path.name}"):
+        stale.unlink(missing_ok=True)
     with atomic_path(path) as tmp:
         writer = ShardWriter(tmp, **meta)
         try:
@@ -494,34 +549,46 @@ def token_batches(lengths: list[int], batch_tokens: int, window: int = 1024) -> 
 
 
 @torch.inference_mode()
-def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dtype: str, pad_id: int):
-    """Target features [B, S, K*H] in the storage dtype, on the host, right-padded, with their per-token
-    float32 scales [B, S] for fp8 (else None).
+def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dtype: str, pad_id: int,
+                     copy_stream=None):
+    """Target features of a batch, packed: [T, K*H] in the storage dtype with the rows' T tokens back to
+    back (no padding), their float32 scales [T] for fp8 (else None), and an event that marks the copy
+    to the host done (None off CUDA).
 
-    fp8 is quantized on the model's device, so the copy moves half the bytes of bf16. On CUDA the copy
-    lands in pinned memory without blocking; the returned event marks it done."""
+    The forward runs right-padded and only through the deepest selected layer; packing and fp8 quantizing
+    happen on the model's device, so the copy moves only real tokens (half the bytes for fp8). On CUDA
+    the copy lands in pinned memory on `copy_stream`, so the next batch's forward overlaps it."""
     dev = next(model.parameters()).device
-    ids = torch.full((len(batch_ids), max(map(len, batch_ids))), pad_id, dtype=torch.long)
+    lengths = [len(x) for x in batch_ids]
+    ids = torch.full((len(batch_ids), max(lengths)), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, x in enumerate(batch_ids):
         ids[i, : len(x)] = torch.tensor(x)
         mask[i, : len(x)] = 1
-    # the decoder alone: no LM head, whose logits would be [B, S, vocab]
-    out = model.base_model(
-        input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True, use_cache=False
-    )
-    feats = select_features(out.hidden_states, layer_ids)
+    real = mask.flatten().nonzero().squeeze(1)  # flat indices of the real tokens, computed on the host
+    with decoder_prefix(model, layers_needed(model.config.num_hidden_layers, layer_ids)):
+        # the decoder alone: no LM head, whose logits would be [B, S, vocab]
+        out = model.base_model(
+            input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True, use_cache=False
+        )
+    feats = select_features(out.hidden_states, layer_ids).flatten(0, 1).index_select(0, real.to(dev))
+    del out
     feats, scales = quantize_fp8(feats) if dtype == FP8 else (feats.to(storage_dtype(dtype)), None)
     if dev.type != "cuda":
         return feats, scales, None
 
-    def to_host(t):
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-    feats, scales = to_host(feats), None if scales is None else to_host(scales)
-    event = torch.cuda.Event()
-    event.record()
-    return feats, scales, event
+    compute = torch.cuda.current_stream(dev)
+    stream = copy_stream or compute
+    stream.wait_stream(compute)
+    host = []
+    with torch.cuda.stream(stream):
+        for t in (feats, scales):
+            if t is not None:
+                t.record_stream(stream)  # the allocator must not hand this memory out before the copy ends
+                host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True))
+        event = torch.cuda.Event()
+        event.record(stream)
+    return host[0], host[1] if scales is not None else None, event
 
 
 class WriterThread:
@@ -563,9 +630,34 @@ class WriterThread:
 def _write_rows(writer: ShardWriter, rows, feats, scales, event) -> None:
     if event is not None:
         event.synchronize()  # the non-blocking device-to-host copy has landed
-    for i, (sid, ids, mask) in enumerate(rows):
-        n = len(ids)
-        writer.write(sid, ids, mask, feats[i, :n], None if scales is None else scales[i, :n])
+    writer.write_rows(rows, feats, scales)
+
+
+def write_shard(model, samples, out_arrow, meta: dict, batch_tokens: int, pad_id: int, desc="hidden"):
+    """Forward `samples` [(id, input_ids, loss_mask)] through the model in token-budget batches and write
+    their features to the shard `out_arrow` (atomically); returns the closed ShardWriter.
+
+    The main thread only runs the model; a writer thread does the host-side I/O as copies land."""
+    lengths = [len(x[1]) for x in samples]
+    cuda = next(model.parameters()).device.type == "cuda"
+    copy_stream = torch.cuda.Stream() if cuda else None
+    bar = progress(total=sum(lengths), unit="tok", unit_scale=True, desc=desc)
+    with open_shard(out_arrow, **meta) as writer:
+        io_thread = WriterThread(lambda item: _write_rows(writer, *item))
+        try:
+            for batch in token_batches(lengths, batch_tokens):
+                rows = [samples[i] for i in batch]
+                ids = [r[1] for r in rows]
+                feats = forward_features(model, ids, meta["layer_ids"], meta["dtype"], pad_id, copy_stream)
+                io_thread.put((rows, *feats))
+                bar.update(sum(lengths[i] for i in batch))
+        except BaseException:
+            io_thread.close(abort=True)
+            raise
+        finally:
+            bar.close()
+        io_thread.close()
+    return writer
 
 
 def precompute_shard(
@@ -592,24 +684,11 @@ def precompute_shard(
     samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards, max_length)
     lengths = [len(s[1]) for s in samples]
     per_token = bytes_per_token(hidden_cfg.dtype, len(layer_ids) * hidden_size)
-    preflight(sum(lengths), per_token, Path(out_arrow).parent)
+    preflight(sum(lengths), per_token, Path(out_arrow).parent, hidden_cfg.disk_margin)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked, right side
 
-    bar = progress(total=sum(lengths), unit="tok", unit_scale=True, desc=f"hidden shard {shard}/{num_shards}")
     meta = dict(target=str(target_path), layer_ids=layer_ids, hidden_size=hidden_size, dtype=hidden_cfg.dtype)
-    with open_shard(out_arrow, **meta) as writer:
-        io_thread = WriterThread(lambda item: _write_rows(writer, *item))
-        try:
-            for batch in token_batches(lengths, hidden_cfg.batch_tokens):
-                rows = [samples[i] for i in batch]
-                feats = forward_features(model, [r[1] for r in rows], layer_ids, hidden_cfg.dtype, pad_id)
-                io_thread.put((rows, *feats))
-                bar.update(sum(lengths[i] for i in batch))
-        except BaseException:
-            io_thread.close(abort=True)
-            raise
-        finally:
-            bar.close()
-        io_thread.close()
+    writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id,
+                         desc=f"hidden shard {shard}/{num_shards}")
     counts = {"shard": shard, "num_shards": num_shards, "truncated": truncated, "skipped": skipped}
     return write_manifest(manifest or manifest_path(out_arrow), writer, **counts)

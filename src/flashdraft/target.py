@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from .config import DrafterConfig, target_layer_ids
 from .io import device, torch_dtype
 
@@ -42,6 +44,29 @@ def select_features(hidden_states, layer_ids: list[int]):
     import torch
 
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def layers_needed(num_layers: int, layer_ids: list[int]) -> int:
+    """Decoder layers a forward must run so `select_features` sees every layer it selects: through the
+    deepest selected layer, plus one, because HF's last hidden state comes after the final norm."""
+    return min(num_layers, max(layer_ids) + 2)
+
+
+@contextlib.contextmanager
+def decoder_prefix(model, n: int):
+    """Run only the first `n` decoder layers of an HF model whose decoder keeps them in `.layers`
+    (Llama, Qwen, Mistral, ...); the layers after the deepest selected one would compute nothing we keep.
+    Other layouts run whole."""
+    base = model.base_model
+    layers = getattr(base, "layers", None)
+    if not hasattr(layers, "__getitem__") or n >= len(layers):
+        yield
+        return
+    base.layers = layers[:n]
+    try:
+        yield
+    finally:
+        base.layers = layers
 
 
 def eos_ids(model, tokenizer) -> list[int]:

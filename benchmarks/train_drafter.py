@@ -1,0 +1,528 @@
+"""Drafter training: tokens/s and MFU per GPU, 2 GPUs against 1, and the time to the first step with a
+cold compile cache against a warm one. Every number comes from the real trainer processes:
+scripts/warmup.py, then scripts/train.py under `python -m torch.distributed.run`.
+
+Setup (in --work, reused while its parameters match): a target directory with a Qwen3 config.json of the
+preset's shape, the toy tokenizer (load_spec needs one; the MASK id is set explicitly, so its length does
+not matter) and a model.safetensors holding only the random bf16 `model.embed_tokens.weight` and
+`lm_head.weight` (all the trainer reads of a target); and one real hidden-state shard of random bf16
+features `[S, K*H]` for a few samples of exactly S tokens with full loss masks. The shard is listed many
+times on the command line, so one epoch holds more micro-batches than the measured steps use: no epoch
+boundary (a new DataLoader) falls inside the measurement, and no more disk is needed.
+
+1. One warmup (fresh TORCHINDUCTOR_CACHE_DIR) compiles the step and writes artifacts.bin.
+2. Throughput, per world size (`--gpus 1,2`): torchrun, --compile-cache from step 1, a fresh empty
+   Inductor cache dir per run, `--steps` steps logged every `--log-every`. tokens/s is the trainer's own
+   (metrics CSV, all ranks summed) over the windows after the first (which holds the first step's
+   tracing). The run is ended once its last row is logged, before the final checkpoint and export.
+3. First step: launch (just before Popen) to the moment the trainer prints `bucket S: first step ...`
+   on stderr, for a cold process (no artifacts, fresh Inductor dir) and a warm one (the warmup's
+   artifacts, fresh Inductor dir), at the largest world size. The warm one is the throughput run of
+   that world size: after its first step it runs every later step under fail_on_recompile (a recompile
+   would end it), and its first-step line holds the cache counters (no FX graph / AOTAutograd misses).
+   The cold one is ended right after its first-step line.
+
+MFU counts matmul FLOPs (2*m*n*k) of one sample's forward and multiplies by 3 for forward + backward (the
+activation-checkpoint recompute of the chunked LM head is not counted). A sample has context S, A valid
+anchors, block B, Q = A*B block tokens, hidden H, intermediate I, nh heads, nkv KV heads, head dim d,
+K target features, vocab V:
+    fc           2*S*(K*H)*H
+    per layer    q, o      2*2*Q*H*nh*d
+                 k, v      2*2*(S+Q)*H*nkv*d      (context and block tokens: KV injection)
+                 MLP       2*3*Q*H*I
+                 attention 2*2*nh*d*P             (P = visible query-key pairs, B*(a+B) for anchor a)
+    LM head      2*A*(B-1)*H*V
+P is averaged over anchors drawn by model.sample_anchors on the same length and full loss mask.
+MFU = (tokens/s per GPU) * (FLOPs per token) / peak, peak = 989e12 (bf16 dense) for H100/H200, else null.
+`mfu_required_grads` is the same with 2x instead of 3x for fc and the LM head, whose inputs (target
+features, frozen head) need no gradient.
+
+Usage: python benchmarks/train_drafter.py --preset tiny|qwen3-8b [--gpus 1,2] [--steps N]
+           [--log-every N] [--work DIR] [--out benchmarks/results/train_drafter_<preset>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from flashdraft.config import DrafterConfig
+from flashdraft.hidden import manifest_path, open_shard, write_manifest
+from flashdraft.model import num_anchor_slots, sample_anchors
+from flashdraft.train import load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core FLOP/s per GPU (SXM)
+GOALS = {"mfu": 0.45, "scaling": 1.85, "warm_over_cold": 0.20}
+PRESETS = {
+    # the toy target's shapes (flashdraft.toy) with the embedded default drafter (K=2, B=8), CPU
+    "tiny": dict(
+        target=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, vocab_size=576, max_position_embeddings=4096),
+        mask_token_id=512, drafter=dict(num_layers=2, block_size=8), seq_len=256, rows=4, max_anchors=32,
+        device="cpu", dtype="float32", attention="sdpa", samples=8, steps=12, log_every=3, timeout=600,
+    ),
+    # Qwen3-8B's shapes with the DFlash recipe drafter (K=5, B=16, 512 anchors), bf16, flex attention
+    "qwen3-8b": dict(
+        target=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                    rope_theta=1e6),
+        mask_token_id=151669, drafter=dict(num_layers=5, block_size=16), seq_len=3072, rows=4,
+        max_anchors=512, device="cuda", dtype="bfloat16", attention="flex", samples=8, steps=30, log_every=5,
+        timeout=900,
+    ),
+}
+FIRST_STEP = re.compile(r"bucket (\d+): first step ([\d.]+) s \((?:compiled, caches (\{.*\})|eager)\)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# setup: target directory and hidden-state shard
+
+
+def setup(preset: dict, work: Path) -> dict:
+    """Target dir + one shard in `work`; skipped when `work/setup.json` records the same parameters."""
+    params = {k: preset[k] for k in ("target", "mask_token_id", "drafter", "seq_len", "samples")}
+    marker = work / "setup.json"
+    if marker.exists() and json.loads(marker.read_text()) == params:
+        print(f"setup: reusing {work}", flush=True)
+        return params
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    from flashdraft.toy import build_tokenizer, task_conversations
+
+    t0 = time.perf_counter()
+    shutil.rmtree(work / "target", ignore_errors=True)
+    shutil.rmtree(work / "hidden", ignore_errors=True)
+    target = work / "target"
+    cfg = preset["target"]
+    Qwen3Config(**cfg, tie_word_embeddings=False).save_pretrained(target)
+    build_tokenizer(task_conversations(50, 0), 512).save_pretrained(target)
+    g = torch.Generator().manual_seed(0)
+    shape = (cfg["vocab_size"], cfg["hidden_size"])
+    head = {k: (torch.randn(shape, generator=g, dtype=torch.bfloat16) * 0.02)
+            for k in ("model.embed_tokens.weight", "lm_head.weight")}
+    save_file(head, target / "model.safetensors", metadata={"format": "pt"})
+    del head
+    spec = load_spec(target, drafter_config(preset))
+    width, s = spec.num_features * spec.hidden_size, preset["seq_len"]
+    path = work / "hidden" / "shard-00000.arrow"
+    meta = dict(target="random", layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
+                dtype="bfloat16")
+    with open_shard(path, **meta) as w:
+        for i in range(preset["samples"]):
+            ids = torch.randint(0, spec.mask_token_id, (s,), generator=g).tolist()
+            w.write(f"r{i}", ids, [1] * s, torch.randn(s, width, generator=g, dtype=torch.bfloat16))
+    write_manifest(manifest_path(path), w)
+    marker.write_text(json.dumps(params))
+    print(f"setup: target and {preset['samples']} samples x {s} tokens x {width} features "
+          f"({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", flush=True)
+    return params
+
+
+def drafter_config(preset: dict) -> DrafterConfig:
+    return DrafterConfig(**preset["drafter"], mask_token_id=preset["mask_token_id"])
+
+
+def train_config(preset: dict, steps: int, log_every: int) -> dict:
+    s = preset["seq_len"]
+    return {"max_steps": steps, "batch_tokens": preset["rows"] * s, "buckets": [s],
+            "max_anchors": preset["max_anchors"], "compile": True, "attention": preset["attention"],
+            "dtype": preset["dtype"], "checkpoint_every": 10**9, "keep_checkpoints": 1,
+            "log_every": log_every, "lr": 1e-4}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def flops(preset: dict, spec, draws: int = 64) -> dict:
+    """Matmul FLOPs of one sample's forward by part (see the module docstring), and per trained token."""
+    s, b = preset["seq_len"], spec.block_size
+    h, i, nh, nkv, d = spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    k, v = spec.num_features, spec.vocab_size
+    anchors, valid = sample_anchors(torch.ones(draws, s), preset["max_anchors"], b,
+                                    torch.Generator().manual_seed(0))
+    a = float(valid.sum(1).double().mean())  # valid anchors per sample
+    pairs = float((b * (anchors + b) * valid).sum(1).double().mean())  # visible query-key pairs
+    q = a * b
+    layer = {"q_o": 2 * 2 * q * h * nh * d, "k_v": 2 * 2 * (s + q) * h * nkv * d, "mlp": 2 * 3 * q * h * i,
+             "attention": 2 * 2 * nh * d * pairs}
+    fwd = {"fc": 2 * s * (k * h) * h, **{n: spec.num_layers * x for n, x in layer.items()},
+           "lm_head": 2 * a * (b - 1) * h * v}
+    total = sum(fwd.values())
+    required = 3 * total - fwd["fc"] - fwd["lm_head"]
+    return {
+        "formula": "forward matmul FLOPs per sample: fc 2*S*(K*H)*H; per layer q,o 2*2*Q*H*nh*d, k,v "
+                   "2*2*(S+Q)*H*nkv*d, MLP 2*3*Q*H*I, attention 2*2*nh*d*P (P = visible query-key pairs, "
+                   "B*(a+B) per anchor a); LM head 2*A*(B-1)*H*V; Q = A*B. Training = 3 x forward (LM-head "
+                   "checkpoint recompute not counted); required_grads: fc and LM head 2x (no input grad)",
+        "seq_len": s, "anchors": a, "anchor_slots": num_anchor_slots(s, preset["max_anchors"], b),
+        "visible_pairs": pairs, "forward_per_sample": fwd, "forward_per_sample_total": total,
+        "train_per_token": 3 * total / s, "train_per_token_required_grads": required / s,
+    }
+
+
+def peak_flops(device_name: str) -> float | None:
+    return next((p for k, p in PEAK_BF16.items() if k in device_name), None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# processes
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process under `pid` (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(p.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+class Proc:
+    """A launched command: stdout to a log file, stderr streamed line by line into another, watching for
+    the trainer's first-step line (time since launch, its seconds and cache counters)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, logs: Path):
+        self.name, self.logs = name, logs
+        self.out_log, self.err_log = logs / f"{name}.stdout", logs / f"{name}.stderr"
+        self.first: dict | None = None
+        self.cache_loaded = False
+        self.t0 = time.perf_counter()
+        with open(self.out_log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env,
+                                         cwd=REPO, start_new_session=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        with open(self.err_log, "w") as f:
+            for line in self.proc.stderr:
+                t = time.perf_counter() - self.t0
+                f.write(line)
+                f.flush()
+                if line.startswith("compile cache: loaded"):
+                    self.cache_loaded = True
+                m = FIRST_STEP.search(line)
+                if m and self.first is None:
+                    self.first = {"launch_to_first_step_s": round(t, 2), "first_step_s": float(m[2]),
+                                  "counters": ast.literal_eval(m[3]) if m[3] else None}
+
+    def wait_for(self, done, timeout: float) -> bool:
+        """Until done() or the process ends (then done() once more); False when it ended without."""
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            if done():
+                return True
+            if self.proc.poll() is not None:
+                self.reader.join(10)
+                return done()
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name}: not done after {timeout:.0f} s")
+
+    def stop(self):
+        """End the launcher (torchrun ends its workers), then any of its processes still alive."""
+        if self.proc.poll() is None:
+            tree = descendants(self.proc.pid)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            for pid in tree:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.reader.join(10)
+
+    def tail(self, chars: int = 4000) -> str:
+        out = self.out_log.read_text()[-chars // 4 :] if self.out_log.exists() else ""
+        err = self.err_log.read_text()[-chars:] if self.err_log.exists() else ""
+        return f"--- {self.out_log}\n{out}\n--- {self.err_log}\n{err}"
+
+
+def base_env(preset: dict, inductor: Path) -> dict:
+    """A fresh, empty Inductor (and Triton) cache dir for one process tree, as on a fresh node."""
+    shutil.rmtree(inductor, ignore_errors=True)
+    inductor.mkdir(parents=True)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton"),
+           "PYTHONUNBUFFERED": "1"}
+    if preset["device"] == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["OMP_NUM_THREADS"] = "1"  # Inductor's CPU kernels (and the cache key) depend on the thread count
+    return env
+
+
+def torchrun(preset: dict, world: int, cfg: dict, work: Path, run: str, shards: list[str], extra=()) -> list:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
+    if preset["device"] == "cuda":
+        cmd.append("--virtual-local-rank")  # each rank sees its GPU as cuda:0, as the cache keys need
+    out = work / "runs" / run
+    shutil.rmtree(out, ignore_errors=True)
+    return cmd + [str(REPO / "scripts" / "train.py"), "--cfg", json.dumps(cfg),
+                  "--drafter-cfg", json.dumps(drafter_json(preset)), "--target", str(work / "target"),
+                  "--checkpoints", str(out / "checkpoints"), "--metrics", str(out / "metrics.csv"),
+                  "--out", str(out / "drafter"), *extra, *shards]
+
+
+def drafter_json(preset: dict) -> dict:
+    return {**preset["drafter"], "mask_token_id": preset["mask_token_id"]}
+
+
+def live_rows(run_dir: Path) -> list[dict]:
+    """The rows the trainer has appended so far to its live metrics CSV (complete lines only)."""
+    found = list(run_dir.glob("checkpoints/*/metrics.csv"))
+    if not found:
+        return []
+    text = found[0].read_text()
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines = lines[:-1]
+    return list(csv.DictReader(lines))
+
+
+class Failed(Exception):
+    pass
+
+
+def check(proc: Proc, ok: bool, what: str):
+    if not ok:
+        print(f"\n{proc.name} failed ({what}, exit {proc.proc.poll()}):\n{proc.tail()}", file=sys.stderr)
+        raise Failed(f"{proc.name}: {what} (exit {proc.proc.poll()}); logs {proc.err_log}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the measurements
+
+
+def run_warmup(preset, cfg, work: Path, shard: str, timeout: float) -> dict:
+    env = base_env(preset, work / "inductor" / "warmup")
+    cache = work / "compile_cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    cmd = [sys.executable, str(REPO / "scripts" / "warmup.py"), "--cfg", json.dumps(cfg),
+           "--drafter-cfg", json.dumps(drafter_json(preset)), "--target", str(work / "target"),
+           "--out-dir", str(cache), shard]
+    p = Proc("warmup", cmd, env, work / "logs")
+    p.wait_for(lambda: False, timeout)
+    check(p, p.proc.returncode == 0, "warmup")
+    meta = json.loads((cache / "meta.json").read_text())
+    wall = round(time.perf_counter() - p.t0, 1)
+    print(f"warmup: {wall} s, {meta['artifact_bytes']} bytes of compile caches, {meta['counters']}", flush=True)
+    return {"wall_s": wall, **{k: meta[k] for k in ("seconds", "counters", "artifact_bytes", "key")}}
+
+
+def run_throughput(preset, cfg, work: Path, world: int, shards: list[str], fl: dict, peak, timeout) -> dict:
+    """One torchrun with the warmup's artifacts and a fresh Inductor dir, ended after its last row."""
+    name = f"train-{world}"
+    env = base_env(preset, work / "inductor" / name)
+    cmd = torchrun(preset, world, cfg, work, name, shards, ["--compile-cache", str(work / "compile_cache")])
+    p = Proc(name, cmd, env, work / "logs")
+    steps = cfg["max_steps"]
+    try:
+        ok = p.wait_for(lambda: any(int(r["step"]) >= steps for r in live_rows(work / "runs" / name)), timeout)
+        check(p, ok and p.first is not None, f"no metrics row for step {steps}")
+    finally:
+        p.stop()
+    rows = live_rows(work / "runs" / name)
+    windows = [r for r in rows if int(r["step"]) > cfg["log_every"]]  # the first window holds step 1
+    check(p, bool(windows), "no window after the first")
+    tps = [float(r["tokens_per_s"]) for r in windows]
+    # every window trains the same tokens (full rows of S), so the rate over all of them is the harmonic mean
+    agg = len(tps) / sum(1.0 / x for x in tps)
+    per_gpu = agg / world
+    achieved = per_gpu * fl["train_per_token"]
+    out = {
+        "world": world, "tokens_per_s": agg, "tokens_per_s_per_gpu": per_gpu,
+        "tflops_per_gpu": achieved / 1e12,
+        "mfu": achieved / peak if peak else None,
+        "mfu_required_grads": per_gpu * fl["train_per_token_required_grads"] / peak if peak else None,
+        "steps_measured": steps - cfg["log_every"], "windows_tokens_per_s": tps,
+        "ms_per_step": 1e3 * world * cfg["batch_tokens"] / agg,
+        "compile_cache_loaded": p.cache_loaded, **(p.first or {}),
+        "steps_under_fail_on_recompile": int(rows[-1]["step"]) - 1 if rows else 0,
+        "losses_finite": all(math.isfinite(float(r["loss"])) for r in rows),
+        "log": str(p.err_log),
+    }
+    mfu = f", MFU {out['mfu']:.1%}" if out["mfu"] is not None else ""
+    print(f"{name}: {agg:.0f} tokens/s ({per_gpu:.0f} per process{mfu}), first step after "
+          f"{out.get('launch_to_first_step_s')} s, caches {out.get('counters')}", flush=True)
+    shutil.rmtree(work / "runs" / name, ignore_errors=True)
+    return out
+
+
+def run_cold(preset, cfg, work: Path, world: int, shards: list[str], timeout) -> dict:
+    """A process tree with no artifacts and an empty Inductor dir, ended right after its first step."""
+    name = f"cold-{world}"
+    env = base_env(preset, work / "inductor" / name)
+    p = Proc(name, torchrun(preset, world, cfg, work, name, shards), env, work / "logs")
+    try:
+        check(p, p.wait_for(lambda: p.first is not None, timeout), "no first-step line")
+    finally:
+        p.stop()
+    print(f"{name}: first step after {p.first['launch_to_first_step_s']} s, caches {p.first['counters']}",
+          flush=True)
+    shutil.rmtree(work / "runs" / name, ignore_errors=True)
+    return {"world": world, "compile_cache_loaded": p.cache_loaded, **p.first, "log": str(p.err_log)}
+
+
+def goal(value, target: float, higher: bool = True) -> dict:
+    ok = None if value is None else (value >= target if higher else value <= target)
+    return {"value": value, "goal": (">= " if higher else "<= ") + str(target), "pass": ok}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--gpus", default=None, help="world sizes to compare, e.g. 1,2 (default: 1 and 2 where "
+                   "available; processes on CPU)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per throughput run")
+    p.add_argument("--log-every", type=int, default=None, help="steps per metrics window")
+    p.add_argument("--work", default=None, help="work dir (default: <tmp>/flashdraft-train-bench-<preset>)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    preset = dict(PRESETS[args.preset])
+    cuda = preset["device"] == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"preset {args.preset} needs a CUDA GPU")
+    available = torch.cuda.device_count() if cuda else 2
+    sizes = [int(x) for x in args.gpus.split(",")] if args.gpus else [w for w in (1, 2) if w <= available]
+    if cuda and max(sizes) > available:
+        raise SystemExit(f"--gpus {args.gpus}: only {available} GPU(s) visible")
+    steps, log_every = args.steps or preset["steps"], args.log_every or preset["log_every"]
+    if steps < 2 * log_every:
+        raise SystemExit("--steps must cover at least two --log-every windows (the first is skipped)")
+    work = Path(args.work or Path(tempfile.gettempdir()) / f"flashdraft-train-bench-{args.preset}")
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"train_drafter_{args.preset}.json")
+    timeout = preset["timeout"]
+
+    t_start = time.perf_counter()
+    setup(preset, work)
+    spec = load_spec(work / "target", drafter_config(preset))
+    cfg = train_config(preset, steps, log_every)
+    shard = str(work / "hidden" / "shard-00000.arrow")
+    # list the shard often enough that one epoch outlasts the measured steps of the largest world size
+    repeat = math.ceil((steps + 1) * max(sizes) * preset["rows"] / preset["samples"])
+    shards = [shard] * repeat
+    fl = flops(preset, spec)
+
+    result = {
+        "what": "drafter training throughput, MFU, scaling over GPUs and first-step time with a cold vs "
+                "warm compile cache; real warmup.py / train.py processes under torchrun, random features",
+        "preset": args.preset,
+        "machine": {"torch": torch.__version__, "transformers": transformers.__version__,
+                    "python": platform.python_version(), "platform": platform.platform(),
+                    "cpu_cores": os.cpu_count(), "gpus_visible": torch.cuda.device_count() if cuda else 0},
+        "shapes": {"target": preset["target"], "drafter": drafter_json(preset),
+                   "target_layer_ids": spec.target_layer_ids, "seq_len": preset["seq_len"],
+                   "rows_per_micro_batch": preset["rows"], "dtype": preset["dtype"],
+                   "attention": preset["attention"], "device": preset["device"]},
+        "train_cfg": cfg,
+        "data": {"unique_samples": preset["samples"], "shard_listed": repeat,
+                 "samples_per_epoch": repeat * preset["samples"],
+                 "shard_bytes": Path(shard).stat().st_size},
+        "world_sizes": sizes,
+        "flops": fl,
+        "errors": [],
+    }
+    throughput, warmup_meta, cold = {}, None, None
+    try:
+        warmup_meta = run_warmup(preset, cfg, work, shard, timeout)
+        name = warmup_meta["key"]["device"]
+        result["machine"]["device"] = name if cuda else f"cpu ({os.cpu_count()} cores)"
+        peak = peak_flops(name) if cuda else None
+        result["flops"]["peak_flops_per_gpu"] = peak
+        for w in sizes:
+            try:
+                throughput[str(w)] = run_throughput(preset, cfg, work, w, shards, fl, peak, timeout)
+            except (Failed, TimeoutError) as e:
+                result["errors"].append(str(e))
+        try:
+            cold = run_cold(preset, cfg, work, max(sizes), shards, timeout)
+        except (Failed, TimeoutError) as e:
+            result["errors"].append(str(e))
+    except (Failed, TimeoutError) as e:
+        result["errors"].append(str(e))
+
+    one, two = throughput.get("1"), throughput.get("2")
+    ratio = two["tokens_per_s"] / one["tokens_per_s"] if one and two else None
+    warm = throughput.get(str(max(sizes)))
+    warm_ratio = (warm["launch_to_first_step_s"] / cold["launch_to_first_step_s"]
+                  if warm and cold and "launch_to_first_step_s" in warm else None)
+    counters = (warm or {}).get("counters") or {}
+    misses = counters.get("fxgraph_cache_miss", 0) + counters.get("autograd_cache_miss", 0) if counters else None
+    mfus = [t["mfu"] for t in throughput.values() if t["mfu"] is not None]
+    result |= {
+        "warmup": warmup_meta and {k: v for k, v in warmup_meta.items() if k != "key"},
+        "throughput": throughput,
+        "scaling": {"measured": ratio is not None, "tokens_per_s_2_over_1": ratio,
+                    "note": None if ratio is not None else "needs world sizes 1 and 2"},
+        "first_step": {"world": max(sizes), "cold": cold,
+                       "warm": warm and {k: warm.get(k) for k in
+                                         ("launch_to_first_step_s", "first_step_s", "counters",
+                                          "compile_cache_loaded", "steps_under_fail_on_recompile", "log")},
+                       "warm_over_cold": warm_ratio},
+    }
+    result["goals"] = {
+        "mfu_per_gpu": goal(min(mfus) if mfus else None, GOALS["mfu"]),
+        "scaling_2_over_1": goal(ratio, GOALS["scaling"]),
+        "first_step_warm_over_cold": goal(warm_ratio, GOALS["warm_over_cold"], higher=False),
+        "warm_cache_misses": {"value": misses, "goal": "== 0 (fxgraph + autograd misses in the warm run)",
+                              "pass": None if misses is None else misses == 0},
+    }
+    result["wall_s"] = round(time.perf_counter() - t_start, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+    print(f"\n{args.preset} on {result['machine'].get('device', '?')}, S={preset['seq_len']}, "
+          f"{preset['rows']} rows/micro-batch, {steps} steps, {result['wall_s']} s -> {out}")
+    print(f"{'world':>5}{'tok/s':>12}{'tok/s/gpu':>12}{'TFLOP/s/gpu':>13}{'MFU':>8}{'MFU req':>9}"
+          f"{'ms/step':>9}{'1st step s':>12}")
+    for w, t in throughput.items():
+        mfu = f"{t['mfu']:>8.1%}{t['mfu_required_grads']:>9.1%}" if t["mfu"] is not None else f"{'-':>8}{'-':>9}"
+        print(f"{w:>5}{t['tokens_per_s']:>12.0f}{t['tokens_per_s_per_gpu']:>12.0f}{t['tflops_per_gpu']:>13.2f}"
+              f"{mfu}{t['ms_per_step']:>9.1f}{t.get('launch_to_first_step_s', float('nan')):>12.1f}")
+    if cold:
+        print(f"{'cold':>5}{'':>67}{cold['launch_to_first_step_s']:>12.1f}")
+    for g, v in result["goals"].items():
+        val = v["value"]
+        shown = f"{val:.3f}" if isinstance(val, float) else str(val)
+        status = {True: "pass", False: "FAIL", None: "not measured"}[v["pass"]]
+        print(f"goal {g:<27} {shown:>8}  ({v['goal']})  {status}")
+    for e in result["errors"]:
+        print(f"error: {e}")
+    if result["errors"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
