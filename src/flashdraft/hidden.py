@@ -555,9 +555,10 @@ def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dt
     back (no padding), their float32 scales [T] for fp8 (else None), and an event that marks the copy
     to the host done (None off CUDA).
 
-    The forward runs right-padded and only through the deepest selected layer; packing and fp8 quantizing
-    happen on the model's device, so the copy moves only real tokens (half the bytes for fp8). On CUDA
-    the copy lands in pinned memory on `copy_stream`, so the next batch's forward overlaps it."""
+    The forward runs right-padded, unmasked (see below), and only through the deepest selected layer;
+    packing and fp8 quantizing happen on the model's device, so the copy moves only real tokens (half
+    the bytes for fp8). On CUDA the copy lands in pinned memory on `copy_stream`, so the next batch's
+    forward overlaps it."""
     dev = next(model.parameters()).device
     lengths = [len(x) for x in batch_ids]
     ids = torch.full((len(batch_ids), max(lengths)), pad_id, dtype=torch.long)
@@ -567,10 +568,10 @@ def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dt
         mask[i, : len(x)] = 1
     real = mask.flatten().nonzero().squeeze(1)  # flat indices of the real tokens, computed on the host
     with decoder_prefix(model, layers_needed(model.config.num_hidden_layers, layer_ids)):
-        # the decoder alone: no LM head, whose logits would be [B, S, vocab]
-        out = model.base_model(
-            input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True, use_cache=False
-        )
+        # The decoder alone: no LM head, whose logits would be [B, S, vocab]. No attention mask: padding
+        # is on the right, so under causal attention no real token ever sees a pad, and without a mask
+        # SDPA takes its fused causal (flash) kernel. The pads' own features are dropped below.
+        out = model.base_model(input_ids=ids.to(dev), output_hidden_states=True, use_cache=False)
     feats = select_features(out.hidden_states, layer_ids).flatten(0, 1).index_select(0, real.to(dev))
     del out
     feats, scales = quantize_fp8(feats) if dtype == FP8 else (feats.to(storage_dtype(dtype)), None)
