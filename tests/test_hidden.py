@@ -101,9 +101,9 @@ def test_round_trip_bit_exact_and_zero_copy(tmp_path, dtype):
         store[9]
 
     # the mapping is copy-on-write: an in-place op changes this process's pages, never the shard
-    digest = hidden.file_sha256(paths[0])
+    digest = hidden.file_checksum(paths[0])
     store[0]["hidden"].add_(1)
-    assert hidden.file_sha256(paths[0]) == digest
+    assert hidden.file_checksum(paths[0]) == digest
     assert torch.equal(HiddenStore(paths[:1])[0]["hidden"].view(bits), flat[0][3].view(bits))
 
 
@@ -123,6 +123,23 @@ def test_writer_rejects_bad_rows_and_leaves_no_file(tmp_path):
     with pytest.raises(ValueError, match="mask"):
         write_shard(path, [(sid, ids, mask[:-1], h)])
     assert list(tmp_path.iterdir()) == []  # no final file, no manifest, no temporary left behind
+
+
+@pytest.mark.parametrize("chunk", [1000, 4096, 1 << 26])
+def test_checksum_is_a_sha256_tree_over_file_chunks(tmp_path, monkeypatch, chunk):
+    """The writer's checksum (hashed from the buffers as they are written, chunks split across writes)
+    equals one computed from the file alone, and the definition: sha256 over the chunks' sha256 digests."""
+    import hashlib
+
+    monkeypatch.setattr(hidden, "CHECKSUM_CHUNK", chunk)
+    path = tmp_path / "shard-00000.arrow"
+    manifest = write_shard(path, random_rows(60, torch.bfloat16), max_rows=4)
+    data = path.read_bytes()
+    assert len(data) > 10_000
+    digests = [hashlib.sha256(data[i : i + chunk]).digest() for i in range(0, len(data), chunk)]
+    want = hashlib.sha256(b"".join(digests)).hexdigest()
+    assert manifest["sha256_tree"] == hidden.file_checksum(path, threads=3) == want
+    assert manifest["checksum_chunk_bytes"] == chunk
 
 
 def test_verify_catches_truncation_flipped_bytes_and_nan(tmp_path):
@@ -148,7 +165,7 @@ def test_verify_catches_truncation_flipped_bytes_and_nan(tmp_path):
         d[len(d) // 2 : len(d) // 2 + 4] = bytes(255 - x for x in d[len(d) // 2 : len(d) // 2 + 4])
         return d
 
-    assert "sha256" in corrupt("flipped", flip)
+    assert "checksum" in corrupt("flipped", flip)
 
     nan = tmp_path / "nan.arrow"
     rows = random_rows(3, torch.bfloat16)
@@ -246,8 +263,8 @@ def test_fp8_writer_and_verify_check_scales(tmp_path):
     bad.write_bytes(data)
     manifest = json.loads(manifest_path(good).read_text())
     manifest_path(bad).write_text(json.dumps(manifest))
-    assert "sha256" in " ".join(verify_shard(bad)["errors"])
-    manifest.update(sha256=hidden.file_sha256(bad))
+    assert "checksum" in " ".join(verify_shard(bad)["errors"])
+    manifest.update(sha256_tree=hidden.file_checksum(bad))
     manifest_path(bad).write_text(json.dumps(manifest))
     assert verify_shard(bad)["errors"] == [
         f"{bad}: row 0 (id 'r0'): scale has values that are not finite and > 0"
@@ -389,7 +406,7 @@ def test_precompute_cli_is_deterministic(precomputed, toy_target, train_parquet,
     args = f"--target {toy_target} --dtype float32 --data {train_parquet} --shard 1 --num-shards 2"
     cli["main"](["--cfg", cfg, "--drafter-cfg", '{"num_layers": 3}', *args.split(), "--out", str(out)])
     again = json.loads(manifest_path(out).read_text())
-    assert again["sha256"] == manifests[1]["sha256"] == hidden.file_sha256(shards[1])
+    assert again["sha256_tree"] == manifests[1]["sha256_tree"] == hidden.file_checksum(shards[1])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == manifests[1]["rows"]
 
 
@@ -418,7 +435,7 @@ def test_failed_precompute_leaves_no_file(toy_target, train_parquet, tmp_path, m
 
 
 def test_killed_shard_leaves_no_file_and_rerun_equals_uninterrupted(toy_target, tmp_path):
-    """kill -9 while the shard is half written: no final file; the rerun's manifest (sha256 included)
+    """kill -9 while the shard is half written: no final file; the rerun's manifest (checksum included)
     equals an uninterrupted run's."""
     import os
     import signal
@@ -454,7 +471,7 @@ def test_killed_shard_leaves_no_file_and_rerun_equals_uninterrupted(toy_target, 
 
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     again = json.loads(manifest_path(out).read_text())
-    assert again == ref and again["sha256"] == hidden.file_sha256(out) and verify_shard(out)["ok"]
+    assert again == ref and again["sha256_tree"] == hidden.file_checksum(out) and verify_shard(out)["ok"]
     assert partial < again["bytes"]
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name, manifest_path(out).name]  # temp gone
 

@@ -10,7 +10,7 @@ the reader dequantizes them to bf16. bf16 and fp32 shards have no scale column a
 format stays version 1: the schema that goes with a dtype is fixed, and readers that predate fp8 reject
 such shards by their dtype. The schema metadata names the format, dtype, K, H, the target and its layer
 ids, so a shard describes itself; the manifest next to it (`shard-00000.arrow` -> `shard-00000.json`)
-adds counts and the sha256.
+adds counts and a checksum (`sha256_tree`: sha256 over the digests of 64 MiB chunks, see tree_digest).
 Files appear under their final name only when complete (written to a temporary sibling, then renamed).
 """
 
@@ -20,9 +20,11 @@ import contextlib
 import hashlib
 import json
 import mmap
+import os
 import queue
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -122,26 +124,67 @@ def read_meta(schema: pa.Schema, path) -> dict:
 # ---------------------------------------------------------------------------------------------- writing
 
 
+CHECKSUM_CHUNK = 64 << 20  # bytes per hashed chunk of a shard file
+
+
+def _sha256(pieces) -> bytes:
+    h = hashlib.sha256()
+    for piece in pieces:
+        h.update(piece)
+    return h.digest()
+
+
+def tree_digest(chunk_digests) -> str:
+    """A shard's checksum: sha256 of the concatenated sha256 digests of its consecutive 64 MiB chunks.
+
+    Chunks hash independently, so writing and verifying hash on several cores: one sha256 stream runs at
+    about 1-2 GB/s, slower than a disk and far slower than the page cache."""
+    return hashlib.sha256(b"".join(chunk_digests)).hexdigest()
+
+
+def file_checksum(path, threads: int | None = None) -> str:
+    """`tree_digest` of a file, its chunks read and hashed on a thread pool."""
+    size = Path(path).stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def chunk(i):
+            return hashlib.sha256(os.pread(fd, CHECKSUM_CHUNK, i * CHECKSUM_CHUNK)).digest()
+
+        with ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
+            return tree_digest(pool.map(chunk, range(-(-size // CHECKSUM_CHUNK))))
+    finally:
+        os.close(fd)
+
+
 class _HashingSink:
-    """File sink that hashes what it writes, so the manifest's sha256 costs no second read of the shard.
+    """File sink that checksums what it writes (see `tree_digest`), so the manifest's checksum costs no
+    second read of the shard. Full chunks hash on a small thread pool, in parallel with each other and
+    with the writes (hashlib and file writes release the GIL), so hashing never caps the write rate."""
 
-    The hash runs on its own thread: hashlib and file writes both release the GIL, so hashing one
-    buffer overlaps writing the next and the shard is written at the disk's rate, not disk + hash."""
-
-    def __init__(self, path):
-        self.file, self.sha, self.closed = open(path, "wb"), hashlib.sha256(), False
-        self.queue = queue.Queue(4)  # holds references to buffers Arrow has already written
-        self.thread = threading.Thread(target=self._hash, name="hidden-sha256", daemon=True)
-        self.thread.start()
-
-    def _hash(self):
-        while (data := self.queue.get()) is not None:
-            self.sha.update(data)
+    def __init__(self, path, threads: int = 4):
+        self.file, self.closed, self.threads = open(path, "wb"), False, threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="hidden-sha256")
+        self.futures, self.waited = [], 0  # one digest per chunk, in file order
+        self.pieces, self.fill = [], 0  # the chunk being filled: views of buffers Arrow has written
+        self.checksum = None
 
     def write(self, data):
         n = self.file.write(data)
-        self.queue.put(data)
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            take = min(CHECKSUM_CHUNK - self.fill, view.nbytes)
+            self.pieces.append(view[:take])
+            self.fill, view = self.fill + take, view[take:]
+            if self.fill == CHECKSUM_CHUNK:
+                self._submit()
         return n
+
+    def _submit(self):
+        self.futures.append(self.pool.submit(_sha256, self.pieces))
+        self.pieces, self.fill = [], 0
+        while len(self.futures) - self.waited > 2 * self.threads:  # bound the buffers held for hashing
+            self.futures[self.waited].result()
+            self.waited += 1
 
     def tell(self):
         return self.file.tell()
@@ -150,10 +193,14 @@ class _HashingSink:
         self.file.flush()
 
     def close(self):
-        self.queue.put(None)
-        self.thread.join()
-        self.file.close()
-        self.closed = True
+        if self.pieces:
+            self._submit()
+        try:
+            self.checksum = tree_digest([f.result() for f in self.futures])
+        finally:
+            self.pool.shutdown()
+            self.file.close()
+            self.closed = True
 
 
 class ShardWriter:
@@ -179,7 +226,7 @@ class ShardWriter:
         self.max_rows, self.max_bytes = max_rows, max_bytes
         self.pending, self.pending_bytes = [], 0
         self.rows = self.tokens = self.bytes = 0
-        self.sha256 = None
+        self.checksum = None
 
     def _check(self, sample_id, n: int, mask_len: int, got, want) -> None:
         if n == 0 or mask_len != n or got != want:
@@ -239,8 +286,8 @@ class ShardWriter:
         self.flush()
         self.writer.close()
         self.bytes = self.sink.tell()
-        self.sink.close()  # waits for the hash thread
-        self.sha256 = self.sink.sha.hexdigest()
+        self.sink.close()  # waits for the hash threads
+        self.checksum = self.sink.checksum
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
@@ -300,7 +347,8 @@ def write_manifest(path, writer: ShardWriter, **extra) -> dict:
         "rows": writer.rows,
         "tokens": writer.tokens,
         "bytes": writer.bytes,
-        "sha256": writer.sha256,
+        "sha256_tree": writer.checksum,  # see tree_digest
+        "checksum_chunk_bytes": CHECKSUM_CHUNK,
         **extra,
     }
     write_json(path, manifest)
@@ -402,14 +450,6 @@ class HiddenStore:
 # --------------------------------------------------------------------------------------------- verifying
 
 
-def file_sha256(path, chunk=16 << 20) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            sha.update(block)
-    return sha.hexdigest()
-
-
 def _sizes(batch, name: str) -> np.ndarray:
     """Bytes per row of a large_binary column, from its offsets."""
     col = batch.column(name)
@@ -441,9 +481,12 @@ def verify_shard(arrow_path, manifest_file=None, max_errors=20) -> dict:
     size = arrow_path.stat().st_size
     if size != manifest.get("bytes"):
         err(f"file has {size} bytes, manifest says {manifest.get('bytes')}")
-    digest = file_sha256(arrow_path)
-    if digest != manifest.get("sha256"):
-        err(f"sha256 {digest} does not match the manifest's {manifest.get('sha256')}")
+    if manifest.get("checksum_chunk_bytes") != CHECKSUM_CHUNK:
+        got = manifest.get("checksum_chunk_bytes")
+        err(f"manifest checksum_chunk_bytes {got}, expected {CHECKSUM_CHUNK}")
+    digest = file_checksum(arrow_path)
+    if digest != manifest.get("sha256_tree"):
+        err(f"checksum (sha256_tree) {digest} does not match the manifest's {manifest.get('sha256_tree')}")
     try:
         store = HiddenStore([arrow_path])
     except (pa.ArrowException, OSError, ValueError, KeyError) as e:
@@ -550,7 +593,7 @@ def token_batches(lengths: list[int], batch_tokens: int, window: int = 1024) -> 
 
 @torch.inference_mode()
 def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dtype: str, pad_id: int,
-                     copy_stream=None):
+                     copy_stream=None, host_rows: int | None = None):
     """Target features of a batch, packed: [T, K*H] in the storage dtype with the rows' T tokens back to
     back (no padding), their float32 scales [T] for fp8 (else None), and an event that marks the copy
     to the host done (None off CUDA).
@@ -558,7 +601,7 @@ def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dt
     The forward runs right-padded, unmasked (see below), and only through the deepest selected layer;
     packing and fp8 quantizing happen on the model's device, so the copy moves only real tokens (half
     the bytes for fp8). On CUDA the copy lands in pinned memory on `copy_stream`, so the next batch's
-    forward overlaps it."""
+    forward overlaps it. `host_rows`: the size of the pinned buffers in tokens (default: this batch's)."""
     dev = next(model.parameters()).device
     lengths = [len(x) for x in batch_ids]
     ids = torch.full((len(batch_ids), max(lengths)), pad_id, dtype=torch.long)
@@ -586,7 +629,11 @@ def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dt
         for t in (feats, scales):
             if t is not None:
                 t.record_stream(stream)  # the allocator must not hand this memory out before the copy ends
-                host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True))
+                # one pinned size for every batch, so the caching host allocator reuses its blocks
+                # instead of pinning new memory (slow: cudaHostAlloc) whenever a batch is longer
+                rows = max(host_rows or 0, t.shape[0])
+                buf = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True)[: t.shape[0]]
+                host.append(buf.copy_(t, non_blocking=True))
         event = torch.cuda.Event()
         event.record(stream)
     return host[0], host[1] if scales is not None else None, event
@@ -649,7 +696,8 @@ def write_shard(model, samples, out_arrow, meta: dict, batch_tokens: int, pad_id
             for batch in token_batches(lengths, batch_tokens):
                 rows = [samples[i] for i in batch]
                 ids = [r[1] for r in rows]
-                feats = forward_features(model, ids, meta["layer_ids"], meta["dtype"], pad_id, copy_stream)
+                feats = forward_features(model, ids, meta["layer_ids"], meta["dtype"], pad_id, copy_stream,
+                                         host_rows=batch_tokens)
                 io_thread.put((rows, *feats))
                 bar.update(sum(lengths[i] for i in batch))
         except BaseException:
