@@ -681,6 +681,20 @@ def _write_rows(writer: ShardWriter, rows, feats, scales, event) -> None:
     writer.write_rows(rows, feats, scales)
 
 
+PINNED_AHEAD = 4  # host buffers in flight: queued, being written, being hashed
+
+
+def _pin_ahead(rows: int, width: int, dtype: str) -> None:
+    """Pin PINNED_AHEAD buffers of the size forward_features asks for, and free them: the caching host
+    allocator keeps them for reuse, so the loop never stalls on pinning new memory (cudaHostAlloc runs at
+    a few GB/s and can wait for the device)."""
+    shape = (rows, width)
+    bufs = [torch.empty(shape, dtype=storage_dtype(dtype), pin_memory=True) for _ in range(PINNED_AHEAD)]
+    if dtype == FP8:
+        bufs += [torch.empty(rows, dtype=torch.float32, pin_memory=True) for _ in range(PINNED_AHEAD)]
+    del bufs
+
+
 def write_shard(model, samples, out_arrow, meta: dict, batch_tokens: int, pad_id: int, desc="hidden"):
     """Forward `samples` [(id, input_ids, loss_mask)] through the model in token-budget batches and write
     their features to the shard `out_arrow` (atomically); returns the closed ShardWriter.
@@ -689,6 +703,8 @@ def write_shard(model, samples, out_arrow, meta: dict, batch_tokens: int, pad_id
     lengths = [len(x[1]) for x in samples]
     cuda = next(model.parameters()).device.type == "cuda"
     copy_stream = torch.cuda.Stream() if cuda else None
+    if cuda:  # pin the host buffers before the loop (see _pin_ahead)
+        _pin_ahead(batch_tokens, len(meta["layer_ids"]) * meta["hidden_size"], meta["dtype"])
     bar = progress(total=sum(lengths), unit="tok", unit_scale=True, desc=desc)
     with open_shard(out_arrow, **meta) as writer:
         io_thread = WriterThread(lambda item: _write_rows(writer, *item))
