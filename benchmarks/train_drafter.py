@@ -90,6 +90,13 @@ PRESETS = {
     ),
 }
 FIRST_STEP = re.compile(r"bucket (\d+): first step ([\d.]+) s \((?:compiled, caches (\{.*\})|eager)\)")
+# the trainer's log lines, in order, and what is done by the time each appears (seconds since launch)
+MILESTONES = {
+    "train: ": "data_opened_s",  # imports, process group, load_spec, HiddenStore
+    "compile cache: ": "cache_loaded_s",  # + the warmup's artifacts loaded (or none)
+    "new run in ": "model_built_s",  # + drafter built and on the device, target head, DDP, optimizer
+    ": first step ": "first_step_done_s",  # + the first batch and the first step (compile or cache hits)
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -156,7 +163,8 @@ def train_config(preset: dict, steps: int, log_every: int) -> dict:
 def flops(preset: dict, spec, draws: int = 64) -> dict:
     """Matmul FLOPs of one sample's forward by part (see the module docstring), and per trained token."""
     s, b = preset["seq_len"], spec.block_size
-    h, i, nh, nkv, d = spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    nh, nkv = spec.num_heads, spec.num_kv_heads
     k, v = spec.num_features, spec.vocab_size
     anchors, valid = sample_anchors(torch.ones(draws, s), preset["max_anchors"], b,
                                     torch.Generator().manual_seed(0))
@@ -210,15 +218,19 @@ class Proc:
     """A launched command: stdout to a log file, stderr streamed line by line into another, watching for
     the trainer's first-step line (time since launch, its seconds and cache counters)."""
 
+    live: list[Proc] = []  # stopped on the way out, whatever ends the benchmark
+
     def __init__(self, name: str, cmd: list[str], env: dict, logs: Path):
         self.name, self.logs = name, logs
         self.out_log, self.err_log = logs / f"{name}.stdout", logs / f"{name}.stderr"
         self.first: dict | None = None
+        self.milestones: dict[str, float] = {}
         self.cache_loaded = False
         self.t0 = time.perf_counter()
         with open(self.out_log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env,
                                          cwd=REPO, start_new_session=True)
+        Proc.live.append(self)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -230,10 +242,14 @@ class Proc:
                 f.flush()
                 if line.startswith("compile cache: loaded"):
                     self.cache_loaded = True
+                for prefix, key in MILESTONES.items():
+                    if prefix in line and key not in self.milestones:
+                        self.milestones[key] = round(t, 2)
                 m = FIRST_STEP.search(line)
                 if m and self.first is None:
                     self.first = {"launch_to_first_step_s": round(t, 2), "first_step_s": float(m[2]),
-                                  "counters": ast.literal_eval(m[3]) if m[3] else None}
+                                  "counters": ast.literal_eval(m[3]) if m[3] else None,
+                                  "milestones": self.milestones}
 
     def wait_for(self, done, timeout: float) -> bool:
         """Until done() or the process ends (then done() once more); False when it ended without."""
@@ -274,8 +290,8 @@ def base_env(preset: dict, inductor: Path) -> dict:
     """A fresh, empty Inductor (and Triton) cache dir for one process tree, as on a fresh node."""
     shutil.rmtree(inductor, ignore_errors=True)
     inductor.mkdir(parents=True)
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton"),
-           "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+           "TRITON_CACHE_DIR": str(inductor / "triton"), "PYTHONUNBUFFERED": "1"}
     if preset["device"] == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["OMP_NUM_THREADS"] = "1"  # Inductor's CPU kernels (and the cache key) depend on the thread count
@@ -332,11 +348,15 @@ def run_warmup(preset, cfg, work: Path, shard: str, timeout: float) -> dict:
            "--drafter-cfg", json.dumps(drafter_json(preset)), "--target", str(work / "target"),
            "--out-dir", str(cache), shard]
     p = Proc("warmup", cmd, env, work / "logs")
-    p.wait_for(lambda: False, timeout)
+    try:
+        p.wait_for(lambda: False, timeout)
+    finally:
+        p.stop()
     check(p, p.proc.returncode == 0, "warmup")
     meta = json.loads((cache / "meta.json").read_text())
     wall = round(time.perf_counter() - p.t0, 1)
-    print(f"warmup: {wall} s, {meta['artifact_bytes']} bytes of compile caches, {meta['counters']}", flush=True)
+    print(f"warmup: {wall} s, {meta['artifact_bytes']} bytes of compile caches, {meta['counters']}",
+          flush=True)
     return {"wall_s": wall, **{k: meta[k] for k in ("seconds", "counters", "artifact_bytes", "key")}}
 
 
@@ -346,13 +366,13 @@ def run_throughput(preset, cfg, work: Path, world: int, shards: list[str], fl: d
     env = base_env(preset, work / "inductor" / name)
     cmd = torchrun(preset, world, cfg, work, name, shards, ["--compile-cache", str(work / "compile_cache")])
     p = Proc(name, cmd, env, work / "logs")
-    steps = cfg["max_steps"]
+    steps, run_dir = cfg["max_steps"], work / "runs" / name
     try:
-        ok = p.wait_for(lambda: any(int(r["step"]) >= steps for r in live_rows(work / "runs" / name)), timeout)
+        ok = p.wait_for(lambda: any(int(r["step"]) >= steps for r in live_rows(run_dir)), timeout)
         check(p, ok and p.first is not None, f"no metrics row for step {steps}")
     finally:
         p.stop()
-    rows = live_rows(work / "runs" / name)
+    rows = live_rows(run_dir)
     windows = [r for r in rows if int(r["step"]) > cfg["log_every"]]  # the first window holds step 1
     check(p, bool(windows), "no window after the first")
     tps = [float(r["tokens_per_s"]) for r in windows]
@@ -374,8 +394,9 @@ def run_throughput(preset, cfg, work: Path, world: int, shards: list[str], fl: d
     }
     mfu = f", MFU {out['mfu']:.1%}" if out["mfu"] is not None else ""
     print(f"{name}: {agg:.0f} tokens/s ({per_gpu:.0f} per process{mfu}), first step after "
-          f"{out.get('launch_to_first_step_s')} s, caches {out.get('counters')}", flush=True)
-    shutil.rmtree(work / "runs" / name, ignore_errors=True)
+          f"{out.get('launch_to_first_step_s')} s {out.get('milestones')}, caches {out.get('counters')}",
+          flush=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
     return out
 
 
@@ -388,8 +409,8 @@ def run_cold(preset, cfg, work: Path, world: int, shards: list[str], timeout) ->
         check(p, p.wait_for(lambda: p.first is not None, timeout), "no first-step line")
     finally:
         p.stop()
-    print(f"{name}: first step after {p.first['launch_to_first_step_s']} s, caches {p.first['counters']}",
-          flush=True)
+    print(f"{name}: first step after {p.first['launch_to_first_step_s']} s {p.first['milestones']}, "
+          f"caches {p.first['counters']}", flush=True)
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
     return {"world": world, "compile_cache_loaded": p.cache_loaded, **p.first, "log": str(p.err_log)}
 
@@ -423,8 +444,18 @@ def main():
     work = Path(args.work or Path(tempfile.gettempdir()) / f"flashdraft-train-bench-{args.preset}")
     (work / "logs").mkdir(parents=True, exist_ok=True)
     out = Path(args.out or REPO / "benchmarks" / "results" / f"train_drafter_{args.preset}.json")
-    timeout = preset["timeout"]
 
+    # a SIGTERM (a job's time limit) unwinds like an error, so every process tree started here is ended
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        run_all(args, preset, sizes, steps, log_every, work, out)
+    finally:
+        for p in Proc.live:
+            p.stop()
+
+
+def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, work: Path, out: Path):
+    cuda, timeout = preset["device"] == "cuda", preset["timeout"]
     t_start = time.perf_counter()
     setup(preset, work)
     spec = load_spec(work / "target", drafter_config(preset))
@@ -479,7 +510,8 @@ def main():
     warm_ratio = (warm["launch_to_first_step_s"] / cold["launch_to_first_step_s"]
                   if warm and cold and "launch_to_first_step_s" in warm else None)
     counters = (warm or {}).get("counters") or {}
-    misses = counters.get("fxgraph_cache_miss", 0) + counters.get("autograd_cache_miss", 0) if counters else None
+    misses = (counters.get("fxgraph_cache_miss", 0) + counters.get("autograd_cache_miss", 0)
+              if counters else None)
     mfus = [t["mfu"] for t in throughput.values() if t["mfu"] is not None]
     result |= {
         "warmup": warmup_meta and {k: v for k, v in warmup_meta.items() if k != "key"},
@@ -488,7 +520,7 @@ def main():
                     "note": None if ratio is not None else "needs world sizes 1 and 2"},
         "first_step": {"world": max(sizes), "cold": cold,
                        "warm": warm and {k: warm.get(k) for k in
-                                         ("launch_to_first_step_s", "first_step_s", "counters",
+                                         ("launch_to_first_step_s", "first_step_s", "milestones", "counters",
                                           "compile_cache_loaded", "steps_under_fail_on_recompile", "log")},
                        "warm_over_cold": warm_ratio},
     }
@@ -508,11 +540,12 @@ def main():
     print(f"{'world':>5}{'tok/s':>12}{'tok/s/gpu':>12}{'TFLOP/s/gpu':>13}{'MFU':>8}{'MFU req':>9}"
           f"{'ms/step':>9}{'1st step s':>12}")
     for w, t in throughput.items():
-        mfu = f"{t['mfu']:>8.1%}{t['mfu_required_grads']:>9.1%}" if t["mfu"] is not None else f"{'-':>8}{'-':>9}"
+        mfu = (f"{t['mfu']:>8.1%}{t['mfu_required_grads']:>9.1%}" if t["mfu"] is not None
+               else f"{'-':>8}{'-':>9}")
         print(f"{w:>5}{t['tokens_per_s']:>12.0f}{t['tokens_per_s_per_gpu']:>12.0f}{t['tflops_per_gpu']:>13.2f}"
               f"{mfu}{t['ms_per_step']:>9.1f}{t.get('launch_to_first_step_s', float('nan')):>12.1f}")
     if cold:
-        print(f"{'cold':>5}{'':>67}{cold['launch_to_first_step_s']:>12.1f}")
+        print(f"{'cold':>5}{'':>63}{cold['launch_to_first_step_s']:>12.1f}")
     for g, v in result["goals"].items():
         val = v["value"]
         shown = f"{val:.3f}" if isinstance(val, float) else str(val)

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -240,6 +241,12 @@ def test_warmup_cache_gives_hits_in_a_fresh_training_process(data, tmp_path):
     assert len(read_rows(out / "metrics.csv")) == 2
 
 
+def warmup_cmd(root, shards, cfg, cache, drafter=DRAFTER):
+    """scripts/warmup.py: compile the step once per bucket and save the caches to `cache`."""
+    return [sys.executable, str(REPO / "scripts" / "warmup.py"), "--cfg", json.dumps(cfg), "--drafter-cfg",
+            json.dumps(drafter), "--target", str(root / "target"), "--out-dir", str(cache), *shards]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(data, tmp_path):
@@ -249,9 +256,8 @@ def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(d
     root, shards = data
     cfg = {**TRAIN, "compile": True, "max_steps": 8, "lr": 1e-3}
     cache = tmp_path / "cache"
-    warm = [sys.executable, str(REPO / "scripts" / "warmup.py"), "--cfg", json.dumps(cfg), "--drafter-cfg",
-            json.dumps(DRAFTER), "--target", str(root / "target"), "--out-dir", str(cache), *shards]
-    run(warm, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")}, gpu=True)
+    run(warmup_cmd(root, shards, cfg, cache), gpu=True,
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")})
     meta = json.loads((cache / "meta.json").read_text())
     print("warmup:", json.dumps({k: meta[k] for k in ("seconds", "counters", "artifact_bytes")}))
     assert meta["key"]["attention"] == "flex" and meta["artifact_bytes"] > 0
@@ -268,3 +274,44 @@ def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(d
     assert len(rows) == 8 and all(math.isfinite(x) for x in losses(rows))
     drafter, _ = load_drafter(out / "drafter")
     assert next(drafter.parameters()).dtype == torch.bfloat16  # exported in the training dtype
+
+
+# Dynamo / FX failures as they print: "torch._dynamo.exc....Error", "FX ... error", "error ... dynamo"
+_COMPILER = r"(dynamo|\bFX\b|torch\.fx)"
+COMPILE_ERROR = re.compile(rf"{_COMPILER}.*(error|exception)|(error|exception).*{_COMPILER}", re.IGNORECASE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_gpu_two_process_training_from_a_cold_or_a_warm_compile_cache(data, tmp_path, cache):
+    """2-GPU compiled flex training from a cold cache (no warmup artifacts, an empty Inductor dir: every
+    rank compiles) and from a warm one (the warmup's artifacts, an empty Inductor dir: every rank hits).
+    Both train every step with finite losses and print no Dynamo/FX error; later steps of both run under
+    fail_on_recompile."""
+    root, shards = data
+    cfg = {**TRAIN, "compile": True, "max_steps": 6, "lr": 1e-3}
+    extra = []
+    if cache == "warm":
+        run(warmup_cmd(root, shards, cfg, tmp_path / "cache"),
+            env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")}, gpu=True)
+        extra = ["--compile-cache", str(tmp_path / "cache")]
+    out = tmp_path / "train"
+    cmd = train_cmd(root, shards, out, cfg, nproc=2, extra=extra)
+    cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
+    proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-train")}, gpu=True)
+    print(proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if COMPILE_ERROR.search(line)]
+    assert "first step" in proc.stderr and "compiled, caches" in proc.stderr
+    counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
+    if cache == "warm":
+        assert counters["fxgraph_cache_hit"] > 0 and counters["autograd_cache_hit"] > 0
+        assert counters["fxgraph_cache_miss"] == 0 and counters["autograd_cache_miss"] == 0
+    else:  # compiled for real (the ranks share one Inductor dir, so one may hit what the other just wrote)
+        assert counters["fxgraph_cache_miss"] > 0
+    rows = read_rows(out / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 7))
+    assert all(math.isfinite(x) for x in losses(rows))
+    assert (out / "drafter" / "model.safetensors").exists()
