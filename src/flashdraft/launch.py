@@ -8,9 +8,9 @@ host and job id before srun starts the tasks.
 
 from __future__ import annotations
 
-# The first node of the allocation: the rendezvous store runs there (torchrun hosts it on the node whose
-# name matches, every other agent connects to it).
-RDZV_HOST = '"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
+# The node this line runs on, the first of the allocation: torchrun hosts the rendezvous store on the node
+# whose host name matches, every other agent connects to it.
+RDZV_HOST = '"$(hostname)"'
 
 
 def torchrun(py: str, script: str, nproc: int, nodes: int = 1, virtual: bool = False,
