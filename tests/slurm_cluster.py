@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 DAEMONS = ("munged", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld", "slurmd", "sacct")
+CLIENTS = ("sbatch", "srun", "scontrol", "sacct", "squeue", "scancel", "sinfo", "sacctmgr", "sshare")
 CLUSTER = "fdtest"
 PARTITION = "debug"
 NODES = ("n1", "n2")  # two slurmd on this machine
@@ -24,11 +25,16 @@ NODES = ("n1", "n2")  # two slurmd on this machine
 CPUS, MEMORY_MB = 32, 300_000
 
 
+def exe(name: str) -> str:
+    """A daemon or client by name (daemons live in /usr/sbin, not always on PATH)."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin") or name
+
+
 def missing() -> str | None:
     """Why this machine cannot run the cluster, or None."""
     if os.geteuid() != 0:
         return "the SLURM tests start daemons as root"
-    gone = [d for d in DAEMONS if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()]
+    gone = [d for d in DAEMONS + CLIENTS if exe(d) == d]
     if gone:
         return f"Debian's SLURM packages are not installed (missing {gone}; .ci/run installs them)"
     return None
@@ -53,16 +59,26 @@ class Cluster:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.procs: list[subprocess.Popen] = []
-        self.env = dict(os.environ, SLURM_CONF=str(self.root / "slurm.conf"))
+        # Jobs reach the cluster through PATH: the executor plugin drops SLURM_* variables (SLURM_CONF
+        # too) before its srun, so bin/ holds client wrappers that set it (a real cluster has /etc/slurm).
+        conf = self.root / "slurm.conf"
+        bin_dir = self.root / "bin"
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        for tool in CLIENTS:
+            w = bin_dir / tool
+            w.write_text(f'#!/bin/sh\nSLURM_CONF={conf} exec {exe(tool)} "$@"\n')
+            w.chmod(0o755)
+        self.env = dict(os.environ, SLURM_CONF=str(conf), PATH=f"{bin_dir}:{os.environ['PATH']}")
         self.munge_socket = self.root / "munge" / "munge.socket"
 
     def run(self, *cmd, check=True, **kw) -> subprocess.CompletedProcess:
+        cmd = (exe(cmd[0]), *cmd[1:])
         return subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=check, **kw)
 
     def _start(self, *cmd):
         log = open(self.root / "logs" / f"{Path(cmd[0]).name}-{len(self.procs)}.log", "w")
-        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+        self.procs.append(subprocess.Popen((exe(cmd[0]), *cmd[1:]), env=self.env, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True))
 
     def _write_configs(self, ports: dict[str, int]):
         r = self.root

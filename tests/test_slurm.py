@@ -161,9 +161,9 @@ def test_two_nodes_one_rendezvous_train_on_the_cpu(cluster, tmp_path):
 def test_default_dag_through_the_slurm_profile(cluster, tmp_path):
     """The embedded default (smaller, as in the other DAG tests) to the end, every job an sbatch job."""
     config = write_config(tmp_path / "config.yaml", SMALL)
-    proc = snakemake(tmp_path, "--profile", str(PROFILE), "--latency-wait", "5",
+    proc = snakemake(tmp_path, "--profile", str(PROFILE), "--workflow-profile", "none", "--latency-wait", "5",
                      "--slurm-init-seconds-before-status-checks", "2", config=config, check=False,
-                     env={"SLURM_CONF": cluster.env["SLURM_CONF"]})
+                     env={k: cluster.env[k] for k in ("SLURM_CONF", "PATH")})
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\n{cluster.logs()}"
     r = tmp_path / "results"
     assert (r / "report.html").exists() and (r / "drafter" / "model.safetensors").exists()
