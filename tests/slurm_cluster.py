@@ -129,6 +129,9 @@ PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE S
         for i in range(2):
             (r / "dev" / f"nvidia{i}").touch()
         (r / "gres.conf").write_text(f"Name=gpu File={r}/dev/nvidia[0-1]\n")
+        # slurmd loads a cgroup plugin even with proctrack/linuxproc; on cgroup v2 without systemd
+        # (containers) it must not ask systemd for a scope.
+        (r / "cgroup.conf").write_text("IgnoreSystemd=yes\n")
         dbd = r / "slurmdbd.conf"
         dbd.write_text(f"""\
 AuthType=auth/munge
