@@ -32,8 +32,10 @@ clean:
 	rm -rf results .snakemake
 
 # Offline install (air-gapped nodes): every pinned requirement and flashdraft itself as wheels in
-# $(WHEELHOUSE), for the target's platform and Python (default: this machine's), e.g.
-#   make wheelhouse PLATFORM=manylinux_2_28_x86_64 PYVER=3.11 TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# $(WHEELHOUSE), for the target's platform tags (every tag its wheels may carry) and Python (default:
+# this machine's), e.g.
+#   make wheelhouse PLATFORM="manylinux_2_28_x86_64 manylinux2014_x86_64" PYVER=3.11 \
+#     TORCH_INDEX=https://download.pytorch.org/whl/cu128
 # then on the node: pip install --no-index --find-links wheelhouse -r envs/requirements.txt flashdraft
 WHEELHOUSE ?= wheelhouse
 PLATFORM ?=
@@ -41,7 +43,7 @@ PYVER ?=
 TORCH_INDEX ?=
 # Published as sources only (pure Python): built into wheels here, then found by the download.
 SDIST_ONLY := connection_pool==0.0.3
-TARGET := $(if $(PLATFORM),--platform $(PLATFORM)) $(if $(PYVER),--python-version $(PYVER)) \
+TARGET := $(foreach p,$(PLATFORM),--platform $(p)) $(if $(PYVER),--python-version $(PYVER)) \
 	--only-binary=:all: $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
 wheelhouse: install

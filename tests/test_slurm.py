@@ -65,7 +65,8 @@ def production(tmp_path, **gpus):
 
 def test_production_dry_run_sbatch_resources(tmp_path):
     pytest.importorskip("snakemake_executor_plugin_slurm")
-    proc = snakemake(tmp_path, "-n", "--profile", str(PROFILE), config=production(tmp_path))
+    proc = snakemake(tmp_path, "-n", "--profile", str(PROFILE), "--workflow-profile", "none",
+                     config=production(tmp_path))
     jobs = job_resources(proc.stdout)
     assert job_counts(proc.stdout)["hidden_shard"] == len(jobs["hidden_shard"]) == 40
     for res in jobs["hidden_shard"]:  # independent jobs, one GPU each, wherever SLURM puts them
@@ -88,7 +89,8 @@ def test_production_dry_run_sbatch_resources(tmp_path):
 def test_multi_node_dry_run_asks_for_nodes_and_launches_srun(tmp_path):
     pytest.importorskip("snakemake_executor_plugin_slurm")
     config = production(tmp_path, drafter_nodes=2)
-    proc = snakemake(tmp_path, "-n", "--profile", str(PROFILE), "train", config=config)
+    proc = snakemake(tmp_path, "-n", "--profile", str(PROFILE), "--workflow-profile", "none", "train",
+                     config=config)
     (train,) = job_resources(proc.stdout)["train"]
     assert (train["nodes"], train["tasks"], train["gres"], train["mpi"]) == (2, 2, "gpu:3", "srun")
     assert "gpu" not in train
