@@ -161,8 +161,9 @@ def test_two_nodes_one_rendezvous_train_on_the_cpu(cluster, tmp_path):
 
 
 def test_default_dag_through_the_slurm_profile(cluster, tmp_path):
-    """The embedded default (smaller, as in the other DAG tests) to the end, every job an sbatch job."""
-    config = write_config(tmp_path / "config.yaml", SMALL)
+    """The embedded default (smaller, as in the other DAG tests) to the end, every job an sbatch job, the
+    training on both nodes: the plugin runs the train rule's own srun + torchrun line."""
+    config = write_config(tmp_path / "config.yaml", {**SMALL, "gpus.drafter_nodes": 2})
     proc = snakemake(tmp_path, "--profile", str(PROFILE), "--workflow-profile", "none", "--latency-wait", "5",
                      "--slurm-init-seconds-before-status-checks", "2", config=config, check=False,
                      env={k: cluster.env[k] for k in ("SLURM_CONF", "PATH")})
@@ -171,13 +172,16 @@ def test_default_dag_through_the_slurm_profile(cluster, tmp_path):
     assert (r / "report.html").exists() and (r / "drafter" / "model.safetensors").exists()
     summary = json.loads((r / "eval" / "summary.json").read_text())
     assert summary["dflash"]["lossless_all"]
+    assert "2 process(es) on cpu" in (r / "logs" / "train.log").read_text()
 
-    rows = sacct(cluster, "-X", "-o", "JobID,Comment,State")
-    rules = {}
-    for _, comment, state in rows:
+    rows = sacct(cluster, "-X", "-o", "JobID,Comment,State,NNodes")
+    rules, nodes = {}, {}
+    for _, comment, state, n in rows:
         if m := re.match(r"rule_([a-z_]+?)(?:_wildcards_.*)?$", comment):
             rules.setdefault(m[1], []).append(state)
+            nodes[m[1]] = int(n)
     expected = {"toy_target": 1, "toy_sources": 1, "prompts": 1, "regenerate": 1, "hidden_shard": 2,
                 "hidden_verify": 1, "warmup": 1, "train": 1, "evaluate": 1, "report": 1}
     assert {k: len(v) for k, v in rules.items()} == expected, rows
     assert all(s == "COMPLETED" for states in rules.values() for s in states), rows
+    assert nodes["train"] == 2 and nodes["hidden_shard"] == 1, rows

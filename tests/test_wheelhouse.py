@@ -14,8 +14,9 @@ def test_wheelhouse_downloads_for_the_given_platform(tmp_path):
             "TORCH_INDEX=https://download.pytorch.org/whl/cu128"]
     out = subprocess.run(["make", "-n", "-C", str(REPO), "wheelhouse", f"VENV={tmp_path / 'venv'}", *args],
                          capture_output=True, text=True, check=True).stdout
+    line = " ".join(out.split())
     assert "-m pip wheel" in out and "--no-deps -w wheelhouse connection_pool==0.0.3 ." in out
-    assert ("--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --python-version 3.11 --only-binary=:all: "
-            "--extra-index-url https://download.pytorch.org/whl/cu128") in " ".join(out.split())
+    assert ("--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --python-version 3.11 "
+            "--only-binary=:all: --extra-index-url https://download.pytorch.org/whl/cu128") in line
     assert "-d wheelhouse --find-links wheelhouse" in out and "-r envs/requirements.txt" in out
     assert not (tmp_path / "venv").exists()
