@@ -1,8 +1,9 @@
 """A throwaway SLURM cluster on localhost from Debian's packages, for the SLURM tests.
 
-Two slurmd nodes (n1, n2) on localhost, each with a count-only GPU GRES, a slurmctld, and a slurmdbd on
-a private MariaDB so that `sacct` works (the executor plugin reads job states from it). Everything
-lives under one directory, on its own ports; clients find it through SLURM_CONF.
+Two slurmd nodes (n1, n2) on localhost, each with 2 stand-in GPUs (GRES on empty files), a slurmctld,
+and a slurmdbd on a private MariaDB so that `sacct` works (the executor plugin reads job states from
+it). Everything lives under one directory, on its own ports, with its own munged; clients find it
+through SLURM_CONF and the wrappers in <root>/bin.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-DAEMONS = ("munged", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld", "slurmd", "sacct")
+DAEMONS = ("munged", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "sacct", "squeue", "scancel", "sinfo", "sacctmgr", "sshare")
 CLUSTER = "fdtest"
 PARTITION = "debug"
@@ -167,7 +168,7 @@ StorageLoc=slurm_acct_db
         self.run("mariadb-install-db", "--user=root", f"--datadir={r}/db", "--skip-test-db")
         self._start("mariadbd", "--user=root", f"--datadir={r}/db", f"--port={ports['db']}",
                     "--bind-address=127.0.0.1", f"--socket={r}/mysqld.sock", f"--pid-file={r}/mysqld.pid",
-                    "--skip-grant-tables")
+                    "--skip-grant-tables")  # a private database on 127.0.0.1: no accounts needed
         _wait("mariadb", lambda: _listening(ports["db"]))
 
         self._start("slurmdbd", "-D")  # reads slurmdbd.conf next to SLURM_CONF
