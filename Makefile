@@ -5,7 +5,7 @@ SNAKEMAKE := $(VENV)/bin/snakemake
 CONFIG ?= config/config.yaml
 PYTHON ?= python3
 
-.PHONY: install run test lint clean
+.PHONY: install run test lint clean wheelhouse
 
 install: $(VENV)/.installed
 
@@ -30,3 +30,23 @@ test: lint
 
 clean:
 	rm -rf results .snakemake
+
+# Offline install (air-gapped nodes): every pinned requirement and flashdraft itself as wheels in
+# $(WHEELHOUSE), for the target's platform tags (every tag its wheels may carry) and Python (default:
+# this machine's), e.g.
+#   make wheelhouse PLATFORM="manylinux_2_28_x86_64 manylinux2014_x86_64" PYVER=3.11 \
+#     TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# then on the node: pip install --no-index --find-links wheelhouse -r envs/requirements.txt flashdraft
+WHEELHOUSE ?= wheelhouse
+PLATFORM ?=
+PYVER ?=
+TORCH_INDEX ?=
+# Published as sources only (pure Python): built into wheels here, then found by the download.
+SDIST_ONLY := connection_pool==0.0.3
+TARGET := $(foreach p,$(PLATFORM),--platform $(p)) $(if $(PYVER),--python-version $(PYVER)) \
+	--only-binary=:all: $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+
+wheelhouse: install
+	$(PY) -m pip wheel -q --disable-pip-version-check --no-deps -w $(WHEELHOUSE) $(SDIST_ONLY) .
+	$(PY) -m pip download -q --disable-pip-version-check -d $(WHEELHOUSE) --find-links $(WHEELHOUSE) \
+		$(TARGET) -r envs/requirements.txt

@@ -11,12 +11,12 @@ REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "workflow" / "Snakefile"
 
 
-def snakemake(workdir, *args, config=None, check=True, timeout=1800):
-    """Run the real workflow with this interpreter's Snakemake in `workdir`."""
+def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None):
+    """Run the real workflow with this interpreter's Snakemake in `workdir` (`env`: extra variables)."""
     cmd = [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "-d", str(workdir), *args]
     if config is not None:
         cmd += ["--configfile", str(config)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
@@ -66,6 +66,35 @@ def toy_prompt_set(root, num_docs: int = 200, total: int = 40):
                         sources=[SourceConfig(name=k, path=v) for k, v in paths.items()])
     prompts.expand(cfg, str(root / "prompts"))
     return root
+
+
+def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24) -> list[str]:
+    """A random toy target (root/target) and real hidden-state shards of learnable token patterns."""
+    import torch
+
+    from flashdraft.config import DrafterConfig, ToyConfig
+    from flashdraft.hidden import manifest_path, open_shard, write_manifest
+    from flashdraft.toy import build_toy_target
+    from flashdraft.train import load_spec
+
+    build_toy_target(ToyConfig(steps=0, num_docs=200), str(root / "target"))
+    spec = load_spec(root / "target", DrafterConfig(**drafter))
+    g = torch.Generator().manual_seed(0)
+    width = spec.num_features * spec.hidden_size
+    paths = []
+    for s in range(shards):
+        path = root / f"shard-{s:05d}.arrow"
+        meta = dict(target="toy", layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size)
+        with open_shard(path, **meta) as w:
+            for i in range(rows):
+                n = int(torch.randint(40, 300, (1,), generator=g))  # some longer than the largest bucket
+                start = int(torch.randint(0, 50, (1,), generator=g))
+                ids = [(start + 3 * j) % 97 + 10 for j in range(n)]  # an arithmetic pattern: learnable
+                mask = [0] * (n // 3) + [1] * (n - n // 3)  # a "prompt" third, then the "answer"
+                w.write(f"s{s}-{i}", ids, mask, torch.randn(n, width, generator=g).to(torch.bfloat16))
+        write_manifest(manifest_path(path), w)
+        paths.append(str(path))
+    return paths
 
 
 def write_config(path, overrides=None, base=REPO / "config" / "config.yaml"):

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import toy_hidden_shards
 
-from flashdraft.config import DrafterConfig, ToyConfig, TrainConfig, to_json
-from flashdraft.hidden import HiddenStore, manifest_path, open_shard, write_manifest
+from flashdraft.config import DrafterConfig, TrainConfig, to_json
+from flashdraft.hidden import HiddenStore, manifest_path
 from flashdraft.model import load_drafter
-from flashdraft.toy import build_toy_target
 from flashdraft.train import Collate, bucket_for, epoch_batches, load_spec, lr_factor, rows_per_batch, run_key
 from flashdraft.warmup import warmup
 
@@ -30,24 +30,7 @@ TRAIN = {"max_steps": 6, "lr": 3e-3, "max_anchors": 16, "batch_tokens": 512, "bu
 def data(tmp_path_factory):
     """A random (untrained) toy target and two real hidden-state shards of learnable token patterns."""
     root = tmp_path_factory.mktemp("train")
-    build_toy_target(ToyConfig(steps=0, num_docs=200), str(root / "target"))
-    spec = load_spec(root / "target", DrafterConfig(**DRAFTER))
-    g = torch.Generator().manual_seed(0)
-    width = spec.num_features * spec.hidden_size
-    shards = []
-    for s in range(2):
-        path = root / f"shard-{s:05d}.arrow"
-        meta = dict(target="toy", layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size)
-        with open_shard(path, **meta) as w:
-            for i in range(24):
-                n = int(torch.randint(40, 300, (1,), generator=g))  # some longer than the largest bucket
-                start = int(torch.randint(0, 50, (1,), generator=g))
-                ids = [(start + 3 * j) % 97 + 10 for j in range(n)]  # an arithmetic pattern: learnable
-                mask = [0] * (n // 3) + [1] * (n - n // 3)  # a "prompt" third, then the "answer"
-                w.write(f"s{s}-{i}", ids, mask, torch.randn(n, width, generator=g).to(torch.bfloat16))
-        write_manifest(manifest_path(path), w)
-        shards.append(str(path))
-    return root, shards
+    return root, toy_hidden_shards(root, DRAFTER)
 
 
 def train_cmd(root, shards, out, cfg=TRAIN, nproc=2, drafter=DRAFTER, extra=()):

@@ -147,7 +147,9 @@ class EvalConfig:
 @dataclass
 class GpusConfig:
     target: int = 0  # GPUs for target stages; precompute runs one shard job per GPU (0: CPU)
-    drafter: int = 0  # GPUs for training, one torchrun process each (0: one CPU process)
+    drafter: int = 0  # GPUs for training, one torchrun process each (0: one CPU process); per node
+    drafter_nodes: int = 1  # nodes for training; > 1 starts torchrun on every node through srun (SLURM)
+    rdzv_port: int = 29400  # port of the torchrun rendezvous on the first training node (drafter_nodes > 1)
     lock_dir: str = "/tmp/flashdraft-gpu-locks"  # one lock file per GPU, shared by all jobs on a node
     check_visible: bool = True  # refuse to start when more GPUs are asked for than are visible
 

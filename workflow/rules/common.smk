@@ -1,4 +1,5 @@
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from flashdraft.config import Config, from_dict  # noqa: E402
 from flashdraft.gpu import visible_gpus  # noqa: E402
+from flashdraft.launch import on_every_node, torchrun  # noqa: E402
 
 
 validate(config, schema="../schemas/config.schema.yaml")
@@ -47,6 +49,11 @@ def check_config():
                     f"config key gpus.{key}: asks for {asked} GPU(s) but {n} are visible "
                     "(set gpus.check_visible: false when jobs run on other nodes)"
                 )
+        if CFG.gpus.drafter_nodes > 1 and shutil.which("srun") is None:
+            raise WorkflowError(
+                f"config key gpus.drafter_nodes: {CFG.gpus.drafter_nodes} nodes need SLURM (no srun here); "
+                "run with --profile workflow/profiles/slurm (set gpus.check_visible: false to submit anyway)"
+            )
 
 
 check_config()
@@ -63,18 +70,32 @@ def section(name, keys=None):
     return lambda wildcards: text
 
 
-def stage(script, gpus=None, nproc=None):
+def stage(script, gpus=None, nproc=None, nodes=1):
     """The command that runs scripts/<script>: on `gpus` leased GPUs (see src/flashdraft/gpu.py),
-    under torchrun with `nproc` processes when given."""
+    under torchrun with `nproc` processes (per node) when given, on `nodes` nodes through srun."""
     cmd = f"{PY} {SCRIPTS / script}"
     if nproc is not None:
         # One process per GPU; --virtual-local-rank makes every rank see its GPU as cuda:0, so the
         # warmup's compile-cache entries (keyed by device index) hit on every rank.
-        virtual = " --virtual-local-rank" if CFG.gpus.drafter > 0 else ""
-        cmd = f"{PY} -m torch.distributed.run --standalone --nproc_per_node {nproc}{virtual} {SCRIPTS / script}"
+        cmd = torchrun(PY, SCRIPTS / script, nproc, nodes, virtual=CFG.gpus.drafter > 0,
+                       port=CFG.gpus.rdzv_port)
     if gpus is not None:
         cmd = f"{PY} -m flashdraft.gpu --gpus {gpus} --lock-dir {CFG.gpus.lock_dir} -- {cmd}"
-    return cmd
+    return on_every_node(cmd, nodes) if nodes > 1 else cmd
+
+
+def train_resources():
+    """One node: `gpu` counts GPUs (for the local scheduler; the SLURM plugin turns it into --gpus).
+    Several nodes (SLURM): `nodes` with `gres=gpu:G` on each; `mpi` makes the plugin run the job's
+    command as it is instead of inside its own one-task srun, so the command's srun reaches every
+    node; `tasks_per_gpu=0` keeps the plugin from deriving --ntasks-per-gpu from `tasks`."""
+    n, g = CFG.gpus.drafter_nodes, CFG.gpus.drafter
+    if n == 1:
+        return {"gpu": g}
+    res = {"nodes": n, "tasks": n, "mpi": "srun", "tasks_per_gpu": 0}
+    if g:
+        res["gres"] = f"gpu:{g}"
+    return res
 
 
 def parent(kind, key=0):

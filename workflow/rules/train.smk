@@ -14,9 +14,10 @@ rule train:
         cache_dir=parent("input", "cache"),
         drafter_dir=parent("output"),
         checkpoints=f"{RESULTS}/checkpoints",  # not an output: Snakemake never deletes it
-        cmd=stage("train.py", gpus=CFG.gpus.drafter, nproc=max(1, CFG.gpus.drafter)),
+        cmd=stage("train.py", gpus=CFG.gpus.drafter, nproc=max(1, CFG.gpus.drafter),
+                  nodes=CFG.gpus.drafter_nodes),
     resources:
-        gpu=CFG.gpus.drafter,
+        **train_resources(),
     threads: train_threads()
     conda:
         CONDA_ENV
