@@ -506,3 +506,11 @@ def test_gpu_features_packed_quantized_on_device_copied_async_to_pinned(toy_targ
     ref = torch.cat(refs)
     rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
     assert rel.max() < (0.06 if dtype == FP8 else 0.02), rel.max()
+
+
+def test_fp8_dequantize_in_blocks_is_bit_exact():
+    x = torch.randn(150, 48) * torch.logspace(-3, 3, 150)[:, None]
+    q, scale = quantize_fp8(x)
+    want = (q.float() * scale.unsqueeze(-1)).to(torch.bfloat16)
+    assert torch.equal(hidden.dequantize_fp8(q, scale, rows=64), want)
+    assert torch.equal(hidden.dequantize_fp8(q, scale, rows=1), want)
