@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from shapes import QWEN3_8B, TOY
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.config import DrafterConfig
@@ -31,14 +32,11 @@ from flashdraft.model import DFlashDrafter, DrafterSpec
 PRESETS = {
     # the toy target's shapes (flashdraft.toy) and the embedded default drafter (K=2, B=8)
     "tiny": dict(
-        target=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, vocab_size=576, max_position_embeddings=4096),
+        target=TOY,
         mask_token_id=512, drafter=DrafterConfig(num_layers=2, block_size=8), device="cpu", dtype="float32",
     ),
     "qwen3-8b": dict(
-        target=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                    num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                    rope_theta=1e6),
+        target=QWEN3_8B,
         mask_token_id=151669, drafter=DrafterConfig(num_layers=5, block_size=16), device="cuda",
         dtype="bfloat16",
     ),

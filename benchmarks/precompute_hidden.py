@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 import torch
 import transformers
 import yaml
+from shapes import QWEN3_8B, TOY
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from flashdraft.config import DrafterConfig
@@ -41,30 +42,7 @@ from flashdraft.hidden import HiddenStore, manifest_path, token_batches, write_s
 from flashdraft.target import feature_layer_ids, layers_needed
 
 REPO = Path(__file__).resolve().parents[1]
-PRESETS = {
-    "qwen3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rope_theta=1e6,
-    ),
-    # the toy target's shape: checks this script end to end on a CPU in seconds
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=576,
-        max_position_embeddings=4096,
-    ),
-}
+PRESETS = {"qwen3-8b": QWEN3_8B, "tiny": TOY}  # tiny checks this script end to end on a CPU in seconds
 DRAFTER = {"qwen3-8b": DrafterConfig(num_layers=5), "tiny": DrafterConfig(num_layers=2)}
 
 

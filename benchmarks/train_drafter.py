@@ -62,6 +62,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from shapes import QWEN3_8B, TOY
 
 from flashdraft.config import DrafterConfig
 from flashdraft.hidden import manifest_path, open_shard, write_manifest
@@ -74,16 +75,13 @@ GOALS = {"mfu": 0.45, "scaling": 1.85, "warm_over_cold": 0.20}
 PRESETS = {
     # the toy target's shapes (flashdraft.toy) with the embedded default drafter (K=2, B=8), CPU
     "tiny": dict(
-        target=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, vocab_size=576, max_position_embeddings=4096),
+        target=TOY,
         mask_token_id=512, drafter=dict(num_layers=2, block_size=8), seq_len=256, rows=4, max_anchors=32,
         device="cpu", dtype="float32", attention="sdpa", samples=8, steps=12, log_every=3, timeout=600,
     ),
     # Qwen3-8B's shapes with the DFlash recipe drafter (K=5, B=16, 512 anchors), bf16, flex attention
     "qwen3-8b": dict(
-        target=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                    num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                    rope_theta=1e6),
+        target=QWEN3_8B,
         mask_token_id=151669, drafter=dict(num_layers=5, block_size=16), seq_len=3072, rows=4,
         max_anchors=512, device="cuda", dtype="bfloat16", attention="flex", samples=8, steps=30, log_every=5,
         timeout=900,
