@@ -514,3 +514,23 @@ def test_fp8_dequantize_in_blocks_is_bit_exact():
     want = (q.float() * scale.unsqueeze(-1)).to(torch.bfloat16)
     assert torch.equal(hidden.dequantize_fp8(q, scale, rows=64), want)
     assert torch.equal(hidden.dequantize_fp8(q, scale, rows=1), want)
+
+
+def test_forward_runs_only_the_layers_the_features_need(toy_target):
+    """Through the deepest selected layer plus one (HF's last hidden state is after the final norm);
+    the model is whole again afterwards, also after an error inside."""
+    from flashdraft.target import decoder_prefix, layers_needed
+
+    assert layers_needed(36, [1, 9, 17, 25, 33]) == 35 and layers_needed(6, [1, 5]) == 6
+    model, _ = load_target(str(toy_target), "float32")
+    seen = []
+    layers = model.model.layers
+    hooks = [layer.register_forward_hook(lambda *a, i=i: seen.append(i)) for i, layer in enumerate(layers)]
+    feats, _, _ = hidden.forward_features(model, [[5, 6, 7, 8]], [1, 2], "float32", 0)
+    assert seen == [0, 1, 2, 3] and feats.shape == (4, 2 * model.config.hidden_size)
+    with pytest.raises(RuntimeError), decoder_prefix(model, 2):
+        assert len(model.model.layers) == 2
+        raise RuntimeError("inside")
+    assert len(model.model.layers) == 6
+    for h in hooks:
+        h.remove()
