@@ -14,6 +14,7 @@ from flashdraft.model import (
     DFlashDrafter,
     DraftCache,
     DrafterSpec,
+    LinearCrossEntropy,
     block_inputs,
     block_labels,
     dense_mask,
@@ -246,6 +247,30 @@ def test_chunked_loss_equals_unchunked_in_value_and_gradient(setup):
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
     assert grads[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_equals_autograd_in_value_gradient_and_argmax(head_dtype):
+    """The fused LM head + CE (gradient made in the forward, chunk by chunk) against plain autograd over
+    the full logits: the same weighted CE sum, the same gradient for h, the same argmax hits."""
+    g = torch.Generator().manual_seed(0)
+    n, hdim, vocab = 37, 16, 50
+    h = torch.randn(n, hdim, generator=g, requires_grad=True)
+    head = torch.randn(vocab, hdim, generator=g).to(head_dtype)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    weights = torch.rand(n, generator=g) * (torch.rand(n, generator=g) > 0.3)  # some rows weigh nothing
+    logits = (h.to(head_dtype) @ head.T).float()
+    want = (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
+    (want_grad,) = torch.autograd.grad(want * 2.0, h)  # a power of 2: scaling commutes with rounding
+    tol = dict(rtol=1e-5, atol=1e-5) if head_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    for chunk in (1, 8, 64):
+        x = h.detach().clone().requires_grad_(True)
+        total, correct = LinearCrossEntropy.apply(x, head, labels, weights, chunk)
+        (total * 2.0).backward()
+        torch.testing.assert_close(total, want.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, want_grad, **tol)
+        assert torch.equal(correct, logits.argmax(-1) == labels) and not correct.requires_grad
+    assert head.grad is None
 
 
 def test_simulated_tau_and_per_position_metrics():

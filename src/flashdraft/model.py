@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .config import DrafterConfig
 from .io import atomic_path
@@ -480,17 +479,46 @@ def train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, atte
     return out.view(b, a, bs, -1)
 
 
-def _chunk_loss(h, lm_head_weight, labels, weights):
-    logits = h @ lm_head_weight.T
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view_as(labels)
-    return (ce * weights).sum(), logits.argmax(-1) == labels
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(h_i @ W.T, y_i) for rows h `[N, H]` of a frozen head W `[V, H]`, `chunk` rows at a
+    time, with the gradient for h computed in the forward while each chunk's logits exist: no logits
+    are kept for the backward and none are recomputed (W gets no gradient). Also returns, without a
+    gradient, whether each row's argmax is its label.
+
+    The logits are h @ W.T in W's dtype (bf16 on GPU, as autocast would give), then float32 for the
+    softmax; the gradient goes back through the same matmul in W's dtype."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, weights, chunk: int):
+        grad_h = torch.empty_like(h)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        correct = torch.empty(labels.shape, dtype=torch.bool, device=h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for i in range(0, h.shape[0], chunk):
+                j = slice(i, i + chunk)
+                y, w = labels[j], weights[j].float()
+                logits = (h[j].to(weight.dtype) @ weight.T).float()
+                lse = logits.logsumexp(-1)
+                total += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * w).sum()
+                correct[j] = logits.argmax(-1) == y
+                grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: d CE / d logits = p - onehot
+                grad[torch.arange(len(y), device=y.device), y] -= 1.0
+                grad_h[j] = (grad.mul_(w[:, None]).to(weight.dtype) @ weight).to(h.dtype)
+        ctx.save_for_backward(grad_h)
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_correct):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_total, None, None, None, None
 
 
 def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_weight, lm_head_weight,
                 gamma: float, attention: str = "sdpa", chunk_blocks: int = 128):
     """Weighted block CE: loss = sum(w*CE)/sum(w). The LM head + CE run `chunk_blocks` blocks at a time
-    under activation checkpointing, so full logits `[blocks*(B-1), V]` never exist at once, not even
-    for the backward.
+    (LinearCrossEntropy), so full logits `[blocks*(B-1), V]` never exist at once, and the backward
+    needs none.
 
     Returns (loss, stats): stats is one detached float vector of sums, summable across steps and ranks
     (see `summarize`): [sum w*CE, sum w, sum tau, blocks, correct_k (B-1), counted_k (B-1)]."""
@@ -500,14 +528,10 @@ def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_wei
     sel = valid.flatten()  # only real blocks go through the LM head
     h = out[:, :, 1:].flatten(0, 1)[sel]
     labels, weights, label_mask = (t.flatten(0, 1)[sel] for t in (labels, weights, label_mask))
-    ce_sum = out.new_zeros((), dtype=torch.float32)
-    correct = []
-    for i in range(0, h.shape[0], chunk_blocks):
-        j = slice(i, i + chunk_blocks)
-        part, corr = checkpoint(_chunk_loss, h[j], lm_head_weight, labels[j], weights[j], use_reentrant=False)
-        ce_sum = ce_sum + part
-        correct.append(corr)
-    correct = torch.cat(correct) if correct else label_mask.clone()
+    rows = h.flatten(0, 1)  # [blocks*(B-1), H]
+    ce_sum, correct = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), weights.flatten(),
+                                               chunk_blocks * (bs - 1))
+    correct = correct.view_as(labels)
     w_sum = weights.sum()
     # a degenerate batch (no anchors) must still touch every parameter, or DDP's all-reduce waits forever
     touch = sum(p.sum() for p in drafter.parameters()) * 0.0
