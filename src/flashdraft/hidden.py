@@ -66,11 +66,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, rows: int = 64) -> torch.Tensor:
-    """bf16 of q * scale per token. On the CPU (the reader's data workers) a few tokens at a time, so the
-    float32 temporary stays in cache: same bits, about 1.8x the rate of one whole-tensor expression."""
-    if q.device.type != "cpu":
-        return (q.float() * scale.unsqueeze(-1)).to(torch.bfloat16)
-    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    """bf16 of q * scale per token, a few tokens at a time so the float32 temporary stays in cache: the
+    same bits as one whole-tensor expression, about 1.8x its rate on one CPU core (the reader's workers)."""
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     for i in range(0, q.shape[0], rows):
         out[i : i + rows].copy_(q[i : i + rows].float().mul_(scale[i : i + rows].unsqueeze(-1)))
     return out
@@ -269,14 +267,17 @@ class ShardWriter:
         self._check(first_last, total, total, _signature(hidden, scale), self._want(total))
         raws = [_raw(hidden)] + ([_raw(scale)] if scale is not None else [])
         ids, input_ids, masks = zip(*((str(a), list(b), list(c)) for a, b, c in rows), strict=True)
-        self._write_batch(ids, input_ids, masks, [_binary_rows(r, lengths) for r in raws])
+        binaries = [_binary(r, [n * (r.size // total) for n in lengths]) for r in raws]  # bytes per token
+        self._write_batch(ids, input_ids, masks, binaries)
         self.rows, self.tokens = self.rows + len(rows), self.tokens + total
 
     def flush(self) -> None:
         if not self.pending:
             return
         ids, input_ids, masks, raws = zip(*self.pending, strict=True)
-        self._write_batch(ids, input_ids, masks, [_binary(col) for col in zip(*raws, strict=True)])
+        # hidden (and scale): one copy into a contiguous buffer each
+        binaries = [_binary(np.concatenate(col), [r.size for r in col]) for col in zip(*raws, strict=True)]
+        self._write_batch(ids, input_ids, masks, binaries)
         self.pending, self.pending_bytes = [], 0
 
     def _write_batch(self, ids, input_ids, masks, binaries) -> None:
@@ -311,21 +312,13 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
 
 
-def _binary_rows(raw: np.ndarray, lengths: list[int]) -> pa.LargeBinaryArray:
-    """Rows of `lengths` tokens back to back in `raw`, as a binary column over raw's own memory."""
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    offsets *= raw.size // max(1, int(offsets[-1]))  # bytes per token
-    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(raw)]
-    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(lengths), buffers)
-
-
-def _binary(raws) -> pa.LargeBinaryArray:
-    offsets = np.zeros(len(raws) + 1, np.int64)
-    np.cumsum([r.size for r in raws], out=offsets[1:])
-    # one copy into a contiguous data buffer; offsets are multiples of the itemsize, so rows stay aligned
-    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(np.concatenate(raws))]
-    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(raws), buffers)
+def _binary(data: np.ndarray, sizes: list[int]) -> pa.LargeBinaryArray:
+    """Rows of `sizes` bytes back to back in `data`, as a binary column over data's own memory. Sizes are
+    multiples of the itemsize, so rows stay aligned."""
+    offsets = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(sizes), buffers)
 
 
 @contextlib.contextmanager
@@ -611,12 +604,12 @@ def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dt
     forward overlaps it. `host_rows`: the size of the pinned buffers in tokens (default: this batch's)."""
     dev = next(model.parameters()).device
     lengths = [len(x) for x in batch_ids]
-    ids = torch.full((len(batch_ids), max(lengths)), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
+    width = max(lengths)
+    ids = torch.full((len(batch_ids), width), pad_id, dtype=torch.long)
     for i, x in enumerate(batch_ids):
         ids[i, : len(x)] = torch.tensor(x)
-        mask[i, : len(x)] = 1
-    real = mask.flatten().nonzero().squeeze(1)  # flat indices of the real tokens, computed on the host
+    # flat indices of the real tokens, computed on the host (no device sync to find them)
+    real = torch.cat([torch.arange(n) + i * width for i, n in enumerate(lengths)])
     with decoder_prefix(model, layers_needed(model.config.num_hidden_layers, layer_ids)):
         # The decoder alone: no LM head, whose logits would be [B, S, vocab]. No attention mask: padding
         # is on the right, so under causal attention no real token ever sees a pad, and without a mask
