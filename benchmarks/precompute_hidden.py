@@ -114,6 +114,13 @@ def read_store(path) -> tuple[float, int]:
     return time.perf_counter() - t0, int(store.lengths.sum())
 
 
+def host_allocs() -> int:
+    """Pinned host blocks allocated so far by PyTorch's caching host allocator (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.host_memory_stats().get("num_host_alloc", 0))
+
+
 def bench_gpu(args) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_target(args.preset, dev)
@@ -158,9 +165,11 @@ def bench_gpu(args) -> dict:
         path = work / f"shard-{dtype}.arrow"
         meta = dict(target="random", layer_ids=layer_ids, hidden_size=model.config.hidden_size, dtype=dtype)
         sync()
+        pinned_before = host_allocs()
         t0 = time.perf_counter()
         writer = write_shard(model, samples, path, meta, args.batch_tokens, 0, desc=dtype)
         sec = time.perf_counter() - t0
+        pinned = host_allocs() - pinned_before
         size = path.stat().st_size
         evict(path)
         read_s, read_tokens = read_store(path)
@@ -179,6 +188,8 @@ def bench_gpu(args) -> dict:
             },
             "plain_read_cold": {"seconds": plain_s, "gb_per_s": size / plain_s / 1e9},
             "reader_vs_plain_read": plain_s / read_s,
+            "timing": writer.timing,  # loop, close, the forward's waits on the writer, the writer's busy time
+            "pinned_allocations": pinned,  # cudaHostAlloc calls during the run (after the warmup's)
         }
         if dtype == "bfloat16":
             disk = work / "plain.bin"
@@ -238,6 +249,11 @@ def table_gpu(r: dict) -> str:
             f"{name:28s}{x['tokens_per_s']:12.0f}{x['vs_bare_forward']:9.3f}{x['bytes_per_token']:10.0f}"
             f"{x['reader_cold']['gb_per_s']:11.2f}{x['plain_read_cold']['gb_per_s']:12.2f}"
         )
+    for name, x in (("bf16", bf16), ("fp8", fp8)):
+        tm = x["timing"]
+        lines.append(f"{name}: loop {tm['loop_s']:.2f} s of {tm['seconds']:.2f} s, forward waited "
+                     f"{tm['waited_on_writer_s']:.2f} s on the writer (busy {tm['writer_busy_s']:.2f} s), "
+                     f"{x['pinned_allocations']} pinned allocations")
     lines.append(
         f"fp8/bf16 bytes {r['fp8_bytes_over_bf16']:.3f}; bf16 vs min(bare, disk) "
         f"{r['bf16_vs_min_bare_disk']:.3f}; goals {r['goals']}"
@@ -389,7 +405,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["gpu", "snakemake"], default="gpu")
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
-    p.add_argument("--tokens", type=int, default=200_000, help="tokens per measured pass")
+    p.add_argument("--tokens", type=int, default=400_000, help="tokens per measured pass")
     p.add_argument("--min-len", type=int, default=1024)
     p.add_argument("--max-len", type=int, default=3072)
     p.add_argument("--batch-tokens", type=int, default=16384)

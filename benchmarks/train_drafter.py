@@ -15,11 +15,16 @@ boundary (a new DataLoader) falls inside the measurement, and no more disk is ne
    Inductor cache dir per run, `--steps` steps logged every `--log-every`. tokens/s is the trainer's own
    (metrics CSV, all ranks summed) over the windows after the first (which holds the first step's
    tracing). The run is ended once its last row is logged, before the final checkpoint and export.
-3. First step: launch (just before Popen) to the moment the trainer prints `bucket S: first step ...`
-   on stderr, for a cold process (no artifacts, fresh Inductor dir) and a warm one (the warmup's
-   artifacts, fresh Inductor dir), at the largest world size. The warm one is the throughput run of
-   that world size: after its first step it runs every later step under fail_on_recompile (a recompile
-   would end it), and its first-step line holds the cache counters (no FX graph / AOTAutograd misses).
+3. First step, for a cold process tree (no artifacts, fresh Inductor dir) and a warm one (the warmup's
+   artifacts, fresh Inductor dir), at the largest world size, three ways:
+   - launch (just before Popen) to the moment the trainer logs `bucket S: first step N s`: everything;
+   - from its `train: ...` line (data opened) to that moment: the compile cache loaded, the drafter
+     built, DDP, the first batch and the step; left out is the fixed startup no cache changes
+     (torchrun, imports, NCCL, the target's config and tokenizer, opening the shards);
+   - the step alone as the trainer logs it (N).
+   The warm one is the throughput run of that world size: after its first step it runs every later step
+   under fail_on_recompile (a recompile would end it), and its first-step line holds the cache counters
+   (no FX graph or AOTAutograd misses).
    The cold one is ended right after its first-step line.
 
 MFU counts matmul FLOPs (2*m*n*k) of one sample's forward and multiplies by 3 for forward + backward (the
@@ -238,7 +243,7 @@ class Proc:
                 t = time.perf_counter() - self.t0
                 f.write(line)
                 f.flush()
-                if line.startswith("compile cache: loaded"):
+                if "compile cache: loaded" in line:
                     self.cache_loaded = True
                 for prefix, key in MILESTONES.items():
                     if prefix in line and key not in self.milestones:
@@ -413,6 +418,11 @@ def run_cold(preset, cfg, work: Path, world: int, shards: list[str], timeout) ->
     return {"world": world, "compile_cache_loaded": p.cache_loaded, **p.first, "log": str(p.err_log)}
 
 
+def since_data(run: dict) -> float:
+    """Seconds from the trainer's `train: ...` line (data opened) to the end of its first step."""
+    return run["launch_to_first_step_s"] - run["milestones"]["data_opened_s"]
+
+
 def goal(value, target: float, higher: bool = True) -> dict:
     ok = None if value is None else (value >= target if higher else value <= target)
     return {"value": value, "goal": (">= " if higher else "<= ") + str(target), "pass": ok}
@@ -505,11 +515,14 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
     one, two = throughput.get("1"), throughput.get("2")
     ratio = two["tokens_per_s"] / one["tokens_per_s"] if one and two else None
     warm = throughput.get(str(max(sizes)))
-    warm_ratio = (warm["launch_to_first_step_s"] / cold["launch_to_first_step_s"]
-                  if warm and cold and "launch_to_first_step_s" in warm else None)
+    both = warm and cold and "launch_to_first_step_s" in warm
+    launch_ratio = warm["launch_to_first_step_s"] / cold["launch_to_first_step_s"] if both else None
+    step_ratio = warm["first_step_s"] / cold["first_step_s"] if both else None
+    setup_ratio = (since_data(warm) / since_data(cold)
+                   if both and "data_opened_s" in warm["milestones"] and "data_opened_s" in cold["milestones"]
+                   else None)
     counters = (warm or {}).get("counters") or {}
-    misses = (counters.get("fxgraph_cache_miss", 0) + counters.get("autograd_cache_miss", 0)
-              if counters else None)
+    misses = sum(v for k, v in counters.items() if k.endswith("_miss")) if counters else None
     mfus = [t["mfu"] for t in throughput.values() if t["mfu"] is not None]
     result |= {
         "warmup": warmup_meta and {k: v for k, v in warmup_meta.items() if k != "key"},
@@ -520,13 +533,19 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
                        "warm": warm and {k: warm.get(k) for k in
                                          ("launch_to_first_step_s", "first_step_s", "milestones", "counters",
                                           "compile_cache_loaded", "steps_under_fail_on_recompile", "log")},
-                       "warm_over_cold": warm_ratio},
+                       "first_step_warm_over_cold": step_ratio,
+                       "data_opened_to_first_step_warm_over_cold": setup_ratio,
+                       "launch_to_first_step_warm_over_cold": launch_ratio},
     }
     result["goals"] = {
         "mfu_per_gpu": goal(min(mfus) if mfus else None, GOALS["mfu"]),
         "scaling_2_over_1": goal(ratio, GOALS["scaling"]),
-        "first_step_warm_over_cold": goal(warm_ratio, GOALS["warm_over_cold"], higher=False),
-        "warm_cache_misses": {"value": misses, "goal": "== 0 (fxgraph + autograd misses in the warm run)",
+        # three spans ending at the first step's end (see the docstring, 3.)
+        "first_step_warm_over_cold": goal(step_ratio, GOALS["warm_over_cold"], higher=False),
+        "data_opened_to_first_step_warm_over_cold": goal(setup_ratio, GOALS["warm_over_cold"], higher=False),
+        "launch_to_first_step_warm_over_cold": goal(launch_ratio, GOALS["warm_over_cold"], higher=False),
+        "warm_cache_misses": {"value": misses, "goal": "== 0 (FX graph and AOTAutograd cache misses in the "
+                                                       "warm run)",
                               "pass": None if misses is None else misses == 0},
     }
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
@@ -536,19 +555,20 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
     print(f"\n{args.preset} on {result['machine'].get('device', '?')}, S={preset['seq_len']}, "
           f"{preset['rows']} rows/micro-batch, {steps} steps, {result['wall_s']} s -> {out}")
     print(f"{'world':>5}{'tok/s':>12}{'tok/s/gpu':>12}{'TFLOP/s/gpu':>13}{'MFU':>8}{'MFU req':>9}"
-          f"{'ms/step':>9}{'1st step s':>12}")
+          f"{'ms/step':>9}{'launch-1st s':>13}{'1st step s':>11}")
     for w, t in throughput.items():
         mfu = (f"{t['mfu']:>8.1%}{t['mfu_required_grads']:>9.1%}" if t["mfu"] is not None
                else f"{'-':>8}{'-':>9}")
         print(f"{w:>5}{t['tokens_per_s']:>12.0f}{t['tokens_per_s_per_gpu']:>12.0f}{t['tflops_per_gpu']:>13.2f}"
-              f"{mfu}{t['ms_per_step']:>9.1f}{t.get('launch_to_first_step_s', float('nan')):>12.1f}")
+              f"{mfu}{t['ms_per_step']:>9.1f}{t.get('launch_to_first_step_s', float('nan')):>13.1f}"
+              f"{t.get('first_step_s', float('nan')):>11.1f}")
     if cold:
-        print(f"{'cold':>5}{'':>63}{cold['launch_to_first_step_s']:>12.1f}")
+        print(f"{'cold':>5}{'':>63}{cold['launch_to_first_step_s']:>13.1f}{cold['first_step_s']:>11.1f}")
     for g, v in result["goals"].items():
         val = v["value"]
         shown = f"{val:.3f}" if isinstance(val, float) else str(val)
         status = {True: "pass", False: "FAIL", None: "not measured"}[v["pass"]]
-        print(f"goal {g:<27} {shown:>8}  ({v['goal']})  {status}")
+        print(f"goal {g:<36} {shown:>8}  ({v['goal']})  {status}")
     for e in result["errors"]:
         print(f"error: {e}")
     if result["errors"]:

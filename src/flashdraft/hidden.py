@@ -23,7 +23,9 @@ import mmap
 import os
 import queue
 import shutil
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -232,6 +234,7 @@ class ShardWriter:
         self.pending, self.pending_bytes = [], 0
         self.rows = self.tokens = self.bytes = 0
         self.checksum = None
+        self.timing = None  # set by write_shard
 
     def _check(self, sample_id, n: int, mask_len: int, got, want) -> None:
         if n == 0 or mask_len != n or got != want:
@@ -647,20 +650,25 @@ class WriterThread:
 
     def __init__(self, fn, depth: int = 2):
         self.fn, self.queue, self.error, self.aborted = fn, queue.Queue(depth), None, False
+        self.busy_s = self.wait_s = 0.0  # writer time in fn; producer time blocked on a full queue
         self.thread = threading.Thread(target=self._run, name="hidden-writer", daemon=True)
         self.thread.start()
 
     def _run(self):
         while (item := self.queue.get()) is not None:
             if self.error is None and not self.aborted:
+                t0 = time.perf_counter()
                 try:
                     self.fn(item)
                 except BaseException as e:
                     self.error = e
+                self.busy_s += time.perf_counter() - t0
 
     def put(self, item) -> None:
         self._check()
+        t0 = time.perf_counter()
         self.queue.put(item)
+        self.wait_s += time.perf_counter() - t0
 
     def close(self, abort: bool = False) -> None:
         """Wait for the queued items (or drop them on abort); re-raise a writer error here."""
@@ -700,6 +708,7 @@ def write_shard(model, samples, out_arrow, meta: dict, batch_tokens: int, pad_id
     their features to the shard `out_arrow` (atomically); returns the closed ShardWriter.
 
     The main thread only runs the model; a writer thread does the host-side I/O as copies land."""
+    t_start = time.perf_counter()
     lengths = [len(x[1]) for x in samples]
     cuda = next(model.parameters()).device.type == "cuda"
     copy_stream = torch.cuda.Stream() if cuda else None
@@ -721,7 +730,11 @@ def write_shard(model, samples, out_arrow, meta: dict, batch_tokens: int, pad_id
             raise
         finally:
             bar.close()
+        t_loop = time.perf_counter()
         io_thread.close()
+    # where the time went: a forward that waits on the writer is disk- (or checksum-) bound
+    writer.timing = {"seconds": time.perf_counter() - t_start, "loop_s": t_loop - t_start,
+                     "waited_on_writer_s": io_thread.wait_s, "writer_busy_s": io_thread.busy_s}
     return writer
 
 
@@ -755,5 +768,10 @@ def precompute_shard(
     meta = dict(target=str(target_path), layer_ids=layer_ids, hidden_size=hidden_size, dtype=hidden_cfg.dtype)
     writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id,
                          desc=f"hidden shard {shard}/{num_shards}")
+    t = writer.timing
+    print(f"hidden shard {shard}: {writer.tokens} tokens in {t['seconds']:.1f} s "
+          f"({writer.tokens / max(t['seconds'], 1e-9):.0f} tok/s); the forward waited "
+          f"{t['waited_on_writer_s']:.1f} s on the writer thread, which was busy {t['writer_busy_s']:.1f} s",
+          file=sys.stderr, flush=True)
     counts = {"shard": shard, "num_shards": num_shards, "truncated": truncated, "skipped": skipped}
     return write_manifest(manifest or manifest_path(out_arrow), writer, **counts)

@@ -343,9 +343,32 @@ def write_metrics(path, rows: list[dict], fields: list[str]) -> None:
 # the loop
 
 
+_T0 = time.perf_counter()
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: from /proc, so imports count), else since this import."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # starttime
+        start = ticks / os.sysconf("SC_CLK_TCK")
+        return float(Path("/proc/uptime").read_text().split()[0]) - start
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _T0
+
+
 def log(d: Dist, msg: str) -> None:
+    """A line on rank 0's stderr, stamped with the process's age: the log shows where startup goes."""
     if d.main:
-        print(msg, file=sys.stderr, flush=True)
+        print(f"[{process_age():7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def compile_phases(top: int = 6) -> str:
+    """The slowest compile phases so far in this process, summed (Dynamo's own timers), for the log."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    phases = sorted(((float(v), k) for k, v in zip(names, values, strict=True)), reverse=True)[:top]
+    return ", ".join(f"{k} {v:.2f} s" for v, k in phases)
 
 
 def steps_left(lengths, cfg: TrainConfig, world: int, epoch: int = 0, cursor: int = 0) -> int:
@@ -371,6 +394,7 @@ def train(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list
 
 def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoints: Path, metrics_path,
            out_dir, compile_cache, stop_at):
+    log(d, f"started {d.world} process(es); rank 0 on {d.device}")
     spec = load_spec(target_dir, drafter_cfg)
     store = HiddenStore(shards)
     if store.layer_ids != spec.target_layer_ids or store.hidden_size != spec.hidden_size:
@@ -455,6 +479,8 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                     torch.cuda.synchronize(d.device)
                 what = f"compiled, caches {cache_counters()}" if cfg.compile else "eager"
                 log(d, f"bucket {batch['bucket']}: first step {time.perf_counter() - t_step:.1f} s ({what})")
+                if cfg.compile:
+                    log(d, f"compile phases: {compile_phases()}")
 
             if step % cfg.log_every == 0 or step == total:
                 summed = _all_sum(window, d).cpu()
