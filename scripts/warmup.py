@@ -4,7 +4,8 @@ python scripts/warmup.py --cfg '{"buckets": [128, 256]}' --drafter-cfg '{}' --ta
     --out-dir results/compile_cache results/hidden/shard-*.arrow
 
 One process, main thread (torch.compile is not thread-safe). Writes <out-dir>/artifacts.bin (the
-Mega-Cache blob; empty with compile: false) and <out-dir>/meta.json (the cache key and counters).
+Mega-Cache blob; empty with compile: false), <out-dir>/inductor.tar (the files of the fresh Inductor
+cache dir it compiled into) and <out-dir>/meta.json (the cache key and counters).
 """
 
 import argparse
@@ -19,13 +20,14 @@ def main(argv=None):
     p.add_argument("--cfg", default="{}", help="the `train` config section as JSON")
     p.add_argument("--drafter-cfg", default="{}", help="the `drafter` config section as JSON")
     p.add_argument("--target", required=True, help="HF model directory of the target")
-    p.add_argument("--out-dir", required=True, help="where artifacts.bin and meta.json go")
+    p.add_argument("--out-dir", required=True, help="where artifacts.bin, inductor.tar and meta.json go")
     p.add_argument("shards", nargs="*", help="hidden-state shards (.arrow); their manifests give K*H")
     args = p.parse_args(argv)
     cfg = load_section(TrainConfig, args.cfg, "train")
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
     meta = warmup(cfg, drafter_cfg, args.target, args.shards, args.out_dir)
-    print(json.dumps({k: meta[k] for k in ("compile", "seconds", "counters", "artifact_bytes")}))
+    keys = ("compile", "seconds", "counters", "artifact_bytes", "inductor_files")
+    print(json.dumps({k: meta[k] for k in keys}))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,8 @@ def test_warmup_without_compile_writes_meta_and_empty_artifacts(data, tmp_path):
     cfg = TrainConfig(**{**TRAIN, "compile": False})
     meta = warmup(cfg, DrafterConfig(**DRAFTER), root / "target", shards, tmp_path / "cache")
     assert (tmp_path / "cache" / "artifacts.bin").read_bytes() == b""
+    with tarfile.open(tmp_path / "cache" / "inductor.tar") as tar:
+        assert tar.getmembers() == [] and meta["inductor_files"] == 0  # nothing compiled
     saved = json.loads((tmp_path / "cache" / "meta.json").read_text())
     assert saved["compile"] is False and saved["key"]["buckets"] == [128, 256]
     assert saved["key"]["torch"] == torch.__version__
@@ -213,9 +216,10 @@ def misses(counters: dict) -> int:
 
 @pytest.mark.slow
 def test_warmup_cache_gives_hits_in_a_fresh_training_process(data, tmp_path):
-    """Compile once in the warmup, then a fresh process (its own empty Inductor cache dir) loads the blob:
-    FX-graph and AOTAutograd cache hits, no misses, and step 2 runs under fail_on_recompile. The losses are
-    an eager run's: the cached code computes the same step."""
+    """Compile once in the warmup, then a fresh process (its own empty Inductor cache dir) loads the blob
+    and unpacks the warmup's Inductor files: FX-graph and AOTAutograd cache hits, no misses, no C++ kernel
+    compiled again, and step 2 runs under fail_on_recompile. The losses are an eager run's: the cached
+    code computes the same step."""
     root, shards = data
     drafter = {"num_layers": 1, "block_size": 8, "target_layer_ids": [1, 3]}  # the shards fuse 2 layers
     cfg = {**TRAIN, "compile": True, "buckets": [128], "batch_tokens": 256, "max_steps": 2}
@@ -225,13 +229,18 @@ def test_warmup_cache_gives_hits_in_a_fresh_training_process(data, tmp_path):
     meta = json.loads((cache / "meta.json").read_text())
     assert meta["compile"] is True and meta["artifact_bytes"] > 0
     assert meta["counters"]["fxgraph_cache_miss"] > 0  # the warmup compiled for real
+    with tarfile.open(cache / "inductor.tar") as tar:
+        names = tar.getnames()
+    assert len(names) == meta["inductor_files"] > 0 and any(n.endswith(".so") for n in names)  # CPU kernels
     out = tmp_path / "train"
     cmd = train_cmd(root, shards, out, cfg, nproc=1, drafter=drafter, extra=["--compile-cache", str(cache)])
     proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-train")})
     counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
     assert counters["fxgraph_cache_hit"] > 0 and counters["autograd_cache_hit"] > 0
     assert misses(counters) == 0, counters
-    assert "compile phases:" in proc.stderr  # where the first step's compile time went, for the log reader
+    assert all((tmp_path / "inductor-train" / n).is_file() for n in names)  # unpacked into its own dir
+    phases = proc.stderr.split("compile phases:")[1].splitlines()[0]  # the slowest, logged after step 1
+    assert "compile_file" not in phases, phases  # no C++ compile: the warmup's .so files were there
     eager = tmp_path / "eager"
     run(train_cmd(root, shards, eager, {**cfg, "compile": False}, nproc=1, drafter=drafter))
     assert losses(read_rows(out / "metrics.csv")) == pytest.approx(losses(read_rows(eager / "metrics.csv")),

@@ -2,14 +2,20 @@
 saves the compile caches as one Mega-Cache blob that every training rank loads before its first step.
 
 The step is train.forward_backward on random data of the real shapes (rows x bucket x K*H, the same
-anchor slots), so its graphs are exactly the ones training asks for. Caches skip Inductor code
-generation and autotuning, not Dynamo tracing: a rank still traces, then hits.
+anchor slots), so its graphs are exactly the ones training asks for. Inductor compiles into a fresh
+cache dir whose files are saved as inductor.tar next to the blob: training unpacks them into its own
+Inductor dir, which gives it what the blob lacks (the compiled C++ kernels of CPU graphs). The caches
+skip Inductor code generation and autotuning, not Dynamo tracing: a rank still traces, then hits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +25,7 @@ from .config import DrafterConfig, TrainConfig
 from .hidden import manifest_path
 from .io import atomic_path, device, write_json
 from .train import (
+    INDUCTOR_FILES,
     anchors_for,
     build_step,
     cache_counters,
@@ -52,8 +59,41 @@ def random_batch(bucket: int, rows: int, width: int, vocab: int, dtype, generato
     }
 
 
+@contextlib.contextmanager
+def fresh_inductor_dir():
+    """Inductor compiles into a new, empty cache dir for the block, so that dir holds exactly this
+    warmup's files (training unpacks them, see train.merge_inductor_files)."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="flashdraft-inductor-") as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+        try:
+            yield Path(tmp)
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
+def pack_inductor_dir(src: Path, tar_path: Path) -> int:
+    """Tar the Inductor dir's files (not Triton's cache: the FX-graph entries carry their kernels, and its
+    dirs are per device index) atomically; returns the file count."""
+    files = sorted(p for p in src.rglob("*") if p.is_file() and "triton" not in p.relative_to(src).parts
+                   and not p.name.endswith(".lock"))
+    with atomic_path(tar_path) as tmp, tarfile.open(tmp, "w") as tar:
+        for f in files:
+            tar.add(f, arcname=str(f.relative_to(src)))
+    return len(files)
+
+
 def warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list[str], out_dir) -> dict:
-    """Compile (or, with compile: false, only check) the step per bucket; write artifacts.bin + meta.json."""
+    """Compile (or, with compile: false, only check) the step per bucket; write artifacts.bin, inductor.tar
+    and meta.json."""
+    with fresh_inductor_dir() as inductor:
+        return _warmup(cfg, drafter_cfg, target_dir, shards, Path(out_dir), inductor)
+
+
+def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, out: Path, inductor: Path):
     dev = device()
     spec = load_spec(target_dir, drafter_cfg)
     width = spec.num_features * spec.hidden_size
@@ -83,10 +123,11 @@ def warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: lis
         print(f"warmup: saved {len(blob)} bytes of compile caches", file=sys.stderr)
     else:
         print("warmup: compile is false; nothing to compile, writing an empty artifacts.bin", file=sys.stderr)
-    out = Path(out_dir)
     with atomic_path(out / "artifacts.bin") as tmp:
         tmp.write_bytes(blob)
+    files = pack_inductor_dir(inductor, out / INDUCTOR_FILES)  # empty with compile: false
     meta = {"key": key, "compile": cfg.compile, "seconds": seconds, "counters": cache_counters(),
-            "artifact_bytes": len(blob)}
+            "artifact_bytes": len(blob), "inductor_files": files,
+            "inductor_bytes": (out / INDUCTOR_FILES).stat().st_size}
     write_json(out / "meta.json", meta)
     return meta

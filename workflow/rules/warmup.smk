@@ -4,6 +4,7 @@ rule warmup:
         target=target_dir(),
     output:
         artifacts=f"{RESULTS}/compile_cache/artifacts.bin",
+        inductor=f"{RESULTS}/compile_cache/inductor.tar",
         meta=f"{RESULTS}/compile_cache/meta.json",
     params:
         cfg=section("train", WARMUP_TRAIN_KEYS),
