@@ -405,7 +405,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["gpu", "snakemake"], default="gpu")
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
-    p.add_argument("--tokens", type=int, default=400_000, help="tokens per measured pass")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per measured pass (default: 400,000 in gpu mode, 120,000 in snakemake mode)")
     p.add_argument("--min-len", type=int, default=1024)
     p.add_argument("--max-len", type=int, default=3072)
     p.add_argument("--batch-tokens", type=int, default=16384)
@@ -413,6 +414,7 @@ def main():
     p.add_argument("--work", default="/tmp/flashdraft-bench-hidden")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    args.tokens = args.tokens or {"gpu": 400_000, "snakemake": 120_000}[args.mode]
     result = bench_gpu(args) if args.mode == "gpu" else bench_snakemake(args)
     result["env"] = {
         "torch": torch.__version__,
