@@ -97,6 +97,11 @@ def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24) -> l
     return paths
 
 
+def cache_misses(counters: dict) -> int:
+    """All compile-cache misses in a trainer's counters (FX graph, AOTAutograd)."""
+    return sum(v for k, v in counters.items() if k.endswith("_miss"))
+
+
 def write_config(path, overrides=None, base=REPO / "config" / "config.yaml"):
     cfg = yaml.safe_load(Path(base).read_text())
     for key, value in (overrides or {}).items():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import toy_hidden_shards
+from conftest import cache_misses, toy_hidden_shards
 
 from flashdraft.config import DrafterConfig, TrainConfig, to_json
 from flashdraft.hidden import HiddenStore, manifest_path
@@ -210,10 +210,6 @@ def warmup_cmd(root, shards, cfg, cache, drafter=DRAFTER):
             json.dumps(drafter), "--target", str(root / "target"), "--out-dir", str(cache), *shards]
 
 
-def misses(counters: dict) -> int:
-    return sum(v for k, v in counters.items() if k.endswith("_miss"))
-
-
 @pytest.mark.slow
 def test_warmup_cache_gives_hits_in_a_fresh_training_process(data, tmp_path):
     """Compile once in the warmup, then a fresh process (its own empty Inductor cache dir) loads the blob
@@ -237,7 +233,7 @@ def test_warmup_cache_gives_hits_in_a_fresh_training_process(data, tmp_path):
     proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-train")})
     counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
     assert counters["fxgraph_cache_hit"] > 0 and counters["autograd_cache_hit"] > 0
-    assert misses(counters) == 0, counters
+    assert cache_misses(counters) == 0, counters
     assert all((tmp_path / "inductor-train" / n).is_file() for n in names)  # unpacked into its own dir
     phases = proc.stderr.split("compile phases:")[1].splitlines()[0]  # the slowest, logged after step 1
     assert "compile_file" not in phases, phases  # no C++ compile: the warmup's .so files were there
@@ -269,7 +265,7 @@ def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(d
     proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-train")}, gpu=True)
     print(proc.stderr[-2000:])
     counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
-    assert counters["fxgraph_cache_hit"] > 0 and misses(counters) == 0, counters
+    assert counters["fxgraph_cache_hit"] > 0 and cache_misses(counters) == 0, counters
     rows = read_rows(out / "metrics.csv")
     assert len(rows) == 8 and all(math.isfinite(x) for x in losses(rows))
     drafter, _ = load_drafter(out / "drafter")
@@ -308,7 +304,7 @@ def test_gpu_two_process_training_from_a_cold_or_a_warm_compile_cache(data, tmp_
     counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
     if cache == "warm":
         assert counters["fxgraph_cache_hit"] > 0 and counters["autograd_cache_hit"] > 0
-        assert misses(counters) == 0, counters
+        assert cache_misses(counters) == 0, counters
     else:  # compiled for real (the ranks share one Inductor dir, so one may hit what the other just wrote)
         assert counters["fxgraph_cache_miss"] > 0
     rows = read_rows(out / "metrics.csv")

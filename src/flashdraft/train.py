@@ -264,7 +264,7 @@ def merge_inductor_files(tar_path, dest: Path) -> int:
     with tarfile.open(tar_path) as tar:
         for member in tar:
             target = (root / member.name).resolve()
-            if not member.isfile() or target.exists() or not target.is_relative_to(root):
+            if not member.isfile() or not target.is_relative_to(root) or target.exists():
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
@@ -291,10 +291,10 @@ def load_compile_cache(cache_dir, key: dict, d: Dist) -> bool:
         log(d, "compile cache: empty (warmup ran with compile: false)")
         return False
     torch.compiler.load_cache_artifacts(blob.read_bytes())
-    files = Path(cache_dir) / INDUCTOR_FILES
-    added = merge_inductor_files(files, inductor_cache_dir()) if files.exists() else 0
+    files, dest = Path(cache_dir) / INDUCTOR_FILES, inductor_cache_dir()
+    added = merge_inductor_files(files, dest) if files.exists() else 0
     log(d, f"compile cache: loaded {blob} ({blob.stat().st_size} bytes); {added} Inductor files added to "
-           f"{inductor_cache_dir()}")
+           f"{dest}")
     return True
 
 
