@@ -18,7 +18,16 @@ from conftest import cache_misses, toy_hidden_shards
 from flashdraft.config import DrafterConfig, TrainConfig, to_json
 from flashdraft.hidden import HiddenStore, manifest_path
 from flashdraft.model import load_drafter
-from flashdraft.train import Collate, bucket_for, epoch_batches, load_spec, lr_factor, rows_per_batch, run_key
+from flashdraft.train import (
+    Collate,
+    bucket_for,
+    epoch_batches,
+    load_spec,
+    lr_factor,
+    rows_per_batch,
+    run_key,
+    set_compile_workers,
+)
 from flashdraft.warmup import warmup
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +84,8 @@ def reference(data, tmp_path_factory):
     """An uninterrupted 2-process run."""
     root, shards = data
     out = tmp_path_factory.mktemp("reference")
-    run(train_cmd(root, shards, out))
+    proc = run(train_cmd(root, shards, out))
+    (out / "stderr.txt").write_text(proc.stderr)
     return out
 
 
@@ -160,6 +170,24 @@ def test_torchrun_two_processes_train_and_export(data, reference):
     assert [p.name for p in sorted(run_dirs[0].glob("step-*"))] == ["step-00000004", "step-00000006"]
     tb = tensorboard_losses(run_dirs[0])  # the same numbers as the CSV, for TensorBoard
     assert sorted(tb) == list(range(1, 7)) and list(tb.values()) == pytest.approx(loss, rel=1e-6)
+    # every rank logs when its first step of a bucket began, so a late rank shows in the log
+    log = (reference / "stderr.txt").read_text()
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: bucket \d+: step began at [\d.]+ s, took [\d.]+ s", log), log[-3000:]
+
+
+def test_compile_workers_none_when_warm_a_share_of_the_cores_when_cold(monkeypatch):
+    from torch._inductor import config
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(config, "compile_threads", config.compile_threads)  # restored after the test
+    cores = len(os.sched_getaffinity(0))
+    assert set_compile_workers(warm=True, local_world=8) == 1
+    assert set_compile_workers(warm=False, local_world=1) == min(32, cores)
+    assert set_compile_workers(warm=False, local_world=4 * cores) == 1
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    config.compile_threads = 3  # as torch reads the variable at import
+    assert set_compile_workers(warm=True, local_world=2) == 3  # the user's choice stands
 
 
 def test_stopped_run_resumes_to_the_same_losses_on_two_or_one_processes(data, reference, tmp_path):
@@ -235,6 +263,7 @@ def test_warmup_cache_gives_hits_in_a_fresh_training_process(data, tmp_path):
     assert counters["fxgraph_cache_hit"] > 0 and counters["autograd_cache_hit"] > 0
     assert cache_misses(counters) == 0, counters
     assert all((tmp_path / "inductor-train" / n).is_file() for n in names)  # unpacked into its own dir
+    assert "compile workers per process: 1" in proc.stderr  # warm: no compile worker pool to start
     phases = proc.stderr.split("compile phases:")[1].splitlines()[0]  # the slowest, logged after step 1
     assert "compile_file" not in phases, phases  # no C++ compile: the warmup's .so files were there
     eager = tmp_path / "eager"

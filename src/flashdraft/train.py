@@ -157,11 +157,14 @@ class Collate:
 
 def batch_loader(store, batches: list[list[int]], collate: Collate, device: torch.device):
     """Collated micro-batches in order. On GPU, DataLoader worker processes read and pad ahead of the
-    step (pinned memory); on CPU the main thread does it (no spare cores to give a worker)."""
+    step (pinned memory); on CPU the main thread does it (no spare cores to give a worker).
+
+    Four batches in flight: one takes a worker well under two steps, and each is pinned by a thread of
+    this process (an 8B-shaped batch is ~0.5 GB, pinned anew at the start), beside the first step."""
     if device.type != "cuda":
         return (collate([store[i] for i in b]) for b in batches)
     return torch.utils.data.DataLoader(
-        store, batch_sampler=batches, collate_fn=collate, num_workers=2, prefetch_factor=4,
+        store, batch_sampler=batches, collate_fn=collate, num_workers=2, prefetch_factor=2,
         pin_memory=True, persistent_workers=False,
     )
 
@@ -277,7 +280,8 @@ def merge_inductor_files(tar_path, dest: Path) -> int:
 
 
 def load_compile_cache(cache_dir, key: dict, d: Dist) -> bool:
-    """Load the warmup's Mega-Cache blob into this process's compile caches, if there is one."""
+    """Load the warmup's Mega-Cache blob into this process's compile caches, if there is one; True when
+    it was loaded and its key matches (every graph should hit)."""
     if not cache_dir or not (Path(cache_dir) / "artifacts.bin").exists():
         log(d, f"compile cache: none at {cache_dir}; compiling from scratch")
         return False
@@ -295,7 +299,22 @@ def load_compile_cache(cache_dir, key: dict, d: Dist) -> bool:
     added = merge_inductor_files(files, dest) if files.exists() else 0
     log(d, f"compile cache: loaded {blob} ({blob.stat().st_size} bytes); {added} Inductor files added to "
            f"{dest}")
-    return True
+    return not differ
+
+
+def set_compile_workers(warm: bool, local_world: int) -> int:
+    """Size Inductor's pool of compile worker processes, unless TORCHINDUCTOR_COMPILE_THREADS does.
+
+    By default every process starts min(32, cores) workers, each importing torch, at its first compile:
+    on a node of N ranks that is N pools fighting over the cores. A warm rank compiles nothing (its
+    kernels load from the cache in-process), so it starts none, and its first step's tracing keeps the
+    CPU; a cold rank gets its share of the cores."""
+    from torch._inductor import config
+
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        config.compile_threads = 1 if warm else max(1, min(32, cores // max(1, local_world)))
+    return config.compile_threads
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -391,10 +410,12 @@ def process_age() -> float:
         return time.perf_counter() - _T0
 
 
-def log(d: Dist, msg: str) -> None:
-    """A line on rank 0's stderr, stamped with the process's age: the log shows where startup goes."""
-    if d.main:
-        print(f"[{process_age():7.1f} s] {msg}", file=sys.stderr, flush=True)
+def log(d: Dist, msg: str, every_rank: bool = False) -> None:
+    """A line on rank 0's stderr (or every rank's, marked with its rank), stamped with the process's age:
+    the log shows where startup goes."""
+    if d.main or every_rank:
+        who = f"rank {d.rank}: " if every_rank and d.world > 1 else ""
+        print(f"[{process_age():7.1f} s] {who}{msg}", file=sys.stderr, flush=True)
 
 
 def compile_phases(top: int = 6) -> str:
@@ -442,7 +463,9 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
     log(d, f"train: {len(store)} samples, {sum(lengths)} tokens, {d.world} process(es) on {d.device}")
 
     if cfg.compile:
-        load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
+        warm = load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
+        workers = set_compile_workers(warm, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        log(d, f"compile workers per process: {workers}")
     step_fn = build_step(cfg, spec, target_dir, d.device)
     drafter = step_fn.model
     if d.world > 1:
@@ -512,10 +535,14 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                 seen_buckets.add(batch["bucket"])
                 if d.device.type == "cuda":
                     torch.cuda.synchronize(d.device)
+                took = time.perf_counter() - t_step
                 what = f"compiled, caches {cache_counters()}" if cfg.compile else "eager"
-                log(d, f"bucket {batch['bucket']}: first step {time.perf_counter() - t_step:.1f} s ({what})")
+                log(d, f"bucket {batch['bucket']}: first step {took:.1f} s ({what})")
+                if d.world > 1:  # DDP syncs the backward: a rank that started late shows up as a long step
+                    log(d, f"bucket {batch['bucket']}: step began at {process_age() - took:.1f} s, took "
+                           f"{took:.1f} s", every_rank=True)
                 if cfg.compile:
-                    log(d, f"compile phases: {compile_phases()}")
+                    log(d, f"compile phases: {compile_phases()}", every_rank=True)
 
             if step % cfg.log_every == 0 or step == total:
                 summed = _all_sum(window, d).cpu()
