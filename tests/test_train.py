@@ -24,6 +24,7 @@ from flashdraft.train import (
     epoch_batches,
     load_spec,
     lr_factor,
+    parallel_mode,
     rows_per_batch,
     run_key,
     set_compile_workers,
@@ -176,6 +177,41 @@ def test_torchrun_two_processes_train_and_export(data, reference):
         assert re.search(rf"rank {rank}: bucket \d+: step began at [\d.]+ s, took [\d.]+ s", log), log[-3000:]
 
 
+def test_fsdp_trains_as_ddp_does_and_each_resumes_the_other(data, reference, tmp_path):
+    """FSDP2 over 2 gloo processes (weights, gradients and AdamW state sharded) follows DDP's loss curve,
+    and the checkpoints hold the same full state dicts: a stopped FSDP run resumes under FSDP and under
+    DDP, a stopped DDP run under FSDP, each to DDP's curve and export."""
+    root, shards = data
+    ref = losses(read_rows(reference / "metrics.csv"))
+    fsdp, ddp = {**TRAIN, "parallel": "fsdp"}, {**TRAIN, "parallel": "ddp"}
+    a, b, c = tmp_path / "fsdp-fsdp", tmp_path / "fsdp-ddp", tmp_path / "ddp-fsdp"
+    proc = run(train_cmd(root, shards, a, fsdp, extra=["--stop-at", "3"]))
+    assert "parallel: fsdp (fsdp), 2 processes" in proc.stderr
+    shutil.copytree(a, b)
+    run(train_cmd(root, shards, c, ddp, extra=["--stop-at", "3"]))
+    for out, cfg in ((a, fsdp), (b, ddp), (c, fsdp)):
+        proc = run(train_cmd(root, shards, out, cfg))
+        assert "resumed from" in proc.stderr and f"parallel: {cfg['parallel']}" in proc.stderr
+        assert losses(read_rows(out / "metrics.csv")) == pytest.approx(ref, rel=1e-5), out.name
+        want, _ = load_drafter(reference / "drafter")
+        got, _ = load_drafter(out / "drafter")
+        for (k, x), y in zip(want.state_dict().items(), got.state_dict().values(), strict=True):
+            assert torch.allclose(x, y, rtol=1e-4, atol=1e-6), (out.name, k)
+
+
+def test_parallel_mode_shards_only_what_would_not_fit():
+    h200, h100 = 139 * 2**30, 79 * 2**30  # as torch reports them
+    assert parallel_mode("auto", 1_050_000_000, 1, h200) == "single"  # one process: nothing to share
+    assert parallel_mode("fsdp", 10, 1, None) == "single"
+    for gpu in (h200, h100):  # the 8B target's drafter: 16.8 GB per copy, 47 GB at its peak
+        assert parallel_mode("auto", 1_050_000_000, 8, gpu) == "ddp"
+    assert parallel_mode("auto", 4_600_000_000, 8, h200) == "fsdp"  # a 70B target's (H=8192): 74 GB
+    assert parallel_mode("auto", 4_600_000_000, 8, None) == "ddp"  # CPU: no GPU memory to fit
+    assert parallel_mode("fsdp", 10, 2, h200) == "fsdp" and parallel_mode("ddp", 10**12, 2, h100) == "ddp"
+    with pytest.raises(ValueError, match="train.parallel"):
+        parallel_mode("zero3", 10, 2, None)
+
+
 def test_compile_workers_none_when_warm_a_share_of_the_cores_when_cold(monkeypatch):
     from torch._inductor import config
 
@@ -272,6 +308,20 @@ def test_warmup_cache_gives_hits_in_a_fresh_training_process(data, tmp_path):
                                                                    rel=1e-4)
 
 
+@pytest.mark.slow
+def test_fsdp_compiled_trains_to_the_eager_ddp_losses(data, reference, tmp_path):
+    """FSDP2 with the compiled step on 2 gloo processes: Dynamo compiles around FSDP's hooks, every later
+    step runs under fail_on_recompile, and the losses are the eager DDP run's."""
+    root, shards = data
+    out = tmp_path / "fsdp"
+    proc = run(train_cmd(root, shards, out, {**TRAIN, "compile": True, "parallel": "fsdp"}),
+               env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert "parallel: fsdp (fsdp), 2 processes" in proc.stderr and "compiled, caches" in proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if COMPILE_ERROR.search(line)]
+    got, want = losses(read_rows(out / "metrics.csv")), losses(read_rows(reference / "metrics.csv"))
+    assert got == pytest.approx(want, rel=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(data, tmp_path):
@@ -340,3 +390,25 @@ def test_gpu_two_process_training_from_a_cold_or_a_warm_compile_cache(data, tmp_
     assert [int(r["step"]) for r in rows] == list(range(1, 7))
     assert all(math.isfinite(x) for x in losses(rows))
     assert (out / "drafter" / "model.safetensors").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_fsdp_compiled_flex_training_follows_ddp(data, tmp_path):
+    """2-GPU FSDP2 with compiled flex attention and bf16 autocast: no Dynamo/FX error, every step, and the
+    losses of the same run under DDP (bf16: loose)."""
+    root, shards = data
+    cfg = {**TRAIN, "compile": True, "max_steps": 6, "lr": 1e-3}
+    curves = {}
+    for mode in ("ddp", "fsdp"):
+        out = tmp_path / mode
+        cmd = train_cmd(root, shards, out, {**cfg, "parallel": mode}, nproc=2)
+        cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
+        proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{mode}")}, gpu=True)
+        print(proc.stderr[-2000:])
+        assert f"parallel: {mode} ({mode}), 2 processes" in proc.stderr and "Traceback" not in proc.stderr
+        assert not [line for line in proc.stderr.splitlines() if COMPILE_ERROR.search(line)]
+        curves[mode] = losses(read_rows(out / "metrics.csv"))
+        assert len(curves[mode]) == 6 and all(math.isfinite(x) for x in curves[mode])
+    assert curves["fsdp"] == pytest.approx(curves["ddp"], rel=2e-2)

@@ -125,6 +125,7 @@ class TrainConfig:
     buckets: list[int] = field(default_factory=lambda: [1024, 2048, 3072])  # padded lengths
     compile: bool = True
     attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | flex | sdpa
+    parallel: str = "auto"  # auto | ddp | fsdp (auto: fsdp when a full copy per GPU would not fit)
     dtype: str = "bfloat16"  # autocast dtype on GPU; CPU trains in float32
     seed: int = 0
     checkpoint_every: int = 500

@@ -535,9 +535,11 @@ def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_wei
                                                chunk_blocks * (bs - 1))
     correct = correct.view_as(labels)
     w_sum = weights.sum()
-    # a degenerate batch (no anchors) must still touch every parameter, or DDP's all-reduce waits forever
-    touch = sum(p.sum() for p in drafter.parameters()) * 0.0
-    loss = ce_sum / w_sum.clamp(min=1e-6) + touch
+    loss = ce_sum / w_sum.clamp(min=1e-6)
+    if isinstance(drafter, torch.nn.parallel.DistributedDataParallel):
+        # a degenerate batch (no anchors) must still touch every parameter, or DDP's all-reduce waits
+        # forever (FSDP's parameters are sharded DTensors, not to be mixed with this loss)
+        loss = loss + sum(p.sum() for p in drafter.parameters()) * 0.0
     with torch.no_grad():
         hit = correct & label_mask
         tau = simulated_tau(hit)
@@ -603,11 +605,14 @@ def load_target_head(target_dir):
     return embed, embed if head is None else head
 
 
-def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir, dtype: torch.dtype | None = None):
-    """config.json + model.safetensors in the DFlash format, written as one directory atomically."""
+def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir, dtype: torch.dtype | None = None,
+                   state: dict | None = None):
+    """config.json + model.safetensors in the DFlash format, written as one directory atomically.
+    state: the drafter's full state dict, where the module holds only shards of it (FSDP)."""
     from safetensors.torch import save_file
 
-    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.state_dict().items()}
+    state = drafter.state_dict() if state is None else state
+    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
     bad = [k for k in state if "embed_tokens" in k or "lm_head" in k]
     assert not bad, f"the drafter must not carry the target's embedding or head: {bad}"
     saved = str(next(iter(state.values())).dtype).removeprefix("torch.")

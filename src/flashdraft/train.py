@@ -6,9 +6,10 @@ an epoch takes micro-batches [cursor, cursor + world); rank r takes cursor + r. 
 generator seeded by (seed, epoch, micro-batch index). So a resumed run replays exactly what an
 uninterrupted one would have seen, and a resume on another number of processes continues from the same
 micro-batch. The model has no other randomness (no dropout), so that is all the RNG state a resume needs.
-Model and optimizer are replicated (DDP), so checkpoints do not depend on the world size. Each rank
-normalizes its loss by its own weight sum and DDP averages the gradients; the logged loss is the
-weighted mean over all ranks and steps since the last log.
+Model and optimizer are replicated (DDP) or sharded (FSDP2, `train.parallel`); checkpoints hold the full
+state dicts either way, so they depend on neither the world size nor the mode. Each rank normalizes its
+loss by its own weight sum and the gradients are averaged over ranks; the logged loss is the weighted
+mean over all ranks and steps since the last log.
 
 torch.compile is not thread-safe: everything compiled runs on the main thread of this process; data
 loading uses DataLoader worker processes on GPU and the main thread on CPU.
@@ -91,6 +92,20 @@ def _all_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
         t = t.clone()
         dist.all_reduce(t)
     return t
+
+
+def parallel_mode(name: str, params: int, world: int, gpu_bytes: int | None) -> str:
+    """single (one process), ddp or fsdp. auto: fsdp when one full copy of the training state (fp32
+    weights and gradients, AdamW's two moments: 16 bytes per parameter) would take over a third of the
+    GPU's memory (`gpu_bytes`, None on CPU): the activations of a step take about twice the state (the
+    8B-shaped drafter: 16.8 GB of state, 47 GB at its peak), and the frozen target head needs room too."""
+    if name not in ("auto", "ddp", "fsdp"):
+        raise ValueError(f"train.parallel must be auto, ddp or fsdp, not {name!r}")
+    if world == 1:
+        return "single"
+    if name != "auto":
+        return name
+    return "fsdp" if gpu_bytes is not None and 16 * params > gpu_bytes / 3 else "ddp"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -332,7 +347,8 @@ def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
 
 def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str]) -> str:
     """Short hash of both configs and the shard manifests: a changed config never resumes an old run."""
-    h = hashlib.sha256((to_json(cfg) + to_json(drafter_cfg)).encode())
+    same_run = {k: v for k, v in asdict(cfg).items() if k != "parallel"}  # DDP and FSDP resume each other
+    h = hashlib.sha256((json.dumps(same_run, sort_keys=True) + to_json(drafter_cfg)).encode())
     for path in shards:
         m = manifest_path(path)
         h.update(m.read_bytes() if m.exists() else str(Path(path).stat().st_size).encode())
@@ -344,12 +360,47 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return sorted(p for p in run_dir.glob("step-*") if (p / "state.json").exists())
 
 
-def save_checkpoint(run_dir: Path, drafter, optimizer, scheduler, state: dict, keep: int) -> Path:
+def full_state(drafter, optimizer, sharded: bool) -> tuple[dict, dict]:
+    """Model and optimizer state dicts in torch's one-process formats, whatever holds them. Sharded
+    (FSDP) they are gathered: a collective, every rank calls it and rank 0 gets them (the others get
+    empty dicts). So checkpoints and exports do not depend on the world size or on DDP vs FSDP."""
+    if not sharded:
+        return drafter.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, optim = get_state_dict(drafter, optimizer,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not optim:
+        return model, optim
+    index = {name: i for i, (name, _) in enumerate(drafter.named_parameters())}  # names -> torch's ids
+    return model, {"state": {index[k]: v for k, v in optim["state"].items()},
+                   "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                                    for g in optim["param_groups"]]}
+
+
+def load_full_state(drafter, optimizer, model: dict, optim: dict, sharded: bool) -> None:
+    """The inverse of full_state: every rank loads the full dicts and keeps its shards."""
+    if not sharded:
+        drafter.load_state_dict(model)
+        optimizer.load_state_dict(optim)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = [name for name, _ in drafter.named_parameters()]
+    optim = {"state": {names[i]: v for i, v in optim["state"].items()},
+             "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                              for g in optim["param_groups"]]}
+    set_state_dict(drafter, optimizer, model_state_dict=model, optim_state_dict=optim,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def save_checkpoint(run_dir: Path, model: dict, optim: dict, scheduler, state: dict, keep: int) -> Path:
+    """model/optim: full_state's dicts."""
     path = run_dir / f"step-{state['step']:08d}"
     with atomic_path(path) as tmp:
         tmp.mkdir(parents=True)
-        torch.save(drafter.state_dict(), tmp / "model.pt")
-        opt = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        torch.save(model, tmp / "model.pt")
+        opt = {"optimizer": optim, "scheduler": scheduler.state_dict()}
         torch.save(opt, tmp / "optim.pt")
         (tmp / "state.json").write_text(json.dumps(state))
     for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
@@ -357,10 +408,10 @@ def save_checkpoint(run_dir: Path, drafter, optimizer, scheduler, state: dict, k
     return path
 
 
-def load_checkpoint(path: Path, drafter, optimizer, scheduler, device) -> dict:
-    drafter.load_state_dict(torch.load(path / "model.pt", map_location=device))
+def load_checkpoint(path: Path, drafter, optimizer, scheduler, device, sharded: bool) -> dict:
     opt = torch.load(path / "optim.pt", map_location=device)
-    optimizer.load_state_dict(opt["optimizer"])
+    load_full_state(drafter, optimizer, torch.load(path / "model.pt", map_location=device), opt["optimizer"],
+                    sharded)
     scheduler.load_state_dict(opt["scheduler"])
     return json.loads((path / "state.json").read_text())
 
@@ -462,18 +513,31 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
     run_dir = checkpoints / run_key(cfg, drafter_cfg, shards)
     log(d, f"train: {len(store)} samples, {sum(lengths)} tokens, {d.world} process(es) on {d.device}")
 
-    if cfg.compile:
-        warm = load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
-        workers = set_compile_workers(warm, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        log(d, f"compile workers per process: {workers}")
+    warm = cfg.compile and load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
     step_fn = build_step(cfg, spec, target_dir, d.device)
     drafter = step_fn.model
-    if d.world > 1:
+    gpu_bytes = torch.cuda.get_device_properties(d.device).total_memory if d.device.type == "cuda" else None
+    mode = parallel_mode(cfg.parallel, sum(p.numel() for p in drafter.parameters()), d.world, gpu_bytes)
+    sharded = mode == "fsdp"
+    if mode == "ddp":
         # Dynamo's DDP optimizer would split the compiled graph at DDP's bucket boundaries: graphs the
         # single-process warmup never built, so every rank would miss the cache. Keep the warmup's graph.
         torch._dynamo.config.optimize_ddp = False
         ids = [d.device.index] if d.device.type == "cuda" else None
         step_fn.model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=ids)
+    elif sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in drafter.layers:  # one all-gather per layer, freed after its forward and backward
+            fully_shard(layer)
+        fully_shard(drafter)  # the rest: fc and the norms
+    if mode != "single":
+        log(d, f"parallel: {mode} ({cfg.parallel}), {d.world} processes")
+    if cfg.compile:
+        # the warmup compiles the unsharded step; FSDP's hooks split the graph elsewhere, so its ranks compile
+        workers = set_compile_workers(warm and not sharded, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        log(d, f"compile workers per process: {workers}" + (" (FSDP: the warmup's graphs do not apply)"
+                                                             if warm and sharded else ""))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=d.device.type == "cuda")
     total = cfg.max_steps or steps_left(lengths, cfg, d.world)
@@ -483,7 +547,7 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
     state = {"step": 0, "epoch": 0, "cursor": 0, "rows": [], "window": None}
     found = checkpoint_dirs(run_dir)
     if found:
-        state = load_checkpoint(found[-1], drafter, optimizer, scheduler, d.device)
+        state = load_checkpoint(found[-1], drafter, optimizer, scheduler, d.device, sharded)
         if not cfg.max_steps and state["world"] != d.world:  # the same data split another way
             total = state["step"] + steps_left(lengths, cfg, d.world, state["epoch"], state["cursor"])
         log(d, f"resumed from {found[-1]}: step {state['step']}/{total}, saved by {state['world']} rank(s)")
@@ -523,6 +587,8 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
             with stance or contextlib.nullcontext():
                 loss, stats = forward_backward(step_fn, batch, anchors, valid)
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+            if sharded:
+                grad_norm = grad_norm.full_tensor()  # a DTensor: the norm over every rank's shards
             lr = scheduler.get_last_lr()[0]  # the rate this step uses
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -566,8 +632,9 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
             if step % cfg.checkpoint_every == 0 or step == total or stopping:
                 ck = {"step": step, "epoch": epoch, "cursor": cursor, "world": d.world, "rows": rows,
                       "window": _all_sum(window, d).tolist(), "spec": asdict(spec)}
+                model, optim = full_state(drafter, optimizer, sharded)
                 if d.main:
-                    save_checkpoint(run_dir, drafter, optimizer, scheduler, ck, cfg.keep_checkpoints)
+                    save_checkpoint(run_dir, model, optim, scheduler, ck, cfg.keep_checkpoints)
                 _barrier(d)
             if stopping:
                 bar.close()
@@ -581,8 +648,9 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
     if tb is not None:
         tb.close()
 
+    model = full_state(drafter, optimizer, sharded)[0]
     if d.main:
-        export_drafter(drafter, spec, out_dir, dtype=step_fn.amp_dtype)
+        export_drafter(drafter, spec, out_dir, dtype=step_fn.amp_dtype, state=model)
         write_metrics(metrics_path, rows, fields)
         log(d, f"exported {out_dir} after {step} steps; metrics in {metrics_path}")
     _barrier(d)
