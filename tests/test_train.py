@@ -268,10 +268,25 @@ def test_warmup_without_compile_writes_meta_and_empty_artifacts(data, tmp_path):
     assert set(meta["seconds"]) == {128, 256}
 
 
-def warmup_cmd(root, shards, cfg, cache, drafter=DRAFTER):
+def test_warmup_compiles_nothing_when_training_shards_the_drafter(data, tmp_path):
+    """With FSDP over the training's processes the warmup neither builds nor runs the unsharded step (its
+    graphs would not be the ranks', and one GPU may not hold it); over one process it is the plain step."""
+    root, shards = data
+    cfg = TrainConfig(**{**TRAIN, "compile": True, "parallel": "fsdp"})
+    meta = warmup(cfg, DrafterConfig(**DRAFTER), root / "target", shards, tmp_path / "sharded", world=2)
+    assert meta["fsdp"] is True and meta["seconds"] == {} and meta["artifact_bytes"] == 0
+    assert (tmp_path / "sharded" / "artifacts.bin").read_bytes() == b"" and meta["inductor_files"] == 0
+    assert json.loads((tmp_path / "sharded" / "meta.json").read_text())["fsdp"] is True
+    one = TrainConfig(**{**TRAIN, "parallel": "fsdp"})  # compile: false, so only the eager check runs
+    meta = warmup(one, DrafterConfig(**DRAFTER), root / "target", shards, tmp_path / "single", world=1)
+    assert meta["fsdp"] is False and set(meta["seconds"]) == {128, 256}
+
+
+def warmup_cmd(root, shards, cfg, cache, drafter=DRAFTER, world=1):
     """scripts/warmup.py: compile the step once per bucket and save the caches to `cache`."""
     return [sys.executable, str(REPO / "scripts" / "warmup.py"), "--cfg", json.dumps(cfg), "--drafter-cfg",
-            json.dumps(drafter), "--target", str(root / "target"), "--out-dir", str(cache), *shards]
+            json.dumps(drafter), "--target", str(root / "target"), "--out-dir", str(cache),
+            "--world", str(world), *shards]
 
 
 @pytest.mark.slow
@@ -313,9 +328,11 @@ def test_fsdp_compiled_trains_to_the_eager_ddp_losses(data, reference, tmp_path)
     """FSDP2 with the compiled step on 2 gloo processes: Dynamo compiles around FSDP's hooks, every later
     step runs under fail_on_recompile, and the losses are the eager DDP run's."""
     root, shards = data
-    out = tmp_path / "fsdp"
-    proc = run(train_cmd(root, shards, out, {**TRAIN, "compile": True, "parallel": "fsdp"}),
+    cfg, cache, out = {**TRAIN, "compile": True, "parallel": "fsdp"}, tmp_path / "cache", tmp_path / "fsdp"
+    run(warmup_cmd(root, shards, cfg, cache, world=2))  # knows the ranks compile: compiles nothing
+    proc = run(train_cmd(root, shards, out, cfg, extra=["--compile-cache", str(cache)]),
                env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert "the warmup compiled nothing: training shards the drafter (FSDP)" in proc.stderr
     assert "parallel: fsdp (fsdp), 2 processes" in proc.stderr and "compiled, caches" in proc.stderr
     assert not [line for line in proc.stderr.splitlines() if COMPILE_ERROR.search(line)]
     got, want = losses(read_rows(out / "metrics.csv")), losses(read_rows(reference / "metrics.csv"))

@@ -94,6 +94,11 @@ def _all_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return t
 
 
+def gpu_bytes(device: torch.device) -> int | None:
+    """The GPU's memory (None on the CPU)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
 def parallel_mode(name: str, params: int, world: int, gpu_bytes: int | None) -> str:
     """single (one process), ddp or fsdp. auto: fsdp when one full copy of the training state (fp32
     weights and gradients, AdamW's two moments: 16 bytes per parameter) would take over a third of the
@@ -302,12 +307,14 @@ def load_compile_cache(cache_dir, key: dict, d: Dist) -> bool:
         return False
     blob = Path(cache_dir) / "artifacts.bin"
     meta = Path(cache_dir) / "meta.json"
-    theirs = json.loads(meta.read_text()).get("key", {}) if meta.exists() else {}
+    info = json.loads(meta.read_text()) if meta.exists() else {}
+    theirs = info.get("key", {})
     differ = sorted(k for k in key if theirs.get(k) != key[k])
     if differ:
         log(d, f"compile cache: warmup key differs in {differ}; expect cache misses")
     if blob.stat().st_size == 0:
-        log(d, "compile cache: empty (warmup ran with compile: false)")
+        why = "training shards the drafter (FSDP)" if info.get("fsdp") else "compile: false"
+        log(d, f"compile cache: empty (the warmup compiled nothing: {why})")
         return False
     torch.compiler.load_cache_artifacts(blob.read_bytes())
     files, dest = Path(cache_dir) / INDUCTOR_FILES, inductor_cache_dir()
@@ -516,8 +523,8 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
     warm = cfg.compile and load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
     step_fn = build_step(cfg, spec, target_dir, d.device)
     drafter = step_fn.model
-    gpu_bytes = torch.cuda.get_device_properties(d.device).total_memory if d.device.type == "cuda" else None
-    mode = parallel_mode(cfg.parallel, sum(p.numel() for p in drafter.parameters()), d.world, gpu_bytes)
+    params = sum(p.numel() for p in drafter.parameters())
+    mode = parallel_mode(cfg.parallel, params, d.world, gpu_bytes(d.device))
     sharded = mode == "fsdp"
     if mode == "ddp":
         # Dynamo's DDP optimizer would split the compiled graph at DDP's bucket boundaries: graphs the

@@ -24,6 +24,7 @@ import torch
 from .config import DrafterConfig, TrainConfig
 from .hidden import manifest_path
 from .io import atomic_path, device, write_json
+from .model import DFlashDrafter
 from .train import (
     INDUCTOR_FILES,
     anchors_for,
@@ -31,7 +32,9 @@ from .train import (
     cache_counters,
     cache_key,
     forward_backward,
+    gpu_bytes,
     load_spec,
+    parallel_mode,
     rows_per_batch,
 )
 
@@ -86,25 +89,34 @@ def pack_inductor_dir(src: Path, tar_path: Path) -> int:
     return len(files)
 
 
-def warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list[str], out_dir) -> dict:
+def warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list[str], out_dir,
+           world: int = 1) -> dict:
     """Compile (or, with compile: false, only check) the step per bucket; write artifacts.bin, inductor.tar
-    and meta.json."""
+    and meta.json. `world`: the training's process count; when it shards the drafter (FSDP), nothing is
+    compiled or run here (its graphs are not the unsharded step's, and one GPU may not hold that step)."""
     with fresh_inductor_dir() as inductor:
-        return _warmup(cfg, drafter_cfg, target_dir, shards, Path(out_dir), inductor)
+        return _warmup(cfg, drafter_cfg, target_dir, shards, Path(out_dir), inductor, world)
 
 
-def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, out: Path, inductor: Path):
+def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, out: Path, inductor: Path,
+            world: int):
     dev = device()
     spec = load_spec(target_dir, drafter_cfg)
     width = spec.num_features * spec.hidden_size
     stored = feature_width(shards)
     if stored is not None and stored != width:
         raise ValueError(f"hidden shards hold {stored} features per token, the drafter expects {width}")
-    step = build_step(cfg, spec, target_dir, dev)
     key = cache_key(cfg, spec, dev)
+    with torch.device("meta"):  # counted, not allocated
+        params = sum(p.numel() for p in DFlashDrafter(spec).parameters())
+    sharded = parallel_mode(cfg.parallel, params, world, gpu_bytes(dev)) == "fsdp"
+    if sharded:
+        print(f"warmup: training shards the drafter over {world} processes (FSDP); its graphs are not this "
+              "unsharded step's, so nothing is compiled here and every rank compiles", file=sys.stderr)
+    step = None if sharded else build_step(cfg, spec, target_dir, dev)
     g = torch.Generator().manual_seed(cfg.seed)
     seconds = {}
-    for bucket in sorted(set(cfg.buckets)):
+    for bucket in [] if sharded else sorted(set(cfg.buckets)):
         batch = random_batch(bucket, rows_per_batch(bucket, cfg.batch_tokens), width, spec.vocab_size,
                              step.amp_dtype or torch.float32, g)
         anchors, valid = anchors_for(step, batch["loss_mask"], g)
@@ -117,17 +129,17 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
         print(f"warmup: bucket {bucket}: fwd+bwd {seconds[bucket]:.1f} s, loss {loss.item():.3f}, "
               f"caches {cache_counters()}", file=sys.stderr, flush=True)
     blob = b""
-    if cfg.compile:
+    if cfg.compile and not sharded:
         artifacts = torch.compiler.save_cache_artifacts()
         blob = artifacts[0] if artifacts is not None else b""
         print(f"warmup: saved {len(blob)} bytes of compile caches", file=sys.stderr)
-    else:
+    elif not cfg.compile:
         print("warmup: compile is false; nothing to compile, writing an empty artifacts.bin", file=sys.stderr)
     with atomic_path(out / "artifacts.bin") as tmp:
         tmp.write_bytes(blob)
-    files = pack_inductor_dir(inductor, out / INDUCTOR_FILES)  # empty with compile: false
-    meta = {"key": key, "compile": cfg.compile, "seconds": seconds, "counters": cache_counters(),
-            "artifact_bytes": len(blob), "inductor_files": files,
+    files = pack_inductor_dir(inductor, out / INDUCTOR_FILES)  # empty when nothing was compiled
+    meta = {"key": key, "compile": cfg.compile, "fsdp": sharded, "seconds": seconds,
+            "counters": cache_counters(), "artifact_bytes": len(blob), "inductor_files": files,
             "inductor_bytes": (out / INDUCTOR_FILES).stat().st_size}
     write_json(out / "meta.json", meta)
     return meta

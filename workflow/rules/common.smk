@@ -24,7 +24,8 @@ LOGS = f"{RESULTS}/logs"
 BENCH = f"{RESULTS}/benchmarks"
 
 # Training reads only these keys at compile time: the warmup reruns when they change, not on lr etc.
-WARMUP_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "attention", "dtype", "seed")
+WARMUP_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "attention", "dtype", "seed",
+                     "parallel")
 # Hidden states depend on which layers are fused, not on the drafter's block size.
 HIDDEN_DRAFTER_KEYS = ("num_layers", "target_layer_ids")
 
@@ -107,6 +108,11 @@ def parent(kind, key=0):
         return str(Path(f if isinstance(f, str) else f[0]).parent)  # a named list: its first file
 
     return f
+
+
+def train_world():
+    """Training processes: one per GPU (or one on the CPU) on each node."""
+    return max(1, CFG.gpus.drafter) * CFG.gpus.drafter_nodes
 
 
 def train_threads():

@@ -11,6 +11,7 @@ rule warmup:
         drafter=section("drafter"),
         out_dir=parent("output"),
         arrows=shard_files("arrow"),
+        world=train_world(),  # with train.parallel, whether training shards the drafter (then: nothing to do)
         cmd=stage("warmup.py", gpus=min(1, CFG.gpus.drafter)),
     resources:
         gpu=min(1, CFG.gpus.drafter),
@@ -25,4 +26,5 @@ rule warmup:
         f"{BENCH}/warmup.tsv"
     shell:
         "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q}"
-        " --target {input.target} --out-dir {params.out_dir} {params.arrows} > {log} 2>&1"
+        " --target {input.target} --out-dir {params.out_dir} --world {params.world} {params.arrows}"
+        " > {log} 2>&1"
