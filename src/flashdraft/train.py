@@ -99,10 +99,10 @@ def gpu_bytes(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
-def parallel_mode(name: str, params: int, world: int, gpu_bytes: int | None) -> str:
+def parallel_mode(name: str, params: int, world: int, gpu_memory: int | None) -> str:
     """single (one process), ddp or fsdp. auto: fsdp when one full copy of the training state (fp32
     weights and gradients, AdamW's two moments: 16 bytes per parameter) would take over a third of the
-    GPU's memory (`gpu_bytes`, None on CPU): the activations of a step take about twice the state (the
+    GPU's memory (`gpu_memory` bytes, None on CPU): the activations of a step take about twice the state (the
     8B-shaped drafter: 16.8 GB of state, 47 GB at its peak), and the frozen target head needs room too."""
     if name not in ("auto", "ddp", "fsdp"):
         raise ValueError(f"train.parallel must be auto, ddp or fsdp, not {name!r}")
@@ -110,7 +110,7 @@ def parallel_mode(name: str, params: int, world: int, gpu_bytes: int | None) -> 
         return "single"
     if name != "auto":
         return name
-    return "fsdp" if gpu_bytes is not None and 16 * params > gpu_bytes / 3 else "ddp"
+    return "fsdp" if gpu_memory is not None and 16 * params > gpu_memory / 3 else "ddp"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -377,12 +377,14 @@ def full_state(drafter, optimizer, sharded: bool) -> tuple[dict, dict]:
 
     model, optim = get_state_dict(drafter, optimizer,
                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not optim:
-        return model, optim
     index = {name: i for i, (name, _) in enumerate(drafter.named_parameters())}  # names -> torch's ids
-    return model, {"state": {index[k]: v for k, v in optim["state"].items()},
-                   "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
-                                    for g in optim["param_groups"]]}
+    return model, _rekey(optim, index) if optim else optim
+
+
+def _rekey(optim: dict, key: dict) -> dict:
+    """An optimizer state dict with its parameter keys mapped through `key` (names <-> torch's ids)."""
+    return {"state": {key[k]: v for k, v in optim["state"].items()},
+            "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in optim["param_groups"]]}
 
 
 def load_full_state(drafter, optimizer, model: dict, optim: dict, sharded: bool) -> None:
@@ -393,11 +395,8 @@ def load_full_state(drafter, optimizer, model: dict, optim: dict, sharded: bool)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    names = [name for name, _ in drafter.named_parameters()]
-    optim = {"state": {names[i]: v for i, v in optim["state"].items()},
-             "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
-                              for g in optim["param_groups"]]}
-    set_state_dict(drafter, optimizer, model_state_dict=model, optim_state_dict=optim,
+    names = dict(enumerate(name for name, _ in drafter.named_parameters()))  # torch's ids -> names
+    set_state_dict(drafter, optimizer, model_state_dict=model, optim_state_dict=_rekey(optim, names),
                    options=StateDictOptions(full_state_dict=True))
 
 
