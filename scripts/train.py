@@ -5,12 +5,14 @@ torchrun --standalone --nproc_per_node 2 scripts/train.py --cfg '{"epochs": 1}' 
     --metrics results/train/metrics.csv --out results/drafter results/hidden/shard-*.arrow
 
 `python scripts/train.py ...` runs one process. A rerun with the same configs and shards resumes from the
-latest checkpoint under --checkpoints/<run key>.
+latest checkpoint under --checkpoints/<run key>. On SIGTERM it saves a checkpoint at the next log step
+(train.log_every) and exits with status 143.
 """
 
 import argparse
 import json
 import os
+import sys
 
 from flashdraft.config import DrafterConfig, TrainConfig, load_section
 from flashdraft.train import train
@@ -33,7 +35,9 @@ def main(argv=None):
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
     result = train(cfg, drafter_cfg, args.target, args.shards, args.checkpoints, args.metrics, args.out,
                    compile_cache=args.compile_cache, stop_at=args.stop_at)
-    if not result["stopped"] and int(os.environ.get("RANK", 0)) == 0:
+    if result["stopped"]:
+        sys.exit(143 if result["signalled"] else 0)  # a job stopped by SIGTERM did not finish
+    if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps({**result["rows"][-1], "compile_cache": result["compile_cache"]}))
 
 

@@ -1,6 +1,7 @@
 """GPU leases. No GPU exists here, so the tests name the GPU ids (`pool`); the flock logic is real."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,6 +48,43 @@ def test_processes_wait_for_a_free_gpu_and_locks_die_with_them(tmp_path):
     lease = Lease(2, tmp_path, pool=["0", "1"], poll_s=0.05, timeout_s=10)
     assert lease.acquire() == ["0", "1"]
     lease.release()
+
+
+def test_a_signal_for_the_job_reaches_the_command_which_holds_its_gpus_until_it_exits(tmp_path):
+    """SIGTERM to the job's process (from Snakemake or SLURM) reaches the command itself, and its GPUs stay
+    locked while it winds down: no other job starts on them before it has exited."""
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    script = ("import signal, sys, time\n"
+              "def stop(*_):\n"
+              "    print('winding down', flush=True); time.sleep(3); sys.exit(143)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "print('ready', flush=True); time.sleep(60)\n")
+    job = subprocess.Popen(LEASE + ["--gpus", "1", "--pool", "0", "--lock-dir", str(tmp_path), "--",
+                                    sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert job.stdout.readline().strip() == "ready"
+        other = Lease(1, tmp_path, pool=["0"], poll_s=0.05, timeout_s=0.2)
+        with pytest.raises(TimeoutError):
+            other.acquire()
+        job.send_signal(signal.SIGTERM)
+        assert job.stdout.readline().strip() == "winding down"
+        with pytest.raises(TimeoutError):  # still the job's while it saves its work
+            other.acquire()
+        assert job.wait(timeout=30) == 143
+        assert other.acquire() == ["0"]
+        other.release()
+    finally:
+        job.kill()
+
+
+def test_a_command_that_cannot_start_is_named(tmp_path):
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    missing = str(tmp_path / "no-such-program")
+    cmd = LEASE + ["--gpus", "1", "--pool", "0", "--lock-dir", str(tmp_path), "--", missing]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "cannot run" in proc.stderr and "no-such-program" in proc.stderr
 
 
 def test_scheduler_assignment_is_respected(tmp_path, monkeypatch):

@@ -6,9 +6,11 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -252,6 +254,43 @@ def test_stopped_run_resumes_to_the_same_losses_on_two_or_one_processes(data, re
     assert [int(r["step"]) for r in rows] == list(range(1, 7))
     assert losses(rows)[:3] == losses(ref)[:3]
     assert all(math.isfinite(x) for x in losses(rows)) and (one / "drafter" / "model.safetensors").exists()
+
+
+def test_sigterm_saves_a_checkpoint_at_the_next_log_step_and_the_rerun_resumes_there(data, tmp_path):
+    """SIGTERM to every process of a 2-process run (as SLURM sends at a time limit): the ranks agree on a
+    step, save it, exit 143; the rerun resumes from that step and keeps the rows logged before."""
+    root, shards = data
+    cfg = {**TRAIN, "max_steps": 100_000, "log_every": 2, "checkpoint_every": 100_000}
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(train_cmd(root, shards, out, cfg), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        live = out / "checkpoints"
+        while proc.poll() is None and sum(len(read_rows(f)) for f in live.glob("*/metrics.csv")) < 2:
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun, both ranks (and loader workers, if any)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, stderr[-3000:]
+    stopped = re.search(r"stopped on SIGTERM after step (\d+), checkpoint saved", stderr)
+    assert stopped, stderr[-3000:]
+    step = int(stopped.group(1))
+    assert step >= 4 and step % cfg["log_every"] == 0
+    run_dir = next(live.iterdir())
+    assert [p.name for p in run_dir.glob("step-*")] == [f"step-{step:08d}"]
+    before = read_rows(run_dir / "metrics.csv")
+    assert [int(r["step"]) for r in before] == list(range(2, step + 1, 2))
+    assert not (out / "drafter").exists()
+
+    proc = run(train_cmd(root, shards, out, cfg, extra=["--stop-at", str(step + 2)]))
+    assert f"resumed from {run_dir / f'step-{step:08d}'}: step {step}/" in proc.stderr
+    after = read_rows(run_dir / "metrics.csv")
+    assert [int(r["step"]) for r in after] == list(range(2, step + 3, 2))
+    assert after[: len(before)] == before  # nothing logged before the signal is lost
 
 
 def test_warmup_without_compile_writes_meta_and_empty_artifacts(data, tmp_path):

@@ -2,9 +2,9 @@
 
 Snakemake's `resources: gpu=N` only counts; it never says *which* GPU a job gets (snakemake #281).
 A job runs its command as `python -m flashdraft.gpu --gpus N -- CMD...`: the lease takes N free GPUs,
-exports CUDA_VISIBLE_DEVICES so the child sees them as cuda:0..N-1, runs CMD and releases the locks
-when it exits (the kernel drops flocks even on kill -9). When a scheduler (SLURM) has already set
-CUDA_VISIBLE_DEVICES, those GPUs are ours alone: we use them as they are and lock nothing.
+exports CUDA_VISIBLE_DEVICES so CMD sees them as cuda:0..N-1, and execs CMD, which inherits the
+locks: they are released when it exits (the kernel drops flocks even on kill -9). When a scheduler
+(SLURM) has already set CUDA_VISIBLE_DEVICES, those GPUs are ours alone: we use them and lock nothing.
 """
 
 from __future__ import annotations
@@ -89,6 +89,11 @@ class Lease:
             f.close()
         self._files, self.gpus = [], []
 
+    def keep_across_exec(self) -> None:
+        """Let a program this process execs inherit the locks (Python opens files close-on-exec)."""
+        for f in self._files:
+            os.set_inheritable(f.fileno(), True)
+
     def __enter__(self):
         self.acquire()
         return self
@@ -97,7 +102,7 @@ class Lease:
         self.release()
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Run a command on N leased GPUs (0: on the CPU).")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--lock-dir", default="/tmp/flashdraft-gpu-locks")
@@ -109,12 +114,20 @@ def main(argv=None) -> int:
     if not cmd:
         p.error("no command given")
     pool = args.pool.split(",") if args.pool else None
-    with Lease(args.gpus, args.lock_dir, pool=pool) as lease:
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(lease.gpus))
-        print(f"[gpu] {args.gpus} GPU(s) leased: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}",
-              file=sys.stderr)
-        return subprocess.call(cmd, env=env)
+    lease = Lease(args.gpus, args.lock_dir, pool=pool)
+    lease.acquire()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(lease.gpus))
+    print(f"[gpu] {args.gpus} GPU(s) leased: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}",
+          file=sys.stderr, flush=True)
+    # Become the command rather than wait for it: a signal for this job (Snakemake's, SLURM's) reaches
+    # the command itself, and the inherited locks live as long as it does. A waiting parent would die
+    # on SIGTERM and free its GPUs while the orphaned command still ran on them.
+    lease.keep_across_exec()
+    try:
+        os.execvpe(cmd[0], cmd, env)
+    except OSError as e:
+        p.error(f"cannot run {cmd[0]!r}: {e}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

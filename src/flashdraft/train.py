@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tarfile
 import time
@@ -80,6 +81,25 @@ def setup_dist() -> Dist:
     cuda = dev.type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", device_id=dev if cuda else None)
     return Dist(dist.get_rank(), dist.get_world_size(), dev)
+
+
+_SIGTERMS: list[int] = []  # set by the handler; read at log steps, where every rank agrees to stop
+
+
+def _on_sigterm(signum, frame):
+    _SIGTERMS.append(signum)
+
+
+def _ignore_sigterm(worker_id: int):
+    """DataLoader workers outlive a SIGTERM (SLURM signals every process of the job): the trainer stops
+    at its next log step and still needs them until then."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def stop_requested(d: Dist) -> bool:
+    """Whether any rank got a SIGTERM; every rank must call it at the same step."""
+    flag = torch.tensor([float(bool(_SIGTERMS))], dtype=torch.float64, device=d.device)
+    return bool(_all_sum(flag, d).item() > 0)
 
 
 def _barrier(d: Dist):
@@ -185,7 +205,7 @@ def batch_loader(store, batches: list[list[int]], collate: Collate, device: torc
         return (collate([store[i] for i in b]) for b in batches)
     return torch.utils.data.DataLoader(
         store, batch_sampler=batches, collate_fn=collate, num_workers=2, prefetch_factor=2,
-        pin_memory=True, persistent_workers=False,
+        pin_memory=True, persistent_workers=False, worker_init_fn=_ignore_sigterm,
     )
 
 
@@ -497,10 +517,15 @@ def train(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list
     """Train (or resume) and export; returns a summary. `stop_at`: save a checkpoint after that step and
     return without exporting (a deliberate preemption)."""
     d = setup_dist()
+    # a SIGTERM (SLURM's time limit or preemption, torchrun or Snakemake stopping the job) saves a
+    # checkpoint at the next log step instead of losing the steps since the last one
+    _SIGTERMS.clear()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return _train(d, cfg, drafter_cfg, target_dir, shards, Path(checkpoints), metrics_path, out_dir,
                       compile_cache, stop_at)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if d.world > 1:
             dist.destroy_process_group()
 
@@ -634,7 +659,8 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                             tb.add_scalar(f"train/{k}", v, step)
                     tb.flush()
 
-            stopping = stop_at is not None and step >= stop_at
+            signalled = step % cfg.log_every == 0 and step < total and stop_requested(d)
+            stopping = signalled or (stop_at is not None and step >= stop_at)
             if step % cfg.checkpoint_every == 0 or step == total or stopping:
                 ck = {"step": step, "epoch": epoch, "cursor": cursor, "world": d.world, "rows": rows,
                       "window": _all_sum(window, d).tolist(), "spec": asdict(spec)}
@@ -646,8 +672,11 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                 bar.close()
                 if tb is not None:
                     tb.close()
-                log(d, f"stopped after step {step}; rerun the same command to resume from {run_dir}")
-                return {"step": step, "stopped": True, "run_dir": str(run_dir), "rows": rows}
+                why = "on SIGTERM" if signalled else "as asked (--stop-at)"
+                log(d, f"stopped {why} after step {step}, checkpoint saved; rerun the same command to resume "
+                       f"from {run_dir}")
+                return {"step": step, "stopped": True, "signalled": signalled, "run_dir": str(run_dir),
+                        "rows": rows}
         if step < total:
             epoch, cursor = epoch + 1, 0
     bar.close()
