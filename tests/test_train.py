@@ -256,15 +256,18 @@ def test_stopped_run_resumes_to_the_same_losses_on_two_or_one_processes(data, re
     assert all(math.isfinite(x) for x in losses(rows)) and (one / "drafter" / "model.safetensors").exists()
 
 
-def test_sigterm_saves_a_checkpoint_at_the_next_log_step_and_the_rerun_resumes_there(data, tmp_path):
+def sigterm_then_resume(data, tmp_path, gpu=False):
     """SIGTERM to every process of a 2-process run (as SLURM sends at a time limit): the ranks agree on a
     step, save it, exit 143; the rerun resumes from that step and keeps the rows logged before."""
     root, shards = data
     cfg = {**TRAIN, "max_steps": 100_000, "log_every": 2, "checkpoint_every": 100_000}
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(train_cmd(root, shards, out, cfg), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if gpu else {"CUDA_VISIBLE_DEVICES": ""})}
+    cmd = train_cmd(root, shards, out, cfg)
+    if gpu:
+        cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
         live = out / "checkpoints"
         while proc.poll() is None and sum(len(read_rows(f)) for f in live.glob("*/metrics.csv")) < 2:
@@ -286,11 +289,28 @@ def test_sigterm_saves_a_checkpoint_at_the_next_log_step_and_the_rerun_resumes_t
     assert [int(r["step"]) for r in before] == list(range(2, step + 1, 2))
     assert not (out / "drafter").exists()
 
-    proc = run(train_cmd(root, shards, out, cfg, extra=["--stop-at", str(step + 2)]))
+    cmd = train_cmd(root, shards, out, cfg, extra=["--stop-at", str(step + 2)])
+    if gpu:
+        cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
+    proc = run(cmd, gpu=gpu)
     assert f"resumed from {run_dir / f'step-{step:08d}'}: step {step}/" in proc.stderr
     after = read_rows(run_dir / "metrics.csv")
     assert [int(r["step"]) for r in after] == list(range(2, step + 3, 2))
     assert after[: len(before)] == before  # nothing logged before the signal is lost
+    return stderr
+
+
+def test_sigterm_saves_a_checkpoint_at_the_next_log_step_and_the_rerun_resumes_there(data, tmp_path):
+    sigterm_then_resume(data, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_sigterm_reaches_loader_workers_too_and_training_still_saves(data, tmp_path):
+    """On GPU the loader's worker processes get the signal as well (SLURM signals them all)."""
+    stderr = sigterm_then_resume(data, tmp_path, gpu=True)
+    assert "DataLoader worker" not in stderr
 
 
 def test_warmup_without_compile_writes_meta_and_empty_artifacts(data, tmp_path):
