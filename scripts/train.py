@@ -5,8 +5,9 @@ torchrun --standalone --nproc_per_node 2 scripts/train.py --cfg '{"epochs": 1}' 
     --metrics results/train/metrics.csv --out results/drafter results/hidden/shard-*.arrow
 
 `python scripts/train.py ...` runs one process. A rerun with the same configs and shards resumes from the
-latest checkpoint under --checkpoints/<run key>. On SIGTERM it saves a checkpoint at the next log step
-(train.log_every) and exits with status 143.
+latest checkpoint under --checkpoints/<run key>. On SIGTERM or Ctrl-C (SIGINT) it saves a checkpoint at
+the next log step (train.log_every) and exits with 128 + the signal's number (143, 130); Ctrl-C twice
+stops at once.
 """
 
 import argparse
@@ -36,7 +37,7 @@ def main(argv=None):
     result = train(cfg, drafter_cfg, args.target, args.shards, args.checkpoints, args.metrics, args.out,
                    compile_cache=args.compile_cache, stop_at=args.stop_at)
     if result["stopped"]:
-        sys.exit(143 if result["signalled"] else 0)  # a job stopped by SIGTERM did not finish
+        sys.exit(128 + result["signal"] if result["signal"] else 0)  # stopped by a signal: not finished
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps({**result["rows"][-1], "compile_cache": result["compile_cache"]}))
 

@@ -256,14 +256,29 @@ def test_stopped_run_resumes_to_the_same_losses_on_two_or_one_processes(data, re
     assert all(math.isfinite(x) for x in losses(rows)) and (one / "drafter" / "model.safetensors").exists()
 
 
-def sigterm_then_resume(data, tmp_path, gpu=False):
-    """SIGTERM to every process of a 2-process run (as SLURM sends at a time limit): the ranks agree on a
-    step, save it, exit 143; the rerun resumes from that step and keeps the rows logged before."""
+def signal_job(pattern: str, sig) -> int:
+    """`sig` to every process whose command line holds `pattern`, as SLURM signals every process of a job
+    at its time limit (torchrun's ranks and their loader workers are in process groups of their own)."""
+    hit = 0
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            if pattern in (p / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(p.name), sig)
+                hit += 1
+        except (OSError, ValueError):
+            continue
+    return hit
+
+
+def signal_then_resume(data, tmp_path, sig, every_process, nproc=2, gpu=False):
+    """A signal to a running run: the ranks agree on a step, save it and exit 128 + signal; the rerun
+    resumes from that step and keeps the rows logged before. every_process: SLURM's way (all of them at
+    once); otherwise only to the launched process, as Ctrl-C in a terminal (torchrun passes it on)."""
     root, shards = data
     cfg = {**TRAIN, "max_steps": 100_000, "log_every": 2, "checkpoint_every": 100_000}
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if gpu else {"CUDA_VISIBLE_DEVICES": ""})}
-    cmd = train_cmd(root, shards, out, cfg)
+    cmd = train_cmd(root, shards, out, cfg, nproc=nproc)
     if gpu:
         cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -273,14 +288,21 @@ def sigterm_then_resume(data, tmp_path, gpu=False):
         while proc.poll() is None and sum(len(read_rows(f)) for f in live.glob("*/metrics.csv")) < 2:
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        os.killpg(proc.pid, signal.SIGTERM)  # torchrun, both ranks (and loader workers, if any)
+        if every_process:
+            assert signal_job(str(out), sig) >= nproc + 1  # torchrun and its ranks (and loader workers)
+        else:
+            proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0, stderr[-3000:]
-    stopped = re.search(r"stopped on SIGTERM after step (\d+), checkpoint saved", stderr)
+            signal_job(str(out), signal.SIGKILL)
+    name = signal.Signals(sig).name
+    stopped = re.search(rf"stopped on {name} after step (\d+), checkpoint saved", stderr)
     assert stopped, stderr[-3000:]
+    if nproc == 1:
+        assert proc.returncode == 128 + sig
+    else:  # torchrun fails on a signal, with a code of its own (now and then it aborts shutting down)
+        assert proc.returncode != 0
     step = int(stopped.group(1))
     assert step >= 4 and step % cfg["log_every"] == 0
     run_dir = next(live.iterdir())
@@ -289,7 +311,7 @@ def sigterm_then_resume(data, tmp_path, gpu=False):
     assert [int(r["step"]) for r in before] == list(range(2, step + 1, 2))
     assert not (out / "drafter").exists()
 
-    cmd = train_cmd(root, shards, out, cfg, extra=["--stop-at", str(step + 2)])
+    cmd = train_cmd(root, shards, out, cfg, nproc=nproc, extra=["--stop-at", str(step + 2)])
     if gpu:
         cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
     proc = run(cmd, gpu=gpu)
@@ -300,8 +322,12 @@ def sigterm_then_resume(data, tmp_path, gpu=False):
     return stderr
 
 
-def test_sigterm_saves_a_checkpoint_at_the_next_log_step_and_the_rerun_resumes_there(data, tmp_path):
-    sigterm_then_resume(data, tmp_path)
+@pytest.mark.parametrize("sig, every_process, nproc",
+                         [(signal.SIGTERM, True, 2), (signal.SIGINT, False, 2), (signal.SIGINT, False, 1)],
+                         ids=["sigterm-to-every-process", "ctrl-c-to-torchrun", "ctrl-c-to-one-process"])
+def test_a_signal_saves_a_checkpoint_at_the_next_log_step_and_the_rerun_resumes_there(data, tmp_path, sig,
+                                                                                       every_process, nproc):
+    signal_then_resume(data, tmp_path, sig, every_process, nproc)
 
 
 @pytest.mark.gpu
@@ -309,7 +335,7 @@ def test_sigterm_saves_a_checkpoint_at_the_next_log_step_and_the_rerun_resumes_t
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_gpu_sigterm_reaches_loader_workers_too_and_training_still_saves(data, tmp_path):
     """On GPU the loader's worker processes get the signal as well (SLURM signals them all)."""
-    stderr = sigterm_then_resume(data, tmp_path, gpu=True)
+    stderr = signal_then_resume(data, tmp_path, signal.SIGTERM, every_process=True, gpu=True)
     assert "DataLoader worker" not in stderr
 
 

@@ -83,23 +83,33 @@ def setup_dist() -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), dev)
 
 
-_SIGTERMS: list[int] = []  # set by the handler; read at log steps, where every rank agrees to stop
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_signals: list[int] = []  # set by the handler; read at log steps, where every rank agrees to stop
 
 
-def _on_sigterm(signum, frame):
-    _SIGTERMS.append(signum)
+def _on_stop_signal(signum, frame):
+    if signum == signal.SIGINT and signal.SIGINT in _signals:
+        raise KeyboardInterrupt  # Ctrl-C twice: stop now
+    _signals.append(signum)
+    if os.environ.get("RANK", "0") == "0":  # os.write: safe inside a signal handler, unlike print
+        again = " (Ctrl-C again: stop now)" if signum == signal.SIGINT else ""
+        os.write(2, f"{signal.Signals(signum).name}: a checkpoint at the next log step, then stop{again}\n"
+                 .encode())
 
 
-def _ignore_sigterm(worker_id: int):
-    """DataLoader workers outlive a SIGTERM (SLURM signals every process of the job): the trainer stops
+def _ignore_stop_signals(worker_id: int):
+    """DataLoader workers outlive the signal (SLURM signals every process of the job): the trainer stops
     at its next log step and still needs them until then."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
-def stop_requested(d: Dist) -> bool:
-    """Whether any rank got a SIGTERM; every rank must call it at the same step."""
-    flag = torch.tensor([float(bool(_SIGTERMS))], dtype=torch.float64, device=d.device)
-    return bool(_all_sum(flag, d).item() > 0)
+def stop_signal(d: Dist) -> int:
+    """The first stop signal any rank got (0: none); every rank must call it at the same step."""
+    flag = torch.tensor([_signals[0] if _signals else 0], dtype=torch.int64, device=d.device)
+    if d.world > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
 
 
 def _barrier(d: Dist):
@@ -205,7 +215,7 @@ def batch_loader(store, batches: list[list[int]], collate: Collate, device: torc
         return (collate([store[i] for i in b]) for b in batches)
     return torch.utils.data.DataLoader(
         store, batch_sampler=batches, collate_fn=collate, num_workers=2, prefetch_factor=2,
-        pin_memory=True, persistent_workers=False, worker_init_fn=_ignore_sigterm,
+        pin_memory=True, persistent_workers=False, worker_init_fn=_ignore_stop_signals,
     )
 
 
@@ -517,15 +527,16 @@ def train(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list
     """Train (or resume) and export; returns a summary. `stop_at`: save a checkpoint after that step and
     return without exporting (a deliberate preemption)."""
     d = setup_dist()
-    # a SIGTERM (SLURM's time limit or preemption, torchrun or Snakemake stopping the job) saves a
-    # checkpoint at the next log step instead of losing the steps since the last one
-    _SIGTERMS.clear()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGTERM (SLURM's time limit or preemption, scancel) or Ctrl-C saves a checkpoint at the next log
+    # step instead of losing the steps since the last one
+    _signals.clear()
+    previous = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
     try:
         return _train(d, cfg, drafter_cfg, target_dir, shards, Path(checkpoints), metrics_path, out_dir,
                       compile_cache, stop_at)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if d.world > 1:
             dist.destroy_process_group()
 
@@ -659,8 +670,8 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                             tb.add_scalar(f"train/{k}", v, step)
                     tb.flush()
 
-            signalled = step % cfg.log_every == 0 and step < total and stop_requested(d)
-            stopping = signalled or (stop_at is not None and step >= stop_at)
+            signalled = stop_signal(d) if step % cfg.log_every == 0 and step < total else 0
+            stopping = bool(signalled) or (stop_at is not None and step >= stop_at)
             if step % cfg.checkpoint_every == 0 or step == total or stopping:
                 ck = {"step": step, "epoch": epoch, "cursor": cursor, "world": d.world, "rows": rows,
                       "window": _all_sum(window, d).tolist(), "spec": asdict(spec)}
@@ -672,10 +683,10 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                 bar.close()
                 if tb is not None:
                     tb.close()
-                why = "on SIGTERM" if signalled else "as asked (--stop-at)"
+                why = f"on {signal.Signals(signalled).name}" if signalled else "as asked (--stop-at)"
                 log(d, f"stopped {why} after step {step}, checkpoint saved; rerun the same command to resume "
                        f"from {run_dir}")
-                return {"step": step, "stopped": True, "signalled": signalled, "run_dir": str(run_dir),
+                return {"step": step, "stopped": True, "signal": signalled, "run_dir": str(run_dir),
                         "rows": rows}
         if step < total:
             epoch, cursor = epoch + 1, 0
