@@ -105,11 +105,9 @@ def _ignore_stop_signals(worker_id: int):
 
 
 def stop_signal(d: Dist) -> int:
-    """The first stop signal any rank got (0: none); every rank must call it at the same step."""
-    flag = torch.tensor([_signals[0] if _signals else 0], dtype=torch.int64, device=d.device)
-    if d.world > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
+    """The stop signal any rank got (SIGTERM before SIGINT), 0 if none; all ranks call it at one step."""
+    got = torch.tensor([float(sig in _signals) for sig in STOP_SIGNALS], dtype=torch.float64, device=d.device)
+    return next((int(sig) for sig, n in zip(STOP_SIGNALS, _all_sum(got, d).tolist(), strict=True) if n), 0)
 
 
 def _barrier(d: Dist):
