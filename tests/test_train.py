@@ -46,9 +46,11 @@ def data(tmp_path_factory):
     return root, toy_hidden_shards(root, DRAFTER)
 
 
-def train_cmd(root, shards, out, cfg=TRAIN, nproc=2, drafter=DRAFTER, extra=()):
-    """scripts/train.py under torchrun (nproc > 1) or as a plain process."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+def train_cmd(root, shards, out, cfg=TRAIN, nproc=2, drafter=DRAFTER, extra=(), gpu=False):
+    """scripts/train.py under torchrun (nproc > 1) or as a plain process. gpu: every rank sees its GPU as
+    cuda:0 (--virtual-local-rank), as the workflow runs it."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", *(["--virtual-local-rank"] if gpu else []),
+                "--standalone", "--nproc_per_node", str(nproc)]
     script = str(REPO / "scripts" / "train.py")
     args = [script, "--cfg", json.dumps(cfg), "--drafter-cfg", json.dumps(drafter),
             "--target", str(root / "target"), "--checkpoints", str(out / "checkpoints"),
@@ -278,9 +280,7 @@ def signal_then_resume(data, tmp_path, sig, every_process, nproc=2, gpu=False):
     cfg = {**TRAIN, "max_steps": 100_000, "log_every": 2, "checkpoint_every": 100_000}
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if gpu else {"CUDA_VISIBLE_DEVICES": ""})}
-    cmd = train_cmd(root, shards, out, cfg, nproc=nproc)
-    if gpu:
-        cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
+    cmd = train_cmd(root, shards, out, cfg, nproc=nproc, gpu=gpu)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -311,10 +311,8 @@ def signal_then_resume(data, tmp_path, sig, every_process, nproc=2, gpu=False):
     assert [int(r["step"]) for r in before] == list(range(2, step + 1, 2))
     assert not (out / "drafter").exists()
 
-    cmd = train_cmd(root, shards, out, cfg, nproc=nproc, extra=["--stop-at", str(step + 2)])
-    if gpu:
-        cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
-    proc = run(cmd, gpu=gpu)
+    proc = run(train_cmd(root, shards, out, cfg, nproc=nproc, extra=["--stop-at", str(step + 2)], gpu=gpu),
+               gpu=gpu)
     assert f"resumed from {run_dir / f'step-{step:08d}'}: step {step}/" in proc.stderr
     after = read_rows(run_dir / "metrics.csv")
     assert [int(r["step"]) for r in after] == list(range(2, step + 3, 2))
@@ -440,9 +438,7 @@ def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(d
     assert meta["key"]["attention"] == "flex" and meta["artifact_bytes"] > 0
     nproc = min(2, torch.cuda.device_count())
     out = tmp_path / "train"
-    cmd = train_cmd(root, shards, out, cfg, nproc=nproc, extra=["--compile-cache", str(cache)])
-    if nproc > 1:
-        cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
+    cmd = train_cmd(root, shards, out, cfg, nproc=nproc, extra=["--compile-cache", str(cache)], gpu=True)
     proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-train")}, gpu=True)
     print(proc.stderr[-2000:])
     counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
@@ -475,8 +471,7 @@ def test_gpu_two_process_training_from_a_cold_or_a_warm_compile_cache(data, tmp_
             env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")}, gpu=True)
         extra = ["--compile-cache", str(tmp_path / "cache")]
     out = tmp_path / "train"
-    cmd = train_cmd(root, shards, out, cfg, nproc=2, extra=extra)
-    cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
+    cmd = train_cmd(root, shards, out, cfg, nproc=2, extra=extra, gpu=True)
     proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-train")}, gpu=True)
     print(proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr
@@ -505,8 +500,7 @@ def test_gpu_fsdp_compiled_flex_training_follows_ddp(data, tmp_path):
     curves = {}
     for mode in ("ddp", "fsdp"):
         out = tmp_path / mode
-        cmd = train_cmd(root, shards, out, {**cfg, "parallel": mode}, nproc=2)
-        cmd.insert(cmd.index("--standalone"), "--virtual-local-rank")
+        cmd = train_cmd(root, shards, out, {**cfg, "parallel": mode}, nproc=2, gpu=True)
         proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{mode}")}, gpu=True)
         print(proc.stderr[-2000:])
         assert f"parallel: {mode} ({mode}), 2 processes" in proc.stderr and "Traceback" not in proc.stderr
