@@ -1,4 +1,4 @@
-"""Regenerate the assistant answers of a prompt set with the target model (resumable)."""
+"""Regenerate the assistant answers of a prompt set (or of one shard of it) with the target (resumable)."""
 
 import argparse
 import time
@@ -13,15 +13,22 @@ def main():
     ap.add_argument("--target", required=True, help="HF model directory of the target")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompts", required=True, help="prompt set parquet (from expand_prompts)")
-    ap.add_argument("--out", required=True, help="output parquet; errors.parquet is written next to it")
+    ap.add_argument("--out", required=True, help="output parquet")
+    ap.add_argument("--errors", default=None, help="failed rows (default: errors.parquet beside --out)")
     ap.add_argument("--work-dir", required=True, help="resumable parts; kept between runs")
+    ap.add_argument("--shard", type=int, default=0, help="answer only the prompts of this shard")
+    ap.add_argument("--num-shards", type=int, default=1)
     args = ap.parse_args()
+    if not 0 <= args.shard < args.num_shards:
+        ap.error(f"--shard {args.shard} is not in 0..{args.num_shards - 1}")
     cfg = load_section(RegenerateConfig, args.cfg, "regenerate")
     t0 = time.time()
-    s = regenerate(cfg, args.target, args.dtype, args.prompts, args.out, args.work_dir)
+    s = regenerate(cfg, args.target, args.dtype, args.prompts, args.out, args.work_dir, args.shard,
+                   args.num_shards, args.errors)
+    rate = f", {s['new_tokens'] / s['generate_s']:.0f} new tokens/s" if s.get("generate_s") else ""
     print(
         f"regenerate: {s['rows']} rows ({s['stop']} stop, {s['length']} length), {s['errors']} errors "
-        f"-> {args.out} ({time.time() - t0:.1f} s)"
+        f"-> {args.out} ({time.time() - t0:.1f} s{rate})"
     )
 
 

@@ -78,8 +78,10 @@ class PromptsConfig:
 class RegenerateConfig:
     enabled: bool = True
     backend: str = "hf"  # hf (in-process generate) | openai (any OpenAI-compatible server)
+    engine: str = "auto"  # hf backend: auto | static (flashdraft.decode) | generate (HF generate)
+    shards: int = 0  # jobs the stage is split into, one GPU each; 0: hidden.shards
     max_new_tokens: int = 1024
-    batch_size: int = 16
+    batch_size: int = 0  # sequences decoded at once; 0: static engine from free GPU memory, else 16
     temperature: float = 0.0
     thinking: bool = False
     part_rows: int = 256  # rows per atomically committed parquet part

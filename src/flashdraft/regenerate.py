@@ -27,6 +27,8 @@ from .io import progress, write_json, write_parquet
 FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash loses little
 # settings of how to reach the server, not of what it answers: changing them keeps committed parts
 TRANSPORT_KEYS = ("base_url", "api_key_env", "concurrency", "max_retries", "timeout_s", "backoff_s")
+# settings of how the answers are computed and committed, not of what they are: they keep committed parts
+ENGINE_KEYS = ("engine", "batch_size", "shards", "part_rows")
 
 
 def _schema(error: bool):
@@ -130,8 +132,17 @@ def _safe_batch(model, tokenizer, rows, cfg, eos) -> list[dict]:
     return out
 
 
-def _run_hf(cfg, target, dtype, pending, order, parts, bar) -> list[dict]:
+def _run_hf(cfg, target, dtype, pending, order, parts, bar, clock: dict) -> list[dict]:
     model, tokenizer, eos = load_for_generate(target, dtype)
+    from .decode import unsupported
+
+    why = "regenerate.engine: generate" if cfg.engine == "generate" else unsupported(model)
+    if why is None:
+        return _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock)
+    if cfg.engine == "static":
+        raise ValueError(f"regenerate.engine 'static' cannot run {target}: {why}; use 'auto' or 'generate'")
+    print(f"regenerate: HF generate, in fixed batches ({why})")
+    batch = cfg.batch_size or 16
     # batches are fixed over the whole sorted prompt list (longest first, so memory errors show early),
     # and parts hold whole batches: a resumed run forms exactly the batches an uninterrupted one does
     texts = [render(tokenizer, prompt_messages(r["messages"]), True, cfg.thinking) for r in pending]
@@ -140,10 +151,49 @@ def _run_hf(cfg, target, dtype, pending, order, parts, bar) -> list[dict]:
         for r, ids in zip(pending, tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True)
     }
     pending.sort(key=lambda r: (-lengths[r["id"]], order[r["id"]]))
-    parts.rows_per_part = max(1, cfg.part_rows // cfg.batch_size) * cfg.batch_size
-    for i in range(0, len(pending), cfg.batch_size):
-        parts.add(_safe_batch(model, tokenizer, pending[i : i + cfg.batch_size], cfg, eos))
-        bar.update(len(pending[i : i + cfg.batch_size]))
+    parts.rows_per_part = max(1, cfg.part_rows // batch) * batch
+    clock["start"] = time.monotonic()
+    for i in range(0, len(pending), batch):
+        parts.add(_safe_batch(model, tokenizer, pending[i : i + batch], cfg, eos))
+        bar.update(len(pending[i : i + batch]))
+    return []
+
+
+def _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock: dict) -> list[dict]:
+    """The static-cache engine (flashdraft.decode): rows are committed as they finish, in parts of
+    `part_rows` (or every FLUSH_S seconds), so a crash loses at most a part's worth of answers."""
+    import torch
+
+    from .decode import SlotDecoder, auto_slots
+
+    rows, prompts, ids = [], [], []
+    for r in pending:
+        try:
+            prompt = prompt_messages(r["messages"])
+            text = render(tokenizer, prompt, add_generation_prompt=True, thinking=cfg.thinking)
+            ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        except Exception as e:  # a row the chat template cannot render: recorded, the others go on
+            parts.add([_error(r, f"{type(e).__name__}: {e}")])
+            bar.update(1)
+            continue
+        rows.append(r)
+        prompts.append(prompt)
+    if not rows:
+        return []
+    max_len = max(map(len, ids)) + cfg.max_new_tokens
+    slots = cfg.batch_size or (auto_slots(model, max_len) if model.device.type == "cuda" else 32)
+    slots = min(slots, len(rows))
+    decoder = SlotDecoder(model, slots, max_len, eos, tokenizer.pad_token_id, cfg.temperature)
+    print(f"regenerate: static-cache engine, {slots} slots of {decoder.max_len} positions, "
+          f"CUDA graphs {'on' if decoder.graphs is not None else 'off'}")
+    parts.flush_s = FLUSH_S
+    clock["start"] = time.monotonic()
+    for i, tokens, finish in decoder.run(ids, cfg.max_new_tokens):
+        answer = tokenizer.decode(tokens, skip_special_tokens=True)
+        parts.add([_result(rows[i], prompts[i], answer, len(tokens), finish)])
+        bar.update(1)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     return []
 
 
@@ -290,10 +340,10 @@ def _prepare_work_dir(work: Path, key: dict) -> None:
 
 
 def _finish(rows: list[dict], errors: list[dict], out: str, max_fraction: float,
-            total: int | None = None) -> dict:
+            total: int | None = None, err_path=None) -> dict:
     import pyarrow as pa
 
-    err_path = Path(out).parent / "errors.parquet"
+    err_path = err_path or Path(out).parent / "errors.parquet"
     err_schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("reason", pa.string())])
     write_parquet(pa.Table.from_pylist(errors, schema=err_schema), err_path)
     total = total or len(rows) + len(errors)
@@ -308,7 +358,8 @@ def _finish(rows: list[dict], errors: list[dict], out: str, max_fraction: float,
     return {"rows": len(rows), "errors": len(errors), "stop": stop, "length": len(rows) - stop}
 
 
-def copy_original(prompt_rows: list[dict], tokenizer, out: str, max_error_fraction: float) -> dict:
+def copy_original(prompt_rows: list[dict], tokenizer, out: str, max_error_fraction: float,
+                  err_path=None) -> dict:
     """Regeneration disabled: keep each conversation's own answers (rows without one become errors)."""
     rows, errors = [], []
     for r in prompt_rows:
@@ -332,28 +383,36 @@ def copy_original(prompt_rows: list[dict], tokenizer, out: str, max_error_fracti
                 "finish_reason": "stop",
             }
         )
-    return _finish(rows, errors, out, max_error_fraction)
+    return _finish(rows, errors, out, max_error_fraction, err_path=err_path)
 
 
 def regenerate(
-    cfg: RegenerateConfig, target: str, dtype: str, prompts_path: str, out: str, work_dir: str
+    cfg: RegenerateConfig, target: str, dtype: str, prompts_path: str, out: str, work_dir: str,
+    shard: int = 0, num_shards: int = 1, errors_path=None,
 ) -> dict:
-    """Answer every prompt of `prompts_path` with the target; write `out` and errors.parquet beside it."""
+    """Answer the prompts of `prompts_path` in shard `shard` of `num_shards` (`hidden.shard_of`, the
+    assignment the hidden-state shards use) with the target; write `out` and the failed rows to
+    `errors_path` (default: errors.parquet beside `out`)."""
     import pyarrow.parquet as pq
+
+    from .hidden import shard_of
 
     prompt_rows = pq.read_table(prompts_path, columns=["id", "source", "messages"]).to_pylist()
     order = {r["id"]: i for i, r in enumerate(prompt_rows)}
     if len(order) != len(prompt_rows):
         raise ValueError(f"{prompts_path}: sample ids are not unique")
+    if num_shards > 1:
+        prompt_rows = [r for r in prompt_rows if shard_of(r["id"], num_shards) == shard]
     if not cfg.enabled:
         from transformers import AutoTokenizer
 
-        return copy_original(prompt_rows, AutoTokenizer.from_pretrained(target), out, cfg.max_error_fraction)
+        return copy_original(prompt_rows, AutoTokenizer.from_pretrained(target), out, cfg.max_error_fraction,
+                             errors_path)
     if cfg.backend not in ("hf", "openai"):
         raise ValueError(f"regenerate.backend {cfg.backend!r} is not supported; use 'hf' or 'openai'")
 
     work = Path(work_dir)
-    key = {k: v for k, v in json.loads(to_json(cfg)).items() if k not in TRANSPORT_KEYS}
+    key = {k: v for k, v in json.loads(to_json(cfg)).items() if k not in TRANSPORT_KEYS + ENGINE_KEYS}
     _prepare_work_dir(
         work,
         {
@@ -366,13 +425,14 @@ def regenerate(
     done = _read_parts(work, set(order))  # failed rows are committed too: a rerun does not retry them
     done_ids = {r["id"] for r in done}
     pending = [r for r in prompt_rows if r["id"] not in done_ids]
-    gave_up = []
+    gave_up, clock, generated = [], {"start": time.monotonic()}, {}  # backends restart the clock once loaded
     if pending:
         parts = _Parts(work, cfg.part_rows)
-        bar = progress(total=len(prompt_rows), initial=len(done), desc="regenerate", unit="prompt")
+        desc = f"regenerate {shard}/{num_shards}" if num_shards > 1 else "regenerate"
+        bar = progress(total=len(prompt_rows), initial=len(done), desc=desc, unit="prompt")
         try:
             if cfg.backend == "hf":
-                gave_up = _run_hf(cfg, target, dtype, pending, order, parts, bar)
+                gave_up = _run_hf(cfg, target, dtype, pending, order, parts, bar, clock)
             else:
                 n_err = sum(r["error"] is not None for r in done)
                 max_err = cfg.max_error_fraction * len(prompt_rows)
@@ -381,6 +441,10 @@ def regenerate(
             parts.flush()  # what finished is kept, even when the run fails
             bar.close()
         done += parts.rows
+        generated = {
+            "new_tokens": sum(r["response_tokens"] for r in parts.rows),
+            "generate_s": time.monotonic() - clock["start"],
+        }
 
     done += gave_up
     done.sort(key=lambda r: order[r["id"]])
@@ -388,4 +452,4 @@ def regenerate(
     errors = [
         {"id": r["id"], "source": r["source"], "reason": r["error"]} for r in done if r["error"] is not None
     ]
-    return _finish(rows, errors, out, cfg.max_error_fraction, len(prompt_rows))
+    return _finish(rows, errors, out, cfg.max_error_fraction, len(prompt_rows), errors_path) | generated
