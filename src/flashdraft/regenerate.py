@@ -152,7 +152,7 @@ def _run_hf(cfg, target, dtype, pending, order, parts, bar, clock: dict) -> list
     }
     pending.sort(key=lambda r: (-lengths[r["id"]], order[r["id"]]))
     parts.rows_per_part = max(1, cfg.part_rows // batch) * batch
-    clock["start"] = time.monotonic()
+    clock["start"], clock["batch"] = time.monotonic(), batch
     for i in range(0, len(pending), batch):
         parts.add(_safe_batch(model, tokenizer, pending[i : i + batch], cfg, eos))
         bar.update(len(pending[i : i + batch]))
@@ -187,7 +187,7 @@ def _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock: dict) ->
     print(f"regenerate: static-cache engine, {slots} slots of {decoder.max_len} positions, "
           f"CUDA graphs {'on' if decoder.graphs is not None else 'off'}")
     parts.flush_s = FLUSH_S
-    clock["start"] = time.monotonic()
+    clock["start"], clock["batch"] = time.monotonic(), slots
     for i, tokens, finish in decoder.run(ids, cfg.max_new_tokens):
         answer = tokenizer.decode(tokens, skip_special_tokens=True)
         parts.add([_result(rows[i], prompts[i], answer, len(tokens), finish)])
@@ -444,6 +444,7 @@ def regenerate(
         generated = {
             "new_tokens": sum(r["response_tokens"] for r in parts.rows),
             "generate_s": time.monotonic() - clock["start"],
+            "batch": clock.get("batch"),  # sequences decoded at once (hf backend)
         }
 
     done += gave_up

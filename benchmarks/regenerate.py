@@ -1,0 +1,220 @@
+"""Regeneration speed through the real stage code (`flashdraft.regenerate.regenerate`), side by side.
+
+`--mode gpu` (one GPU): a random-weight target of the preset's shape saved as an HF model dir (with the
+toy's byte-level chat tokenizer), and synthetic prompts of --min-len..--max-len tokens. On the same
+prompts in one run:
+  - baseline: `regenerate.engine: generate` (HF generate, dynamic cache, fixed batches of
+    --baseline-batch), the path regeneration took before the static engine;
+  - ours: `regenerate.engine: static` (flashdraft.decode) at each of --batch (0: sized from free memory);
+  - bound: the memory-bandwidth bound of a decode step at our batch, from the shapes: every weight but
+    the input embedding (a gather of B rows) read once per step, plus the KV cache of B rows at the
+    mean context (prompt + half the answer), at the GPU's HBM bandwidth.
+  Tokens/s count new tokens over the stage's generate time (model load excluded, every row's answer
+  decoded and committed included).
+`--mode snakemake` (2 GPUs): the workflow's `regenerate` rule, 2 shard jobs through Snakemake and the
+  GPU lease, with `--resources gpu=1` (the jobs queue) and then gpu=2; wall time ratio.
+
+Usage: python benchmarks/regenerate.py --mode gpu|snakemake [--preset qwen3-8b|tiny] [--prompts N]
+Writes benchmarks/results/regenerate[_snakemake]_<preset>.json and prints a table.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import transformers
+import yaml
+from precompute_hidden import save_target
+from transformers import AutoConfig, AutoTokenizer
+
+from flashdraft.config import RegenerateConfig
+from flashdraft.decode import kv_bytes_per_token
+from flashdraft.regenerate import regenerate
+
+REPO = Path(__file__).resolve().parents[1]
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # spec sheet, SXM
+
+
+def synthetic_prompts(path: Path, tokenizer_dir: Path, n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """`n` single-turn prompts of about lo..hi tokens of random words; returns their token counts."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    g = np.random.default_rng(seed)
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    words = ["".join(g.choice(letters, int(g.integers(2, 9)))) for _ in range(2000)]
+    per_word = len(tok(" ".join(g.choice(words, 400)))["input_ids"]) / 400
+    rows = []
+    for i in range(n):
+        text = " ".join(g.choice(words, max(1, int(int(g.integers(lo, hi + 1)) / per_word))))
+        rows.append({"id": f"p{i}", "source": "synthetic", "messages": [{"role": "user", "content": text}]})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    chat = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False) for r in rows]
+    return [len(x) for x in tok(chat, add_special_tokens=False)["input_ids"]]
+
+
+def run_stage(target, prompts, work: Path, **cfg) -> dict:
+    shutil.rmtree(work, ignore_errors=True)
+    c = RegenerateConfig(**cfg)
+    s = regenerate(c, str(target), "bfloat16", str(prompts), str(work / "train.parquet"), str(work / "parts"))
+    s["tokens_per_s"] = s["new_tokens"] / s["generate_s"]
+    return s
+
+
+def weight_bytes_per_step(target) -> int:
+    """Bytes of weights one decode step reads: all of them but the input embedding (B rows gathered)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in Path(target).glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                if "embed_tokens" not in k:
+                    sl = st.get_slice(k)
+                    total += int(np.prod(sl.get_shape())) * 2  # bf16
+    return total
+
+
+def bench_gpu(args) -> dict:
+    work = Path(args.work)
+    target = work / "target"
+    if not (target / "config.json").exists():
+        save_target(args.preset, target)
+    lengths = synthetic_prompts(work / "prompts.parquet", target, args.prompts, args.min_len, args.max_len)
+    common = dict(max_new_tokens=args.new_tokens, temperature=0.0, part_rows=256)
+    runs = {}
+    base = run_stage(target, work / "prompts.parquet", work / "generate", engine="generate",
+                     batch_size=args.baseline_batch, **common)
+    runs[f"generate_batch{args.baseline_batch}"] = base
+    config = AutoConfig.from_pretrained(target)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    hbm = next((v for k, v in HBM_BYTES_PER_S.items() if k in dev), args.hbm_bytes_per_s)
+    weights, kv = weight_bytes_per_step(target), kv_bytes_per_token(config, torch.bfloat16)
+    context = float(np.mean(lengths)) + args.new_tokens / 2
+    for b in args.batch:
+        r = run_stage(target, work / "prompts.parquet", work / f"static{b}", engine="static", batch_size=b,
+                      **common)
+        slots = r["batch"]
+        r["bound_tokens_per_s"] = slots / ((weights + slots * context * kv) / hbm) if hbm else None
+        runs[f"static_batch{b or 'auto'}"] = r
+    main = runs[f"static_batch{args.batch[-1] or 'auto'}"]
+    result = {
+        "tokens_per_s_per_gpu": main["tokens_per_s"],
+        "baseline_tokens_per_s_per_gpu": base["tokens_per_s"],
+        "bound_tokens_per_s_per_gpu": main["bound_tokens_per_s"],
+        "runs": runs,
+        "setup": {
+            "preset": args.preset, "device": dev, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "prompts": args.prompts, "prompt_tokens": [args.min_len, args.max_len],
+            "mean_prompt_tokens": float(np.mean(lengths)), "new_tokens": args.new_tokens,
+            "weight_bytes_per_step": weights, "kv_bytes_per_token": kv, "hbm_bytes_per_s": hbm,
+            "bound_context_tokens": context,
+        },
+    }
+    result["speedup_vs_baseline"] = result["tokens_per_s_per_gpu"] / result["baseline_tokens_per_s_per_gpu"]
+    if hbm:
+        result["fraction_of_bound"] = result["tokens_per_s_per_gpu"] / result["bound_tokens_per_s_per_gpu"]
+        result["goals"] = {"speedup>=4": result["speedup_vs_baseline"] >= 4,
+                           "fraction_of_bound>=0.3": result["fraction_of_bound"] >= 0.3}
+    return result
+
+
+def bench_snakemake(args) -> dict:
+    work = Path(args.work)
+    target = work / "target"
+    if not (target / "config.json").exists():
+        save_target(args.preset, target)
+    subprocess.run(f"cat {target}/* > /dev/null", shell=True, check=True)  # both runs start page-cached
+    gpus = torch.cuda.device_count()
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg["target"] = {"path": str(target), "build_toy": False, "dtype": "bfloat16"}
+    cfg["regenerate"] = {"max_new_tokens": args.new_tokens, "shards": 2, "engine": "static"}
+    cfg["hidden"] = {"shards": 2}
+    cfg["gpus"] = {"target": min(2, gpus), "drafter": 0, "lock_dir": str(work / "locks")}
+    runs = {}
+    for n in (1, 2):
+        if gpus and n > gpus:
+            continue
+        run_dir = work / f"gpu{n}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        synthetic_prompts(run_dir / "results/prompts/train.parquet", target, args.prompts, args.min_len,
+                          args.max_len)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+        outs = [f"results/regenerated/train/shard-{i:05d}.parquet" for i in range(2)]
+        cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"),
+               "-d", str(run_dir), "--configfile", str(run_dir / "config.yaml"),
+               "--cores", str(os.cpu_count()),
+               "--resources", f"gpu={n}", "--allowed-rules", "regenerate", "--", *outs]
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            raise SystemExit(f"snakemake failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        bench = run_dir / "results" / "benchmarks" / "regenerate"
+        job_s = [float((bench / f"{i:05d}.tsv").read_text().splitlines()[1].split("\t")[0]) for i in range(2)]
+        logs = {p.name: p.read_text()[-800:] for p in (run_dir / "results/logs/regenerate").glob("*.log")}
+        rows = sum(pq.read_metadata(run_dir / o).num_rows for o in outs)
+        runs[f"gpu={n}"] = {"wall_s": wall, "job_s": job_s, "rows": rows, "logs": logs}
+    result = {"runs": runs, "setup": {"preset": args.preset, "gpus_visible": gpus, "prompts": args.prompts,
+                                      "prompt_tokens": [args.min_len, args.max_len],
+                                      "new_tokens": args.new_tokens}}
+    if "gpu=2" in runs:
+        result["speedup_2_vs_1"] = runs["gpu=1"]["wall_s"] / runs["gpu=2"]["wall_s"]
+        result["goals"] = {"speedup_2_vs_1>=1.8": result["speedup_2_vs_1"] >= 1.8}
+    return result
+
+
+def table(r: dict) -> str:
+    if "speedup_2_vs_1" in r or "tokens_per_s_per_gpu" not in r:
+        lines = [f"{'run':10s}{'wall s':>10s}{'job s':>20s}{'rows':>8s}"]
+        for k, v in r["runs"].items():
+            job_s = str([round(x, 1) for x in v["job_s"]])
+            lines.append(f"{k:10s}{v['wall_s']:10.1f}{job_s:>20s}{v['rows']:8d}")
+        if "speedup_2_vs_1" in r:
+            lines.append(f"2 GPUs vs 1: {r['speedup_2_vs_1']:.2f}x; goals {r['goals']}")
+        return "\n".join(lines)
+    lines = [f"{'run':22s}{'new tokens':>12s}{'generate s':>12s}{'tok/s':>10s}{'bound':>10s}"]
+    for k, v in r["runs"].items():
+        bound = v.get("bound_tokens_per_s")
+        lines.append(f"{k:22s}{v['new_tokens']:12d}{v['generate_s']:12.1f}{v['tokens_per_s']:10.0f}"
+                     f"{'-' if bound is None else round(bound):>10}")
+    lines.append(f"ours / baseline: {r['speedup_vs_baseline']:.2f}x; "
+                 f"of the bound: {r.get('fraction_of_bound')}; goals {r.get('goals')}")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["gpu", "snakemake"], default="gpu")
+    p.add_argument("--preset", choices=["qwen3-8b", "tiny"], default="qwen3-8b")
+    p.add_argument("--prompts", type=int, default=512)
+    p.add_argument("--min-len", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--baseline-batch", type=int, default=64)
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 0], help="static engine batches (0: auto)")
+    p.add_argument("--hbm-bytes-per-s", type=float, default=None, help="for GPUs not in the table")
+    p.add_argument("--work", default="/tmp/flashdraft-regenerate-bench")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    result = bench_gpu(args) if args.mode == "gpu" else bench_snakemake(args)
+    name = "regenerate" if args.mode == "gpu" else "regenerate_snakemake"
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}_{args.preset}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
