@@ -12,7 +12,7 @@
 `--mode snakemake` (N GPUs): the real workflow's hidden_shard rule, 2 shard jobs through Snakemake with
   the GPU lease, once with `--resources gpu=1` (the jobs queue) and once with gpu=2; wall time ratio.
   The target is saved to disk with a small byte-level tokenizer (the toy's), and a synthetic
-  regenerated/train.parquet of long conversations stands in for the upstream stages.
+  regenerated/train/ of long conversations stands in for the upstream stages.
 
 Usage: python benchmarks/precompute_hidden.py --mode gpu|snakemake [--preset qwen3-8b|tiny] [--tokens N]
 Writes benchmarks/results/precompute_hidden_<mode>_<preset>.json and prints a table.
@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from flashdraft.config import DrafterConfig
 from flashdraft.hidden import HiddenStore, manifest_path, token_batches, write_shard
+from flashdraft.shards import shard_of
 from flashdraft.target import feature_layer_ids, layers_needed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -274,8 +275,10 @@ def save_target(preset: str, out: Path, seed_tokens: int = 3000):
     build_tokenizer(task_conversations(seed_tokens, seed=0), 512).save_pretrained(out)
 
 
-def synthetic_conversations(path: Path, tokenizer_dir: Path, tokens: int, lo: int, hi: int):
-    """Conversations of about lo..hi tokens each (random words), `tokens` in total, as train.parquet."""
+def synthetic_conversations(out_dir: Path, tokenizer_dir: Path, tokens: int, lo: int, hi: int,
+                            shards: int = 2):
+    """Conversations of about lo..hi tokens each (random words), `tokens` in total, written as the
+    regeneration stage writes them: regenerated/train/shard-NNNNN.parquet, split by `shard_of`."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -298,8 +301,10 @@ def synthetic_conversations(path: Path, tokenizer_dir: Path, tokens: int, lo: in
             }
         )
         total += n
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        mine = [r for r in rows if shard_of(r["id"], shards) == s]
+        pq.write_table(pa.Table.from_pylist(mine), out_dir / f"shard-{s:05d}.parquet")
     return len(rows)
 
 
@@ -327,7 +332,7 @@ def bench_snakemake(args) -> dict:
         run_dir = work / f"gpu{n}"
         shutil.rmtree(run_dir, ignore_errors=True)
         rows = synthetic_conversations(
-            run_dir / "results" / "regenerated" / "train.parquet",
+            run_dir / "results" / "regenerated" / "train",
             target,
             args.tokens,
             args.min_len,

@@ -1,7 +1,7 @@
 """Precompute the target's hidden states for one shard of the training set (one job per target GPU).
 
 python scripts/precompute_hidden.py --cfg '{"dtype": "bfloat16"}' --drafter-cfg '{}' \
-    --target results/toy/target --dtype float32 --data results/regenerated/train.parquet \
+    --target results/toy/target --dtype float32 --data results/regenerated/train/shard-00000.parquet \
     --shard 0 --num-shards 2 --out results/hidden/shard-00000.arrow
 """
 
@@ -18,7 +18,8 @@ def main(argv=None):
     p.add_argument("--drafter-cfg", default="{}", help="the `drafter` config section as JSON (layer ids)")
     p.add_argument("--target", required=True, help="HF model directory of the target")
     p.add_argument("--dtype", default="bfloat16", help="dtype the target runs in (CPU always uses float32)")
-    p.add_argument("--data", required=True, help="parquet with columns id and messages")
+    p.add_argument("--data", required=True, nargs="+",
+                   help="parquet files with columns id and messages (the shard's rows are taken from them)")
     p.add_argument("--shard", type=int, required=True)
     p.add_argument("--num-shards", type=int, default=None, help="default: hidden.shards")
     p.add_argument("--out", required=True, help="the shard's .arrow file; its manifest goes next to it")

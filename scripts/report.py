@@ -14,7 +14,7 @@ def main():
     p.add_argument("--benchmarks-dir", required=True, help="Snakemake benchmark TSV files")
     p.add_argument("--plots-dir", default=None, help="also write each plot as <id>.png here")
     p.add_argument("--hidden-dir", default=None, help="hidden-state shard manifests (for tokens/s)")
-    p.add_argument("--regenerated", default=None, help="regenerated parquet (for answers/s)")
+    p.add_argument("--regenerated", nargs="*", default=None, help="regenerated shards (answers/s)")
     a = p.parse_args()
     build_report(a.out, a.eval_dir, a.metrics, a.prompt_stats, a.benchmarks_dir, a.plots_dir, a.hidden_dir,
                  a.regenerated)

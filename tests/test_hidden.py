@@ -1,6 +1,7 @@
 """Hidden-state store: writer/reader round trip, verification, precompute against a direct forward."""
 
 import json
+import math
 import pickle
 import runpy
 import shutil
@@ -25,11 +26,11 @@ from flashdraft.hidden import (
     precompute_shard,
     preflight,
     quantize_fp8,
-    shard_of,
     token_batches,
     verify_shard,
     write_manifest,
 )
+from flashdraft.shards import shard_of, shard_sources
 from flashdraft.target import load_target, select_features
 from flashdraft.toy import build_toy_target, task_conversations
 
@@ -296,6 +297,18 @@ def test_fp8_writer_and_verify_check_scales(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"{n}.{e}" for n in ("good", "bad", "nan") for e in ("arrow", "json")
     )
+
+
+@pytest.mark.parametrize("hidden, regen", [(2, 2), (4, 2), (2, 4), (6, 4), (3, 5), (40, 8)])
+def test_a_hidden_shard_needs_only_its_source_shards(hidden, regen):
+    """Every row of hidden shard i lies in one of shard_sources(i, ...), and each regeneration shard
+    feeds some hidden shard: the DAG's edges lose no row."""
+    ids = [f"row{i}" for i in range(3000)]
+    for i in range(hidden):
+        sources = shard_sources(i, hidden, regen)
+        assert {shard_of(x, regen) for x in ids if shard_of(x, hidden) == i} <= set(sources)
+        assert len(sources) == regen // math.gcd(hidden, regen)
+    assert {j for i in range(hidden) for j in shard_sources(i, hidden, regen)} == set(range(regen))
 
 
 def test_shard_assignment_and_token_batches():

@@ -11,6 +11,7 @@ from conftest import toy_prompt_set
 
 from flashdraft.config import RegenerateConfig, to_json
 from flashdraft.regenerate import regenerate
+from flashdraft.shards import shard_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,8 +117,24 @@ def test_disabled_copies_answers_and_counts_missing(data, tmp_path):
     assert stats["errors"] == 3 and stats["rows"] == 37
 
 
-def test_kill_and_rerun_script(data, reference, tmp_path):
-    cfg = RegenerateConfig(max_new_tokens=6, batch_size=3, part_rows=3)  # same batches, a part per batch
+def test_shards_answer_exactly_their_rows_and_together_all(data, reference, tmp_path):
+    """Three shard jobs: each answers the rows `shard_of` gives it, as the unsharded run answers them."""
+    ref = {r["id"]: r for r in reference[1].to_pylist()}
+    seen = []
+    for s in range(3):
+        out = tmp_path / f"shard{s}"
+        stats = regenerate(CFG, str(data / "target"), "float32", str(data / "prompts/train.parquet"),
+                           str(out / "train.parquet"), str(out / "parts"), s, 3, str(out / "errors.parquet"))
+        rows = pq.read_table(out / "train.parquet").to_pylist()
+        assert stats["rows"] == len(rows) > 0 and all(shard_of(r["id"], 3) == s for r in rows)
+        assert rows == [ref[r["id"]] for r in rows]  # same answers, prompt order kept
+        seen += [r["id"] for r in rows]
+    assert sorted(seen) == sorted(ref)
+
+
+@pytest.mark.parametrize("shard, num_shards", [(0, 1), (1, 2)], ids=["whole", "one-of-two-shards"])
+def test_kill_and_rerun_script(data, reference, tmp_path, shard, num_shards):
+    cfg = RegenerateConfig(max_new_tokens=6, batch_size=3, part_rows=3)  # a part every 3 rows
     out, parts = tmp_path / "train.parquet", tmp_path / "parts"
     cmd = [
         sys.executable,
@@ -134,6 +151,10 @@ def test_kill_and_rerun_script(data, reference, tmp_path):
         str(out),
         "--work-dir",
         str(parts),
+        "--shard",
+        str(shard),
+        "--num-shards",
+        str(num_shards),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -141,9 +162,12 @@ def test_kill_and_rerun_script(data, reference, tmp_path):
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    ids = reference[1].column("id").to_pylist()
+    ref = reference[1].filter([shard_of(x, num_shards) == shard for x in ids])
+    n_parts = -(-ref.num_rows // 3)
     first = len(list(parts.glob("part-*.parquet")))
-    assert not out.exists() and 1 <= first < 14
+    assert not out.exists() and 1 <= first < n_parts
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
-    assert "40 rows" in done.stdout
-    assert pq.read_table(out).equals(reference[1])
-    assert len(list(parts.glob("part-*.parquet"))) == 14
+    assert f"{ref.num_rows} rows" in done.stdout
+    assert pq.read_table(out).equals(ref)  # the killed run's rows and the rerun's, as one run's
+    assert len(list(parts.glob("part-*.parquet"))) == n_parts

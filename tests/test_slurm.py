@@ -69,6 +69,7 @@ def test_production_dry_run_sbatch_resources(tmp_path):
                      config=production(tmp_path))
     jobs = job_resources(proc.stdout)
     assert job_counts(proc.stdout)["hidden_shard"] == len(jobs["hidden_shard"]) == 40
+    assert job_counts(proc.stdout)["regenerate"] == len(jobs["regenerate"]) == 40
     for res in jobs["hidden_shard"]:  # independent jobs, one GPU each, wherever SLURM puts them
         assert (res["gpu"], res["runtime"], res["mem_mb"], res["cpus_per_task"]) == (1, 360, 64000, 8)
     (train,) = jobs["train"]
@@ -180,7 +181,7 @@ def test_default_dag_through_the_slurm_profile(cluster, tmp_path):
         if m := re.match(r"rule_([a-z_]+?)(?:_wildcards_.*)?$", comment):
             rules.setdefault(m[1], []).append(state)
             nodes[m[1]] = int(n)
-    expected = {"toy_target": 1, "toy_sources": 1, "prompts": 1, "regenerate": 1, "hidden_shard": 2,
+    expected = {"toy_target": 1, "toy_sources": 1, "prompts": 1, "regenerate": 2, "hidden_shard": 2,
                 "hidden_verify": 1, "warmup": 1, "train": 1, "evaluate": 1, "report": 1}
     assert {k: len(v) for k, v in rules.items()} == expected, rows
     assert all(s == "COMPLETED" for states in rules.values() for s in states), rows

@@ -3,12 +3,15 @@
 import ast
 import json
 import re
+import shutil
 
 import pandas as pd
 import pyarrow as pa
 import pytest
 import yaml
 from conftest import REPO, cache_misses, headless_dom, job_counts, snakemake, write_config
+
+from flashdraft.shards import shard_of
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +48,7 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
                           base=REPO / "config" / "production.yaml")
     proc = snakemake(tmp_path, "-n", "--cores", "8", "--resources", "gpu=8", config=config)
     counts = job_counts(proc.stdout)
-    assert counts["hidden_shard"] == 40
+    assert counts["hidden_shard"] == 40 and counts["regenerate"] == 40
     assert counts["train"] == 1 and "toy_target" not in counts
     assert "nproc_per_node 3 --virtual-local-rank" in proc.stdout
     assert "--gpus 3" in proc.stdout and "--gpus 1" in proc.stdout
@@ -67,8 +70,11 @@ def test_every_stage_artifact(small_run):
     assert not set(train.id) & set(evals.id)
     assert json.loads((r / "prompts" / "stats.json").read_text())
 
-    regen = pd.read_parquet(r / "regenerated" / "train.parquet")
+    regen = pd.read_parquet(r / "regenerated" / "train")  # one file per regeneration shard
     assert sorted(regen.id) == sorted(train.id)
+    for i in range(cfg["hidden"]["shards"]):  # each regeneration shard holds exactly its own rows
+        part = pd.read_parquet(r / "regenerated" / "train" / f"shard-{i:05d}.parquet")
+        assert len(part) > 0 and all(shard_of(x, cfg["hidden"]["shards"]) == i for x in part.id)
     assert all(m[-1]["role"] == "assistant" for m in regen.messages)
 
     rows, feats = 0, None
@@ -119,11 +125,12 @@ def test_every_stage_artifact(small_run):
 
     html = (r / "report.html").read_text()
     assert html.count("<img") == 5
-    assert "<h2>Throughput</h2>" in html and "hidden_shard/00001" in html and " answers</td>" in html
+    assert "<h2>Throughput</h2>" in html and "hidden_shard/00001" in html and "regenerate/00001" in html
+    assert " answers</td>" in html
     assert sorted(p.name for p in (r / "report_plots").glob("*.png")) == [
         "acceptance.png", "stage-time.png", "tau-hist.png", "train-acc.png", "train-loss.png"]
 
-    for stage in ("toy_target", "prompts", "regenerate", "warmup", "train", "evaluate", "report"):
+    for stage in ("toy_target", "prompts", "regenerate/00000", "warmup", "train", "evaluate", "report"):
         assert (r / "benchmarks" / f"{stage}.tsv").exists(), stage
         assert (r / "logs" / f"{stage}.log").exists(), stage
 
@@ -148,6 +155,28 @@ def test_one_shard_builds_only_what_it_needs(tmp_path):
     assert job_counts(proc.stdout) == {
         "toy_target": 1, "toy_sources": 1, "prompts": 1, "regenerate": 1, "hidden_shard": 1,
     }
+
+
+def test_a_hidden_shard_waits_only_for_its_regeneration_shards(tmp_path):
+    # 4 hidden shards over 2 regeneration shards: hidden shard 3's rows all lie in regeneration shard 1
+    config = write_config(tmp_path / "config.yaml", {"hidden.shards": 4, "regenerate.shards": 2})
+    proc = snakemake(tmp_path, "-n", "--cores", "2", "results/hidden/shard-00003.arrow", config=config)
+    assert job_counts(proc.stdout) == {
+        "toy_target": 1, "toy_sources": 1, "prompts": 1, "regenerate": 1, "hidden_shard": 1,
+    }
+    assert "--shard 00001 --num-shards 2" in proc.stdout
+
+
+def test_a_lost_regeneration_shard_reruns_only_its_own_downstream(small_run, tmp_path):
+    work, config, _ = small_run
+    shard = work / "results" / "regenerated" / "train" / "shard-00001.parquet"
+    shutil.move(shard, tmp_path / shard.name)
+    try:
+        counts = job_counts(snakemake(work, "-n", "--cores", "2", config=config).stdout)
+    finally:
+        shutil.move(tmp_path / shard.name, shard)  # a rename: the file keeps its time stamp
+    assert counts["regenerate"] == 1 and counts["hidden_shard"] == 1
+    assert "prompts" not in counts
 
 
 def test_changed_train_param_reruns_train_onward_only(small_run, tmp_path):

@@ -37,6 +37,7 @@ import torch
 from .chat import tokenize_conversation
 from .config import DrafterConfig, HiddenConfig
 from .io import atomic_path, device, progress, write_json
+from .shards import shard_of
 from .target import decoder_prefix, feature_layer_ids, layers_needed, load_target, select_features
 
 FORMAT = "flashdraft.hidden/1"
@@ -79,12 +80,6 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, rows: int = 64) -> torc
 def manifest_path(arrow_path) -> Path:
     """The manifest of a shard: `shard-00000.arrow` -> `shard-00000.json`."""
     return Path(arrow_path).with_suffix(".json")
-
-
-def shard_of(sample_id: str, num_shards: int) -> int:
-    """Stable sample -> shard assignment (Python's hash() is salted per process, so use sha1)."""
-    digest = hashlib.sha1(str(sample_id).encode()).digest()
-    return int.from_bytes(digest[:8], "little") % num_shards
 
 
 def shard_schema(target: str, layer_ids: list[int], hidden_size: int, dtype: str) -> pa.Schema:

@@ -23,6 +23,7 @@ from pathlib import Path
 from .chat import prompt_messages, render
 from .config import RegenerateConfig, to_json
 from .io import progress, write_json, write_parquet
+from .shards import shard_of
 
 FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash loses little
 # settings of how to reach the server, not of what it answers: changing them keeps committed parts
@@ -390,12 +391,10 @@ def regenerate(
     cfg: RegenerateConfig, target: str, dtype: str, prompts_path: str, out: str, work_dir: str,
     shard: int = 0, num_shards: int = 1, errors_path=None,
 ) -> dict:
-    """Answer the prompts of `prompts_path` in shard `shard` of `num_shards` (`hidden.shard_of`, the
+    """Answer the prompts of `prompts_path` in shard `shard` of `num_shards` (`shards.shard_of`, the
     assignment the hidden-state shards use) with the target; write `out` and the failed rows to
     `errors_path` (default: errors.parquet beside `out`)."""
     import pyarrow.parquet as pq
-
-    from .hidden import shard_of
 
     prompt_rows = pq.read_table(prompts_path, columns=["id", "source", "messages"]).to_pylist()
     order = {r["id"]: i for i, r in enumerate(prompt_rows)}

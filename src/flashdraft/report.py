@@ -186,11 +186,13 @@ def throughput_section(benchmarks_dir, hidden_dir=None, regenerated=None) -> str
         return float(pd.read_csv(f, sep="\t")["s"].mean()) if f.exists() else None
 
     rows = []
-    if regenerated and Path(regenerated).exists():
-        import pyarrow.parquet as pq
+    for path in map(Path, regenerated or []):  # regenerated/train/shard-NNNNN.parquet
+        if path.exists():
+            import pyarrow.parquet as pq
 
-        n, s = pq.read_metadata(regenerated).num_rows, seconds("regenerate")
-        rows.append(["regenerate", f"{n} answers", s, n / s if s else None])
+            job = f"regenerate/{path.stem[6:]}"
+            n, s = pq.read_metadata(path).num_rows, seconds(job)
+            rows.append([job, f"{n} answers", s, n / s if s else None])
     for manifest in sorted(Path(hidden_dir).glob("shard-*.json")) if hidden_dir else []:
         tokens, s = json.loads(manifest.read_text())["tokens"], seconds(f"hidden_shard/{manifest.stem[6:]}")
         rows.append([f"hidden_shard/{manifest.stem[6:]}", f"{tokens} tokens", s, tokens / s if s else None])

@@ -11,6 +11,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from flashdraft.config import Config, from_dict  # noqa: E402
 from flashdraft.gpu import visible_gpus  # noqa: E402
+from flashdraft.shards import shard_sources  # noqa: E402
 from flashdraft.launch import on_every_node, torchrun  # noqa: E402
 
 
@@ -130,8 +131,10 @@ def target_dir():
 
 
 def regenerate_gpus():
-    """openai: a server answers, this job only sends requests (the target dir gives the tokenizer)."""
-    return 0 if CFG.regenerate.backend == "openai" else target_gpus()
+    """openai: a server answers, this job only sends requests (the target dir gives the tokenizer);
+    disabled: the sources' own answers are copied."""
+    off = CFG.regenerate.backend == "openai" or not CFG.regenerate.enabled
+    return 0 if off else target_gpus()
 
 
 def shard_ids():
@@ -142,8 +145,20 @@ def shard_files(ext="arrow"):
     return expand(f"{RESULTS}/hidden/shard-{{shard}}.{ext}", shard=shard_ids())
 
 
-def regenerated():
-    return f"{RESULTS}/regenerated/train.parquet"
+def regenerate_shards():
+    return CFG.regenerate.shards or CFG.hidden.shards
+
+
+def regenerated(shards=None):
+    """The regenerated conversations: one parquet file per regeneration shard (`shards`: which)."""
+    shards = range(regenerate_shards()) if shards is None else shards
+    return [f"{RESULTS}/regenerated/train/shard-{i:05d}.parquet" for i in shards]
+
+
+def regenerated_for_hidden(wildcards):
+    """Only the regeneration shards that hold hidden shard `wildcards.shard`'s rows: it starts as soon as
+    they are done, and a rerun of one regeneration shard reruns only the hidden shards it feeds."""
+    return regenerated(shard_sources(int(wildcards.shard), CFG.hidden.shards, regenerate_shards()))
 
 
 def all_outputs():

@@ -1,6 +1,6 @@
 rule hidden_shard:
     input:
-        data=regenerated(),
+        data=regenerated_for_hidden,
         target=target_dir(),
     output:
         arrow=f"{RESULTS}/hidden/shard-{{shard}}.arrow",
@@ -23,7 +23,7 @@ rule hidden_shard:
         f"{BENCH}/hidden_shard/{{shard}}.tsv"
     shell:
         "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q}"
-        " --target {input.target} --dtype {params.dtype} --data {input.data}"
+        " --target {input.target} --dtype {params.dtype} --data {input.data:q}"
         " --shard {wildcards.shard} --num-shards {params.num_shards} --out {output.arrow} > {log} 2>&1"
 
 

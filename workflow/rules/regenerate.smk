@@ -3,21 +3,25 @@ rule regenerate:
         prompts=f"{RESULTS}/prompts/train.parquet",
         target=target_dir(),
     output:
-        regenerated(),
+        f"{RESULTS}/regenerated/train/shard-{{shard}}.parquet",
+    wildcard_constraints:
+        shard=r"\d{5}",
     params:
         cfg=section("regenerate"),
         dtype=CFG.target.dtype,
-        work_dir=f"{RESULTS}/regenerated/parts",  # committed parts survive a crash: not an output
+        num_shards=regenerate_shards(),
+        errors=f"{RESULTS}/regenerated/errors/shard-{{shard}}.parquet",
+        work_dir=f"{RESULTS}/regenerated/parts/shard-{{shard}}",  # survives a crash: not an output
         cmd=stage("regenerate.py", gpus=regenerate_gpus()),
     resources:
         gpu=regenerate_gpus(),
     conda:
         CONDA_ENV
     log:
-        f"{LOGS}/regenerate.log",
+        f"{LOGS}/regenerate/{{shard}}.log",
     benchmark:
-        f"{BENCH}/regenerate.tsv"
+        f"{BENCH}/regenerate/{{shard}}.tsv"
     shell:
-        "{params.cmd} --cfg {params.cfg:q} --target {input.target}"
-        " --dtype {params.dtype} --prompts {input.prompts} --out {output} --work-dir {params.work_dir}"
-        " > {log} 2>&1"
+        "{params.cmd} --cfg {params.cfg:q} --target {input.target:q} --dtype {params.dtype}"
+        " --prompts {input.prompts:q} --shard {wildcards.shard} --num-shards {params.num_shards}"
+        " --out {output:q} --errors {params.errors:q} --work-dir {params.work_dir:q} > {log:q} 2>&1"

@@ -27,5 +27,5 @@ rule report:
     shell:
         "{params.cmd} --out {output.html} --plots-dir {output.plots} --eval-dir {params.eval_dir}"
         " --metrics {input.metrics} --prompt-stats {input.stats} --benchmarks-dir {params.bench_dir}"
-        " --hidden-dir {params.hidden_dir} --regenerated {input.regenerated}"
+        " --hidden-dir {params.hidden_dir} --regenerated {input.regenerated:q}"
         " > {log} 2>&1"
