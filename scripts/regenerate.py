@@ -1,10 +1,22 @@
-"""Regenerate the assistant answers of a prompt set with the target model (resumable)."""
+"""Regenerate the assistant answers of a prompt set with the target model (resumable).
+
+SIGTERM or Ctrl-C stops it through its cleanup (committed parts kept, a managed server stopped) with
+exit status 128 + the signal's number; a second one stops it at once.
+"""
 
 import argparse
+import signal
+import sys
 import time
 
 from flashdraft.config import RegenerateConfig, load_section
+from flashdraft.managed_server import ServerError
 from flashdraft.regenerate import regenerate
+
+
+def _stop(signum, frame):
+    signal.signal(signum, signal.SIG_DFL)  # a second signal ends the job at once
+    raise SystemExit(128 + signum)  # unwinds through every finally: parts flushed, server stopped
 
 
 def main():
@@ -17,8 +29,13 @@ def main():
     ap.add_argument("--work-dir", required=True, help="resumable parts; kept between runs")
     args = ap.parse_args()
     cfg = load_section(RegenerateConfig, args.cfg, "regenerate")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
     t0 = time.time()
-    s = regenerate(cfg, args.target, args.dtype, args.prompts, args.out, args.work_dir)
+    try:
+        s = regenerate(cfg, args.target, args.dtype, args.prompts, args.out, args.work_dir)
+    except ServerError as e:  # a bad server command, port or server: the message says which
+        sys.exit(f"regenerate: {e}")
     print(
         f"regenerate: {s['rows']} rows ({s['stop']} stop, {s['length']} length), {s['errors']} errors "
         f"-> {args.out} ({time.time() - t0:.1f} s)"
