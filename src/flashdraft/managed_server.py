@@ -234,18 +234,28 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
         return True
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return any(_state(f"/proc/{pid}/stat")[1] == pgid and _running(pid) for pid in pids)
+
+
+def _state(stat_path: str) -> tuple[str, int]:
+    """(state, process group) from a /proc stat file; ("X", 0) when it is gone."""
+    try:
+        fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()  # the name before may hold spaces
+    except (OSError, IndexError):
+        return "X", 0
+    return fields[0], int(fields[2])
+
+
+def _running(pid: str) -> bool:
+    """Whether a thread of process `pid` runs: a zombie leader may still wait for its threads to exit."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    return any(_state(f"/proc/{pid}/task/{tid}/stat")[0] not in ("Z", "X") for tid in tids)
 
 
 def _no_proxy_for_localhost() -> None:
