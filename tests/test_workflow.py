@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
         ({"train.epochs": "six"}, "epochs"),
         ({"target": {"path": "no/such/model", "build_toy": False}}, "target.path"),
         ({"gpus.drafter": 64}, "gpus.drafter"),
+        ({"regenerate.backend": "server", "regenerate.server_gpus": 64}, "regenerate.server_gpus"),
     ],
-    ids=["unknown-key", "wrong-type", "missing-model", "too-many-gpus"],
+    ids=["unknown-key", "wrong-type", "missing-model", "too-many-gpus", "too-many-server-gpus"],
 )
 def test_bad_config_fails_before_any_job(tmp_path, overrides, expected):
     config = write_config(tmp_path / "config.yaml", overrides)
@@ -51,6 +52,13 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
     assert counts["train"] == 1 and "toy_target" not in counts
     assert "nproc_per_node 3 --virtual-local-rank" in proc.stdout
     assert "--gpus 3" in proc.stdout and "--gpus 1" in proc.stdout
+
+
+def test_server_backend_leases_the_server_gpus(tmp_path):
+    overrides = {"regenerate.backend": "server", "regenerate.server_gpus": 2, "gpus.check_visible": False}
+    config = write_config(tmp_path / "config.yaml", overrides)
+    proc = snakemake(tmp_path, "-n", "-p", "--cores", "1", "results/regenerated/train.parquet", config=config)
+    assert re.search(r"flashdraft\.gpu --gpus 2 .*scripts/regenerate\.py", proc.stdout)
 
 
 # ---- the end-to-end run ----

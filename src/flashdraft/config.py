@@ -77,7 +77,7 @@ class PromptsConfig:
 @dataclass
 class RegenerateConfig:
     enabled: bool = True
-    backend: str = "hf"  # hf (in-process generate) | openai (any OpenAI-compatible server)
+    backend: str = "hf"  # hf (in-process generate) | openai (any OpenAI-compatible server) | server (own)
     engine: str = "auto"  # hf backend: auto | static (flashdraft.decode) | generate (HF generate)
     shards: int = 0  # jobs the stage is split into, one GPU each; 0: hidden.shards
     max_new_tokens: int = 1024
@@ -94,6 +94,12 @@ class RegenerateConfig:
     max_retries: int = 5  # per request, on connection errors, timeouts, 429 and 5xx
     timeout_s: float = 600.0  # per request
     backoff_s: float = 1.0  # first retry delay; doubled per retry (capped at 60 s), with jitter
+    # backend server: the job starts this server on its own leased GPUs, sends it requests as the openai
+    # backend does (base_url is the server's), and stops it at the end
+    server_cmd: str = "vllm serve {target} --port {port} --tensor-parallel-size {gpus}"
+    server_gpus: int = 1  # GPUs the job leases for the server; {gpus} in server_cmd (tensor parallelism)
+    server_port: int = 0  # 0: a free port
+    server_timeout_s: float = 1800.0  # until the server answers: vLLM loads the weights and compiles first
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """Regenerate assistant answers with the target itself, resumable by sample id.
 
-The drafter must learn the target's own distribution, not the dataset's answers. Two backends: `hf`
-(in-process generate) and `openai` (concurrent requests to any OpenAI-compatible server). Both commit
+The drafter must learn the target's own distribution, not the dataset's answers. Three backends: `hf`
+(in-process generate), `openai` (concurrent requests to any OpenAI-compatible server) and `server` (the
+same requests to a server this job starts and stops itself, see managed_server.py). All commit
 results as atomic parquet parts in a work dir; a restart reads the ids already there and skips them, so
 a killed run loses at most the part in progress. The final file is the parts in prompt order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -27,7 +29,8 @@ from .shards import shard_of
 
 FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash loses little
 # settings of how to reach the server, not of what it answers: changing them keeps committed parts
-TRANSPORT_KEYS = ("base_url", "api_key_env", "concurrency", "max_retries", "timeout_s", "backoff_s")
+TRANSPORT_KEYS = ("base_url", "api_key_env", "concurrency", "max_retries", "timeout_s", "backoff_s",
+                  "server_cmd", "server_gpus", "server_port", "server_timeout_s")
 # settings of how the answers are computed and committed, not of what they are: they keep committed parts
 ENGINE_KEYS = ("engine", "batch_size", "shards", "part_rows")
 
@@ -296,6 +299,13 @@ def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float
     return gave_up
 
 
+def _managed_server(cfg: RegenerateConfig, target: str, work: Path):
+    from .managed_server import ManagedServer
+
+    return ManagedServer(cfg.server_cmd, target, cfg.server_gpus, cfg.server_port, cfg.server_timeout_s,
+                         work / "server.log")
+
+
 class _Parts:
     """The committed parts of a work dir: rows are buffered and written as one atomic part file."""
 
@@ -407,8 +417,9 @@ def regenerate(
 
         return copy_original(prompt_rows, AutoTokenizer.from_pretrained(target), out, cfg.max_error_fraction,
                              errors_path)
-    if cfg.backend not in ("hf", "openai"):
-        raise ValueError(f"regenerate.backend {cfg.backend!r} is not supported; use 'hf' or 'openai'")
+    if cfg.backend not in ("hf", "openai", "server"):
+        raise ValueError(f"regenerate.backend {cfg.backend!r} is not supported; "
+                         "use 'hf', 'openai' or 'server'")
 
     work = Path(work_dir)
     key = {k: v for k, v in json.loads(to_json(cfg)).items() if k not in TRANSPORT_KEYS + ENGINE_KEYS}
@@ -435,7 +446,12 @@ def regenerate(
             else:
                 n_err = sum(r["error"] is not None for r in done)
                 max_err = cfg.max_error_fraction * len(prompt_rows)
-                gave_up = _run_openai(cfg, target, pending, parts, bar, n_err, max_err)
+                if cfg.backend == "server":  # our own server, stopped on the way out whatever happens
+                    with _managed_server(cfg, target, work) as srv:
+                        srv_cfg = dataclasses.replace(cfg, base_url=srv.base_url)
+                        gave_up = _run_openai(srv_cfg, target, pending, parts, bar, n_err, max_err)
+                else:
+                    gave_up = _run_openai(cfg, target, pending, parts, bar, n_err, max_err)
         finally:
             parts.flush()  # what finished is kept, even when the run fails
             bar.close()

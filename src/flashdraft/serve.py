@@ -4,11 +4,15 @@ Enough of the API for the `openai` regenerate backend: POST /v1/chat/completions
 It answers exactly as the `hf` backend does (same chat rendering, same generate), so it is the reference
 server for tests and a fallback where vLLM or SGLang are not installed. `fail_every=N` answers every
 N-th chat request with HTTP 503 instead: a real failure mode to exercise clients' retries.
+`python -m flashdraft.serve --target DIR --port N` runs it (a `regenerate.server_cmd` too); SIGTERM or
+Ctrl-C stops it cleanly.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -97,3 +101,35 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format, *args):  # one line per request is noise at thousands of requests
         pass
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt  # leaves serve_forever (or the model load) through the finally below
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(
+        description="Serve a local HF model over a minimal OpenAI-compatible chat-completions API "
+                    "(greedy by default).")
+    ap.add_argument("--target", required=True, help="HF model directory")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--name", default=None, help="model name clients send (default: --target)")
+    ap.add_argument("--fail-every", type=int, default=0, help="answer every N-th request with 503 (tests)")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)  # a managed server is stopped with SIGTERM
+    srv = None
+    try:
+        srv = Server(args.target, args.host, args.port, args.dtype, args.name, args.fail_every)
+        print(f"serving {srv.name} on http://{args.host}:{srv.server_address[1]}/v1", flush=True)
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
+    finally:
+        if srv is not None:
+            srv.server_close()
+
+
+if __name__ == "__main__":
+    main()

@@ -51,6 +51,12 @@ def check_config():
                     f"config key gpus.{key}: asks for {asked} GPU(s) but {n} are visible "
                     "(set gpus.check_visible: false when jobs run on other nodes)"
                 )
+        asked = CFG.regenerate.server_gpus
+        if CFG.regenerate.backend == "server" and asked > n:
+            raise WorkflowError(
+                f"config key regenerate.server_gpus: asks for {asked} GPU(s) but {n} are visible "
+                "(set gpus.check_visible: false when jobs run on other nodes)"
+            )
         if CFG.gpus.drafter_nodes > 1 and shutil.which("srun") is None:
             raise WorkflowError(
                 f"config key gpus.drafter_nodes: {CFG.gpus.drafter_nodes} nodes need SLURM (no srun here); "
@@ -132,9 +138,11 @@ def target_dir():
 
 def regenerate_gpus():
     """openai: a server answers, this job only sends requests (the target dir gives the tokenizer);
+    server: the job leases the GPUs of the server it starts (the lease's CUDA_VISIBLE_DEVICES);
     disabled: the sources' own answers are copied."""
-    off = CFG.regenerate.backend == "openai" or not CFG.regenerate.enabled
-    return 0 if off else target_gpus()
+    if not CFG.regenerate.enabled:
+        return 0
+    return {"openai": 0, "server": CFG.regenerate.server_gpus}.get(CFG.regenerate.backend, target_gpus())
 
 
 def shard_ids():
