@@ -93,7 +93,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
-def auto_slots(model, max_len: int, limit: int = 512, reserve: float = 0.1) -> int:
+def auto_slots(model, max_len: int, limit: int = 256, reserve: float = 0.1) -> int:
     """Slots that fit in the GPU memory left after the weights: KV cache (max_len positions each) plus
     the step's logits, keeping `reserve` of the card and 2 GiB for prefill activations free."""
     free, total = torch.cuda.mem_get_info(model.device)
