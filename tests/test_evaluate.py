@@ -267,6 +267,50 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert abs(acc - float(p[0])) < 0.05
 
 
+def chi_square_p_value(counts, expected):
+    """Pearson's test of `counts` against `expected` (same total), cells expected below 5 pooled."""
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2), stat / 2))  # chi2 survival
+
+
+def test_sampled_speculation_keeps_the_target_distribution(toy):
+    """End to end at T > 0: the first token a verify step emits follows the target's exact distribution.
+    At this temperature the untrained drafter's peaks miss the target's, so most steps take the rejection
+    path (a residual sample). The exact law of that token (the second new one) sums over the first:
+    P(t2) = sum_t1 p(t1) p(t2 | t1)."""
+    _, model, tokenizer, prompts, layer_ids = toy
+    temperature, n = 0.1, 2000
+    ids = prompt_ids(tokenizer, prompts[2]["messages"])
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        first = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        pairs = torch.cat([torch.tensor([ids]).expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+        second = model(input_ids=pairs, logits_to_keep=1).logits[:, -1]
+
+    def law(t):
+        return torch.softmax(first / t, -1) @ torch.softmax(second / t, -1)
+
+    drafter, _ = untrained(model, tokenizer)
+    proposer, gen = DFlashProposer(drafter, *head(model)), torch.Generator().manual_seed(0)
+    counts, rejected = torch.zeros(vocab, dtype=torch.float64), 0
+    for _ in range(n):
+        d = speculative_decode(model, proposer, ids, layer_ids, 2, set(), temperature, gen)
+        counts[d.tokens[1]] += 1
+        rejected += d.accepted[0] == 0
+    assert rejected > n / 2
+    exact = law(temperature).double()
+    assert chi_square_p_value(counts, n * exact) > 1e-3
+    # total variation: its mean under exact sampling is at most sum sqrt(p(1-p)/n) / 2, and it exceeds
+    # that by 3/sqrt(n) with probability below exp(-18) (McDiarmid: one sample moves it by 1/n at most)
+    bound = float((exact * (1 - exact) / n).sqrt().sum() / 2 + 3 / n**0.5)
+    assert float((counts / n - exact).abs().sum() / 2) < bound
+    # and the test can tell: the same samples are far from the target at a 25% higher temperature
+    assert chi_square_p_value(counts, n * law(1.25 * temperature).double()) < 1e-6
+
+
 def test_sampled_speculation_runs_and_is_not_called_lossless(toy):
     _, model, tokenizer, prompts, layer_ids = toy
     cfg = EvalConfig(max_new_tokens=12, temperature=0.8)
