@@ -282,7 +282,7 @@ def test_sampled_speculation_keeps_the_target_distribution(toy):
     path (a residual sample). The exact law of that token (the second new one) sums over the first:
     P(t2) = sum_t1 p(t1) p(t2 | t1)."""
     _, model, tokenizer, prompts, layer_ids = toy
-    temperature, n = 0.1, 2000
+    temperature, n = 0.1, 1500
     ids = prompt_ids(tokenizer, prompts[2]["messages"])
     vocab = model.config.vocab_size
     with torch.no_grad():
