@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 SNAKEMAKE := $(VENV)/bin/snakemake
 CONFIG ?= config/config.yaml
 PYTHON ?= python3
+# pinned test requirements installed without their own dependencies (the file says why)
+NODEPS := envs/requirements-nodeps.txt
 
 .PHONY: install run test lint clean wheelhouse
 
@@ -11,9 +13,10 @@ install: $(VENV)/.installed
 
 # torch is pinned to the CPU build; on a GPU node, install the matching CUDA build of torch into
 # the venv first and this step keeps it (pip only installs what is missing or different).
-$(VENV)/.installed: envs/requirements.txt pyproject.toml
+$(VENV)/.installed: envs/requirements.txt $(NODEPS) pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r envs/requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r $(NODEPS)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
@@ -36,7 +39,8 @@ clean:
 # this machine's), e.g.
 #   make wheelhouse PLATFORM="manylinux_2_28_x86_64 manylinux2014_x86_64" PYVER=3.11 \
 #     TORCH_INDEX=https://download.pytorch.org/whl/cu128
-# then on the node: pip install --no-index --find-links wheelhouse -r envs/requirements.txt flashdraft
+# then on the node: pip install --no-index --find-links wheelhouse -r envs/requirements.txt flashdraft,
+# and pip install --no-index --find-links wheelhouse --no-deps -r envs/requirements-nodeps.txt
 WHEELHOUSE ?= wheelhouse
 PLATFORM ?=
 PYVER ?=
@@ -47,6 +51,6 @@ TARGET := $(foreach p,$(PLATFORM),--platform $(p)) $(if $(PYVER),--python-versio
 	--only-binary=:all: $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
 wheelhouse: install
-	$(PY) -m pip wheel -q --disable-pip-version-check --no-deps -w $(WHEELHOUSE) $(SDIST_ONLY) .
+	$(PY) -m pip wheel -q --disable-pip-version-check --no-deps -w $(WHEELHOUSE) $(SDIST_ONLY) . -r $(NODEPS)
 	$(PY) -m pip download -q --disable-pip-version-check -d $(WHEELHOUSE) --find-links $(WHEELHOUSE) \
 		$(TARGET) -r envs/requirements.txt

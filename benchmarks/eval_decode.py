@@ -7,7 +7,8 @@ download, no tokenizer: prompts are random token ids, and no token ends a sequen
 Random weights make the drafter's acceptance meaningless (tau ~ 1), so an oracle mode also runs: the real
 drafter drafts (its cost is paid) but the proposal is the target's own greedy continuation, so every
 draft is accepted. Its time per draft step and per verify step give tokens/s at any acceptance length:
-tokens_per_s(tau) = tau / (t_draft + t_verify), a verify step always scoring a full block.
+tokens_per_s(tau) = tau / (t_draft + t_verify), a verify step always scoring a full block. tau is the
+tokens emitted per verify step (evaluate.py's count), pooled over the prompts.
 
 Usage: python benchmarks/eval_decode.py --preset tiny|qwen3-8b [--prompts 8] [--prompt-len 512]
            [--new-tokens 128] [--out benchmarks/results/eval_decode_<preset>.json]
@@ -69,22 +70,22 @@ class Timed:
 
 class Oracle:
     """Runs the real drafter, then proposes the target's greedy continuation instead: full acceptance at
-    the real drafting cost. Past the known continuation it pads (only the last step can get there)."""
+    the real drafting cost."""
 
     def __init__(self, inner, prompts, outputs, num_draft):
         self.inner, self.num_draft, self.uses_features = inner, num_draft, True
-        self.sequences = [[*p, *o, *[0] * num_draft] for p, o in zip(prompts, outputs, strict=True)]
+        self.sequences = [[*p, *o] for p, o in zip(prompts, outputs, strict=True)]
         self.i = -1
 
     def reset(self):  # a new decode: the next prompt, in order
         self.inner.reset()
         self.i += 1
 
-    def propose(self, tokens, new_features, temperature, generator):
-        self.inner.propose(tokens, new_features, temperature, generator)
+    def propose(self, tokens, new_features, max_draft, temperature, generator):
+        self.inner.propose(tokens, new_features, max_draft, temperature, generator)
         # if a near-tie (bf16) sent decoding off the reference, the drafts miss: the measured tau shows it
         ref = self.sequences[self.i]
-        return ref[len(tokens) : len(tokens) + self.num_draft], None
+        return ref[len(tokens) : len(tokens) + min(self.num_draft, max_draft)], None
 
 
 def build(preset: dict, seed: int = 0):
@@ -102,7 +103,7 @@ def build(preset: dict, seed: int = 0):
 
 def run_mode(model, prompts, new_tokens, layer_ids, proposer=None):
     """Decode every prompt; totals of tokens (after the prefill's first), decode and draft seconds, steps."""
-    tokens = seconds = steps = accepted = 0
+    tokens = seconds = steps = 0
     outputs = []
     if proposer is not None:
         proposer.seconds = 0.0
@@ -114,10 +115,9 @@ def run_mode(model, prompts, new_tokens, layer_ids, proposer=None):
         outputs.append(d.tokens)
         tokens += len(d.tokens) - 1
         seconds += d.seconds
-        steps += len(d.accepted)
-        accepted += sum(d.accepted)
+        steps += len(d.emitted)
     r = {"tokens_per_s": tokens / seconds, "decode_s": round(seconds, 3), "tokens": tokens, "steps": steps,
-         "tau": (accepted + steps) / steps}
+         "tau": tokens / steps}  # the tokens after the prefill's first are the ones the steps emitted
     if proposer is not None:
         t_draft, t_verify = proposer.seconds / steps, (seconds - proposer.seconds) / steps
         r |= {"draft_ms_per_step": 1e3 * t_draft, "verify_ms_per_step": 1e3 * t_verify}

@@ -43,8 +43,8 @@ def main():
     }
     summary = Path(args.results, "eval", "summary.json")
     if summary.exists():  # what the run bought, next to what it cost
-        result["eval"] = {k: {m: v.get(m) for m in ("tau", "speedup", "lossless_all", "tokens_per_s")}
-                          for k, v in json.loads(summary.read_text()).items()}
+        keys = ("tau_pooled", "tau_prompt_mean", "speedup", "lossless_all", "tokens_per_s")
+        result["eval"] = {k: {m: v.get(m) for m in keys} for k, v in json.loads(summary.read_text()).items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(stages.to_string())

@@ -21,8 +21,9 @@ def main():
     print(f"target_only: {summary['target_only']['tokens_per_s'] or 0:.1f} tok/s")
     for name, s in summary.items():
         if name != "target_only":
-            tau, speedup = s["tau"] or 0, s["speedup"] or 0
-            print(f"{name}: tau {tau:.2f}  speedup {speedup:.2f}x  lossless {s['lossless_all']}")
+            pooled, mean, speedup = s["tau_pooled"] or 0, s["tau_prompt_mean"] or 0, s["speedup"] or 0
+            print(f"{name}: tau {pooled:.2f} pooled, {mean:.2f} mean of prompts  speedup {speedup:.2f}x  "
+                  f"lossless {s['lossless_all']}")
     print(f"-> {a.out_dir}/summary.json, {a.out_dir}/per_prompt.parquet")
 
 

@@ -55,3 +55,5 @@ def test_section_json_fills_defaults():
 def test_target_layer_ids_formula():
     assert target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
     assert target_layer_ids(6, 2) == [1, 3]  # the toy target
+    # 1 + 3 * 90 / 4 = 68.5: Python's round takes the even neighbour, as the reference does
+    assert target_layer_ids(94, 5) == [1, 24, 46, 68, 91]

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -13,6 +14,7 @@ from flashdraft.config import DrafterConfig, EvalConfig, ToyConfig
 from flashdraft.evaluate import (
     DFlashProposer,
     NgramProposer,
+    _row,
     check_drafter,
     eos_ids,
     evaluate,
@@ -65,38 +67,41 @@ class OracleDrafter:
 
     def __init__(self, model, sequence, layer_ids, miss_every_step=False):
         self.sequence, self.vocab, self.miss = sequence, model.config.vocab_size, miss_every_step
+        self.spec = SimpleNamespace(block_size=B)
         with torch.no_grad():
             hs = model(input_ids=torch.tensor([sequence]), output_hidden_states=True).hidden_states
         self.features = select_features(hs, layer_ids)
         self.calls, self.cache = 0, None
 
-    def predict_block(self, target_hidden, last_token, embed_weight, lm_head_weight):
+    def predict_block(self, target_hidden, last_token, embed_weight, lm_head_weight, size):
         s = target_hidden.shape[1]
         assert self.sequence[s] == last_token  # the anchor sits right after the context
         torch.testing.assert_close(target_hidden, self.features[:, :s], atol=1e-4, rtol=1e-4)
-        draft = torch.tensor(self.sequence[s + 1 : s + B])
-        if self.miss and self.calls % B < B - 1:  # call i gets draft position i % B wrong (B-1: none)
+        draft = torch.tensor(self.sequence[s + 1 : s + size])
+        if self.miss and self.calls % B < len(draft):  # call i gets draft position i % B wrong (B-1: none)
             draft[self.calls % B] = (draft[self.calls % B] + 1) % self.vocab
         self.calls += 1
         return torch.nn.functional.one_hot(draft, self.vocab).float() * 10
 
-    def predict_block_cached(self, new_hidden, last_token, embed_weight, lm_head_weight, cache, context_len):
+    def predict_block_cached(self, new_hidden, last_token, embed_weight, lm_head_weight, cache, context_len,
+                             size):
         # the increments handed over since the cache was made must add up to the verified context
         if cache is not self.cache:
             self.cache, self.seen = cache, new_hidden
         else:
             self.seen = torch.cat([self.seen, new_hidden], 1)
         assert self.seen.shape[1] == context_len
-        return self.predict_block(self.seen, last_token, embed_weight, lm_head_weight)
+        return self.predict_block(self.seen, last_token, embed_weight, lm_head_weight, size)
 
 
 def test_ngram_lookup_proposes_the_latest_continuation():
     ngram = NgramProposer(num_draft=3)
     # the last 3 tokens (7 8 9) occur at 1 and 5; the latest earlier match (5) wins
-    assert ngram.propose([1, 7, 8, 9, 4, 7, 8, 9, 5, 6, 7, 8, 9], None, 0.0, None) == ([5, 6, 7], None)
+    assert ngram.propose([1, 7, 8, 9, 4, 7, 8, 9, 5, 6, 7, 8, 9], None, 3, 0.0, None) == ([5, 6, 7], None)
+    assert ngram.propose([1, 7, 8, 9, 4, 7, 8, 9, 5, 6, 7, 8, 9], None, 2, 0.0, None) == ([5, 6], None)
     # no 3- or 2-gram match: fall back to the last token alone, and keep the continuation short
-    assert ngram.propose([3, 1, 2, 4, 5, 3], None, 0.0, None) == ([1, 2, 4], None)
-    assert ngram.propose([1, 2, 3], None, 0.0, None) == ([], None)
+    assert ngram.propose([3, 1, 2, 4, 5, 3], None, 3, 0.0, None) == ([1, 2, 4], None)
+    assert ngram.propose([1, 2, 3], None, 3, 0.0, None) == ([], None)
 
 
 def test_ngram_speculation_is_lossless_and_exercises_rejections(toy):
@@ -122,50 +127,47 @@ def test_untrained_drafter_is_lossless(toy):
     rows = evaluate(model, tokenizer, proposers, prompts, layer_ids, B, cfg)
     assert len(rows) == 3 * len(prompts)
     assert all(r["lossless"] for r in rows) and all(r["first_mismatch"] == -1 for r in rows)
-    eos = eos_ids(model, tokenizer)
     for r in rows:
         assert 1 <= r["tau"] <= B
-        # every verify step yields accepted + 1 tokens after the prefill's first; only eos or the cap cut it
-        produced = 1 + sum(a + 1 for a in r["accepted"])
-        assert r["new_tokens"] == min(produced, MAX_NEW) or (
-            r["output"][-1] in eos and r["new_tokens"] <= produced
-        )
+        # the steps emit every token after the prefill's first, and tau counts exactly those
+        assert r["new_tokens"] == 1 + sum(r["emitted"]) and r["tau"] == sum(r["emitted"]) / r["verify_steps"]
+        # a step emits its accepted drafts plus the bonus, unless the cap or a stop token cut it
+        last = len(r["emitted"]) - 1
+        steps = list(zip(r["emitted"], r["accepted"], r["verified"], strict=True))
+        assert all(e == a + 1 for e, a, _ in steps[:last]) and all(a <= v <= B - 1 for _, a, v in steps)
     assert all(r["tau"] == 1 for r in rows if r["drafter"] == "target_only")
     summary = summarize(rows, B)
     assert set(summary) == {"target_only", "dflash_untrained", "ngram"}
     for name in ("dflash_untrained", "ngram"):
         s = summary[name]
         assert s["lossless_all"] is True and s["prompts"] == len(prompts)
-        assert 1 <= s["tau"] <= B and len(s["tau_hist"]) == B and len(s["per_position_acceptance"]) == B - 1
+        assert 1 <= s["tau_pooled"] <= B and 1 <= s["tau_prompt_mean"] <= B
+        assert len(s["tau_hist"]) == B and len(s["per_position_acceptance"]) == B - 1
         assert sum(s["tau_hist"]) == sum(r["verify_steps"] for r in rows if r["drafter"] == name)
     json.dumps(summary, allow_nan=False)  # strict JSON
 
 
 @pytest.mark.parametrize("cached", [True, False])
-def test_oracle_drafter_reaches_full_blocks(toy, cached):
+def test_oracle_drafter_reaches_full_blocks_and_the_cap_cuts_the_last(toy, cached):
     _, model, tokenizer, prompts, layer_ids = toy
     ids = prompt_ids(tokenizer, prompts[0]["messages"])
     # a long continuation without stopping at eos, so the oracle always knows B-1 tokens ahead
     ref = target_decode(model, ids, MAX_NEW + B, eos=set())
-    oracle = OracleDrafter(model, ids + ref.tokens, layer_ids)
-    proposer = DFlashProposer(oracle, *head(model), cached=cached)
-    d = speculative_decode(model, proposer, ids, layer_ids, MAX_NEW, set())
-    assert d.tokens == ref.tokens[:MAX_NEW]  # truncated to max_new_tokens exactly
-    assert oracle.calls == len(d.accepted) == -(-(MAX_NEW - 1) // B)  # B tokens per verify step
-    assert all(a == B - 1 for a in d.accepted)
-    row = summarize(
-        [
-            {
-                "drafter": "oracle",
-                "accepted": d.accepted,
-                "new_tokens": MAX_NEW,
-                "decode_s": 1.0,
-                "lossless": True,
-            }
-        ],
-        B,
-    )["oracle"]
-    assert row["tau"] == B and row["per_position_acceptance"] == [1.0] * (B - 1)
+    for max_new in (MAX_NEW, MAX_NEW - 2):  # the cap leaves B-1 tokens for the last step, then 1
+        full, left = divmod(max_new - 1, B)  # after the prefill's token: full steps, then what is left
+        assert 0 < left < B
+        oracle = OracleDrafter(model, ids + ref.tokens, layer_ids)
+        proposer = DFlashProposer(oracle, *head(model), cached=cached)
+        d = speculative_decode(model, proposer, ids, layer_ids, max_new, set())
+        assert d.tokens == ref.tokens[:max_new]  # truncated to max_new_tokens exactly
+        assert oracle.calls == len(d.emitted)
+        # the last block holds only the drafts the cap leaves room for: all emitted, no bonus
+        assert d.emitted == [B] * full + [left]
+        assert d.accepted == d.verified == [B - 1] * full + [left]
+        s = summarize([_row("p", "oracle", d, len(ids), True)], B)["oracle"]
+        assert s["tau_pooled"] == s["tau_prompt_mean"] == (max_new - 1) / (full + 1) < B
+        assert s["tau_hist"] == [int(t == left) + full * (t == B) for t in range(1, B + 1)]
+        assert s["per_position_acceptance"] == [1.0] * (B - 1)
     # an oracle that misses at a different position each step: rejections at every depth, cache crops,
     # and context features appended for exactly the verified tokens (checked inside the double)
     oracle = OracleDrafter(model, ids + ref.tokens, layer_ids, miss_every_step=True)
@@ -173,6 +175,21 @@ def test_oracle_drafter_reaches_full_blocks(toy, cached):
     d = speculative_decode(model, proposer, ids, layer_ids, MAX_NEW, set())
     assert d.tokens == ref.tokens[:MAX_NEW]
     assert d.accepted == [i % B for i in range(len(d.accepted))]
+
+
+def test_summary_pools_steps_and_averages_prompts():
+    def row(emitted, accepted, verified):
+        return {"drafter": "d", "emitted": emitted, "accepted": accepted, "verified": verified,
+                "verify_steps": len(emitted), "tau": sum(emitted) / len(emitted),
+                "new_tokens": 1 + sum(emitted), "decode_s": 1.0, "lossless": True}
+
+    # prompt a: full, rejected at 2, cut by a stop token at draft 1; prompt b: one step the cap cut to 2
+    rows = [row([4, 2, 1], [3, 1, 1], [3, 3, 1]), row([2], [2], [2])]
+    s = summarize(rows, B)["d"]
+    assert s["tau_pooled"] == 9 / 4 and s["tau_prompt_mean"] == (7 / 3 + 2) / 2
+    assert s["tau_hist"] == [1, 2, 0, 1]
+    # only positions a step verified and could emit count: 4 steps reach 1, 3 reach 2, 2 reach 3
+    assert s["per_position_acceptance"] == [4 / 4, 2 / 3, 1 / 2]
 
 
 class RecordingProposer(DFlashProposer):
@@ -213,6 +230,12 @@ def test_eos_inside_an_accepted_run_stops_there(toy):
     d = speculative_decode(model, DFlashProposer(oracle, *head(model)), ids, layer_ids, MAX_NEW, stop)
     assert d.tokens == target_decode(model, ids, MAX_NEW, stop).tokens
     assert d.tokens[-1] in stop and len(d.tokens) == ref.tokens.index(ref.tokens[6]) + 1
+    # the last step emits up to the stop token: a draft (r < B-1, the drafts after it never count) or the
+    # bonus (r = B-1)
+    j = len(d.tokens) - 1
+    full, r = divmod(j - 1, B)
+    assert d.emitted == [B] * full + [r + 1]
+    assert d.accepted[-1] == d.verified[-1] == min(r + 1, B - 1)
 
 
 def test_first_mismatch_locates_the_divergence_and_its_logit_gap(toy):
@@ -242,6 +265,50 @@ def test_rejection_sampling_keeps_the_target_distribution():
     # a deterministic draft (n-gram, q one-hot) is accepted with probability p(d)
     acc = sum(verify([0], p_logits, None, 1.0, gen)[0] for _ in range(n)) / n
     assert abs(acc - float(p[0])) < 0.05
+
+
+def chi_square_p_value(counts, expected):
+    """Pearson's test of `counts` against `expected` (same total), cells expected below 5 pooled."""
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2), stat / 2))  # chi2 survival
+
+
+def test_sampled_speculation_keeps_the_target_distribution(toy):
+    """End to end at T > 0: the first token a verify step emits follows the target's exact distribution.
+    At this temperature the untrained drafter's peaks miss the target's, so most steps take the rejection
+    path (a residual sample). The exact law of that token (the second new one) sums over the first:
+    P(t2) = sum_t1 p(t1) p(t2 | t1)."""
+    _, model, tokenizer, prompts, layer_ids = toy
+    temperature, n = 0.1, 1500
+    ids = prompt_ids(tokenizer, prompts[2]["messages"])
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        first = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        pairs = torch.cat([torch.tensor([ids]).expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+        second = model(input_ids=pairs, logits_to_keep=1).logits[:, -1]
+
+    def law(t):
+        return torch.softmax(first / t, -1) @ torch.softmax(second / t, -1)
+
+    drafter, _ = untrained(model, tokenizer)
+    proposer, gen = DFlashProposer(drafter, *head(model)), torch.Generator().manual_seed(0)
+    counts, rejected = torch.zeros(vocab, dtype=torch.float64), 0
+    for _ in range(n):
+        d = speculative_decode(model, proposer, ids, layer_ids, 2, set(), temperature, gen)
+        counts[d.tokens[1]] += 1
+        rejected += d.accepted[0] == 0
+    assert rejected > n / 2
+    exact = law(temperature).double()
+    assert chi_square_p_value(counts, n * exact) > 1e-3
+    # total variation: its mean under exact sampling is at most sum sqrt(p(1-p)/n) / 2, and it exceeds
+    # that by 3/sqrt(n) with probability below exp(-18) (McDiarmid: one sample moves it by 1/n at most)
+    bound = float((exact * (1 - exact) / n).sqrt().sum() / 2 + 3 / n**0.5)
+    assert float((counts / n - exact).abs().sum() / 2) < bound
+    # and the test can tell: the same samples are far from the target at a 25% higher temperature
+    assert chi_square_p_value(counts, n * law(1.25 * temperature).double()) < 1e-6
 
 
 def test_sampled_speculation_runs_and_is_not_called_lossless(toy):

@@ -19,7 +19,8 @@ def write_inputs(root: Path) -> dict:
     summary = {
         "target_only": {"tokens_per_s": 100.0},
         "dflash": {
-            "tau": 3.21,
+            "tau_pooled": 3.21,
+            "tau_prompt_mean": 3.14,
             "tau_hist": [1, 2, 3, 14],
             "per_position_acceptance": [0.95, 0.9, 0.7],
             "tokens_per_s": 250.0,
@@ -28,7 +29,8 @@ def write_inputs(root: Path) -> dict:
             "prompts": 4,
         },
         "ngram": {
-            "tau": 1.37,
+            "tau_pooled": 1.37,
+            "tau_prompt_mean": 1.36,
             "tau_hist": [12, 3, 1, 0],
             "per_position_acceptance": [0.25, 0.06, 0.0],
             "tokens_per_s": 120.0,
@@ -144,8 +146,9 @@ def test_report_has_plots_tables_and_numbers(tmp_path):
         assert (tmp_path / "plots" / f"{name}.png").read_bytes() == base64.b64decode(data)
     assert "http" not in doc  # self-contained: nothing loaded from elsewhere
     # headline numbers: tau, speedup, losslessness per drafter
-    assert "<td>dflash</td><td>3.21</td><td>4</td><td>250.00</td><td>2.50</td><td>yes</td>" in doc
-    assert "<td>ngram</td><td>1.37</td>" in doc and "<td>NO</td>" in doc
+    row = "<td>dflash</td><td>3.21</td><td>3.14</td><td>4</td><td>250.00</td><td>2.50</td><td>yes</td>"
+    assert row in doc
+    assert "<td>ngram</td><td>1.37</td><td>1.36</td>" in doc and "<td>NO</td>" in doc
     # tau per prompt, one column per drafter; a prompt is lossless only if every drafter was
     assert "<td>a</td><td>30</td><td>3.50</td><td>1.25</td><td>NO</td>" in doc
     assert "<td>b</td><td>12</td><td>2.75</td><td>1.50</td><td>yes</td>" in doc

@@ -19,4 +19,5 @@ def test_wheelhouse_downloads_for_the_given_platform(tmp_path):
     assert ("--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --python-version 3.11 "
             "--only-binary=:all: --extra-index-url https://download.pytorch.org/whl/cu128") in line
     assert "-d wheelhouse --find-links wheelhouse" in out and "-r envs/requirements.txt" in out
+    assert "connection_pool==0.0.3 . -r envs/requirements-nodeps.txt" in line  # pure Python, no deps
     assert not (tmp_path / "venv").exists()

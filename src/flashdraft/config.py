@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,11 +224,13 @@ def to_json(obj) -> str:
 
 
 def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash feature layers: round(1 + i*(N-4)/(K-1)), 0-indexed decoder layers."""
+    """DFlash feature layers: round(1 + i*(N-4)/(K-1)), 0-indexed decoder layers. Python's round (half
+    to even), as the reference `dflash.model.build_target_layer_ids`: serving engines that derive the ids
+    themselves get the same ones."""
     n, k = num_target_layers, num_draft_layers
     if k == 1:
         return [n // 2]
-    ids = [int(math.floor(1 + i * (n - 4) / (k - 1) + 0.5)) for i in range(k)]
+    ids = [round(1 + i * (n - 4) / (k - 1)) for i in range(k)]
     if any(not 0 <= i < n for i in ids):
         raise ValueError(f"target_layer_ids {ids} out of range for a target with {n} layers")
     return ids

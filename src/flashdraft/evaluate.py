@@ -2,11 +2,16 @@
 
 One verify step: the drafter proposes up to B-1 tokens after the last verified token; the target scores
 [last, d1..d_{B-1}] in one forward over its KV cache; the longest prefix the target agrees with is
-accepted, plus the target's own next token (the bonus), so tau = accepted + 1. The cache is then cropped
-to the verified tokens, which leaves it exactly where target-only decoding would be. The DFlash drafter
-keeps its own cache of the context's keys/values, fed only the verified tokens' features, so it only
-grows. At T > 0 drafts are accepted by standard rejection sampling, which keeps the target's output
-distribution.
+accepted, plus the target's own next token (the bonus). The cache is then cropped to the verified tokens,
+which leaves it exactly where target-only decoding would be.
+
+tau counts what a step emits, as the reference `dflash.model.dflash_generate` does: accepted drafts plus
+the bonus, cut at a stop token and at max_new_tokens. Where fewer than B tokens may still be emitted, the
+block is shortened to them (drafts past the cap could never be emitted), as the reference's is.
+
+The DFlash drafter keeps its own cache of the context's keys/values, fed only the verified tokens'
+features, so it only grows. At T > 0 drafts are accepted by standard rejection sampling, which keeps the
+target's output distribution.
 """
 
 from __future__ import annotations
@@ -37,23 +42,25 @@ class DFlashProposer:
 
     def __init__(self, drafter, embed_weight, lm_head_weight, cached: bool = True):
         self.drafter, self.embed, self.head, self.cached = drafter, embed_weight, lm_head_weight, cached
+        self.block_size = drafter.spec.block_size
         self.reset()
 
     def reset(self):
         """A new sequence: forget the context."""
         self.cache, self.features = DraftCache(), None
 
-    def propose(self, tokens, new_features, temperature, generator):
+    def propose(self, tokens, new_features, max_draft, temperature, generator):
         """new_features: target features of the positions verified since the last call; the context is
-        every verified token but the last, which anchors the block."""
+        every verified token but the last, which anchors the block. At most `max_draft` drafts."""
+        size = min(self.block_size, max_draft + 1)
         if self.cached:
             logits = self.drafter.predict_block_cached(
-                new_features, tokens[-1], self.embed, self.head, self.cache, len(tokens) - 1
+                new_features, tokens[-1], self.embed, self.head, self.cache, len(tokens) - 1, size
             )
         else:
             f = self.features
             self.features = new_features if f is None else torch.cat([f, new_features], 1)
-            logits = self.drafter.predict_block(self.features, tokens[-1], self.embed, self.head)
+            logits = self.drafter.predict_block(self.features, tokens[-1], self.embed, self.head, size)
         logits = logits.float()
         if temperature == 0:
             return logits.argmax(-1).tolist(), None
@@ -72,13 +79,14 @@ class NgramProposer:
     def reset(self):
         pass  # stateless: it reads the tokens it is given
 
-    def propose(self, tokens, new_features, temperature, generator):
+    def propose(self, tokens, new_features, max_draft, temperature, generator):
+        num_draft = min(self.num_draft, max_draft)
         for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
             tail = tokens[-n:]
             # start <= len - n - 1: the match must be followed by at least one token
             for start in range(len(tokens) - n - 1, -1, -1):
                 if tokens[start : start + n] == tail:
-                    return tokens[start + n : start + n + self.num_draft], None
+                    return tokens[start + n : start + n + num_draft], None
         return [], None  # a step with no draft is a plain target step (tau 1)
 
 
@@ -108,8 +116,15 @@ def check_drafter(spec, target_config) -> None:
 
 @dataclass
 class Decoded:
+    """Per verify step (target-only: one step per token after the first): `emitted` tokens (accepted
+    drafts + the bonus, cut at a stop token and at max_new_tokens; the reference's acceptance length),
+    the drafts among them (`accepted`), and the draft positions that were verified and could have been
+    emitted (`verified`: the block's drafts, or up to a stop token among the accepted ones)."""
+
     tokens: list[int]  # new tokens, the prompt excluded
-    accepted: list[int]  # accepted draft tokens per verify step (target-only: 0 per step)
+    emitted: list[int]
+    accepted: list[int]
+    verified: list[int]
     seconds: float  # decode time after the prefill (which yields the first token)
 
 
@@ -159,7 +174,8 @@ def target_decode(model, prompt_ids, max_new_tokens, eos, temperature=0.0, gener
         logits = model(input_ids=torch.tensor([[out[-1]]], device=dev), past_key_values=cache).logits[0, -1]
         out.append(_pick(logits, temperature, generator))
     _sync(dev)
-    return Decoded(out, [0] * (len(out) - 1), time.perf_counter() - t0)
+    steps = len(out) - 1
+    return Decoded(out, [1] * steps, [0] * steps, [0] * steps, time.perf_counter() - t0)
 
 
 @torch.no_grad()
@@ -176,26 +192,30 @@ def speculative_decode(
     # first the prompt's features, then after each verify those of last + the accepted drafts
     feats = select_features(o.hidden_states, layer_ids) if hs else None
     new = [_pick(o.logits[0, -1], temperature, generator)]
-    tokens, accepted = [*prompt_ids, new[0]], []
+    tokens, emitted, accepted, verified = [*prompt_ids, new[0]], [], [], []
     _sync(dev)
     t0 = time.perf_counter()
     while len(new) < max_new_tokens and new[-1] not in eos:
-        draft, q = proposer.propose(tokens, feats, temperature, generator)
+        room = max_new_tokens - len(new)  # tokens this step may still emit, so at most as many drafts
+        draft, q = proposer.propose(tokens, feats, room, temperature, generator)
         block = torch.tensor([[tokens[-1], *draft]], device=dev)
         o = model(input_ids=block, past_key_values=cache, output_hidden_states=hs)
         n, nxt = verify(draft, o.logits[0].float(), q, temperature, generator)
-        accepted.append(n)
         if hs:  # the bonus token's features come with the next verify; rejected drafts' never
             feats = select_features(o.hidden_states, layer_ids)[:, : n + 1]
         if len(draft) > n:
             cache.crop(-(len(draft) - n))  # negative: tokens to remove (drop the rejected drafts)
-        for t in [*draft[:n], nxt]:
-            tokens.append(t)
-            new.append(t)
-            if t in eos or len(new) >= max_new_tokens:
-                break
+        out = [*draft[:n], nxt][:room]
+        stop = next((i for i, t in enumerate(out) if t in eos), len(out))
+        out = out[: stop + 1]
+        tokens += out
+        new += out
+        emitted.append(len(out))
+        accepted.append(min(n, len(out)))
+        # ending on a draft (a stop token among them, or the cap): the positions after it never count
+        verified.append(len(out) if len(out) <= n else len(draft))
     _sync(dev)
-    return Decoded(new, accepted, time.perf_counter() - t0)
+    return Decoded(new, emitted, accepted, verified, time.perf_counter() - t0)
 
 
 @torch.no_grad()
@@ -222,17 +242,18 @@ def prompt_ids(tokenizer, messages) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _row(pid, name, d: Decoded, block_size, num_prompt_tokens, lossless, mismatch=(-1, float("nan"))) -> dict:
-    steps = len(d.accepted)
+def _row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=(-1, float("nan"))) -> dict:
+    steps = len(d.emitted)
     return {
         "id": pid,
         "drafter": name,
         "prompt_tokens": num_prompt_tokens,
         "new_tokens": len(d.tokens),
         "verify_steps": steps,
-        "tau": (sum(d.accepted) + steps) / steps if steps else float("nan"),
+        "tau": sum(d.emitted) / steps if steps else float("nan"),
+        "emitted": list(d.emitted),
         "accepted": list(d.accepted),
-        "position_accepted": [sum(a >= k for a in d.accepted) for k in range(1, block_size)],
+        "verified": list(d.verified),
         "decode_s": d.seconds,
         "tokens_per_s": (len(d.tokens) - 1) / d.seconds if d.seconds > 0 else float("nan"),
         "lossless": lossless,
@@ -256,15 +277,15 @@ def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, 
     for i, (pid, ids) in enumerate(progress(encoded, desc="evaluate", unit="prompt")):
         gen.manual_seed(seed + i)
         ref = target_decode(model, ids, cfg.max_new_tokens, eos, temp, gen)
-        rows.append(_row(pid, "target_only", ref, block_size, len(ids), None if temp else True))
+        rows.append(_row(pid, "target_only", ref, len(ids), None if temp else True))
         for name, prop in proposers.items():
             gen.manual_seed(seed + i)
             d = speculative_decode(model, prop, ids, layer_ids, cfg.max_new_tokens, eos, temp, gen)
             if temp:  # sampled outputs differ by design; losslessness is checked greedily
-                rows.append(_row(pid, name, d, block_size, len(ids), None))
+                rows.append(_row(pid, name, d, len(ids), None))
             else:
                 mismatch = first_mismatch(model, ids, ref.tokens, d.tokens)
-                rows.append(_row(pid, name, d, block_size, len(ids), mismatch[0] < 0, mismatch))
+                rows.append(_row(pid, name, d, len(ids), mismatch[0] < 0, mismatch))
     return rows
 
 
@@ -273,7 +294,9 @@ def _ratio(a, b):
 
 
 def summarize(rows, block_size) -> dict:
-    """Pool verify steps over prompts: tau, tau histogram (1..B), acceptance rate per draft position."""
+    """Per drafter: tau pooled over all verify steps (emitted tokens / steps) and the mean of the prompts'
+    own tau (what the reference's benchmark prints), the histogram of tokens emitted per step (1..B), and
+    per draft position k the fraction of steps that verified a draft at k it could emit and accepted it."""
 
     def rate(rs):  # decode tokens/s: tokens after the prefill's first one, over decode time
         return _ratio(sum(r["new_tokens"] - 1 for r in rs), sum(r["decode_s"] for r in rs))
@@ -282,14 +305,16 @@ def summarize(rows, block_size) -> dict:
     summary = {"target_only": {"tokens_per_s": base}}
     for name in dict.fromkeys(r["drafter"] for r in rows if r["drafter"] != "target_only"):
         rs = [r for r in rows if r["drafter"] == name]
-        acc = [a for r in rs for a in r["accepted"]]
+        emitted, acc, ver = ([x for r in rs for x in r[key]] for key in ("emitted", "accepted", "verified"))
+        taus = [r["tau"] for r in rs if r["verify_steps"]]
         flags = [r["lossless"] for r in rs]
         tps = rate(rs)
         summary[name] = {
-            "tau": _ratio(sum(acc) + len(acc), len(acc)),
-            "tau_hist": [sum(a + 1 == t for a in acc) for t in range(1, block_size + 1)],
+            "tau_pooled": _ratio(sum(emitted), len(emitted)),
+            "tau_prompt_mean": _ratio(sum(taus), len(taus)),
+            "tau_hist": [sum(e == t for e in emitted) for t in range(1, block_size + 1)],
             "per_position_acceptance": [
-                _ratio(sum(a >= k for a in acc), len(acc)) for k in range(1, block_size)
+                _ratio(sum(a >= k for a in acc), sum(v >= k for v in ver)) for k in range(1, block_size)
             ],
             "tokens_per_s": tps,
             "speedup": _ratio(tps, base) if tps is not None and base else None,

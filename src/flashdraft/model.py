@@ -274,22 +274,25 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, cos, sin, mask)
         return self.norm(x)
 
-    def _block_embeds(self, last_token: int, embed_weight, device):
-        """`[token at anchor, MASK x (B-1)]` through the target's embedding, in the drafter's dtype."""
-        spec = self.spec
-        ids = torch.full((1, spec.block_size), spec.mask_token_id, dtype=torch.long, device=device)
+    def _block_embeds(self, last_token: int, embed_weight, device, size: int):
+        """`[token at anchor, MASK x (size-1)]` through the target's embedding, in the drafter's dtype."""
+        ids = torch.full((1, size), self.spec.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = int(last_token)
         return F.embedding(ids, embed_weight).to(self.fc.weight.dtype)
 
     @torch.no_grad()
-    def predict_block(self, target_hidden, last_token: int, embed_weight, lm_head_weight):
+    def predict_block(self, target_hidden, last_token: int, embed_weight, lm_head_weight,
+                      size: int | None = None):
         """Logits `[B-1, V]` for the tokens at S+1..S+B-1 after a context of S verified tokens.
 
         target_hidden `[1, S, K*H]` covers positions 0..S-1; `last_token` (the token at S, whose
-        features the target has not computed yet) is the anchor, so the block sits at S..S+B-1."""
+        features the target has not computed yet) is the anchor, so the block sits at S..S+B-1.
+        B is `size` if given (a shorter block where fewer tokens may still be emitted, as the reference
+        drafts it), else the drafter's block size."""
         dev, s = target_hidden.device, target_hidden.shape[1]
-        positions = torch.arange(s + self.spec.block_size, device=dev)[None]
-        embeds = self._block_embeds(last_token, embed_weight, dev)
+        size = size or self.spec.block_size
+        positions = torch.arange(s + size, device=dev)[None]
+        embeds = self._block_embeds(last_token, embed_weight, dev, size)
         out = self(target_hidden.to(self.fc.weight.dtype), embeds, positions, mask=None)
         return out[0, 1:] @ lm_head_weight.to(out.dtype).T
 
@@ -307,7 +310,7 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def predict_block_cached(self, new_hidden, last_token: int, embed_weight, lm_head_weight,
-                             cache: DraftCache, context_len: int):
+                             cache: DraftCache, context_len: int, size: int | None = None):
         """`predict_block` over a context held in `cache`: new_hidden `[1, n, K*H]` are the features of
         the positions verified since the last call (all of the prompt on the first), appended first.
 
@@ -315,10 +318,10 @@ class DFlashDrafter(nn.Module):
         exactly that many positions (a rejected draft must never have entered it)."""
         self.extend_cache(cache, new_hidden)
         assert cache.length == context_len, f"drafter cache holds {cache.length} positions, not {context_len}"
-        dev, s = new_hidden.device, context_len
-        positions = torch.arange(s, s + self.spec.block_size, device=dev)[None]
+        dev, s, size = new_hidden.device, context_len, size or self.spec.block_size
+        positions = torch.arange(s, s + size, device=dev)[None]
         cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
-        x = self._block_embeds(last_token, embed_weight, dev)
+        x = self._block_embeds(last_token, embed_weight, dev, size)
         for layer, k, v in zip(self.layers, cache.k, cache.v, strict=True):
             x = layer(x, (k, v), cos, sin, None)
         out = self.norm(x)
