@@ -1,10 +1,11 @@
 """Regenerate assistant answers with the target itself, resumable by sample id.
 
 The drafter must learn the target's own distribution, not the dataset's answers. Three backends: `hf`
-(in-process decoding: the static-cache engine of decode.py, or HF generate), `openai` (concurrent requests to any OpenAI-compatible server) and `server` (the
-same requests to a server this job starts and stops itself, see managed_server.py). All commit
-results as atomic parquet parts in a work dir; a restart reads the ids already there and skips them, so
-a killed run loses at most the part in progress. The final file is the parts in prompt order.
+(in-process decoding: the static-cache engine of decode.py, or HF generate), `openai` (concurrent
+requests to any OpenAI-compatible server) and `server` (the same requests to a server this job starts
+and stops itself, see managed_server.py). All commit results as atomic parquet parts in a work dir; a
+restart reads the ids already there and skips them, so a killed run loses at most the part in progress.
+The final file is the parts in prompt order.
 """
 
 from __future__ import annotations
