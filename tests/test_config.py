@@ -9,6 +9,7 @@ import yaml
 from snakemake.utils import validate
 
 from flashdraft.config import Config, TrainConfig, from_dict, load_config, load_section, target_layer_ids
+from flashdraft.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -42,7 +43,7 @@ def test_shipped_configs_validate(name):
 
 
 def test_unknown_key_named():
-    with pytest.raises(ValueError, match=r"config\.train: unknown key\(s\) \['lrr'\]"):
+    with pytest.raises(UserError, match=r"config\.train: unknown key\(s\) \['lrr'\]"):
         from_dict(Config, {"train": {"lrr": 1}})
 
 

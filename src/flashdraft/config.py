@@ -185,7 +185,7 @@ def from_dict(cls, data: dict[str, Any] | None, where: str = "config"):
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        raise UserError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
     kwargs = {}
     for name in sorted(known):
         if name not in data:
@@ -236,7 +236,11 @@ def check(cfg: Config) -> list[str]:
 
 def load_section(cls, text: str | None, where: str):
     """Parse a `--cfg` JSON string into the section dataclass."""
-    return from_dict(cls, json.loads(text) if text else {}, where)
+    try:
+        data = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: --cfg is not JSON ({e}); pass the section as a JSON object") from e
+    return from_dict(cls, data, where)
 
 
 def load_config(path: str) -> Config:
