@@ -1,6 +1,7 @@
 """Config: the schema documents every key the dataclasses hold, and both shipped configs validate."""
 
 import dataclasses
+import json
 import typing
 from pathlib import Path
 
@@ -56,3 +57,14 @@ def test_section_json_fills_defaults():
 def test_target_layer_ids_formula():
     assert target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
     assert target_layer_ids(6, 2) == [1, 3]  # the toy target
+
+
+def test_remote_code_target_refused_known_type_with_auto_map_read(tmp_path):
+    from flashdraft.target import read_target_config
+
+    auto_map = {"AutoModelForCausalLM": "modeling.X"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3", "auto_map": auto_map}))
+    assert read_target_config(tmp_path)["model_type"] == "phi3"  # transformers ships phi3: no remote code
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mine", "auto_map": auto_map}))
+    with pytest.raises(UserError, match=r"needs remote code .*'mine'.*modeling\.X"):
+        read_target_config(tmp_path)

@@ -70,7 +70,8 @@ def test_disk_preflight_refusal(tmp_path):
     out = tmp_path / "hidden" / "shard-00000.arrow"
     proc = run_script(
         "precompute_hidden.py", "--cfg", json.dumps({"disk_margin": 1e18}), "--target", tmp_path / "target",
-        "--dtype", "float32", "--data", tmp_path / "data.parquet", "--shard", 0, "--num-shards", 1, "--out", out,
+        "--dtype", "float32", "--data", tmp_path / "data.parquet", "--shard", 0, "--num-shards", 1,
+        "--out", out,
     )
     line = one_line_error(proc)
     assert "not enough disk space in" in line and str(out.parent) in line and "GiB" in line
@@ -101,7 +102,8 @@ def test_target_that_needs_remote_code(tmp_path):
                    tmp_path / "prompts.parquet")
     proc = run_script(
         "regenerate.py", "--cfg", json.dumps({"enabled": False}), "--target", target,
-        "--prompts", tmp_path / "prompts.parquet", "--out", tmp_path / "out.parquet", "--work-dir", tmp_path / "w",
+        "--prompts", tmp_path / "prompts.parquet", "--out", tmp_path / "out.parquet",
+        "--work-dir", tmp_path / "w",
     )
     line = one_line_error(proc)
     assert str(target / "config.json") in line and "needs remote code" in line and "modeling_mine" in line
