@@ -8,7 +8,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 import yaml
-from conftest import REPO, cache_misses, headless_dom, job_counts, snakemake, write_config
+from conftest import REPO, SMALL, cache_misses, headless_dom, job_counts, snakemake, write_config
 
 from flashdraft.shards import shard_of
 
@@ -86,6 +86,23 @@ def test_server_backend_leases_the_server_gpus(tmp_path):
 
 
 # ---- the end-to-end run ----
+
+def test_training_on_the_sources_answers(tmp_path):
+    """regenerate.enabled: false trains on the sources' own answers. The pool (3 x 20 toy rows) is smaller
+    than prompts.total, which would otherwise be filled with answerless augmented prompts."""
+    cheap = {"toy.num_docs": 200, "toy.steps": 0, "toy.source_rows": 20, "regenerate.enabled": False,
+             "hidden.shards": 1, "train.max_steps": 2, "train.compile": False}
+    config = write_config(tmp_path / "config.yaml", {**SMALL, **cheap})
+    snakemake(tmp_path, "--cores", "2", "results/eval/summary.json", config=config)
+    r = tmp_path / "results"
+    stats = json.loads((r / "prompts" / "stats.json").read_text())
+    assert stats["need_answers"] and stats["totals"]["augmented"] == 0
+    train = pd.read_parquet(r / "prompts" / "train.parquet")
+    assert len(train) == stats["totals"]["sampled_train"] < SMALL["prompts.total"]
+    assert pd.read_parquet(r / "regenerated" / "errors" / "shard-00000.parquet").empty
+    assert (r / "drafter" / "config.json").exists()
+    assert json.loads((r / "eval" / "summary.json").read_text())["target_only"]["tokens_per_s"]
+
 
 def test_every_stage_artifact(small_run):
     work, config, _ = small_run
