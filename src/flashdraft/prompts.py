@@ -127,8 +127,7 @@ def _read_json(src: SourceConfig):
         ) from e
     except json.JSONDecodeError as e:
         raise UserError(
-            f"source {src.name!r}: {src.path} is not valid JSON ({e.msg} at line {e.lineno} column "
-            f"{e.colno}; truncated?); repair or re-download it"
+            f"source {src.name!r}: {src.path} is not valid JSON ({e}; truncated?); repair or re-download it"
         ) from e
 
 
