@@ -3,10 +3,12 @@
 import argparse
 
 from flashdraft.config import EvalConfig, load_section
+from flashdraft.errors import cli
 from flashdraft.evaluate import run
 
 
-def main():
+@cli
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--cfg", default=None, help="the `eval` config section as JSON")
     p.add_argument("--target", required=True, help="HF target model directory")
@@ -15,7 +17,7 @@ def main():
     p.add_argument("--prompts", required=True, help="eval prompts parquet (messages column)")
     p.add_argument("--out-dir", required=True, help="writes per_prompt.parquet and summary.json here")
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     cfg = load_section(EvalConfig, a.cfg, "eval")
     summary = run(cfg, a.target, a.drafter, a.prompts, a.out_dir, dtype=a.dtype, seed=a.seed)
     print(f"target_only: {summary['target_only']['tokens_per_s'] or 0:.1f} tok/s")

@@ -9,9 +9,11 @@ import argparse
 import json
 
 from flashdraft.config import DrafterConfig, HiddenConfig, load_section
+from flashdraft.errors import cli
 from flashdraft.hidden import precompute_shard
 
 
+@cli
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", default="{}", help="the `hidden` config section as JSON")

@@ -10,6 +10,7 @@ import sys
 import time
 
 from flashdraft.config import RegenerateConfig, load_section
+from flashdraft.errors import cli
 from flashdraft.managed_server import ServerError
 from flashdraft.regenerate import regenerate
 
@@ -19,7 +20,8 @@ def _stop(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through every finally: parts flushed, server stopped
 
 
-def main():
+@cli
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cfg", default="{}", help="JSON of the `regenerate` config section")
     ap.add_argument("--target", required=True, help="HF model directory of the target")
@@ -30,7 +32,7 @@ def main():
     ap.add_argument("--work-dir", required=True, help="resumable parts; kept between runs")
     ap.add_argument("--shard", type=int, default=0, help="answer only the prompts of this shard")
     ap.add_argument("--num-shards", type=int, default=1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not 0 <= args.shard < args.num_shards:
         ap.error(f"--shard {args.shard} is not in 0..{args.num_shards - 1}")
     cfg = load_section(RegenerateConfig, args.cfg, "regenerate")

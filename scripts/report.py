@@ -2,10 +2,12 @@
 
 import argparse
 
+from flashdraft.errors import cli
 from flashdraft.report import build_report
 
 
-def main():
+@cli
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True, help="the HTML file to write")
     p.add_argument("--eval-dir", required=True, help="directory with summary.json (and per_prompt.parquet)")
@@ -15,7 +17,7 @@ def main():
     p.add_argument("--plots-dir", default=None, help="also write each plot as <id>.png here")
     p.add_argument("--hidden-dir", default=None, help="hidden-state shard manifests (for tokens/s)")
     p.add_argument("--regenerated", nargs="*", default=None, help="regenerated shards (answers/s)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     build_report(a.out, a.eval_dir, a.metrics, a.prompt_stats, a.benchmarks_dir, a.plots_dir, a.hidden_dir,
                  a.regenerated)
     print(f"report: {a.out}")

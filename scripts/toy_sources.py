@@ -3,14 +3,16 @@
 import argparse
 
 from flashdraft.config import ToyConfig, load_section
+from flashdraft.errors import cli
 from flashdraft.toy import write_toy_sources
 
 
-def main():
+@cli
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cfg", default="{}", help="JSON of the `toy` config section")
     ap.add_argument("--out-dir", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     paths = write_toy_sources(load_section(ToyConfig, args.cfg, "toy"), args.out_dir)
     print("toy sources: " + ", ".join(f"{k} -> {v}" for k, v in paths.items()))
 

@@ -16,9 +16,11 @@ import os
 import sys
 
 from flashdraft.config import DrafterConfig, TrainConfig, load_section
+from flashdraft.errors import cli
 from flashdraft.train import train
 
 
+@cli
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", default="{}", help="the `train` config section as JSON")

@@ -6,10 +6,12 @@ python scripts/verify_hidden.py --out results/hidden/verify.json results/hidden/
 import argparse
 import sys
 
+from flashdraft.errors import cli
 from flashdraft.hidden import manifest_path, verify_shard
 from flashdraft.io import write_json
 
 
+@cli
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON summary to write")

@@ -12,9 +12,11 @@ import argparse
 import json
 
 from flashdraft.config import DrafterConfig, TrainConfig, load_section
+from flashdraft.errors import cli
 from flashdraft.warmup import warmup
 
 
+@cli
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", default="{}", help="the `train` config section as JSON")

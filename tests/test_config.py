@@ -1,6 +1,7 @@
 """Config: the schema documents every key the dataclasses hold, and both shipped configs validate."""
 
 import dataclasses
+import json
 import typing
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import yaml
 from snakemake.utils import validate
 
 from flashdraft.config import Config, TrainConfig, from_dict, load_config, load_section, target_layer_ids
+from flashdraft.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -42,7 +44,7 @@ def test_shipped_configs_validate(name):
 
 
 def test_unknown_key_named():
-    with pytest.raises(ValueError, match=r"config\.train: unknown key\(s\) \['lrr'\]"):
+    with pytest.raises(UserError, match=r"config\.train: unknown key\(s\) \['lrr'\]"):
         from_dict(Config, {"train": {"lrr": 1}})
 
 
@@ -57,3 +59,14 @@ def test_target_layer_ids_formula():
     assert target_layer_ids(6, 2) == [1, 3]  # the toy target
     # 1 + 3 * 90 / 4 = 68.5: Python's round takes the even neighbour, as the reference does
     assert target_layer_ids(94, 5) == [1, 24, 46, 68, 91]
+
+
+def test_remote_code_target_refused_known_type_with_auto_map_read(tmp_path):
+    from flashdraft.target import read_target_config
+
+    auto_map = {"AutoModelForCausalLM": "modeling.X"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3", "auto_map": auto_map}))
+    assert read_target_config(tmp_path)["model_type"] == "phi3"  # transformers ships phi3: no remote code
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mine", "auto_map": auto_map}))
+    with pytest.raises(UserError, match=r"needs remote code .*'mine'.*modeling\.X"):
+        read_target_config(tmp_path)

@@ -17,6 +17,7 @@ import torch
 from flashdraft import hidden
 from flashdraft.chat import tokenize_conversation
 from flashdraft.config import DrafterConfig, HiddenConfig, ToyConfig
+from flashdraft.errors import UserError
 from flashdraft.hidden import (
     FP8,
     HiddenStore,
@@ -197,7 +198,7 @@ def test_verify_cli_names_bad_shard(tmp_path):
 
 def test_preflight_and_storage_dtype(tmp_path):
     assert preflight(1000, 40, tmp_path / "not" / "yet") == 44000
-    with pytest.raises(RuntimeError, match=r"need about [\d.]+ GiB .*but only [\d.]+ GiB") as e:
+    with pytest.raises(UserError, match=r"need about [\d.]+ GiB .*but only [\d.]+ GiB") as e:
         preflight(10**15, 4, tmp_path)
     assert f"({10**15 * 4 * 11 // 10} bytes" in str(e.value)
     with pytest.raises(ValueError, match=r"'float8_e4m3fn' is not supported; use one of .*'float8_e4m3'"):

@@ -241,6 +241,24 @@ def test_augment_fills_the_gap(tmp_path):
     assert short["totals"]["sampled_train"] == 34 * 2 and "smaller" in short["note"]
 
 
+def test_need_answers_keeps_only_answered_rows(tmp_path):
+    """Regeneration disabled: a prompt-only row has nothing to train on, so it is rejected with a reason
+    and no augmented (answerless) row fills the gap."""
+    answered = [{"prompt": f"Name the number {i}.", "response": f"It is {i}."} for i in range(10)]
+    bare = [{"prompt": f"What comes after {i}?"} for i in range(5)]
+    src = SourceConfig(name="mixed", path=_write_jsonl(tmp_path / "mixed.jsonl", answered + bare))
+    cfg = PromptsConfig(sources=[src], total=40, eval_count=2, augment=["{prompt} Answer briefly."])
+    s = prompts.expand(cfg, str(tmp_path / "out"), need_answers=True)
+    out = tmp_path / "out"
+    rows = [r for f in ("train", "eval") for r in pq.read_table(out / f"{f}.parquet").to_pylist()]
+    assert len(rows) == 10 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    assert s["sources"]["mixed"]["rejected"] == {prompts.NO_ANSWER: 5} and s["totals"]["augmented"] == 0
+    assert "no augmentation" in s["note"] and s["need_answers"] is True
+    rejects = pq.read_table(tmp_path / "out" / "rejects.parquet").to_pylist()
+    assert [(r["row"], r["reason"]) for r in rejects] == [(i, prompts.NO_ANSWER) for i in range(10, 15)]
+    assert json.loads((tmp_path / "out" / "stats.json").read_text())["totals"]["rejected"] == 5
+
+
 def test_quotas_redistribute():
     assert prompts._quotas({"a": 100, "b": 5, "c": 100}, {"a": 1, "b": 1, "c": 2}, 60) == {
         "a": 18,

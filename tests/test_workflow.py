@@ -8,7 +8,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 import yaml
-from conftest import REPO, cache_misses, headless_dom, job_counts, snakemake, write_config
+from conftest import REPO, SMALL, cache_misses, headless_dom, job_counts, snakemake, write_config
 
 from flashdraft.shards import shard_of
 
@@ -25,14 +25,38 @@ pytestmark = pytest.mark.slow
         ({"target": {"path": "no/such/model", "build_toy": False}}, "target.path"),
         ({"gpus.drafter": 64}, "gpus.drafter"),
         ({"regenerate.backend": "server", "regenerate.server_gpus": 64}, "regenerate.server_gpus"),
+        ({"drafter.target_layer_ids": [1, 9]}, "drafter.target_layer_ids: [9] out of range"),
+        ({"prompts.min_chars": 50, "prompts.max_chars": 10}, "prompts.min_chars (50) > prompts.max_chars"),
     ],
-    ids=["unknown-key", "wrong-type", "missing-model", "too-many-gpus", "too-many-server-gpus"],
+    ids=["unknown-key", "wrong-type", "missing-model", "too-many-gpus", "too-many-server-gpus",
+         "layer-beyond-target", "min-over-max-chars"],
 )
 def test_bad_config_fails_before_any_job(tmp_path, overrides, expected):
     config = write_config(tmp_path / "config.yaml", overrides)
     proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
     assert proc.returncode != 0
     assert expected in proc.stdout + proc.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_remote_code_target_fails_before_any_job(tmp_path):
+    model = tmp_path / "models" / "mine"
+    model.mkdir(parents=True)
+    auto_map = {"AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}
+    (model / "config.json").write_text(json.dumps({"model_type": "mine", "num_hidden_layers": 8,
+                                                   "auto_map": auto_map}))
+    config = write_config(tmp_path / "config.yaml", {"target": {"path": "models/mine", "build_toy": False}})
+    proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "target.path" in out and "needs remote code" in out and "modeling_mine" in out
+    assert not (tmp_path / "results").exists()
+
+
+def test_more_hidden_shards_than_prompts_warns(tmp_path):
+    config = write_config(tmp_path / "config.yaml", {"hidden.shards": 8, "prompts.total": 4})
+    proc = snakemake(tmp_path, "-n", "--cores", "1", config=config)
+    assert "warning: config key hidden.shards: 8 shards for at most 4 training prompts" in proc.stderr
     assert not (tmp_path / "results").exists()
 
 
@@ -62,6 +86,23 @@ def test_server_backend_leases_the_server_gpus(tmp_path):
 
 
 # ---- the end-to-end run ----
+
+def test_training_on_the_sources_answers(tmp_path):
+    """regenerate.enabled: false trains on the sources' own answers. The pool (3 x 20 toy rows) is smaller
+    than prompts.total, which would otherwise be filled with answerless augmented prompts."""
+    cheap = {"toy.num_docs": 200, "toy.steps": 0, "toy.source_rows": 20, "regenerate.enabled": False,
+             "hidden.shards": 1, "train.max_steps": 2, "train.compile": False}
+    config = write_config(tmp_path / "config.yaml", {**SMALL, **cheap})
+    snakemake(tmp_path, "--cores", "2", "results/eval/summary.json", config=config)
+    r = tmp_path / "results"
+    stats = json.loads((r / "prompts" / "stats.json").read_text())
+    assert stats["need_answers"] and stats["totals"]["augmented"] == 0
+    train = pd.read_parquet(r / "prompts" / "train.parquet")
+    assert len(train) == stats["totals"]["sampled_train"] < SMALL["prompts.total"]
+    assert pd.read_parquet(r / "regenerated" / "errors" / "shard-00000.parquet").empty
+    assert (r / "drafter" / "config.json").exists()
+    assert json.loads((r / "eval" / "summary.json").read_text())["target_only"]["tokens_per_s"]
+
 
 def test_every_stage_artifact(small_run):
     work, config, _ = small_run

@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import UserError
+
 
 @dataclass
 class TargetConfig:
@@ -182,7 +184,7 @@ def from_dict(cls, data: dict[str, Any] | None, where: str = "config"):
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        raise UserError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
     kwargs = {}
     for name in sorted(known):
         if name not in data:
@@ -207,9 +209,37 @@ def _dataclass_type(tp) -> type | None:
     return None
 
 
+def check(cfg: Config) -> list[str]:
+    """What needs only the config and the target's config.json, checked before any job runs: raises a
+    UserError naming the key; returns warnings."""
+    from .target import read_target_config, target_num_layers  # target imports this module
+
+    p = cfg.prompts
+    if p.min_chars > p.max_chars:
+        raise UserError(
+            f"config keys prompts.min_chars ({p.min_chars}) > prompts.max_chars ({p.max_chars}) would reject "
+            "every prompt; make min_chars <= max_chars"
+        )
+    # the toy target is built later, from toy.num_layers
+    n = cfg.toy.num_layers if cfg.target.build_toy else target_num_layers(read_target_config(cfg.target.path))
+    if n:
+        feature_layers(n, cfg.drafter)
+    warnings = []
+    if cfg.hidden.shards > p.total:
+        warnings.append(
+            f"config key hidden.shards: {cfg.hidden.shards} shards for at most {p.total} training prompts "
+            "(prompts.total): some shards will be empty; lower hidden.shards"
+        )
+    return warnings
+
+
 def load_section(cls, text: str | None, where: str):
     """Parse a `--cfg` JSON string into the section dataclass."""
-    return from_dict(cls, json.loads(text) if text else {}, where)
+    try:
+        data = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: --cfg is not JSON ({e}); pass the section as a JSON object") from e
+    return from_dict(cls, data, where)
 
 
 def load_config(path: str) -> Config:
@@ -221,6 +251,19 @@ def load_config(path: str) -> Config:
 
 def to_json(obj) -> str:
     return json.dumps(dataclasses.asdict(obj), sort_keys=True)
+
+
+def feature_layers(num_target_layers: int, drafter: DrafterConfig) -> list[int]:
+    """0-indexed decoder layers whose outputs feed the drafter: drafter.target_layer_ids or the formula."""
+    n = num_target_layers
+    ids = drafter.target_layer_ids or target_layer_ids(n, drafter.num_layers)
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad:
+        raise UserError(
+            f"config key drafter.target_layer_ids: {bad} out of range for a target with {n} layers; "
+            f"use ids in 0..{n - 1}"
+        )
+    return list(ids)
 
 
 def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -36,6 +36,7 @@ import torch
 
 from .chat import tokenize_conversation
 from .config import DrafterConfig, HiddenConfig
+from .errors import UserError
 from .io import atomic_path, device, progress, write_json
 from .shards import shard_of
 from .target import decoder_prefix, feature_layer_ids, layers_needed, load_target, select_features
@@ -544,10 +545,11 @@ def preflight(tokens_estimate: int, bytes_per_token: int, out_dir, margin: float
         d = d.parent
     free = shutil.disk_usage(d).free
     if need > free:
-        raise RuntimeError(
+        raise UserError(
             f"not enough disk space in {out_dir}: hidden states need about {need / 2**30:.2f} GiB "
             f"({need} bytes: {tokens_estimate} tokens x {bytes_per_token} bytes/token + {margin:.0%} margin) "
-            f"but only {free / 2**30:.2f} GiB ({free} bytes) are free"
+            f"but only {free / 2**30:.2f} GiB ({free} bytes) are free; free space there, or lower "
+            "hidden.max_length or hidden.dtype (float8_e4m3 halves it)"
         )
     return need
 

@@ -9,6 +9,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from .errors import disk_full, disk_full_error
+
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -16,13 +18,18 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 def atomic_path(path: str | os.PathLike):
     """Yield a temporary sibling path; rename it onto `path` only if the block succeeds.
 
-    A crash leaves no file at `path` (only a `.tmp-*` sibling that the next run ignores)."""
+    A crash leaves no file at `path` (only a `.tmp-*` sibling that the next run ignores); a full disk is
+    reported as a UserError naming `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{path.name}")
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as e:
+        if disk_full(e):
+            raise disk_full_error(path) from e
+        raise
     finally:
         if tmp.exists():
             if tmp.is_dir():

@@ -22,6 +22,7 @@ import numpy as np
 
 from .chat import prompt_messages
 from .config import PromptsConfig, SourceConfig
+from .errors import UserError, disk_full, disk_full_error
 from .io import atomic_path, progress, write_json, write_parquet
 
 EXTENSIONS = {
@@ -67,7 +68,7 @@ def source_format(src: SourceConfig) -> str:
         return src.format
     fmt = EXTENSIONS.get(Path(src.path).suffix.lower())
     if fmt is None:
-        raise ValueError(f"source {src.name!r}: cannot tell the format of {src.path!r}; set `format`")
+        raise UserError(f"source {src.name!r}: cannot tell the format of {src.path!r}; set `format`")
     return fmt
 
 
@@ -80,7 +81,7 @@ def load_source(src: SourceConfig):
         yield from enumerate(datasets.load_dataset(src.path, split=src.split, streaming=True))
         return
     if not Path(src.path).is_file():
-        raise FileNotFoundError(f"source {src.name!r}: no file at {src.path!r}")
+        raise UserError(f"source {src.name!r}: no file at {src.path!r}; fix prompts.sources[{src.name}].path")
     if fmt == "jsonl":
         with open(src.path, "rb") as f:
             for i, line in enumerate(f):
@@ -96,29 +97,52 @@ def load_source(src: SourceConfig):
                 except json.JSONDecodeError:
                     yield i, ParseError("unparseable json", text)
     elif fmt == "json":
-        with open(src.path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = _read_json(src)
         if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
             data = next(iter(data.values()))  # {"data": [...]} wrappers
         if not isinstance(data, list):
-            raise ValueError(f"source {src.name!r}: {src.path} must hold a JSON list of records")
+            raise UserError(f"source {src.name!r}: {src.path} must hold a JSON list of records")
         yield from enumerate(data)
     elif fmt in ("parquet", "arrow"):
         i = 0
-        for batch in _record_batches(src.path, fmt):
+        for batch in _record_batches(src.path, fmt, src.name):
             for rec in batch.to_pylist():
                 yield i, rec
                 i += 1
     else:
-        raise ValueError(f"source {src.name!r}: unknown format {fmt!r}")
+        raise UserError(f"source {src.name!r}: unknown format {fmt!r}")
 
 
-def _record_batches(path: str, fmt: str):
+def _read_json(src: SourceConfig):
+    """A whole .json source; a file that is not UTF-8 JSON is the user's to fix, so say where and how."""
+    with open(src.path, "rb") as f:
+        raw = f.read()
+    if not raw.strip():
+        raise UserError(f"source {src.name!r}: {src.path} is empty; fill it with a JSON list of records")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"source {src.name!r}: {src.path} is not UTF-8 (byte {e.start}); re-save it as UTF-8"
+        ) from e
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"source {src.name!r}: {src.path} is not valid JSON ({e}; truncated?); repair or re-download it"
+        ) from e
+
+
+def _record_batches(path: str, fmt: str, name: str):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if fmt == "parquet":
-        yield from pq.ParquetFile(path).iter_batches(batch_size=4096)
+        try:
+            pf = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise UserError(
+                f"source {name!r}: {path} is not a readable parquet file ({e}); repair it or set its `format`"
+            ) from e
+        yield from pf.iter_batches(batch_size=4096)
         return
     with pa.memory_map(path) as f:  # Arrow IPC file, else stream (what `datasets` writes)
         try:
@@ -126,7 +150,14 @@ def _record_batches(path: str, fmt: str):
             yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
         except pa.ArrowInvalid:
             f.seek(0)
-            yield from pa.ipc.open_stream(f)
+            try:
+                stream = pa.ipc.open_stream(f)
+            except pa.ArrowInvalid as e:
+                raise UserError(
+                    f"source {name!r}: {path} is not an Arrow IPC file or stream ({e}); repair it or set its "
+                    "`format`"
+                ) from e
+            yield from stream
 
 
 def _text(value) -> str:
@@ -307,8 +338,12 @@ class _Rejects:
         self.writer.close()
 
 
-def _read_pool(cfg: PromptsConfig, spool: str, rejects: _Rejects):
+NO_ANSWER = "no assistant answer (regenerate.enabled is false)"
+
+
+def _read_pool(cfg: PromptsConfig, spool: str, rejects: _Rejects, need_answers: bool = False):
     """Pass 1: read, clean and exact-dedup every source; kept rows go to the spool file in order.
+    `need_answers`: rows without an assistant answer are rejected (nothing will answer them).
     Returns (stats, source index per spooled row, MinHash signatures or None, prompt hashes seen)."""
     import pyarrow as pa
 
@@ -335,6 +370,8 @@ def _read_pool(cfg: PromptsConfig, spool: str, rejects: _Rejects):
                     if isinstance(rec, ParseError):
                         raise Rejected(rec.reason)
                     messages = to_messages(rec, src.shape, src.fields)
+                    if need_answers and not any(m["role"] == "assistant" for m in messages):
+                        raise Rejected(NO_ANSWER)
                     prompt = prompt_text(messages)
                     if len(prompt) < cfg.min_chars:
                         raise Rejected("too short")
@@ -364,15 +401,15 @@ def _read_pool(cfg: PromptsConfig, spool: str, rejects: _Rejects):
     return stats, src, sig, seen
 
 
-def _augment(cfg, pool, train_idx, src, seen) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+def _augment(cfg, pool, train_idx, src, seen, templates) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
     """Pick (base row, template) pairs from training rows only (eval stays disjoint), by source weight,
     each giving a prompt not seen before. Returns base spool rows, template indices, count per source."""
     gap = cfg.total - len(train_idx)
     names = [s.name for s in cfg.sources]
     counts = dict.fromkeys(names, 0)
-    if gap <= 0 or not cfg.augment:
+    if gap <= 0 or not templates:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), counts
-    n_tpl = len(cfg.augment)
+    n_tpl = len(templates)
     train_src = src[train_idx]
     bases = {n: train_idx[train_src == si] for si, n in enumerate(names)}
     quota = _quotas(
@@ -390,7 +427,7 @@ def _augment(cfg, pool, train_idx, src, seen) -> tuple[np.ndarray, np.ndarray, d
         for c in range(0, len(cand_b), CHUNK):
             b, t = cand_b[c : c + CHUNK], cand_t[c : c + CHUNK]
             for bi, ti, rec in zip(b, t, pool.take(b).column("messages").to_pylist(), strict=True):
-                key = prompt_hash(augment_messages(rec, cfg.augment[ti]))
+                key = prompt_hash(augment_messages(rec, templates[ti]))
                 if key not in seen:  # a variant that already exists would be an exact duplicate
                     seen.add(key)
                     out_b.append(bi)
@@ -422,25 +459,32 @@ def _write(pool, base: np.ndarray, tpl: np.ndarray, templates: list[str], path):
             w.write_table(chunk)
 
 
-def expand(cfg: PromptsConfig, out_dir: str) -> dict:
+def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False) -> dict:
     """Read, clean, dedup (exact, then near) and mix every source; write train/eval/rejects parquet,
-    stats.json and stats.parquet."""
+    stats.json and stats.parquet.
+
+    `need_answers` (regeneration disabled: training uses the sources' own answers): keep only rows with
+    an assistant answer, and augment nothing, since an augmented prompt has no answer."""
     import pyarrow as pa
 
     from .dedup import near_duplicates
 
     if not cfg.sources:
-        raise ValueError("prompts.sources is empty: list at least one prompt source")
+        raise UserError("prompts.sources is empty: list at least one prompt source")
     names = [s.name for s in cfg.sources]
     if len(set(names)) != len(names):
-        raise ValueError(f"prompts.sources: duplicate source names {names}")
+        raise UserError(f"prompts.sources: duplicate source names {names}; give each a unique name")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".tmp-spool-") as tmp:
         with atomic_path(out / "rejects.parquet") as rejects_tmp:
             rejects = _Rejects(rejects_tmp)
             try:
-                stats, src, sig, seen = _read_pool(cfg, f"{tmp}/pool.arrow", rejects)
+                stats, src, sig, seen = _read_pool(cfg, f"{tmp}/pool.arrow", rejects, need_answers)
+            except OSError as e:  # the spool's temporary name would tell the user nothing
+                if disk_full(e):
+                    raise disk_full_error(out) from e
+                raise
             finally:
                 rejects.close()
         near = near_duplicates(sig, cfg.near_dup_threshold) if sig is not None else np.zeros(len(src), bool)
@@ -455,14 +499,15 @@ def expand(cfg: PromptsConfig, out_dir: str) -> dict:
         quota = _quotas({n: len(p) for n, p in pools.items()}, weights, want)
         picked = np.concatenate([_rng(cfg.seed, n).permutation(p)[: quota[n]] for n, p in pools.items()])
         if not len(picked):
-            raise ValueError(f"no usable prompt in any source; see {out_dir}/rejects.parquet")
+            raise UserError(f"no usable prompt in any source; see the reasons in {out_dir}/rejects.parquet")
         picked = _rng(cfg.seed, "mix").permutation(picked)
         n_eval = min(cfg.eval_count, len(picked) // 2)  # a small pool still leaves half for training
         eval_idx, train_idx = picked[:n_eval], picked[n_eval:]
 
         with pa.memory_map(f"{tmp}/pool.arrow") as mm:
             pool = pa.ipc.open_file(mm).read_all()
-            aug_b, aug_t, augmented = _augment(cfg, pool, train_idx, src, seen)
+            templates = [] if need_answers else cfg.augment
+            aug_b, aug_t, augmented = _augment(cfg, pool, train_idx, src, seen, templates)
             del seen
             base = np.concatenate([train_idx, aug_b])
             tpl = np.concatenate([np.full(len(train_idx), -1), aug_t])
@@ -489,11 +534,13 @@ def expand(cfg: PromptsConfig, out_dir: str) -> dict:
         "requested_train": cfg.total,
         "requested_eval": cfg.eval_count,
         "pool": len(alive),
+        "need_answers": need_answers,
     }
     if totals["sampled_train"] + n_eval < want:
         summary["note"] = (
             f"pool of {len(picked)} unique prompts (+{totals['augmented']} augmented) is smaller than "
             f"total + eval_count = {want}; took all of them"
+            + (" (no augmentation: regenerate.enabled is false)" if need_answers and cfg.augment else "")
         )
     write_json(out / "stats.json", summary)
     write_parquet(_stats_table(stats), out / "stats.parquet")

@@ -27,6 +27,7 @@ from .chat import prompt_messages, render
 from .config import RegenerateConfig, to_json
 from .io import progress, write_json, write_parquet
 from .shards import shard_of
+from .target import read_target_config
 
 FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash loses little
 # settings of how to reach the server, not of what it answers: changing them keeps committed parts
@@ -413,6 +414,7 @@ def regenerate(
         raise ValueError(f"{prompts_path}: sample ids are not unique")
     if num_shards > 1:
         prompt_rows = [r for r in prompt_rows if shard_of(r["id"], num_shards) == shard]
+    read_target_config(target)  # every backend loads its tokenizer: refuse remote code first
     if not cfg.enabled:
         from transformers import AutoTokenizer
 

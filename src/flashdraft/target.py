@@ -3,9 +3,47 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
+from pathlib import Path
 
-from .config import DrafterConfig, target_layer_ids
+from .config import DrafterConfig, feature_layers
+from .errors import UserError
 from .io import device, torch_dtype
+
+
+def read_target_config(path) -> dict:
+    """The target's config.json, read as JSON: no model code runs. A target whose model_type transformers
+    does not ship but whose `auto_map` names the checkpoint's own code is refused, since loading it would
+    execute that code (trust_remote_code), which flashdraft never does."""
+    file = Path(path) / "config.json"
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"config key target.path: cannot read {file} ({e}); point it at an HF model directory"
+        ) from e
+    model_type = cfg.get("model_type")
+    if cfg.get("auto_map") and not _transformers_ships(model_type):
+        raise UserError(
+            f"config key target.path: {file} needs remote code (model_type {model_type!r} is not in "
+            f"transformers; auto_map {cfg['auto_map']}); flashdraft does not run a checkpoint's own code: "
+            "use a model transformers supports"
+        )
+    return cfg
+
+
+def _transformers_ships(model_type) -> bool:
+    """Whether transformers has a models/<model_type> package, found without importing it (nor torch)."""
+    spec = importlib.util.find_spec("transformers")
+    if not isinstance(model_type, str) or spec is None or spec.origin is None:
+        return False
+    return (Path(spec.origin).parent / "models" / model_type.replace("-", "_")).is_dir()
+
+
+def target_num_layers(cfg: dict) -> int | None:
+    """Decoder layers from a config.json dict (multimodal configs keep them in text_config)."""
+    return cfg.get("num_hidden_layers") or (cfg.get("text_config") or {}).get("num_hidden_layers")
 
 
 def load_target(path: str, dtype: str = "bfloat16", dev=None):
@@ -13,6 +51,7 @@ def load_target(path: str, dtype: str = "bfloat16", dev=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    read_target_config(path)  # refuses remote code before transformers sees the directory
     dev = dev or device()
     if dev.type == "cpu" and dtype != "float32":
         dtype = "float32"  # bf16 matmuls on CPU are slow and not what any CPU user wants
@@ -29,12 +68,7 @@ def num_layers(target_config) -> int:
 
 def feature_layer_ids(target_config, drafter: DrafterConfig) -> list[int]:
     """0-indexed decoder layers whose outputs feed the drafter (config override or DFlash formula)."""
-    n = num_layers(target_config)
-    ids = drafter.target_layer_ids or target_layer_ids(n, drafter.num_layers)
-    bad = [i for i in ids if not 0 <= i < n]
-    if bad:
-        raise ValueError(f"drafter.target_layer_ids {bad} out of range for a target with {n} layers")
-    return list(ids)
+    return feature_layers(num_layers(target_config), drafter)
 
 
 def select_features(hidden_states, layer_ids: list[int]):

@@ -239,6 +239,9 @@ class Step:
 def load_spec(target_dir, drafter_cfg: DrafterConfig) -> DrafterSpec:
     from transformers import AutoConfig, AutoTokenizer
 
+    from .target import read_target_config
+
+    read_target_config(target_dir)  # refuses remote code before transformers sees the directory
     config = AutoConfig.from_pretrained(target_dir)
     return DrafterSpec.from_target(config, AutoTokenizer.from_pretrained(target_dir), drafter_cfg)
 

@@ -9,7 +9,8 @@ from snakemake.utils import validate
 REPO = Path(workflow.basedir).parent
 sys.path.insert(0, str(REPO / "src"))
 
-from flashdraft.config import Config, from_dict  # noqa: E402
+from flashdraft.config import Config, check, from_dict  # noqa: E402
+from flashdraft.errors import UserError  # noqa: E402
 from flashdraft.gpu import visible_gpus  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
 from flashdraft.launch import on_every_node, torchrun  # noqa: E402
@@ -62,6 +63,12 @@ def check_config():
                 f"config key gpus.drafter_nodes: {CFG.gpus.drafter_nodes} nodes need SLURM (no srun here); "
                 "run with --profile workflow/profiles/slurm (set gpus.check_visible: false to submit anyway)"
             )
+    try:
+        warnings = check(CFG)
+    except UserError as e:
+        raise WorkflowError(str(e)) from e
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
 
 
 check_config()

@@ -11,6 +11,8 @@ rule prompts:
         cfg=section("prompts"),
         out_dir=parent("output"),
         cmd=stage("expand_prompts.py"),
+        # regeneration disabled: training uses the sources' own answers, so keep only rows that have one
+        need_answers="" if CFG.regenerate.enabled else "--need-answers",
     conda:
         CONDA_ENV
     log:
@@ -18,4 +20,4 @@ rule prompts:
     benchmark:
         f"{BENCH}/prompts.tsv"
     shell:
-        "{params.cmd} --cfg {params.cfg:q} --out-dir {params.out_dir} > {log} 2>&1"
+        "{params.cmd} --cfg {params.cfg:q} --out-dir {params.out_dir} {params.need_answers} > {log} 2>&1"

@@ -1,0 +1,47 @@
+"""User errors: a mistake in the config or the data ends a stage with one line naming what to fix.
+
+A `UserError` message names the source, file, key or row and what to do; `cli` turns it into that one
+line on stderr and exit status 1, with no traceback (a traceback means a bug; `--verbose` shows it anyway).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import sys
+from pathlib import Path
+
+
+class UserError(Exception):
+    """A mistake the user fixes (config, data, disk), not a bug: reported as one line."""
+
+
+def disk_full(e: BaseException) -> bool:
+    """ENOSPC, from Python (errno) or from pyarrow (which keeps only the message)."""
+    return isinstance(e, OSError) and (e.errno == errno.ENOSPC or "No space left on device" in str(e))
+
+
+def disk_full_error(path) -> UserError:
+    return UserError(f"{path}: no space left on device; free space there (or move results/) and rerun")
+
+
+def cli(main):
+    """Wrap a script's `main(argv)`: a UserError (or a full disk) exits with one line; `--verbose` in the
+    arguments re-raises it with its traceback."""
+
+    @functools.wraps(main)
+    def run(argv=None):
+        argv = list(sys.argv[1:] if argv is None else argv)
+        verbose = "--verbose" in argv
+        argv = [a for a in argv if a != "--verbose"]
+        try:
+            return main(argv)
+        except (UserError, OSError) as e:
+            if verbose or not (isinstance(e, UserError) or disk_full(e)):
+                raise
+            if not isinstance(e, UserError):
+                e = disk_full_error(e.filename or "a file being written")
+            name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else main.__module__
+            sys.exit(f"{name}: error: " + str(e).replace("\n", " "))
+
+    return run

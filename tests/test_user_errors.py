@@ -1,0 +1,109 @@
+"""A user mistake ends a script with one line naming what to fix, and no traceback (--verbose shows it)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(script, *args):
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, str(REPO / "scripts" / script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def one_line_error(proc) -> str:
+    """The one line a user error prints, last on stderr (after any progress lines); asserts the exit
+    status and that no traceback was printed."""
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert [line for line in lines if ": error: " in line] == lines[-1:], proc.stderr
+    return lines[-1]
+
+
+def expand(tmp_path, path, *extra):
+    cfg = json.dumps({"sources": [{"name": "mine", "path": str(path)}]})
+    return run_script("expand_prompts.py", "--cfg", cfg, "--out-dir", tmp_path / "out", *extra)
+
+
+@pytest.mark.parametrize(
+    "name, content, expected",
+    [
+        ("empty.json", b"", "is empty"),
+        ("truncated.json", b'[{"prompt": "What is', "is not valid JSON"),
+        ("latin1.json", json.dumps([{"prompt": "café"}]).replace("\\u00e9", "\xe9").encode("latin-1"),
+         "is not UTF-8"),
+        ("fake.parquet", b"this is not parquet\n" * 10, "is not a readable parquet file"),
+    ],
+)
+def test_unreadable_source(tmp_path, name, content, expected):
+    path = tmp_path / name
+    path.write_bytes(content)
+    line = one_line_error(expand(tmp_path, path))
+    assert line.startswith("expand_prompts: error: source 'mine': ") and str(path) in line
+    assert expected in line
+
+
+def test_verbose_shows_the_traceback(tmp_path):
+    path = tmp_path / "empty.json"
+    path.write_bytes(b"")
+    proc = expand(tmp_path, path, "--verbose")
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "UserError" in proc.stderr
+
+
+def test_disk_preflight_refusal(tmp_path):
+    from flashdraft.config import ToyConfig
+    from flashdraft.toy import build_toy_target
+
+    build_toy_target(ToyConfig(steps=0, num_docs=200), str(tmp_path / "target"))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]
+    pq.write_table(pa.Table.from_pylist([{"id": "a", "messages": messages}]), tmp_path / "data.parquet")
+    out = tmp_path / "hidden" / "shard-00000.arrow"
+    proc = run_script(
+        "precompute_hidden.py", "--cfg", json.dumps({"disk_margin": 1e18}), "--target", tmp_path / "target",
+        "--dtype", "float32", "--data", tmp_path / "data.parquet", "--shard", 0, "--num-shards", 1,
+        "--out", out,
+    )
+    line = one_line_error(proc)
+    assert "not enough disk space in" in line and str(out.parent) in line and "GiB" in line
+    assert not out.exists()
+
+
+def test_disk_full_names_the_file(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and tmpfs to fill a disk")
+    try:
+        proc = run_script("toy_sources.py", "--cfg", json.dumps({"source_rows": 200}), "--out-dir", mnt)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    line = one_line_error(proc)
+    assert f"{mnt}/sharegpt.jsonl: no space left on device" in line
+
+
+def test_target_that_needs_remote_code(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    auto_map = {"AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}
+    (target / "config.json").write_text(json.dumps({"model_type": "mine", "auto_map": auto_map}))
+    messages = [{"role": "user", "content": "Hi"}]
+    pq.write_table(pa.Table.from_pylist([{"id": "a", "source": "s", "messages": messages}]),
+                   tmp_path / "prompts.parquet")
+    proc = run_script(
+        "regenerate.py", "--cfg", json.dumps({"enabled": False}), "--target", target,
+        "--prompts", tmp_path / "prompts.parquet", "--out", tmp_path / "out.parquet",
+        "--work-dir", tmp_path / "w",
+    )
+    line = one_line_error(proc)
+    assert str(target / "config.json") in line and "needs remote code" in line and "modeling_mine" in line
