@@ -11,9 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "workflow" / "Snakefile"
 
 
-def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None):
+def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None, snakefile=SNAKEFILE):
     """Run the real workflow with this interpreter's Snakemake in `workdir` (`env`: extra variables)."""
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "-d", str(workdir), *args]
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "-d", str(workdir), *args]
     if config is not None:
         cmd += ["--configfile", str(config)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))

@@ -3,6 +3,7 @@
 import ast
 import json
 import re
+import shutil
 
 import pandas as pd
 import pyarrow as pa
@@ -102,6 +103,26 @@ def test_training_on_the_sources_answers(tmp_path):
     assert pd.read_parquet(r / "regenerated" / "errors" / "shard-00000.parquet").empty
     assert (r / "drafter" / "config.json").exists()
     assert json.loads((r / "eval" / "summary.json").read_text())["target_only"]["tokens_per_s"]
+
+
+def test_paths_with_spaces_quotes_and_shell_syntax_stay_plain_text(tmp_path):
+    """Every job of the DAG, from a checkout whose path holds a space and a quote, with a target path and
+    a GPU lock dir holding `$(...)`: all run, and nothing in those strings is executed."""
+    root = tmp_path / "it's a checkout"
+    shutil.copytree(REPO, root, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".whl", "wheelhouse", "results", ".snakemake", "__pycache__", ".gl"))
+    work = root / "work"
+    work.mkdir()
+    cheap = {"toy.num_docs": 200, "toy.steps": 0, "toy.source_rows": 20, "hidden.shards": 1,
+             "train.max_steps": 2, "train.compile": False,
+             "target.path": "results/toy/$(touch PWNED)target",
+             "gpus.lock_dir": str(tmp_path / "locks $(touch PWNED)")}
+    config = write_config(work / "config.yaml", {**SMALL, **cheap})
+    snakemake(work, "--cores", "2", config=config, snakefile=root / "workflow" / "Snakefile",
+              env={"PYTHONPATH": str(root / "src")})
+    assert (work / "results" / "report.html").exists()
+    assert (work / "results" / "toy" / "$(touch PWNED)target" / "config.json").exists()
+    assert not [p for p in tmp_path.rglob("PWNED*")], "a path was run as a command"
 
 
 def test_every_stage_artifact(small_run):

@@ -8,6 +8,8 @@ host and job id before srun starts the tasks.
 
 from __future__ import annotations
 
+from shlex import quote
+
 # The node this line runs on, the first of the allocation: torchrun hosts the rendezvous store on the node
 # whose host name matches, every other agent connects to it.
 RDZV_HOST = '"$(hostname)"'
@@ -18,6 +20,7 @@ def torchrun(py: str, script: str, nproc: int, nodes: int = 1, virtual: bool = F
     """`nproc` processes per node running `script`; `virtual` adds --virtual-local-rank (each rank sees
     its GPU as cuda:0)."""
     v = " --virtual-local-rank" if virtual else ""
+    py, script = quote(str(py)), quote(str(script))  # a checkout path may hold spaces or quotes
     if nodes == 1:
         return f"{py} -m torch.distributed.run --standalone --nproc_per_node {nproc}{v} {script}"
     return (f"{py} -m torch.distributed.run --nnodes {nodes} --nproc_per_node {nproc}{v}"

@@ -1,5 +1,6 @@
 import json
 import shutil
+from shlex import quote
 import sys
 from pathlib import Path
 
@@ -88,14 +89,14 @@ def section(name, keys=None):
 def stage(script, gpus=None, nproc=None, nodes=1):
     """The command that runs scripts/<script>: on `gpus` leased GPUs (see src/flashdraft/gpu.py),
     under torchrun with `nproc` processes (per node) when given, on `nodes` nodes through srun."""
-    cmd = f"{PY} {SCRIPTS / script}"
+    cmd = f"{quote(PY)} {quote(str(SCRIPTS / script))}"  # paths may hold spaces, quotes or $(...)
     if nproc is not None:
         # One process per GPU; --virtual-local-rank makes every rank see its GPU as cuda:0, so the
         # warmup's compile-cache entries (keyed by device index) hit on every rank.
         cmd = torchrun(PY, SCRIPTS / script, nproc, nodes, virtual=CFG.gpus.drafter > 0,
                        port=CFG.gpus.rdzv_port)
     if gpus is not None:
-        cmd = f"{PY} -m flashdraft.gpu --gpus {gpus} --lock-dir {CFG.gpus.lock_dir} -- {cmd}"
+        cmd = f"{quote(PY)} -m flashdraft.gpu --gpus {gpus} --lock-dir {quote(CFG.gpus.lock_dir)} -- {cmd}"
     return on_every_node(cmd, nodes) if nodes > 1 else cmd
 
 

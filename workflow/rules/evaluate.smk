@@ -21,6 +21,6 @@ rule evaluate:
     benchmark:
         f"{BENCH}/evaluate.tsv"
     shell:
-        "{params.cmd} --cfg {params.cfg:q} --target {input.target}"
-        " --dtype {params.dtype} --drafter {params.drafter_dir} --prompts {input.prompts}"
-        " --out-dir {params.out_dir} > {log} 2>&1"
+        "{params.cmd} --cfg {params.cfg:q} --target {input.target:q}"
+        " --dtype {params.dtype} --drafter {params.drafter_dir:q} --prompts {input.prompts:q}"
+        " --out-dir {params.out_dir:q} > {log:q} 2>&1"

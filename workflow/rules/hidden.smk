@@ -23,8 +23,8 @@ rule hidden_shard:
         f"{BENCH}/hidden_shard/{{shard}}.tsv"
     shell:
         "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q}"
-        " --target {input.target} --dtype {params.dtype} --data {input.data:q}"
-        " --shard {wildcards.shard} --num-shards {params.num_shards} --out {output.arrow} > {log} 2>&1"
+        " --target {input.target:q} --dtype {params.dtype} --data {input.data:q}"
+        " --shard {wildcards.shard} --num-shards {params.num_shards} --out {output.arrow:q} > {log:q} 2>&1"
 
 
 rule hidden_verify:
@@ -42,4 +42,4 @@ rule hidden_verify:
     benchmark:
         f"{BENCH}/hidden_verify.tsv"
     shell:
-        "{params.cmd} --out {output} {input.arrows} > {log} 2>&1"
+        "{params.cmd} --out {output:q} {input.arrows:q} > {log:q} 2>&1"

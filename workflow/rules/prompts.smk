@@ -20,4 +20,4 @@ rule prompts:
     benchmark:
         f"{BENCH}/prompts.tsv"
     shell:
-        "{params.cmd} --cfg {params.cfg:q} --out-dir {params.out_dir} {params.need_answers} > {log} 2>&1"
+        "{params.cmd} --cfg {params.cfg:q} --out-dir {params.out_dir:q} {params.need_answers} > {log:q} 2>&1"

@@ -25,7 +25,7 @@ rule report:
     benchmark:
         f"{BENCH}/report.tsv"
     shell:
-        "{params.cmd} --out {output.html} --plots-dir {output.plots} --eval-dir {params.eval_dir}"
-        " --metrics {input.metrics} --prompt-stats {input.stats} --benchmarks-dir {params.bench_dir}"
-        " --hidden-dir {params.hidden_dir} --regenerated {input.regenerated:q}"
-        " > {log} 2>&1"
+        "{params.cmd} --out {output.html:q} --plots-dir {output.plots:q} --eval-dir {params.eval_dir:q}"
+        " --metrics {input.metrics:q} --prompt-stats {input.stats:q} --benchmarks-dir {params.bench_dir:q}"
+        " --hidden-dir {params.hidden_dir:q} --regenerated {input.regenerated:q}"
+        " > {log:q} 2>&1"

@@ -14,7 +14,7 @@ if CFG.target.build_toy:
             f"{BENCH}/toy_target.tsv"
         threads: workflow.cores
         shell:
-            "{params.cmd} --cfg {params.cfg:q} --out {output} > {log} 2>&1"
+            "{params.cmd} --cfg {params.cfg:q} --out {output:q} > {log:q} 2>&1"
 
     rule toy_sources:
         output:
@@ -32,4 +32,4 @@ if CFG.target.build_toy:
         benchmark:
             f"{BENCH}/toy_sources.tsv"
         shell:
-            "{params.cmd} --cfg {params.cfg:q} --out-dir {params.out_dir} > {log} 2>&1"
+            "{params.cmd} --cfg {params.cfg:q} --out-dir {params.out_dir:q} > {log:q} 2>&1"

@@ -27,6 +27,6 @@ rule train:
         f"{BENCH}/train.tsv"
     shell:
         "{params.cmd} --cfg {params.cfg:q}"
-        " --drafter-cfg {params.drafter:q} --target {input.target} --compile-cache {params.cache_dir}"
-        " --checkpoints {params.checkpoints} --metrics {output.metrics} --out {params.drafter_dir}"
-        " {input.arrows} > {log} 2>&1"
+        " --drafter-cfg {params.drafter:q} --target {input.target:q} --compile-cache {params.cache_dir:q}"
+        " --checkpoints {params.checkpoints:q} --metrics {output.metrics:q} --out {params.drafter_dir:q}"
+        " {input.arrows:q} > {log:q} 2>&1"

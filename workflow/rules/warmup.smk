@@ -26,5 +26,5 @@ rule warmup:
         f"{BENCH}/warmup.tsv"
     shell:
         "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q}"
-        " --target {input.target} --out-dir {params.out_dir} --world {params.world} {params.arrows}"
-        " > {log} 2>&1"
+        " --target {input.target:q} --out-dir {params.out_dir:q} --world {params.world} {params.arrows:q}"
+        " > {log:q} 2>&1"
