@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import pickle
 import runpy
 import shutil
@@ -188,11 +189,18 @@ def test_verify_cli_names_bad_shard(tmp_path):
     bad.write_bytes(bad.read_bytes()[:-100])
     out = tmp_path / "verify.json"
     cmd = [sys.executable, str(REPO / "scripts" / "verify_hidden.py"), "--out", str(out), str(good), str(bad)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "FLASHDRAFT_RERUN": "redo"})
     assert proc.returncode != 0
     assert f"failed verification: {bad}" in proc.stderr
     summary = json.loads(out.read_text())
     assert [s["ok"] for s in summary["shards"]] == [True, False] and summary["ok"] is False
+    # the bad shard and its manifest are moved aside, kept; the good one stays; the message says so
+    [arrow] = (tmp_path / "bad").glob("shard-00001.*.arrow")
+    assert arrow.with_suffix(".json").exists() and not bad.exists() and not manifest_path(bad).exists()
+    assert good.exists() and manifest_path(good).exists()
+    assert f"moved {bad} -> {arrow}" in proc.stderr
+    assert f"moved {manifest_path(bad)} -> {arrow.with_suffix('.json')}" in proc.stderr
+    assert "Rerun to rebuild exactly these shards: redo" in proc.stderr
 
 
 def test_preflight_and_storage_dtype(tmp_path):

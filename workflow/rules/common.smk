@@ -1,4 +1,6 @@
 import json
+import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -180,3 +182,23 @@ def all_outputs():
 
 
 CONDA_ENV = "../../envs/flashdraft.yaml"
+
+
+def rerun_command():
+    """The snakemake command line that reruns this workflow as started (the Snakefile, config files and
+    --config values it was given), for verify_hidden.py's message after it moved bad shards aside
+    (into results/hidden/bad/, its default: bad/ next to the shards)."""
+    cmd = ["snakemake"]
+    snakefile = Path(workflow.main_snakefile).resolve()
+    if snakefile != (Path.cwd() / "workflow" / "Snakefile").resolve():
+        cmd += ["-s", str(snakefile)]
+    for f in workflow.overwrite_configfiles:
+        cmd += ["--configfile", str(Path(f).resolve())]
+    if workflow.config_settings.config_args:
+        cmd += ["--config", *workflow.config_settings.config_args]
+    return shlex.join(cmd + ["--cores", "all"])  # last: a target appended after it stays a target
+
+
+# Through the environment, not a param: the way the workflow was started must not rerun the verify.
+# setdefault: a job that runs Snakemake again (a cluster job) keeps the command of the first.
+os.environ.setdefault("FLASHDRAFT_RERUN", rerun_command())
