@@ -127,6 +127,23 @@ def test_writer_rejects_bad_rows_and_leaves_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no final file, no manifest, no temporary left behind
 
 
+def test_an_error_while_aborting_is_logged_and_the_first_is_raised(tmp_path, monkeypatch, capsys):
+    close = hidden._HashingSink.close
+
+    def failing_close(self):  # the file is closed, then closing fails (as a full disk can make it)
+        close(self)
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(hidden._HashingSink, "close", failing_close)
+    (sid, ids, mask, h) = random_rows(1, torch.bfloat16)[0]
+    with pytest.raises(ValueError, match="mask") as e:
+        write_shard(tmp_path / "shard.arrow", [(sid, ids, mask[:-1], h)])
+    assert e.value.__context__ is None and e.value.__cause__ is None  # nothing chained onto it
+    err = capsys.readouterr().err
+    assert "while aborting after ValueError" in err and "no space left on device" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("chunk", [1000, 4096, 1 << 26])
 def test_checksum_is_a_sha256_tree_over_file_chunks(tmp_path, monkeypatch, chunk):
     """The writer's checksum (hashed from the buffers as they are written, chunks split across writes)

@@ -332,8 +332,12 @@ def open_shard(path, **meta):
         try:
             yield writer
             writer.close()
-        except BaseException:
-            writer.abort()  # release the file so atomic_path can remove the temporary
+        except BaseException as error:
+            try:
+                writer.abort()  # release the file so atomic_path can remove the temporary
+            except Exception as second:  # the first error is the cause: raise it, not this one chained on it
+                print(f"hidden shard {path}: while aborting after {error!r}, also: {second!r}",
+                      file=sys.stderr, flush=True)
             raise
 
 
