@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 import tempfile
 import unicodedata
 import zlib
@@ -443,6 +444,11 @@ def expand(cfg: PromptsConfig, out_dir: str) -> dict:
                 stats, src, sig, seen = _read_pool(cfg, f"{tmp}/pool.arrow", rejects)
             finally:
                 rejects.close()
+        # an empty file is most likely a failed download or export: say so instead of mixing without it
+        warnings = [f"source {s.name!r}: {s.path} has no rows; it contributes no prompts"
+                    for s in cfg.sources if stats[s.name]["read"] == 0]
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr, flush=True)
         near = near_duplicates(sig, cfg.near_dup_threshold) if sig is not None else np.zeros(len(src), bool)
         del sig
         near_by_src = np.bincount(src[near], minlength=len(names))
@@ -490,6 +496,8 @@ def expand(cfg: PromptsConfig, out_dir: str) -> dict:
         "requested_eval": cfg.eval_count,
         "pool": len(alive),
     }
+    if warnings:
+        summary["warnings"] = warnings
     if totals["sampled_train"] + n_eval < want:
         summary["note"] = (
             f"pool of {len(picked)} unique prompts (+{totals['augmented']} augmented) is smaller than "
