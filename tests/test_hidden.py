@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import pickle
 import runpy
 import shutil
@@ -127,6 +128,23 @@ def test_writer_rejects_bad_rows_and_leaves_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no final file, no manifest, no temporary left behind
 
 
+def test_an_error_while_aborting_is_logged_and_the_first_is_raised(tmp_path, monkeypatch, capsys):
+    close = hidden._HashingSink.close
+
+    def failing_close(self):  # the file is closed, then closing fails (as a full disk can make it)
+        close(self)
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(hidden._HashingSink, "close", failing_close)
+    (sid, ids, mask, h) = random_rows(1, torch.bfloat16)[0]
+    with pytest.raises(ValueError, match="mask") as e:
+        write_shard(tmp_path / "shard.arrow", [(sid, ids, mask[:-1], h)])
+    assert e.value.__context__ is None and e.value.__cause__ is None  # nothing chained onto it
+    err = capsys.readouterr().err
+    assert "while aborting after ValueError" in err and "no space left on device" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("chunk", [1000, 4096, 1 << 26])
 def test_checksum_is_a_sha256_tree_over_file_chunks(tmp_path, monkeypatch, chunk):
     """The writer's checksum (hashed from the buffers as they are written, chunks split across writes)
@@ -189,11 +207,18 @@ def test_verify_cli_names_bad_shard(tmp_path):
     bad.write_bytes(bad.read_bytes()[:-100])
     out = tmp_path / "verify.json"
     cmd = [sys.executable, str(REPO / "scripts" / "verify_hidden.py"), "--out", str(out), str(good), str(bad)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "FLASHDRAFT_RERUN": "redo"})
     assert proc.returncode != 0
     assert f"failed verification: {bad}" in proc.stderr
     summary = json.loads(out.read_text())
     assert [s["ok"] for s in summary["shards"]] == [True, False] and summary["ok"] is False
+    # the bad shard and its manifest are moved aside, kept; the good one stays; the message says so
+    [arrow] = (tmp_path / "bad").glob("shard-00001.*.arrow")
+    assert arrow.with_suffix(".json").exists() and not bad.exists() and not manifest_path(bad).exists()
+    assert good.exists() and manifest_path(good).exists()
+    assert f"moved {bad} -> {arrow}" in proc.stderr
+    assert f"moved {manifest_path(bad)} -> {arrow.with_suffix('.json')}" in proc.stderr
+    assert "Rerun to rebuild exactly these shards: redo" in proc.stderr
 
 
 def test_preflight_and_storage_dtype(tmp_path):

@@ -196,6 +196,20 @@ def test_exact_dedup_on_prompt_and_near_dup(tmp_path):
     assert prompts.expand(off, str(tmp_path / "off"))["sources"]["a"]["kept"] == 4
 
 
+def test_an_empty_source_file_is_warned_about_and_recorded(tmp_path, capsys):
+    full = SourceConfig(name="full", path=_write_jsonl(tmp_path / "full.jsonl", [{"prompt": "Name a lake."}]))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cfg = PromptsConfig(sources=[full, SourceConfig(name="empty", path=str(empty))], total=1, eval_count=0)
+    summary = prompts.expand(cfg, str(tmp_path / "out"))
+    message = f"source 'empty': {empty} has no rows; it contributes no prompts"
+    assert summary["warnings"] == [message]
+    assert f"warning: {message}" in capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / "stats.json").read_text())["warnings"] == [message]
+    assert "warnings" not in prompts.expand(PromptsConfig(sources=[full], total=1, eval_count=0),
+                                             str(tmp_path / "full"))
+
+
 def test_augment_fills_the_gap(tmp_path):
     records = [{"prompt": f"Write a short poem about the number {i}."} for i in range(30)]
     records += [

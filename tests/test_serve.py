@@ -1,5 +1,6 @@
 """The openai regenerate backend over real HTTP against the real server (flashdraft.serve), toy target."""
 
+import http.client
 import json
 import os
 import signal
@@ -69,6 +70,82 @@ def test_models_and_bad_requests(server):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req)
     assert e.value.code == 400 and "messages" in json.loads(e.value.read())["error"]["message"]
+
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def _post(srv, body: bytes, length=None, send_body=True):
+    """POST over a raw connection: Content-Length as given (or the body's), the body sent or not; returns
+    (status, error message). A server that waits for bytes that never come fails this by the timeout."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=10)
+    try:
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(body) if length is None else length))
+        conn.endheaders(body if send_body else None)
+        resp = conn.getresponse()
+        data = json.loads(resp.read())
+        return resp.status, data.get("error", {}).get("message", "")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("body, words", [
+    ([1, 2], "JSON object"),
+    ("hello", "JSON object"),
+    ({"max_tokens": 0}, "`max_tokens` must be an integer in 1..32768, got 0"),
+    ({"max_tokens": -3}, "`max_tokens` must be an integer in 1..32768, got -3"),
+    ({"max_completion_tokens": 0, "max_tokens": 4}, "`max_completion_tokens` must be an integer"),
+    ({"max_tokens": "4"}, "`max_tokens` must be an integer"),
+    ({"max_tokens": 2.5}, "`max_tokens` must be an integer"),
+    ({"max_tokens": 32769}, "`max_tokens` must be an integer in 1..32768, got 32769"),
+    ({"temperature": -0.5}, "`temperature` must be a number >= 0"),
+    ({"temperature": "0.5"}, "`temperature` must be a number >= 0"),
+    ({"chat_template_kwargs": ["x"]}, "`chat_template_kwargs` must be an object"),
+], ids=["list", "string", "max-tokens-0", "max-tokens-negative", "max-completion-tokens-0",
+        "max-tokens-string", "max-tokens-float", "max-tokens-over-limit", "temperature-negative",
+        "temperature-string", "template-kwargs-list"])
+def test_bad_fields_are_400(server, body, words):
+    if isinstance(body, dict):
+        body = {"messages": MESSAGES, **body}
+    code, message = _post(server, json.dumps(body).encode())
+    assert code == 400 and words in message
+
+
+def test_max_tokens_limit_is_a_server_option(server):
+    server.max_tokens_limit = 3
+    try:
+        over = _post(server, json.dumps({"messages": MESSAGES, "max_tokens": 4}).encode())
+        at = _post(server, json.dumps({"messages": MESSAGES, "max_tokens": 3, "temperature": 0}).encode())
+    finally:
+        server.max_tokens_limit = 32768
+    assert over == (400, "`max_tokens` must be an integer in 1..3, got 4")
+    assert at == (200, "")
+
+
+@pytest.mark.parametrize("length, code, words", [
+    ("-1", 400, "Content-Length must be a non-negative integer, got '-1'"),
+    ("12abc", 400, "Content-Length must be a non-negative integer, got '12abc'"),
+    (str(2 << 20), 413, f"request body of {2 << 20} bytes is over the limit of {1 << 20}"),
+], ids=["negative", "not-an-integer", "over-1-MiB"])
+def test_bad_content_length_is_refused_before_reading(server, length, code, words):
+    # the body is never sent: a server that tried to read it would wait until the client's timeout
+    assert _post(server, b"", length=length, send_body=False) == (code, words)
+
+
+def test_a_stalled_client_is_dropped(server):
+    server.request_timeout = 0.2  # read when a connection starts
+    try:
+        # the headers promise 100 bytes, 10 come: the server answers 408 once the timeout passes
+        assert _post(server, b'{"message', length=100) == (408, "request body not received within 0.2 s")
+        # nothing at all after connecting: the server closes the connection (EOF, not the client's timeout)
+        with socket.create_connection(server.server_address, timeout=10) as s:
+            assert s.recv(1) == b""
+    finally:
+        server.request_timeout = 60.0
+    code, _ = _post(server, json.dumps({"messages": []}).encode())  # later clients are still served
+    assert code == 400
 
 
 def test_openai_equals_hf(data, server, hf_reference, tmp_path):

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -24,11 +25,13 @@ from flashdraft.train import (
     Collate,
     bucket_for,
     epoch_batches,
+    load_checkpoint,
     load_spec,
     lr_factor,
     parallel_mode,
     rows_per_batch,
     run_key,
+    save_checkpoint,
     set_compile_workers,
 )
 from flashdraft.warmup import warmup
@@ -118,6 +121,50 @@ def test_lr_warmup_then_cosine_to_zero():
     assert f[10] == pytest.approx(1.0) and f[55] == pytest.approx(0.5, abs=0.01)
     assert all(a >= b for a, b in zip(f[10:], f[11:], strict=False)) and f[-1] < 1e-3
     assert lr_factor(0, 10, 0.0) == 1.0
+
+
+def _training_state(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, 10, 0.1))
+    return model, optimizer, scheduler
+
+
+class _RunsCode:
+    """A pickled object that runs code when loaded without weights_only."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def test_checkpoints_load_weights_only(tmp_path, monkeypatch):
+    # this variable turns torch.load's default to unsafe loading; an explicit weights_only=True is kept
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    model, optimizer, scheduler = _training_state(0)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    state = (model.state_dict(), optimizer.state_dict(), scheduler)
+    path = save_checkpoint(tmp_path, *state, {"step": 1}, keep=1)
+
+    # a real checkpoint (AdamW and LambdaLR state included) loads under weights_only, unchanged
+    model2, optimizer2, scheduler2 = _training_state(1)
+    assert load_checkpoint(path, model2, optimizer2, scheduler2, "cpu", sharded=False) == {"step": 1}
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert str(optimizer2.state_dict()) == str(optimizer.state_dict())
+    assert scheduler2.state_dict() == scheduler.state_dict()
+
+    # one that holds an object that would run code is refused, and the code never runs
+    marker = tmp_path / "ran"
+    torch.save({"optimizer": _RunsCode(marker), "scheduler": {}}, path / "optim.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        load_checkpoint(path, model2, optimizer2, scheduler2, "cpu", sharded=False)
+    assert not marker.exists()
 
 
 def test_run_key_changes_with_config_and_data(data, tmp_path):

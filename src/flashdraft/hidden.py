@@ -333,8 +333,12 @@ def open_shard(path, **meta):
         try:
             yield writer
             writer.close()
-        except BaseException:
-            writer.abort()  # release the file so atomic_path can remove the temporary
+        except BaseException as error:
+            try:
+                writer.abort()  # release the file so atomic_path can remove the temporary
+            except Exception as second:  # the first error is the cause: raise it, not this one chained on it
+                print(f"hidden shard {path}: while aborting after {error!r}, also: {second!r}",
+                      file=sys.stderr, flush=True)
             raise
 
 
@@ -532,6 +536,26 @@ def verify_shard(arrow_path, manifest_file=None, max_errors=20) -> dict:
         err(f"{bad_rows - max_errors} more bad rows not listed")
     result["ok"] = not errors
     return result
+
+
+def move_aside(arrow_path, bad_dir=None) -> list[tuple[str, str]]:
+    """Move a shard and its manifest into `bad_dir` (default: `bad/` next to the shard) as
+    `<name>.<UTC time>.arrow` and `.json`, out of the way of a rebuild but kept for inspection.
+    Returns the (from, to) pairs of the files that existed."""
+    arrow_path = Path(arrow_path)
+    bad_dir = Path(bad_dir) if bad_dir else arrow_path.parent / "bad"
+    bad_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    stem, n = f"{arrow_path.stem}.{stamp}", 1
+    while any((bad_dir / f"{stem}{ext}").exists() for ext in (".arrow", ".json")):  # same second
+        stem, n = f"{arrow_path.stem}.{stamp}-{n}", n + 1
+    moved = []
+    for src in (arrow_path, manifest_path(arrow_path)):
+        if src.exists():
+            dst = bad_dir / f"{stem}{src.suffix}"
+            os.replace(src, dst)
+            moved.append((str(src), str(dst)))
+    return moved
 
 
 # -------------------------------------------------------------------------------------------- precompute

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 import tempfile
 import unicodedata
 import zlib
@@ -487,6 +488,11 @@ def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False) -> dict
                 raise
             finally:
                 rejects.close()
+        # an empty file is most likely a failed download or export: say so instead of mixing without it
+        warnings = [f"source {s.name!r}: {s.path} has no rows; it contributes no prompts"
+                    for s in cfg.sources if stats[s.name]["read"] == 0]
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr, flush=True)
         near = near_duplicates(sig, cfg.near_dup_threshold) if sig is not None else np.zeros(len(src), bool)
         del sig
         near_by_src = np.bincount(src[near], minlength=len(names))
@@ -536,6 +542,8 @@ def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False) -> dict
         "pool": len(alive),
         "need_answers": need_answers,
     }
+    if warnings:
+        summary["warnings"] = warnings
     if totals["sampled_train"] + n_eval < want:
         summary["note"] = (
             f"pool of {len(picked)} unique prompts (+{totals['augmented']} augmented) is smaller than "

@@ -6,26 +6,45 @@ server for tests and a fallback where vLLM or SGLang are not installed. `fail_ev
 N-th chat request with HTTP 503 instead: a real failure mode to exercise clients' retries.
 `python -m flashdraft.serve --target DIR --port N` runs it (a `regenerate.server_cmd` too); SIGTERM or
 Ctrl-C stops it cleanly.
+
+Requests are checked before any work: a body over `max_body` bytes is a 413, a bad Content-Length, a
+body that is not a JSON object, or a field out of range (max_tokens in 1..`max_tokens_limit`, a
+temperature >= 0) is a 400. A client that stalls mid-request is dropped after `request_timeout` seconds,
+so it cannot hold a thread forever.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .regenerate import generate, load_for_generate
 
+MAX_BODY = 1 << 20  # bytes; a chat request is far smaller
+MAX_TOKENS_LIMIT = 32768
+DEFAULT_MAX_TOKENS = 256
+REQUEST_TIMEOUT = 60.0  # seconds a client may stall while sending its request
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, target: str, host: str = "127.0.0.1", port: int = 8000, dtype: str = "bfloat16",
-                 name: str | None = None, fail_every: int = 0):
+                 name: str | None = None, fail_every: int = 0, max_tokens_limit: int = MAX_TOKENS_LIMIT,
+                 max_body: int = MAX_BODY, request_timeout: float = REQUEST_TIMEOUT):
         self.model, self.tokenizer, self.eos = load_for_generate(target, dtype)
         self.name, self.fail_every = name or target, fail_every
+        self.max_tokens_limit, self.max_body = max_tokens_limit, max_body
+        self.request_timeout = request_timeout
         self.lock = threading.Lock()  # one model: generate calls run one at a time
         self.count_lock, self.requests = threading.Lock(), 0
         super().__init__((host, port), Handler)
@@ -36,12 +55,18 @@ class Server(ThreadingHTTPServer):
         messages = req.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("`messages` must be a non-empty list")
-        max_tokens = req.get("max_completion_tokens") or req.get("max_tokens") or 256
-        thinking = bool((req.get("chat_template_kwargs") or {}).get("enable_thinking", False))
+        max_tokens = self._max_tokens(req)
+        temperature = req.get("temperature")
+        temperature = 1.0 if temperature is None else temperature
+        if not _number(temperature) or not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"`temperature` must be a number >= 0, got {temperature!r}")
+        kwargs = req.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"`chat_template_kwargs` must be an object, got {kwargs!r}")
+        thinking = bool(kwargs.get("enable_thinking", False))
         with self.lock:
             [(answer, n_prompt, n, finish)] = generate(
-                self.model, self.tokenizer, [messages], int(max_tokens), float(req.get("temperature", 1.0)),
-                thinking, self.eos,
+                self.model, self.tokenizer, [messages], max_tokens, float(temperature), thinking, self.eos,
             )
         return {
             "object": "chat.completion",
@@ -53,9 +78,24 @@ class Server(ThreadingHTTPServer):
                       "total_tokens": n_prompt + n + (finish == "stop")},
         }
 
+    def _max_tokens(self, req: dict) -> int:
+        """max_completion_tokens (the newer name) else max_tokens; absent or null: the default. Checked,
+        not `or`-chained, so 0 is refused instead of silently becoming the default."""
+        key = "max_completion_tokens" if req.get("max_completion_tokens") is not None else "max_tokens"
+        value = req.get(key)
+        if value is None:
+            return DEFAULT_MAX_TOKENS
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= self.max_tokens_limit:
+            raise ValueError(f"`{key}` must be an integer in 1..{self.max_tokens_limit}, got {value!r}")
+        return value
+
 
 class Handler(BaseHTTPRequestHandler):
     server: Server
+
+    def setup(self):
+        self.timeout = self.server.request_timeout  # the socket's timeout, set by StreamRequestHandler.setup
+        super().setup()
 
     def _send(self, code: int, body: dict):
         data = json.dumps(body).encode()
@@ -84,10 +124,24 @@ class Handler(BaseHTTPRequestHandler):
         with srv.count_lock:
             srv.requests += 1
             n = srv.requests
+        length = (self.headers.get("Content-Length") or "0").strip()
+        if not re.fullmatch(r"[0-9]+", length):
+            self.close_connection = True  # the body's end is unknown: this connection cannot go on
+            return self._error(400, f"Content-Length must be a non-negative integer, got {length!r}")
+        if int(length) > srv.max_body:
+            self.close_connection = True  # the body stays unread
+            return self._error(413, f"request body of {length} bytes is over the limit of {srv.max_body}")
         try:
-            req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            body = self.rfile.read(int(length))
+        except TimeoutError:
+            self.close_connection = True
+            return self._error(408, f"request body not received within {srv.request_timeout} s")
+        try:
+            req = json.loads(body)
         except ValueError as e:
             return self._error(400, f"invalid JSON: {e}")
+        if not isinstance(req, dict):
+            return self._error(400, f"the request body must be a JSON object, got {type(req).__name__}")
         if srv.fail_every and n % srv.fail_every == 0:
             return self._error(503, f"injected failure (request {n}, fail_every={srv.fail_every})")
         try:
@@ -117,11 +171,14 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--name", default=None, help="model name clients send (default: --target)")
     ap.add_argument("--fail-every", type=int, default=0, help="answer every N-th request with 503 (tests)")
+    ap.add_argument("--max-tokens-limit", type=int, default=MAX_TOKENS_LIMIT,
+                    help="largest max_tokens a request may ask for (larger: HTTP 400)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)  # a managed server is stopped with SIGTERM
     srv = None
     try:
-        srv = Server(args.target, args.host, args.port, args.dtype, args.name, args.fail_every)
+        srv = Server(args.target, args.host, args.port, args.dtype, args.name, args.fail_every,
+                     args.max_tokens_limit)
         print(f"serving {srv.name} on http://{args.host}:{srv.server_address[1]}/v1", flush=True)
         srv.serve_forever()
     except KeyboardInterrupt:

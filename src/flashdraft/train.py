@@ -446,9 +446,11 @@ def save_checkpoint(run_dir: Path, model: dict, optim: dict, scheduler, state: d
 
 
 def load_checkpoint(path: Path, drafter, optimizer, scheduler, device, sharded: bool) -> dict:
-    opt = torch.load(path / "optim.pt", map_location=device)
-    load_full_state(drafter, optimizer, torch.load(path / "model.pt", map_location=device), opt["optimizer"],
-                    sharded)
+    # weights_only: tensors and plain Python values only, so a checkpoint cannot run code when loaded
+    # (explicit: the default depends on the torch version and on TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD)
+    opt = torch.load(path / "optim.pt", map_location=device, weights_only=True)
+    model = torch.load(path / "model.pt", map_location=device, weights_only=True)
+    load_full_state(drafter, optimizer, model, opt["optimizer"], sharded)
     scheduler.load_state_dict(opt["scheduler"])
     return json.loads((path / "state.json").read_text())
 

@@ -1,6 +1,7 @@
 import json
+import os
+import shlex
 import shutil
-from shlex import quote
 import sys
 from pathlib import Path
 
@@ -89,14 +90,15 @@ def section(name, keys=None):
 def stage(script, gpus=None, nproc=None, nodes=1):
     """The command that runs scripts/<script>: on `gpus` leased GPUs (see src/flashdraft/gpu.py),
     under torchrun with `nproc` processes (per node) when given, on `nodes` nodes through srun."""
-    cmd = f"{quote(PY)} {quote(str(SCRIPTS / script))}"  # paths may hold spaces, quotes or $(...)
+    q = shlex.quote  # paths and config values may hold spaces, quotes or $(...)
+    cmd = f"{q(PY)} {q(str(SCRIPTS / script))}"
     if nproc is not None:
         # One process per GPU; --virtual-local-rank makes every rank see its GPU as cuda:0, so the
         # warmup's compile-cache entries (keyed by device index) hit on every rank.
         cmd = torchrun(PY, SCRIPTS / script, nproc, nodes, virtual=CFG.gpus.drafter > 0,
                        port=CFG.gpus.rdzv_port)
     if gpus is not None:
-        cmd = f"{quote(PY)} -m flashdraft.gpu --gpus {gpus} --lock-dir {quote(CFG.gpus.lock_dir)} -- {cmd}"
+        cmd = f"{q(PY)} -m flashdraft.gpu --gpus {gpus} --lock-dir {q(CFG.gpus.lock_dir)} -- {cmd}"
     return on_every_node(cmd, nodes) if nodes > 1 else cmd
 
 
@@ -188,3 +190,23 @@ def all_outputs():
 
 
 CONDA_ENV = "../../envs/flashdraft.yaml"
+
+
+def rerun_command():
+    """The snakemake command line that reruns this workflow as started (the Snakefile, config files and
+    --config values it was given), for verify_hidden.py's message after it moved bad shards aside
+    (into results/hidden/bad/, its default: bad/ next to the shards)."""
+    cmd = ["snakemake"]
+    snakefile = Path(workflow.main_snakefile).resolve()
+    if snakefile != (Path.cwd() / "workflow" / "Snakefile").resolve():
+        cmd += ["-s", str(snakefile)]
+    for f in workflow.overwrite_configfiles:
+        cmd += ["--configfile", str(Path(f).resolve())]
+    if workflow.config_settings.config_args:
+        cmd += ["--config", *workflow.config_settings.config_args]
+    return shlex.join(cmd + ["--cores", "all"])  # last: a target appended after it stays a target
+
+
+# Through the environment, not a param: the way the workflow was started must not rerun the verify.
+# setdefault: a job that runs Snakemake again (a cluster job) keeps the command of the first.
+os.environ.setdefault("FLASHDRAFT_RERUN", rerun_command())
