@@ -82,7 +82,8 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
 def test_server_backend_leases_the_server_gpus(tmp_path):
     overrides = {"regenerate.backend": "server", "regenerate.server_gpus": 2, "gpus.check_visible": False}
     config = write_config(tmp_path / "config.yaml", overrides)
-    proc = snakemake(tmp_path, "-n", "-p", "--cores", "1", "results/regenerated/train/shard-00000.parquet", config=config)
+    proc = snakemake(tmp_path, "-n", "-p", "--cores", "1", "results/regenerated/train/shard-00000.parquet",
+                     config=config)
     assert re.search(r"flashdraft\.gpu --gpus 2 .*scripts/regenerate\.py", proc.stdout)
 
 
