@@ -265,14 +265,20 @@ def table_gpu(r: dict) -> str:
 # ------------------------------------------------------------------------------------------------ snakemake
 
 
-def save_target(preset: str, out: Path, seed_tokens: int = 3000):
-    """A random target of the preset's shape on disk with the toy's byte-level chat tokenizer."""
+def saved_target(preset: str, work: Path, seed_tokens: int = 3000) -> Path:
+    """work/target: a random target of the preset's shape on disk with the toy's byte-level chat
+    tokenizer (built once), read into the page cache so that every measured run starts alike."""
     from flashdraft.toy import build_tokenizer, task_conversations
 
-    model = build_target(preset, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    model.to(torch.bfloat16).save_pretrained(out)
-    del model
-    build_tokenizer(task_conversations(seed_tokens, seed=0), 512).save_pretrained(out)
+    out = work / "target"
+    if not (out / "config.json").exists():
+        model = build_target(preset, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        model.to(torch.bfloat16).save_pretrained(out)
+        del model
+        build_tokenizer(task_conversations(seed_tokens, seed=0), 512).save_pretrained(out)
+    for f in out.iterdir():
+        f.read_bytes()
+    return out
 
 
 def synthetic_conversations(out_dir: Path, tokenizer_dir: Path, tokens: int, lo: int, hi: int,
@@ -302,19 +308,15 @@ def synthetic_conversations(out_dir: Path, tokenizer_dir: Path, tokens: int, lo:
         )
         total += n
     out_dir.mkdir(parents=True, exist_ok=True)
-    for s in range(shards):
-        mine = [r for r in rows if shard_of(r["id"], shards) == s]
-        pq.write_table(pa.Table.from_pylist(mine), out_dir / f"shard-{s:05d}.parquet")
+    table, shard = pa.Table.from_pylist(rows), [shard_of(r["id"], shards) for r in rows]
+    for s in range(shards):  # every file keeps the schema, an empty one too
+        pq.write_table(table.filter([x == s for x in shard]), out_dir / f"shard-{s:05d}.parquet")
     return len(rows)
 
 
 def bench_snakemake(args) -> dict:
     work = Path(args.work)
-    target = work / "target"
-    if not (target / "config.json").exists():
-        save_target(args.preset, target)
-    for f in target.iterdir():  # both runs start page-cached
-        f.read_bytes()
+    target = saved_target(args.preset, work)
     gpus = torch.cuda.device_count()
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["target"] = {"path": str(target), "build_toy": False, "dtype": "bfloat16"}

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 import torch
 import transformers
 import yaml
-from precompute_hidden import save_target
+from precompute_hidden import saved_target
 from transformers import AutoConfig, AutoTokenizer
 
 from flashdraft.config import RegenerateConfig
@@ -87,9 +87,7 @@ def weight_bytes_per_step(target) -> int:
 
 def bench_gpu(args) -> dict:
     work = Path(args.work)
-    target = work / "target"
-    if not (target / "config.json").exists():
-        save_target(args.preset, target)
+    target = saved_target(args.preset, work)
     lengths = synthetic_prompts(work / "prompts.parquet", target, args.prompts, args.min_len, args.max_len)
     common = dict(max_new_tokens=args.new_tokens, temperature=0.0, part_rows=256)
     runs = {}
@@ -126,7 +124,10 @@ def score(r: dict) -> dict:
     bandwidth). bound_with_prefill adds what that bound leaves out, the prompts' prefill at the GPU's
     peak dense bf16 FLOP rate (2 FLOPs per weight and prompt token)."""
     s, main, base = r["setup"], r["runs"][r["main_run"]], r["runs"][r["baseline_run"]]
-    if not s["hbm_bytes_per_s"]:
+    r["tokens_per_s_per_gpu"] = main["tokens_per_s"]
+    r["baseline_tokens_per_s_per_gpu"] = base["tokens_per_s"]
+    r["speedup_vs_baseline"] = main["tokens_per_s"] / base["tokens_per_s"]
+    if not s["hbm_bytes_per_s"]:  # a GPU not in the table, or the CPU: no bound
         return r
     s["bound_context_tokens"] = s["mean_prompt_tokens"] + s["new_tokens"] / 2
     for run in r["runs"].values():
@@ -137,10 +138,7 @@ def score(r: dict) -> dict:
             prefill_s = s["prompts"] * s["mean_prompt_tokens"] * weights / s["peak_flops"]  # 2 x weights/2
             run["bound_with_prefill_tokens_per_s"] = run["new_tokens"] / (run["new_tokens"] / b * step_s
                                                                            + prefill_s)
-    r["tokens_per_s_per_gpu"] = main["tokens_per_s"]
-    r["baseline_tokens_per_s_per_gpu"] = base["tokens_per_s"]
     r["bound_tokens_per_s_per_gpu"] = main["bound_tokens_per_s"]
-    r["speedup_vs_baseline"] = main["tokens_per_s"] / base["tokens_per_s"]
     r["fraction_of_bound"] = main["tokens_per_s"] / main["bound_tokens_per_s"]
     if "bound_with_prefill_tokens_per_s" in main:
         r["bound_with_prefill_tokens_per_s_per_gpu"] = main["bound_with_prefill_tokens_per_s"]
@@ -152,11 +150,7 @@ def score(r: dict) -> dict:
 
 def bench_snakemake(args) -> dict:
     work = Path(args.work)
-    target = work / "target"
-    if not (target / "config.json").exists():
-        save_target(args.preset, target)
-    for f in target.iterdir():  # both runs start page-cached
-        f.read_bytes()
+    target = saved_target(args.preset, work)
     gpus = torch.cuda.device_count()
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["target"] = {"path": str(target), "build_toy": False, "dtype": "bfloat16"}
