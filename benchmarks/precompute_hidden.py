@@ -314,6 +314,23 @@ def synthetic_conversations(out_dir: Path, tokenizer_dir: Path, tokens: int, lo:
     return len(rows)
 
 
+def run_rule(run_dir: Path, rule: str, targets: list[str], gpus: int) -> tuple[float, list[float], dict]:
+    """Snakemake builds `targets` with `rule` alone in `run_dir` (its config.yaml) and `gpus` GPUs to share:
+    the wall time, each job's time from its `benchmark:` file, and the tail of each job's log."""
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(run_dir),
+           "--configfile", str(run_dir / "config.yaml"), "--cores", str(os.cpu_count()),
+           "--resources", f"gpu={gpus}", "--allowed-rules", rule, "--", *targets]
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise SystemExit(f"snakemake failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    bench, logs = run_dir / "results" / "benchmarks" / rule, run_dir / "results" / "logs" / rule
+    job_s = [float(f.read_text().splitlines()[1].split("\t")[0]) for f in sorted(bench.glob("*.tsv"))]
+    return wall, job_s, {f.name: f.read_text()[-800:] for f in sorted(logs.glob("*.log"))}
+
+
 def bench_snakemake(args) -> dict:
     work = Path(args.work)
     target = saved_target(args.preset, work)
@@ -343,44 +360,14 @@ def bench_snakemake(args) -> dict:
         )
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
         shards = [f"results/hidden/shard-{i:05d}.arrow" for i in range(2)]
-        cmd = [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "workflow" / "Snakefile"),
-            "-d",
-            str(run_dir),
-            "--configfile",
-            str(run_dir / "config.yaml"),
-            "--cores",
-            str(os.cpu_count()),
-            "--resources",
-            f"gpu={n}",
-            "--allowed-rules",
-            "hidden_shard",
-            "--",
-            *shards,
-        ]
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        wall = time.perf_counter() - t0
-        if proc.returncode:
-            raise SystemExit(f"snakemake failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        wall, job_s, logs = run_rule(run_dir, "hidden_shard", shards, gpus=n)
         manifests = [json.loads(manifest_path(run_dir / s).read_text()) for s in shards]
-        tsv = [
-            (run_dir / "results" / "benchmarks" / "hidden_shard" / f"{i:05d}.tsv").read_text().splitlines()
-            for i in range(2)
-        ]
-        job_s = [float(t[1].split("\t")[0]) for t in tsv]
-        leased = list((run_dir / "results" / "logs" / "hidden_shard").glob("*.log"))
         runs[f"gpu={n}"] = {
             "wall_s": wall,
             "job_s": job_s,
             "rows": rows,
             "tokens": sum(m["tokens"] for m in manifests),
-            "logs": {p.name: p.read_text()[-600:] for p in leased},
+            "logs": logs,
         }
     result = {
         "runs": runs,

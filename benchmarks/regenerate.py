@@ -20,12 +20,8 @@ Writes benchmarks/results/regenerate[_snakemake]_<preset>.json and prints a tabl
 
 import argparse
 import json
-import os
 import platform
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +30,7 @@ import pyarrow.parquet as pq
 import torch
 import transformers
 import yaml
-from precompute_hidden import saved_target
+from precompute_hidden import run_rule, saved_target
 from transformers import AutoConfig, AutoTokenizer
 
 from flashdraft.config import RegenerateConfig
@@ -167,19 +163,7 @@ def bench_snakemake(args) -> dict:
                           args.max_len)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
         outs = [f"results/regenerated/train/shard-{i:05d}.parquet" for i in range(2)]
-        cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"),
-               "-d", str(run_dir), "--configfile", str(run_dir / "config.yaml"),
-               "--cores", str(os.cpu_count()),
-               "--resources", f"gpu={n}", "--allowed-rules", "regenerate", "--", *outs]
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        wall = time.perf_counter() - t0
-        if proc.returncode:
-            raise SystemExit(f"snakemake failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-        bench = run_dir / "results" / "benchmarks" / "regenerate"
-        job_s = [float((bench / f"{i:05d}.tsv").read_text().splitlines()[1].split("\t")[0]) for i in range(2)]
-        logs = {p.name: p.read_text()[-800:] for p in (run_dir / "results/logs/regenerate").glob("*.log")}
+        wall, job_s, logs = run_rule(run_dir, "regenerate", outs, gpus=n)
         rows = sum(pq.read_metadata(run_dir / o).num_rows for o in outs)
         runs[f"gpu={n}"] = {"wall_s": wall, "job_s": job_s, "rows": rows, "logs": logs}
     result = {"runs": runs, "setup": {"preset": args.preset, "gpus_visible": gpus, "prompts": args.prompts,
