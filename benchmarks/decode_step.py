@@ -1,13 +1,15 @@
 """Where a static-engine decode step's time goes, against the bytes it must move.
 
-One GPU, a random Qwen3-8B built in memory: for each batch (slots) the step `flashdraft.decode` replays
-as a CUDA graph at one attention length, timed over many replays, against the memory-bandwidth bound
+One GPU, a random Qwen3-8B built in memory: for each batch (slots) and variant (`compiled`: compiled
+layer halves and FlexAttention over each row's own KV blocks, the default on CUDA; `eager`: the same
+math uncompiled, SDPA over a dense mask) the step `flashdraft.decode` replays as a CUDA graph with
+every row at one attention length, timed over many replays, against the memory-bandwidth bound
 of the same step (every weight but the input embedding, plus the KV cache of every slot up to that
 length, at the GPU's HBM bandwidth); the GPU time of the step's kernels by kind (matmuls, attention,
 the rest: norms, RoPE, activations, adds, cache writes); and one prefill of 64 prompts of 300 tokens
 (compute-bound, against the bare forward's FLOPs).
 
-Usage: python benchmarks/decode_step.py [--batch 64 256] [--length 512]
+Usage: python benchmarks/decode_step.py [--batch 64 256] [--length 512] [--variants compiled eager]
 Writes benchmarks/results/decode_step_qwen3-8b.json and prints a table.
 """
 
@@ -45,7 +47,8 @@ def kernel_split(dec, length: int) -> dict:
     split = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for e in prof.key_averages():
         name, ms = e.key.lower(), e.device_time_total / 1e3
-        kind = ("attention" if any(k in name for k in ("sdpa", "flash", "attention", "fmha")) else
+        attention = ("sdpa", "flash", "attention", "fmha", "flex", "triton_tem")  # tem: flex's template
+        kind = ("attention" if any(k in name for k in attention) else
                 "matmul" if any(k in name for k in ("gemm", "nvjet", "cutlass", "splitk")) else "other")
         split[kind] += ms
     return split
@@ -55,6 +58,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     p.add_argument("--length", type=int, default=512)
+    p.add_argument("--variants", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager"])
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "decode_step_qwen3-8b.json"))
     args = p.parse_args()
     model = build_target("qwen3-8b", torch.device("cuda"))
@@ -65,33 +69,37 @@ def main():
     kv = kv_bytes_per_token(model.config, model.dtype)
     rows = []
     for b in args.batch:
-        dec = SlotDecoder(model, b, args.length, [0], 0)
-        model.config._attn_implementation = ATTENTION
-        with torch.inference_mode():
-            graph, _ = dec._capture(args.length)
-            dec.pos.fill_(args.length - 1)
-            step = timed(graph.replay, 50)
-            split = kernel_split(dec, args.length)
-            n = min(b, 64)
-            prefill = timed(partial(dec._prefill, list(range(n)), [[5] * 300] * n), 3)
-        model.config._attn_implementation = "sdpa"
-        bound = (weights + b * args.length * kv) / hbm
-        n_pre = n * 300
-        rows.append({"batch": b, "length": args.length, "step_ms": step * 1e3, "bound_step_ms": bound * 1e3,
-                     "step_over_bound": bound / step, "kernels_ms": split, "tokens_per_s": b / step,
-                     "prefill_tokens": n_pre, "prefill_ms": prefill * 1e3,
-                     "prefill_tflops": 2 * (weights / 2) * n_pre / prefill / 1e12})  # 2 FLOPs per bf16 weight
-        del dec, graph
-        torch.cuda.empty_cache()
+        for variant in args.variants:
+            dec = SlotDecoder(model, b, args.length, [0], 0, compiled=variant == "compiled")
+            model.config._attn_implementation = ATTENTION
+            with torch.inference_mode():
+                t = time.perf_counter()
+                graph, _ = dec._capture(args.length)
+                capture = time.perf_counter() - t
+                dec.pos.fill_(args.length - 1)
+                step = timed(graph.replay, 50)
+                split = kernel_split(dec, args.length)
+                n = min(b, 64)
+                prefill = timed(partial(dec._prefill, list(range(n)), [[5] * 300] * n), 3)
+            model.config._attn_implementation = "sdpa"
+            bound = (weights + b * args.length * kv) / hbm
+            n_pre = n * 300
+            rows.append({"batch": b, "variant": variant, "length": args.length, "step_ms": step * 1e3,
+                         "bound_step_ms": bound * 1e3, "step_over_bound": bound / step,
+                         "kernels_ms": split, "tokens_per_s": b / step, "capture_s": capture,
+                         "prefill_tokens": n_pre, "prefill_ms": prefill * 1e3,
+                         "prefill_tflops": 2 * (weights / 2) * n_pre / prefill / 1e12})  # 2 FLOPs/bf16 weight
+            del dec, graph
+            torch.cuda.empty_cache()
     result = {"device": dev, "torch": torch.__version__, "weight_bytes_per_step": weights,
               "kv_bytes_per_token": kv, "hbm_bytes_per_s": hbm, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'batch':>6}{'step ms':>9}{'bound ms':>10}{'ratio':>7}{'matmul':>8}{'attn':>7}{'other':>7}"
-          f"{'prefill ms':>12}{'TFLOP/s':>9}")
+    print(f"{'batch':>6}{'variant':>9}{'step ms':>9}{'bound ms':>10}{'ratio':>7}{'matmul':>8}{'attn':>7}"
+          f"{'other':>7}{'prefill ms':>12}{'TFLOP/s':>9}")
     for r in rows:
         k = r["kernels_ms"]
-        print(f"{r['batch']:6d}{r['step_ms']:9.2f}{r['bound_step_ms']:10.2f}{r['step_over_bound']:7.2f}"
-              f"{k['matmul']:8.2f}{k['attention']:7.2f}{k['other']:7.2f}{r['prefill_ms']:12.1f}"
+        print(f"{r['batch']:6d}{r['variant']:>9}{r['step_ms']:9.2f}{r['bound_step_ms']:10.2f}"
+              f"{r['step_over_bound']:7.2f}{k['matmul']:8.2f}{k['attention']:7.2f}{k['other']:7.2f}{r['prefill_ms']:12.1f}"
               f"{r['prefill_tflops']:9.0f}")
 
 

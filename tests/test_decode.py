@@ -4,9 +4,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import toy_prompt_set
+from torch._dynamo.utils import counters
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from flashdraft.chat import prompt_messages, render
-from flashdraft.decode import SlotDecoder, unsupported
+from flashdraft.decode import KV_BLOCK, SlotDecoder, unsupported
 from flashdraft.regenerate import load_for_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,3 +94,51 @@ def test_gpu_cuda_graph_steps_equal_hf_generate(data):
     assert dec.graphs is not None
     got = {i: (t, f) for i, t, f in dec.run(ids, NEW)}
     assert got == ref and len(dec.graphs) >= 1
+
+
+def _random_model(arch, **extra):
+    """A tiny random `arch` model whose biases (zero at init) and weights make a difference."""
+    cfg = AutoConfig.for_model(arch, vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=1024, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    for name, p in model.named_parameters():  # norms stay 1
+        if "norm" not in name:
+            torch.nn.init.normal_(p, std=0.3 if "bias" in name else 0.1)
+    return model
+
+
+def _hf_ids(model, ids, new):
+    """HF generate's greedy continuation of each token-id prompt (explicit mask: ids may hold pad)."""
+    return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=new, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(p):].tolist() for p in ids]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_other_layouts_equal_hf_generate(arch):
+    """The decode step writes the layer math out: biases (llama's attention and MLP biases, qwen2's
+    q/k/v biases) and layouts without QK-norm must match the model's own layers."""
+    extra = {"llama": {"attention_bias": True, "mlp_bias": True}, "qwen2": {},
+             "mistral": {"sliding_window": None}}
+    model = _random_model(arch, **extra[arch])
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 9, 17, 3)]
+    ref = {i: (t, "length") for i, t in enumerate(_hf_ids(model, ids, NEW))}
+    dec = SlotDecoder(model, 2, max(map(len, ids)) + NEW, [], 0)
+    assert {i: (t, f) for i, t, f in dec.run(ids, NEW)} == ref
+
+
+def test_compiled_step_with_per_row_kv_blocks_equals_hf_generate():
+    """The CUDA path on the CPU: compiled layer halves and FlexAttention over each row's own KV blocks
+    (Inductor's CPU kernels), prompts on both sides of block boundaries, slots refilled mid-run."""
+    model, g, new = _random_model("qwen3"), torch.Generator().manual_seed(1), 40
+    lengths = (5, KV_BLOCK - 1, KV_BLOCK, KV_BLOCK + 1, 2 * KV_BLOCK - 6, 3)
+    ids = [torch.randint(1, 96, (n,), generator=g).tolist() for n in lengths]
+    ref = dict(enumerate(_hf_ids(model, ids, new)))
+    torch._dynamo.reset()
+    counters.clear()
+    dec = SlotDecoder(model, 3, max(lengths) + new, [], 0, compiled=True, graphs=False)
+    assert {i: t for i, t, _ in dec.run(ids, new)} == ref
+    assert counters["stats"]["unique_graphs"] == 3  # one graph per function, whatever the layer
