@@ -97,9 +97,10 @@ def test_gpu_cuda_graph_steps_equal_hf_generate(data):
 
 
 def _random_model(arch, **extra):
-    """A tiny random `arch` model whose biases (zero at init) and weights make a difference."""
+    """A tiny random `arch` model whose biases (zero at init) and weights make a difference, with heads
+    x head_dim != hidden_size."""
     cfg = AutoConfig.for_model(arch, vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                max_position_embeddings=1024, **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
@@ -111,7 +112,8 @@ def _random_model(arch, **extra):
 
 def _hf_ids(model, ids, new):
     """HF generate's greedy continuation of each token-id prompt (explicit mask: ids may hold pad)."""
-    return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+    return [model.generate(torch.tensor([p], device=model.device),
+                           attention_mask=torch.ones(1, len(p), dtype=torch.long, device=model.device),
                            max_new_tokens=new, do_sample=False, eos_token_id=None,
                            pad_token_id=0)[0, len(p):].tolist() for p in ids]
 
@@ -130,15 +132,18 @@ def test_other_layouts_equal_hf_generate(arch):
     assert {i: (t, f) for i, t, f in dec.run(ids, NEW)} == ref
 
 
-def test_compiled_step_with_per_row_kv_blocks_equals_hf_generate():
-    """The CUDA path on the CPU: compiled layer halves and FlexAttention over each row's own KV blocks
-    (Inductor's CPU kernels), prompts on both sides of block boundaries, slots refilled mid-run."""
-    model, g, new = _random_model("qwen3"), torch.Generator().manual_seed(1), 40
-    lengths = (5, KV_BLOCK - 1, KV_BLOCK, KV_BLOCK + 1, 2 * KV_BLOCK - 6, 3)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_compiled_step_with_per_row_kv_blocks_equals_hf_generate(device):
+    """The CUDA path: compiled layer halves and FlexAttention over each row's own KV blocks (on the CPU,
+    Inductor's CPU kernels; on the GPU, in CUDA graphs), prompts on both sides of block boundaries,
+    slots refilled mid-run."""
+    model, g, new = _random_model("qwen3").to(device), torch.Generator().manual_seed(1), 40
+    lengths = (5, KV_BLOCK - 1, KV_BLOCK, KV_BLOCK + 1, 2 * KV_BLOCK - 6, 3, 3 * KV_BLOCK + 7)
     ids = [torch.randint(1, 96, (n,), generator=g).tolist() for n in lengths]
     ref = dict(enumerate(_hf_ids(model, ids, new)))
     torch._dynamo.reset()
     counters.clear()
-    dec = SlotDecoder(model, 3, max(lengths) + new, [], 0, compiled=True, graphs=False)
+    dec = SlotDecoder(model, 3, max(lengths) + new, [], 0, compiled=True, graphs=device == "cuda")
     assert {i: t for i, t, _ in dec.run(ids, new)} == ref
     assert counters["stats"]["unique_graphs"] == 3  # one graph per function, whatever the layer

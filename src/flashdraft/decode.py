@@ -112,7 +112,7 @@ def _attn_in(h, w, cos, sin, *, eps, heads, kv_heads, head_dim):
 def _attn_out(h, attn, w, *, eps, act):
     """Output projection and residual, post-attention norm, gated MLP and residual."""
     wo, bo, ln, wg, bg, wu, bu, wd, bd = w[9:]
-    h = h + F.linear(attn.reshape(h.shape), wo, bo)
+    h = h + F.linear(attn.reshape(h.shape[0], -1), wo, bo)
     x = _rms(h, ln, eps)
     return h + F.linear(act(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
 
@@ -189,7 +189,8 @@ class SlotDecoder:
             compile = partial(torch.compile, fullgraph=True, dynamic=False)
             self._in, self._out, self._flex = compile(_attn_in), compile(_attn_out), compile(flex_attention)
             nblk = self.max_len // KV_BLOCK
-            self._full_idx = torch.arange(nblk, dtype=torch.int32, device=dev).expand(slots, 1, 1, -1)
+            # contiguous: the kernel reads the block indices as a dense [slots, 1, 1, nblk] array
+            self._full_idx = torch.arange(nblk, dtype=torch.int32, device=dev).repeat(slots, 1, 1, 1)
             self._one = torch.ones(slots, 1, 1, dtype=torch.int32, device=dev)
             pos = self.pos
             self._mask_mod = lambda b, h, q, kv: kv <= pos[b]
