@@ -320,14 +320,19 @@ class SlotDecoder:
         too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens > self.max_len]
         if too_long:
             raise ValueError(f"{len(too_long)} prompts exceed max_len {self.max_len} with their answers")
+        self.prepare()
         self.model.config._attn_implementation = ATTENTION
         try:
-            if self.graphs is not None and not self.graphs:
-                for length in self._lengths():
-                    self.graphs[length] = self._capture(length)
             yield from self._loop(prompts, max_new_tokens)
         finally:
             self.model.config._attn_implementation = self._attn
+
+    @torch.inference_mode()
+    def prepare(self):
+        """Compile the step and capture its CUDA graphs (once; `run` calls it when not done yet)."""
+        if self.graphs is not None and not self.graphs:
+            for length in self._lengths():
+                self.graphs[length] = self._capture(length)
 
     def _loop(self, prompts, max_new_tokens):
         # longest first: similar lengths share a prefill, and a prompt too big for memory fails at once
@@ -348,9 +353,13 @@ class SlotDecoder:
                     yield from self._finish(slot, t, active, free, max_new_tokens)
                 continue
             nxt = self._decode(max(pos[s] for s in active) + 1)
-            for slot in list(active):
-                active[slot][1].append(nxt[slot])
+            done = []
+            for slot, (_, tokens) in active.items():  # per slot per step: kept lean
+                tokens.append(nxt[slot])
                 pos[slot] += 1
+                if nxt[slot] in self.eos or len(tokens) >= max_new_tokens:
+                    done.append(slot)
+            for slot in done:
                 yield from self._finish(slot, nxt[slot], active, free, max_new_tokens)
 
     def _finish(self, slot, token, active, free, max_new_tokens):
