@@ -177,9 +177,6 @@ class SlotDecoder:
         self.pos = torch.zeros(slots, dtype=torch.long, device=dev)  # the position each slot writes next
         self.live = torch.zeros(slots, dtype=torch.long, device=dev)  # 1: the slot holds a sequence
         self._idle = []  # slots freed since the last step: their `live` and `pos` go to 0 before the next
-        # each step's tokens land here (pinned: the copy does not wait); two steps are in flight at most
-        self._host = [torch.zeros(slots, dtype=torch.long, pin_memory=cuda) for _ in range(3)]
-        self._launched = 0
         self.arange = torch.arange(self.max_len, device=dev)
         self.generator = torch.Generator(dev).manual_seed(seed)
         self.graphs = {} if (cuda if graphs is None else graphs) else None
@@ -282,9 +279,7 @@ class SlotDecoder:
             self.live[idle], self.pos[idle] = 0, 0
             self._idle.clear()
 
-    def _launch(self, length: int):
-        """Queue one step (a graph replay on CUDA) and the copy of its tokens to the host; returns the
-        host buffer and an event to wait on. Nothing here waits for the GPU."""
+    def _decode(self, length: int) -> list[int]:
         self._free_idle()
         if self.compiled:
             length = self.max_len
@@ -297,14 +292,7 @@ class SlotDecoder:
             graph.replay()
         nxt = greedy if self.temperature == 0 else self._pick(logits)
         self.tokens.copy_(nxt)
-        buf = self._host[self._launched % len(self._host)]
-        self._launched += 1
-        buf.copy_(nxt, non_blocking=True)
-        if self.pos.device.type != "cuda":
-            return buf, None
-        event = torch.cuda.Event()
-        event.record()
-        return buf, event
+        return nxt.tolist()
 
     def _prefill(self, slots: list[int], prompts: list[list[int]]) -> list[int]:
         """Each prompt's KV into its slot (positions 0..n-1); returns each one's first new token."""
@@ -347,14 +335,10 @@ class SlotDecoder:
                 self.graphs[length] = self._capture(length)
 
     def _loop(self, prompts, max_new_tokens):
-        """Steps run one ahead of the host: step t+1 is queued before step t's tokens are read, so the
-        GPU never waits for the bookkeeping. A row that ends at step t was also decoded by step t+1 (at
-        its own next position, in its own slot); that token is dropped."""
         # longest first: similar lengths share a prefill, and a prompt too big for memory fails at once
         waiting = deque(sorted(range(len(prompts)), key=lambda i: -len(prompts[i])))
         free, active, pos = list(range(self.slots)), {}, [0] * self.slots  # active: slot -> (index, tokens)
-        inflight = deque()  # (host tokens, event, {slot: its tokens list} as launched)
-        while waiting or active or inflight:
+        while waiting or active:
             if waiting and (len(free) >= self.refill or not active):
                 take = []
                 while waiting and len(take) < len(free):
@@ -368,22 +352,11 @@ class SlotDecoder:
                     active[slot], pos[slot] = (i, [t]), len(prompts[i])
                     yield from self._finish(slot, t, active, free, max_new_tokens)
                 continue
-            if active and len(inflight) < 2:
-                launched = {slot: tokens for slot, (_, tokens) in active.items()}
-                length = max(pos[s] for s in launched) + 1
-                for slot in launched:
-                    pos[slot] += 1
-                inflight.append((*self._launch(length), launched))
-                if len(inflight) < 2:
-                    continue
-            buf, event, launched = inflight.popleft()
-            if event is not None:
-                event.synchronize()
-            nxt, done = buf.tolist(), []
-            for slot, tokens in launched.items():  # per slot per step: kept lean
-                if slot not in active or active[slot][1] is not tokens:
-                    continue  # it ended at the step before
+            nxt = self._decode(max(pos[s] for s in active) + 1)
+            done = []
+            for slot, (_, tokens) in active.items():  # per slot per step: kept lean
                 tokens.append(nxt[slot])
+                pos[slot] += 1
                 if nxt[slot] in self.eos or len(tokens) >= max_new_tokens:
                     done.append(slot)
             for slot in done:
