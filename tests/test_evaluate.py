@@ -382,3 +382,45 @@ def test_evaluate_cli_writes_outputs(toy, tmp_path):
     df = pd.read_parquet(tmp_path / "out" / "per_prompt.parquet")
     assert sorted(df["id"].unique()) == ["p0", "p1"] and len(df) == 8
     assert (df["new_tokens"] <= 10).all() and df["lossless"].dropna().all()
+
+
+TIMING = {"decode_s", "tokens_per_s"}  # wall-clock columns: differ from run to run
+
+
+def without_timing(summary):
+    return {k: {m: x for m, x in v.items() if m not in {"tokens_per_s", "speedup"}}
+            for k, v in summary.items()}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_merged_shards_equal_one_job(toy, tmp_path, temperature):
+    from flashdraft.evaluate import merge, run, run_rows, write_rows
+    from flashdraft.model import export_drafter
+
+    path, model, tokenizer, _, _ = toy
+    drafter, spec = untrained(model, tokenizer, seed=1)
+    export_drafter(drafter, spec, tmp_path / "drafter")
+    conversations = task_conversations(7, seed=3)
+    prompts = [{"id": f"q{i}", "source": "toy", "messages": c} for i, c in enumerate(conversations)]
+    pd.DataFrame(prompts).to_parquet(tmp_path / "eval.parquet")
+    cfg = EvalConfig(num_prompts=6, max_new_tokens=10, temperature=temperature)  # the 7th is not evaluated
+    args = (str(path), str(tmp_path / "drafter"), str(tmp_path / "eval.parquet"), "float32")
+
+    one = run(cfg, *args[:3], tmp_path / "one", dtype="float32")
+    shards = []
+    for i in range(3):
+        rows, _ = run_rows(cfg, *args, shard=i, num_shards=3)
+        write_rows(rows, tmp_path / f"shard-{i}.parquet")
+        shards.append(rows)
+    assert sum(bool(r) for r in shards) >= 2  # the split really splits
+    assert sorted(r["id"] for rows in shards for r in rows if r["drafter"] == "target_only") == [
+        f"q{i}" for i in range(6)]
+    files = [tmp_path / f"shard-{i}.parquet" for i in range(3)]
+    merged = merge(files, tmp_path / "drafter", tmp_path / "merged")
+
+    a, b = (pd.read_parquet(tmp_path / d / "per_prompt.parquet").drop(columns=list(TIMING))
+            for d in ("one", "merged"))
+    assert len(a) == 6 * 4 and list(a.columns) == list(b.columns)
+    pd.testing.assert_frame_equal(a, b)
+    assert without_timing(merged) == without_timing(one)
+    assert json.loads((tmp_path / "merged" / "summary.json").read_text()).keys() == one.keys()
