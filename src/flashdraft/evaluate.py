@@ -17,6 +17,7 @@ target's output distribution.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,19 +221,39 @@ def speculative_decode(
     return Decoded(new, emitted, accepted, verified, time.perf_counter() - t0)
 
 
+# A divergence is a numerical tie when both choices lie within this many ulps (of the target's dtype, at
+# the top logit's magnitude) of the top logit. Each logit leaves the LM head rounded to the dtype (half an
+# ulp each, so one ulp between two of them), and the hidden state feeding the head was rounded in every
+# layer along another reduction order in a B-token verify than in a 1-token step: a few ulps more. In
+# bf16 (8 significant bits) an ulp at a logit of 20 is 0.125, so the tolerance there is 0.5.
+TIE_ULPS = 4
+
+
+def tie_tolerance(magnitude: float, dtype: torch.dtype = torch.bfloat16, ulps: int = TIE_ULPS) -> float:
+    """`ulps` units in the last place of `dtype` at `magnitude` (an ulp: eps * 2^floor(log2 |m|))."""
+    m = abs(float(magnitude))
+    if m == 0 or not math.isfinite(m):
+        return 0.0
+    return ulps * torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(m))
+
+
 @torch.no_grad()
-def first_mismatch(model, prompt_ids, ref: list[int], out: list[int]) -> tuple[int, float]:
-    """Where `out` first leaves the target-only output `ref` (-1: never), and the target's logit gap there
-    between the two choices: a gap near 0 is a near-tie that the rounding of a B-token verify forward and
-    a 1-token forward decided differently (bf16 on GPU), not a decoding bug."""
+def first_mismatch(model, prompt_ids, ref: list[int], out: list[int]) -> tuple[int, float, bool]:
+    """Where `out` first leaves the target-only output `ref` (-1: never), the target's logit gap there
+    between the two choices, and whether that is a numerical tie: both choices within `tie_tolerance` of
+    the top logit, so the rounding of a B-token verify forward and a 1-token forward decided it
+    differently (bf16 on GPU), not a decoding bug."""
     if out == ref:
-        return -1, float("nan")
+        return -1, float("nan"), False
     j = next((i for i, (a, b) in enumerate(zip(ref, out, strict=False)) if a != b), min(len(ref), len(out)))
     if j == min(len(ref), len(out)):
-        return j, float("nan")  # one is a prefix of the other
+        return j, float("nan"), False  # one is a prefix of the other
     logits = model(input_ids=torch.tensor([[*prompt_ids, *ref[:j]]], device=model.device), logits_to_keep=1)
     logits = logits.logits[0, -1].float()
-    return j, float(logits[ref[j]] - logits[out[j]])
+    top = float(logits.max())
+    tol = tie_tolerance(top, model.dtype)
+    tie = top - float(logits[ref[j]]) <= tol and top - float(logits[out[j]]) <= tol
+    return j, float(logits[ref[j]] - logits[out[j]]), tie
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -244,7 +265,10 @@ def prompt_ids(tokenizer, messages) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=(-1, float("nan")), index=0) -> dict:
+NO_MISMATCH = (-1, float("nan"), False)
+
+
+def _row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=NO_MISMATCH, index=0) -> dict:
     steps = len(d.emitted)
     return {
         "prompt_index": index,  # position in the evaluated prompt set: the merged shards' order
@@ -262,6 +286,7 @@ def _row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=(-1, float
         "lossless": lossless,
         "first_mismatch": mismatch[0],
         "mismatch_logit_gap": mismatch[1],
+        "numerical_tie": mismatch[2] if lossless is not None else None,  # None: sampled, not compared
         "output": list(d.tokens),
     }
 
@@ -316,6 +341,8 @@ def summarize(rows, block_size) -> dict:
         emitted, acc, ver = ([x for r in rs for x in r[key]] for key in ("emitted", "accepted", "verified"))
         taus = [r["tau"] for r in rs if r["verify_steps"]]
         flags = [r["lossless"] for r in rs]
+        compared = None not in flags  # greedy: every output compared token for token with target-only
+        differ = [r for r in rs if r["lossless"] is False]
         tps = rate(rs)
         summary[name] = {
             "tau_pooled": _ratio(sum(emitted), len(emitted)),
@@ -326,7 +353,16 @@ def summarize(rows, block_size) -> dict:
             ],
             "tokens_per_s": tps,
             "speedup": _ratio(tps, base) if tps is not None and base else None,
-            "lossless_all": None if any(f is None for f in flags) else all(flags),
+            "lossless_all": all(flags) if compared else None,
+            "exact_match_rate": _ratio(sum(flags), len(flags)) if compared else None,
+            "mismatches": len(differ) if compared else None,
+            "numerical_ties": sum(bool(r["numerical_tie"]) for r in differ) if compared else None,
+            # where each differing output first left target-only's, and whether that was a numerical tie
+            "divergences": [
+                {"id": r["id"], "position": r["first_mismatch"], "numerical_tie": bool(r["numerical_tie"]),
+                 "logit_gap": None if math.isnan(r["mismatch_logit_gap"]) else r["mismatch_logit_gap"]}
+                for r in differ
+            ],
             "prompts": len(rs),
         }
     return summary
