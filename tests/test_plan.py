@@ -77,7 +77,8 @@ def test_plan_on_production_on_one_node(qwen3_8b_dir, tmp_path):
     assert all(h > 0 for h in hours.values()) and p["total_hours"] == pytest.approx(sum(hours.values()))
     assert p["slowest"] == max(hours, key=hours.get)
     # precompute: tokens / (per-GPU rate x 8 GPUs), 40 shards in 5 waves
-    assert hours["precompute"] == pytest.approx(tok.total / (P.RATES["precompute_bfloat16"].value * 8) / 3600)
+    rate = P.RATES[f"precompute_{cfg.hidden.dtype}"].value
+    assert hours["precompute"] == pytest.approx(tok.total / (rate * 8) / 3600)
 
     # half the GPUs: twice the hours (40 and 8 shard jobs in whole waves; training on gpus.drafter)
     def on(gpus, drafter):
