@@ -450,9 +450,20 @@ def without_timing(summary):
             for k, v in summary.items()}
 
 
+def script(name):
+    """A script of scripts/ as a module: its `main(argv)`, run in this process (the model loads fast)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_merged_shards_equal_one_job(toy, tmp_path, temperature):
-    from flashdraft.evaluate import merge, run, run_rows, write_rows
+    """scripts/evaluate.py over the whole set against 3 shard jobs of it joined by scripts/evaluate_merge.py,
+    as the evaluate and evaluate_merge rules run them."""
     from flashdraft.model import export_drafter
 
     path, model, tokenizer, _, _ = toy
@@ -461,24 +472,23 @@ def test_merged_shards_equal_one_job(toy, tmp_path, temperature):
     conversations = task_conversations(7, seed=3)
     prompts = [{"id": f"q{i}", "source": "toy", "messages": c} for i, c in enumerate(conversations)]
     pd.DataFrame(prompts).to_parquet(tmp_path / "eval.parquet")
-    cfg = EvalConfig(num_prompts=6, max_new_tokens=10, temperature=temperature)  # the 7th is not evaluated
-    args = (str(path), str(tmp_path / "drafter"), str(tmp_path / "eval.parquet"), "float32")
+    cfg = json.dumps({"num_prompts": 6, "max_new_tokens": 10, "temperature": temperature})  # not the 7th
+    common = ["--cfg", cfg, "--target", str(path), "--dtype", "float32",
+              "--drafter", str(tmp_path / "drafter"), "--prompts", str(tmp_path / "eval.parquet")]
+    evaluate_main, merge_main = script("evaluate"), script("evaluate_merge")
 
-    one = run(cfg, *args[:3], tmp_path / "one", dtype="float32")
-    shards = []
-    for i in range(3):
-        rows, _ = run_rows(cfg, *args, shard=i, num_shards=3)
-        write_rows(rows, tmp_path / f"shard-{i}.parquet")
-        shards.append(rows)
-    assert sum(bool(r) for r in shards) >= 2  # the split really splits
-    assert sorted(r["id"] for rows in shards for r in rows if r["drafter"] == "target_only") == [
-        f"q{i}" for i in range(6)]
-    files = [tmp_path / f"shard-{i}.parquet" for i in range(3)]
-    merged = merge(files, tmp_path / "drafter", tmp_path / "merged")
+    evaluate_main([*common, "--out-dir", str(tmp_path / "one")])
+    files = [str(tmp_path / "shards" / f"shard-{i:05d}.parquet") for i in range(3)]
+    for i, f in enumerate(files):
+        evaluate_main([*common, "--shard", str(i), "--num-shards", "3", "--out-rows", f])
+    shards = [pd.read_parquet(f) for f in files]
+    assert sum(len(d) > 0 for d in shards) >= 2  # the split really splits
+    assert sorted(i for d in shards for i in d["id"].unique()) == [f"q{i}" for i in range(6)]
+    merge_main(["--drafter", str(tmp_path / "drafter"), "--out-dir", str(tmp_path / "merged"), *files])
 
     a, b = (pd.read_parquet(tmp_path / d / "per_prompt.parquet").drop(columns=list(TIMING))
             for d in ("one", "merged"))
     assert len(a) == 6 * 4 and list(a.columns) == list(b.columns)
     pd.testing.assert_frame_equal(a, b)
-    assert without_timing(merged) == without_timing(one)
-    assert json.loads((tmp_path / "merged" / "summary.json").read_text()).keys() == one.keys()
+    one, merged = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "merged"))
+    assert one.keys() == merged.keys() and without_timing(merged) == without_timing(one)

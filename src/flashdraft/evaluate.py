@@ -408,7 +408,8 @@ def run_rows(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, dtype="bflo
 def write_rows(rows: list[dict], path) -> None:
     import pandas as pd
 
-    write_parquet(pd.DataFrame(rows), path)  # a shard without prompts: a file without rows
+    columns = list(_row("", "", Decoded([], [], [], [], 0.0), 0, True))  # a shard without prompts: no rows
+    write_parquet(pd.DataFrame(rows, columns=columns), path)
 
 
 def read_rows(paths) -> list[dict]:
