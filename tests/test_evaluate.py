@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 
 from flashdraft.config import DrafterConfig, EvalConfig, ToyConfig
 from flashdraft.evaluate import (
+    Decoded,
     DFlashProposer,
     NgramProposer,
     _row,
@@ -244,9 +246,65 @@ def test_first_mismatch_locates_the_divergence_and_its_logit_gap(toy):
     ref = target_decode(model, ids, 12, eos=set()).tokens
     assert first_mismatch(model, ids, ref, list(ref))[0] == -1
     wrong = [*ref[:5], (ref[5] + 1) % model.config.vocab_size, *ref[6:]]
-    j, gap = first_mismatch(model, ids, ref, wrong)
+    j, gap, tie = first_mismatch(model, ids, ref, wrong)
     assert j == 5 and gap > 0  # the greedy reference is the argmax, so it wins by a positive margin
+    assert not tie  # a forced other token: a real divergence, not a rounding one
     assert first_mismatch(model, ids, ref, ref[:7])[0] == 7
+
+
+def test_tie_tolerance_is_a_few_ulps_at_the_logits_magnitude():
+    from flashdraft.evaluate import TIE_ULPS, tie_tolerance
+
+    for m in (0.3, 1.0, 20.0, -20.0, 700.0):
+        x = torch.tensor(abs(m), dtype=torch.bfloat16)
+        ulp = 2.0 ** (math.floor(math.log2(abs(m))) - 7)  # bf16 keeps 8 significant bits
+        # it is bf16's spacing at m: adding it moves x, a quarter of it rounds back to x
+        assert float(x + ulp) != float(x) and float(x + ulp / 4) == float(x)
+        assert tie_tolerance(m) == TIE_ULPS * ulp
+    assert tie_tolerance(20.0) == 0.5
+    assert tie_tolerance(20.0, torch.float32) == TIE_ULPS * 2.0 ** (4 - 23)
+    assert tie_tolerance(0.0) == 0.0
+
+
+def test_divergence_report_flags_a_numerical_tie(toy):
+    """A real tie: another token's LM-head row made equal to the greedy token's, so both logits are the
+    same bits at every position. The target's greedy pick (the first maximal index) is unchanged; an
+    output that takes the twin at position j diverges there on a tie, one that takes a worse token not."""
+    import copy
+
+    _, model, tokenizer, prompts, _ = toy
+    ids = prompt_ids(tokenizer, prompts[0]["messages"])
+    ref = target_decode(model, ids, 12, eos=set()).tokens
+    j = 4
+    twin = model.config.vocab_size - 1  # a free embedding row above the tokenizer's (never in the inputs)
+    assert twin > ref[j] and twin not in ids + ref
+    tied = copy.deepcopy(model)
+    head = tied.get_output_embeddings().weight
+    with torch.no_grad():
+        head[twin] = head[ref[j]]
+    assert target_decode(tied, ids, 12, eos=set()).tokens == ref
+
+    out = [*ref[:j], twin, *ref[j + 1:]]
+    position, gap, tie = first_mismatch(tied, ids, ref, out)
+    assert (position, gap, tie) == (j, 0.0, True)
+    worse = [*ref[:j], (ref[j] + 1) % tokenizer.vocab_size, *ref[j + 1:]]
+    assert first_mismatch(tied, ids, ref, worse)[2] is False
+
+    def decoded(toks):
+        steps = len(toks) - 1
+        return Decoded(toks, [1] * steps, [0] * steps, [0] * steps, seconds=1.0)
+
+    rows = [_row("p", "target_only", decoded(ref), len(ids), True)]
+    for pid, toks in (("p", out), ("q", worse), ("r", list(ref))):
+        m = first_mismatch(tied, ids, ref, toks)
+        rows.append(_row(pid, "dflash", decoded(toks), len(ids), m[0] < 0, m))
+    assert [r["numerical_tie"] for r in rows[1:]] == [True, False, False]
+    s = summarize(rows, B)["dflash"]
+    assert s["exact_match_rate"] == 1 / 3 and s["mismatches"] == 2 and s["numerical_ties"] == 1
+    assert [(x["id"], x["position"], x["numerical_tie"]) for x in s["divergences"]] == [
+        ("p", j, True), ("q", j, False)]
+    assert s["divergences"][0]["logit_gap"] == 0.0 and s["divergences"][1]["logit_gap"] > 0
+    json.dumps(s, allow_nan=False)  # strict JSON: summary.json holds no NaN
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
@@ -382,3 +440,55 @@ def test_evaluate_cli_writes_outputs(toy, tmp_path):
     df = pd.read_parquet(tmp_path / "out" / "per_prompt.parquet")
     assert sorted(df["id"].unique()) == ["p0", "p1"] and len(df) == 8
     assert (df["new_tokens"] <= 10).all() and df["lossless"].dropna().all()
+
+
+TIMING = {"decode_s", "tokens_per_s"}  # wall-clock columns: differ from run to run
+
+
+def without_timing(summary):
+    return {k: {m: x for m, x in v.items() if m not in {"tokens_per_s", "speedup"}}
+            for k, v in summary.items()}
+
+
+def script(name):
+    """A script of scripts/ as a module: its `main(argv)`, run in this process (the model loads fast)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_merged_shards_equal_one_job(toy, tmp_path, temperature):
+    """scripts/evaluate.py over the whole set against 3 shard jobs of it joined by scripts/evaluate_merge.py,
+    as the evaluate and evaluate_merge rules run them."""
+    from flashdraft.model import export_drafter
+
+    path, model, tokenizer, _, _ = toy
+    drafter, spec = untrained(model, tokenizer, seed=1)
+    export_drafter(drafter, spec, tmp_path / "drafter")
+    conversations = task_conversations(7, seed=3)
+    prompts = [{"id": f"q{i}", "source": "toy", "messages": c} for i, c in enumerate(conversations)]
+    pd.DataFrame(prompts).to_parquet(tmp_path / "eval.parquet")
+    cfg = json.dumps({"num_prompts": 6, "max_new_tokens": 10, "temperature": temperature})  # not the 7th
+    common = ["--cfg", cfg, "--target", str(path), "--dtype", "float32",
+              "--drafter", str(tmp_path / "drafter"), "--prompts", str(tmp_path / "eval.parquet")]
+    evaluate_main, merge_main = script("evaluate"), script("evaluate_merge")
+
+    evaluate_main([*common, "--out-dir", str(tmp_path / "one")])
+    files = [str(tmp_path / "shards" / f"shard-{i:05d}.parquet") for i in range(3)]
+    for i, f in enumerate(files):
+        evaluate_main([*common, "--shard", str(i), "--num-shards", "3", "--out-rows", f])
+    shards = [pd.read_parquet(f) for f in files]
+    assert sum(len(d) > 0 for d in shards) >= 2  # the split really splits
+    assert sorted(i for d in shards for i in d["id"].unique()) == [f"q{i}" for i in range(6)]
+    merge_main(["--drafter", str(tmp_path / "drafter"), "--out-dir", str(tmp_path / "merged"), *files])
+
+    a, b = (pd.read_parquet(tmp_path / d / "per_prompt.parquet").drop(columns=list(TIMING))
+            for d in ("one", "merged"))
+    assert len(a) == 6 * 4 and list(a.columns) == list(b.columns)
+    pd.testing.assert_frame_equal(a, b)
+    one, merged = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "merged"))
+    assert one.keys() == merged.keys() and without_timing(merged) == without_timing(one)

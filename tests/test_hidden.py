@@ -222,10 +222,10 @@ def test_verify_cli_names_bad_shard(tmp_path):
 
 
 def test_preflight_and_storage_dtype(tmp_path):
-    assert preflight(1000, 40, tmp_path / "not" / "yet") == 44000
+    assert preflight(1000, "float32", 10, tmp_path / "not" / "yet") == 1000 * 45 * 11 // 10
     with pytest.raises(UserError, match=r"need about [\d.]+ GiB .*but only [\d.]+ GiB") as e:
-        preflight(10**15, 4, tmp_path)
-    assert f"({10**15 * 4 * 11 // 10} bytes" in str(e.value)
+        preflight(10**15, "bfloat16", 4, tmp_path)
+    assert f"({int(10**15 * 13 * 1.1)} bytes" in str(e.value) and "x 13 bytes/token" in str(e.value)
     with pytest.raises(ValueError, match=r"'float8_e4m3fn' is not supported; use one of .*'float8_e4m3'"):
         hidden.storage_dtype("float8_e4m3fn")
     assert hidden.storage_dtype(FP8) == torch.float8_e4m3fn
@@ -413,7 +413,8 @@ def test_precompute_matches_direct_forward(precomputed, toy_target, train_parque
 def test_precompute_fp8_end_to_end(precomputed, toy_target, train_parquet, tmp_path, monkeypatch):
     shards, manifests = precomputed
     need = []
-    monkeypatch.setattr(hidden, "preflight", lambda tokens, per_token, d, margin: need.append(per_token))
+    monkeypatch.setattr(hidden, "preflight", lambda tokens, dtype, width, d, margin: need.append(
+        hidden.bytes_per_token(dtype, width)))
     out = tmp_path / "shard-00001.arrow"
     cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=CFG.batch_tokens, dtype=FP8)
     manifest = precompute_shard(toy_target, "float32", train_parquet, 1, 2, out, cfg, LAYERS)

@@ -36,6 +36,10 @@ def write_inputs(root: Path) -> dict:
             "tokens_per_s": 120.0,
             "speedup": 1.2,
             "lossless_all": False,
+            "exact_match_rate": 0.75,
+            "mismatches": 1,
+            "numerical_ties": 1,
+            "divergences": [{"id": "a", "position": 7, "numerical_tie": True, "logit_gap": 0.125}],
             "prompts": 4,
         },
     }
@@ -149,6 +153,9 @@ def test_report_has_plots_tables_and_numbers(tmp_path):
     row = "<td>dflash</td><td>3.21</td><td>3.14</td><td>4</td><td>250.00</td><td>2.50</td><td>yes</td>"
     assert row in doc
     assert "<td>ngram</td><td>1.37</td><td>1.36</td>" in doc and "<td>NO</td>" in doc
+    # losslessness in numbers: exact-match rate, differing outputs (numerical ties), where they diverged
+    assert "<td>NO</td><td>0.75</td><td>1 (1)</td>" in doc
+    assert "<td>ngram</td><td>a</td><td>7</td><td>0.125</td><td>yes</td>" in doc
     # tau per prompt, one column per drafter; a prompt is lossless only if every drafter was
     assert "<td>a</td><td>30</td><td>3.50</td><td>1.25</td><td>NO</td>" in doc
     assert "<td>b</td><td>12</td><td>2.75</td><td>1.50</td><td>yes</td>" in doc

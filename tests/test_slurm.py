@@ -182,7 +182,7 @@ def test_default_dag_through_the_slurm_profile(cluster, tmp_path):
             rules.setdefault(m[1], []).append(state)
             nodes[m[1]] = int(n)
     expected = {"toy_target": 1, "toy_sources": 1, "prompts": 1, "regenerate": 2, "hidden_shard": 2,
-                "hidden_verify": 1, "warmup": 1, "train": 1, "evaluate": 1, "report": 1}
+                "hidden_verify": 1, "warmup": 1, "train": 1, "evaluate": 1, "evaluate_merge": 1, "report": 1}
     assert {k: len(v) for k, v in rules.items()} == expected, rows
     assert all(s == "COMPLETED" for states in rules.values() for s in states), rows
     assert nodes["train"] == 2 and nodes["hidden_shard"] == 1, rows

@@ -75,6 +75,7 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
     counts = job_counts(proc.stdout)
     assert counts["hidden_shard"] == 40 and counts["regenerate"] == 40
     assert counts["train"] == 1 and "toy_target" not in counts
+    assert counts["evaluate"] == 5 and counts["evaluate_merge"] == 1  # eval.shards: one per gpus.target
     assert "nproc_per_node 3 --virtual-local-rank" in proc.stdout
     assert "--gpus 3" in proc.stdout and "--gpus 1" in proc.stdout
 
@@ -200,7 +201,8 @@ def test_every_stage_artifact(small_run):
     assert sorted(p.name for p in (r / "report_plots").glob("*.png")) == [
         "acceptance.png", "stage-time.png", "tau-hist.png", "train-acc.png", "train-loss.png"]
 
-    for stage in ("toy_target", "prompts", "regenerate/00000", "warmup", "train", "evaluate", "report"):
+    for stage in ("toy_target", "prompts", "regenerate/00000", "warmup", "train", "evaluate/00000",
+                  "evaluate_merge", "report"):
         assert (r / "benchmarks" / f"{stage}.tsv").exists(), stage
         assert (r / "logs" / f"{stage}.log").exists(), stage
 
@@ -216,7 +218,7 @@ def test_complete_run_has_nothing_to_do(small_run):
 def test_forcerun_train_reruns_train_onward_only(small_run):
     work, config, _ = small_run
     proc = snakemake(work, "-n", "--cores", "2", "--forcerun", "train", config=config)
-    assert set(job_counts(proc.stdout)) == {"train", "evaluate", "report", "all"}
+    assert set(job_counts(proc.stdout)) == {"train", "evaluate", "evaluate_merge", "report", "all"}
 
 
 def test_one_shard_builds_only_what_it_needs(tmp_path):
@@ -237,6 +239,14 @@ def test_a_hidden_shard_waits_only_for_its_regeneration_shards(tmp_path):
     assert "--shard 00001 --num-shards 2" in proc.stdout
 
 
+def test_evaluation_runs_as_eval_shards_jobs_then_one_merge(tmp_path):
+    config = write_config(tmp_path / "config.yaml", {"eval.shards": 3})
+    proc = snakemake(tmp_path, "-n", "--cores", "2", "results/eval/summary.json", config=config)
+    counts = job_counts(proc.stdout)
+    assert counts["evaluate"] == 3 and counts["evaluate_merge"] == 1
+    assert all(f"--shard {i:05d} --num-shards 3" in proc.stdout for i in range(3))
+
+
 def test_a_rerun_regeneration_shard_reruns_only_its_own_downstream(small_run):
     work, config, _ = small_run
     shard = "results/regenerated/train/shard-00001.parquet"
@@ -253,7 +263,7 @@ def test_changed_train_param_reruns_train_onward_only(small_run, tmp_path):
     cfg["train"]["lr"] = cfg["train"]["lr"] * 0.5
     changed.write_text(yaml.safe_dump(cfg))
     proc = snakemake(work, "-n", "--cores", "2", config=changed)
-    assert set(job_counts(proc.stdout)) == {"train", "evaluate", "report", "all"}
+    assert set(job_counts(proc.stdout)) == {"train", "evaluate", "evaluate_merge", "report", "all"}
 
 
 def test_snakemake_report_renders_with_plots(small_run, tmp_path):

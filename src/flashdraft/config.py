@@ -152,6 +152,7 @@ class EvalConfig:
     num_prompts: int = 64
     max_new_tokens: int = 256
     temperature: float = 0.0
+    shards: int = 0  # jobs the prompts are split into, one GPU each; 0: gpus.target (at least 1)
 
 
 @dataclass

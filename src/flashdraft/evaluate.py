@@ -16,6 +16,8 @@ target's output distribution.
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from .chat import prompt_messages, render
 from .config import EvalConfig
 from .io import progress, write_json, write_parquet
 from .model import DraftCache
+from .shards import shard_of
 from .target import eos_ids, select_features
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,19 +221,39 @@ def speculative_decode(
     return Decoded(new, emitted, accepted, verified, time.perf_counter() - t0)
 
 
+# A divergence is a numerical tie when both choices lie within this many ulps (of the target's dtype, at
+# the top logit's magnitude) of the top logit. Each logit leaves the LM head rounded to the dtype (half an
+# ulp each, so one ulp between two of them), and the hidden state feeding the head was rounded in every
+# layer along another reduction order in a B-token verify than in a 1-token step: a few ulps more. In
+# bf16 (8 significant bits) an ulp at a logit of 20 is 0.125, so the tolerance there is 0.5.
+TIE_ULPS = 4
+
+
+def tie_tolerance(magnitude: float, dtype: torch.dtype = torch.bfloat16, ulps: int = TIE_ULPS) -> float:
+    """`ulps` units in the last place of `dtype` at `magnitude` (an ulp: eps * 2^floor(log2 |m|))."""
+    m = abs(float(magnitude))
+    if m == 0 or not math.isfinite(m):
+        return 0.0
+    return ulps * torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(m))
+
+
 @torch.no_grad()
-def first_mismatch(model, prompt_ids, ref: list[int], out: list[int]) -> tuple[int, float]:
-    """Where `out` first leaves the target-only output `ref` (-1: never), and the target's logit gap there
-    between the two choices: a gap near 0 is a near-tie that the rounding of a B-token verify forward and
-    a 1-token forward decided differently (bf16 on GPU), not a decoding bug."""
+def first_mismatch(model, prompt_ids, ref: list[int], out: list[int]) -> tuple[int, float, bool]:
+    """Where `out` first leaves the target-only output `ref` (-1: never), the target's logit gap there
+    between the two choices, and whether that is a numerical tie: both choices within `tie_tolerance` of
+    the top logit, so the rounding of a B-token verify forward and a 1-token forward decided it
+    differently (bf16 on GPU), not a decoding bug."""
     if out == ref:
-        return -1, float("nan")
+        return -1, float("nan"), False
     j = next((i for i, (a, b) in enumerate(zip(ref, out, strict=False)) if a != b), min(len(ref), len(out)))
     if j == min(len(ref), len(out)):
-        return j, float("nan")  # one is a prefix of the other
+        return j, float("nan"), False  # one is a prefix of the other
     logits = model(input_ids=torch.tensor([[*prompt_ids, *ref[:j]]], device=model.device), logits_to_keep=1)
     logits = logits.logits[0, -1].float()
-    return j, float(logits[ref[j]] - logits[out[j]])
+    top = float(logits.max())
+    tol = tie_tolerance(top, model.dtype)
+    tie = top - float(logits[ref[j]]) <= tol and top - float(logits[out[j]]) <= tol
+    return j, float(logits[ref[j]] - logits[out[j]]), tie
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -242,9 +265,13 @@ def prompt_ids(tokenizer, messages) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=(-1, float("nan"))) -> dict:
+NO_MISMATCH = (-1, float("nan"), False)
+
+
+def _row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=NO_MISMATCH, index=0) -> dict:
     steps = len(d.emitted)
     return {
+        "prompt_index": index,  # position in the evaluated prompt set: the merged shards' order
         "id": pid,
         "drafter": name,
         "prompt_tokens": num_prompt_tokens,
@@ -259,33 +286,39 @@ def _row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=(-1, float
         "lossless": lossless,
         "first_mismatch": mismatch[0],
         "mismatch_logit_gap": mismatch[1],
+        "numerical_tie": mismatch[2] if lossless is not None else None,  # None: sampled, not compared
         "output": list(d.tokens),
     }
 
 
-def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, cfg: EvalConfig, seed=0):
-    """Run target-only and every drafter on each prompt; return per-prompt rows (dicts)."""
+def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, cfg: EvalConfig, seed=0,
+             indices=None):
+    """Run target-only and every drafter on each prompt; return per-prompt rows (dicts). `indices`: the
+    prompts' positions in the whole evaluated set (default 0, 1, ...), which seed their sampling, so a
+    shard of the set decodes each prompt exactly as one job over the whole set does."""
     eos, dev, temp = eos_ids(model, tokenizer), model.device, cfg.temperature
     gen = torch.Generator(device=dev)
-    encoded = [(p["id"], prompt_ids(tokenizer, list(p["messages"]))) for p in prompts]
+    indices = range(len(prompts)) if indices is None else indices
+    encoded = [(i, p["id"], prompt_ids(tokenizer, list(p["messages"])))
+               for i, p in zip(indices, prompts, strict=True)]
     if encoded:  # warm up every path on the first prompt so the first timed prompt is not a cold start
         warm = min(cfg.max_new_tokens, 2 * block_size)
-        target_decode(model, encoded[0][1], warm, eos, temp, gen)
+        target_decode(model, encoded[0][2], warm, eos, temp, gen)
         for prop in proposers.values():
-            speculative_decode(model, prop, encoded[0][1], layer_ids, warm, eos, temp, gen)
+            speculative_decode(model, prop, encoded[0][2], layer_ids, warm, eos, temp, gen)
     rows = []
-    for i, (pid, ids) in enumerate(progress(encoded, desc="evaluate", unit="prompt")):
+    for i, pid, ids in progress(encoded, desc="evaluate", unit="prompt"):
         gen.manual_seed(seed + i)
         ref = target_decode(model, ids, cfg.max_new_tokens, eos, temp, gen)
-        rows.append(_row(pid, "target_only", ref, len(ids), None if temp else True))
+        rows.append(_row(pid, "target_only", ref, len(ids), None if temp else True, index=i))
         for name, prop in proposers.items():
             gen.manual_seed(seed + i)
             d = speculative_decode(model, prop, ids, layer_ids, cfg.max_new_tokens, eos, temp, gen)
             if temp:  # sampled outputs differ by design; losslessness is checked greedily
-                rows.append(_row(pid, name, d, len(ids), None))
+                rows.append(_row(pid, name, d, len(ids), None, index=i))
             else:
                 mismatch = first_mismatch(model, ids, ref.tokens, d.tokens)
-                rows.append(_row(pid, name, d, len(ids), mismatch[0] < 0, mismatch))
+                rows.append(_row(pid, name, d, len(ids), mismatch[0] < 0, mismatch, index=i))
     return rows
 
 
@@ -308,6 +341,8 @@ def summarize(rows, block_size) -> dict:
         emitted, acc, ver = ([x for r in rs for x in r[key]] for key in ("emitted", "accepted", "verified"))
         taus = [r["tau"] for r in rs if r["verify_steps"]]
         flags = [r["lossless"] for r in rs]
+        compared = None not in flags  # greedy: every output compared token for token with target-only
+        differ = [r for r in rs if r["lossless"] is False]
         tps = rate(rs)
         summary[name] = {
             "tau_pooled": _ratio(sum(emitted), len(emitted)),
@@ -318,19 +353,41 @@ def summarize(rows, block_size) -> dict:
             ],
             "tokens_per_s": tps,
             "speedup": _ratio(tps, base) if tps is not None and base else None,
-            "lossless_all": None if any(f is None for f in flags) else all(flags),
+            "lossless_all": all(flags) if compared else None,
+            "exact_match_rate": _ratio(sum(flags), len(flags)) if compared else None,
+            "mismatches": len(differ) if compared else None,
+            "numerical_ties": sum(bool(r["numerical_tie"]) for r in differ) if compared else None,
+            # where each differing output first left target-only's, and whether that was a numerical tie
+            "divergences": [
+                {"id": r["id"], "position": r["first_mismatch"], "numerical_tie": bool(r["numerical_tie"]),
+                 "logit_gap": None if math.isnan(r["mismatch_logit_gap"]) else r["mismatch_logit_gap"]}
+                for r in differ
+            ],
             "prompts": len(rs),
         }
     return summary
 
 
-def run(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, out_dir, dtype="bfloat16", seed=0) -> dict:
-    """The `evaluate` stage: trained drafter, untrained drafter and n-gram lookup against target-only."""
+def shard_prompts(prompts_path, num_prompts: int, shard: int = 0, num_shards: int = 1):
+    """The evaluated prompts (the first `num_prompts` of the set) of one shard, with their positions in
+    the whole set. The split is `shards.shard_of` on the prompt id, as for every sharded stage."""
     import pandas as pd
 
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
+    prompts = pd.read_parquet(prompts_path).head(num_prompts).to_dict("records")
+    mine = [(i, p) for i, p in enumerate(prompts) if shard_of(p["id"], num_shards) == shard]
+    return [i for i, _ in mine], [p for _, p in mine]
+
+
+def run_rows(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, dtype="bfloat16", seed=0, shard=0,
+             num_shards=1) -> tuple[list[dict], int]:
+    """Trained drafter, untrained drafter and n-gram lookup against target-only on one shard of the
+    prompts: its rows and the block size."""
     from .model import DFlashDrafter, load_drafter
     from .target import load_target
 
+    indices, prompts = shard_prompts(prompts_path, cfg.num_prompts, shard, num_shards)
     model, tokenizer = load_target(target_dir, dtype)
     drafter, spec = load_drafter(drafter_dir)
     check_drafter(spec, model.config)
@@ -343,11 +400,65 @@ def run(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, out_dir, dtype="
         "dflash_untrained": DFlashProposer(untrained.to(dev, dt).eval(), embed, head),
         "ngram": NgramProposer(spec.block_size - 1),
     }
-    prompts = pd.read_parquet(prompts_path).head(cfg.num_prompts).to_dict("records")
     layer_ids = list(spec.target_layer_ids)
-    rows = evaluate(model, tokenizer, proposers, prompts, layer_ids, spec.block_size, cfg, seed)
-    summary = summarize(rows, spec.block_size)
+    rows = evaluate(model, tokenizer, proposers, prompts, layer_ids, spec.block_size, cfg, seed, indices)
+    return rows, spec.block_size
+
+
+def write_rows(rows: list[dict], path) -> None:
+    import pandas as pd
+
+    columns = list(_row("", "", Decoded([], [], [], [], 0.0), 0, True))  # a shard without prompts: no rows
+    write_parquet(pd.DataFrame(rows, columns=columns), path)
+
+
+def read_rows(paths) -> list[dict]:
+    """The rows of shard files, in the order one job over the whole set writes them (prompt order;
+    within a prompt, target-only then the drafters), as plain Python values."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = [t for t in (pq.read_table(p) for p in paths) if t.num_rows]
+    if not tables:
+        return []
+    # promote: a column that is all null in one shard (lossless when sampling) is typed in another
+    table = pa.concat_tables(tables, promote_options="default")
+    floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
+    rows = table.to_pylist()
+    for r in rows:  # the parquet writer stored NaN (no value: a tau without steps, a gap without one) as null
+        r.update({k: float("nan") for k in floats if r[k] is None})
+    return sorted(rows, key=lambda r: r["prompt_index"])  # stable: keeps the drafters' order
+
+
+def write_outputs(rows: list[dict], block_size: int, out_dir) -> dict:
+    """per_prompt.parquet and summary.json (computed from exactly these rows) in `out_dir`."""
+    summary = summarize(rows, block_size)
     out = Path(out_dir)
-    write_parquet(pd.DataFrame(rows), out / "per_prompt.parquet")
+    write_rows(rows, out / "per_prompt.parquet")
     write_json(out / "summary.json", summary)
     return summary
+
+
+def merge(shard_paths, drafter_dir, out_dir) -> dict:
+    """The `evaluate_merge` stage: the shards' rows as one per_prompt.parquet and summary.json."""
+    from .model import DrafterSpec
+
+    spec = DrafterSpec.from_config_dict(json.loads((Path(drafter_dir) / "config.json").read_text()))
+    return write_outputs(read_rows(shard_paths), spec.block_size, out_dir)
+
+
+def summary_text(summary: dict) -> str:
+    """A few lines for a stage's log: tokens/s, tau, speedup and losslessness per drafter."""
+    lines = [f"target_only: {summary['target_only']['tokens_per_s'] or 0:.1f} tok/s"]
+    for name, s in summary.items():
+        if name != "target_only":
+            pooled, mean, speedup = s["tau_pooled"] or 0, s["tau_prompt_mean"] or 0, s["speedup"] or 0
+            lines.append(f"{name}: tau {pooled:.2f} pooled, {mean:.2f} mean of prompts  "
+                         f"speedup {speedup:.2f}x  lossless {s['lossless_all']}")
+    return "\n".join(lines)
+
+
+def run(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, out_dir, dtype="bfloat16", seed=0) -> dict:
+    """The whole evaluation in one job: every prompt, then per_prompt.parquet and summary.json."""
+    rows, block_size = run_rows(cfg, target_dir, drafter_dir, prompts_path, dtype, seed)
+    return write_outputs(rows, block_size, out_dir)

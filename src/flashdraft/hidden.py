@@ -59,6 +59,11 @@ def bytes_per_token(dtype: str, width: int) -> int:
     return width * storage_dtype(dtype).itemsize + (4 if dtype == FP8 else 0) + 5
 
 
+def hidden_bytes(tokens: int, dtype: str, width: int) -> int:
+    """The estimate of a shard's bytes (or a whole run's): the precompute preflight's and the plan's."""
+    return tokens * bytes_per_token(dtype, width)
+
+
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token e4m3: x [..., W] -> (x / scale as float8_e4m3fn, float32 scale [...]), on x's device."""
     x = x.float()
@@ -561,9 +566,9 @@ def move_aside(arrow_path, bad_dir=None) -> list[tuple[str, str]]:
 # -------------------------------------------------------------------------------------------- precompute
 
 
-def preflight(tokens_estimate: int, bytes_per_token: int, out_dir, margin: float = 0.1) -> int:
+def preflight(tokens: int, dtype: str, width: int, out_dir, margin: float = 0.1) -> int:
     """Refuse to start when the disk under `out_dir` cannot hold the estimated bytes (+ margin)."""
-    need = int(tokens_estimate * bytes_per_token * (1 + margin))
+    need = int(hidden_bytes(tokens, dtype, width) * (1 + margin))
     d = Path(out_dir).resolve()
     while not d.exists():
         d = d.parent
@@ -571,7 +576,8 @@ def preflight(tokens_estimate: int, bytes_per_token: int, out_dir, margin: float
     if need > free:
         raise UserError(
             f"not enough disk space in {out_dir}: hidden states need about {need / 2**30:.2f} GiB "
-            f"({need} bytes: {tokens_estimate} tokens x {bytes_per_token} bytes/token + {margin:.0%} margin) "
+            f"({need} bytes: {tokens} tokens x {bytes_per_token(dtype, width)} bytes/token "
+            f"+ {margin:.0%} margin) "
             f"but only {free / 2**30:.2f} GiB ({free} bytes) are free; free space there, or lower "
             "hidden.max_length or hidden.dtype (float8_e4m3 halves it)"
         )
@@ -782,8 +788,8 @@ def precompute_shard(
     max_length = hidden_cfg.max_length
     samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards, max_length)
     lengths = [len(s[1]) for s in samples]
-    per_token = bytes_per_token(hidden_cfg.dtype, len(layer_ids) * hidden_size)
-    preflight(sum(lengths), per_token, Path(out_arrow).parent, hidden_cfg.disk_margin)
+    preflight(sum(lengths), hidden_cfg.dtype, len(layer_ids) * hidden_size, Path(out_arrow).parent,
+              hidden_cfg.disk_margin)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked, right side
 
     meta = dict(target=str(target_path), layer_ids=layer_ids, hidden_size=hidden_size, dtype=hidden_cfg.dtype)

@@ -63,18 +63,24 @@ def eval_section(eval_dir) -> str:
     summary = json.loads(path.read_text())
     base = summary.get("target_only", {}).get("tokens_per_s")
     drafters = {k: v for k, v in summary.items() if k != "target_only"}
-    rows = [["target_only", 1.0, 1.0, None, base, 1.0, None]]
+    rows = [["target_only", 1.0, 1.0, None, base, 1.0, None, None, None]]
     rows += [
         [k, v.get("tau_pooled"), v.get("tau_prompt_mean"), v.get("prompts"), v.get("tokens_per_s"),
-         v.get("speedup"), v.get("lossless_all")]
+         v.get("speedup"), v.get("lossless_all"), v.get("exact_match_rate"),
+         None if v.get("mismatches") is None else f"{v['mismatches']} ({v.get('numerical_ties')})"]
         for k, v in drafters.items()
     ]
-    header = ["drafter", "tau pooled", "tau mean of prompts", "prompts", "tokens/s", "speedup", "lossless"]
+    header = ["drafter", "tau pooled", "tau mean of prompts", "prompts", "tokens/s", "speedup", "lossless",
+              "exact match", "differing (numerical ties)"]
     out = "<h2>Evaluation</h2>" + table(header, rows)
     out += "<p>tau: tokens a target verify step emits (accepted drafts + the target's bonus token, cut at "
     out += "the stop token and at max_new_tokens). Pooled: all emitted tokens over all steps; mean of "
     out += "prompts: the mean of each prompt's tau (what the reference DFlash benchmark prints). Lossless: "
-    out += "greedy output equals the target's own greedy output on every prompt.</p>"
+    out += "greedy output equals the target's own greedy output on every prompt; exact match: the fraction "
+    out += "of prompts where it does. A differing output is a numerical tie when, where it first leaves "
+    out += "the target's, the target's two choices lie within a few ulps of its dtype of the top logit: "
+    out += "a block verify and a one-token step rounded a near-tie differently, not a drafter bug.</p>"
+    out += divergences_table(drafters)
     if not drafters:
         return out
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -100,6 +106,16 @@ def eval_section(eval_dir) -> str:
     ax.set_xticks(range(1, max(len(v.get("tau_hist") or []) for v in drafters.values()) + 1))
     ax.legend()
     return out + "<h3>tau per verify step</h3>" + img(fig, "tau-hist", "histogram of tau per verify step")
+
+
+def divergences_table(drafters: dict) -> str:
+    """Where each differing output first left the target's, folded away (empty when none differ)."""
+    rows = [[k, d["id"], d["position"], d["logit_gap"], d["numerical_tie"]]
+            for k, v in drafters.items() for d in v.get("divergences") or []]
+    if not rows:
+        return ""
+    header = ["drafter", "prompt", "first divergence (new token)", "target logit gap", "numerical tie"]
+    return f"<details><summary>differing outputs ({len(rows)})</summary>{table(header, rows)}</details>"
 
 
 def per_prompt_section(eval_dir) -> str:

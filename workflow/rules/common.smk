@@ -179,6 +179,14 @@ def regenerated_for_hidden(wildcards):
     return regenerated(shard_sources(int(wildcards.shard), CFG.hidden.shards, regenerate_shards()))
 
 
+def eval_shards():
+    return CFG.eval.shards or max(1, CFG.gpus.target)
+
+
+def eval_shard_files():
+    return [f"{RESULTS}/eval/shards/shard-{i:05d}.parquet" for i in range(eval_shards())]
+
+
 def all_outputs():
     return [
         f"{RESULTS}/hidden/verify.json",
