@@ -23,7 +23,8 @@ import torch
 from precompute_hidden import build_target
 from regenerate import HBM_BYTES_PER_S
 
-from flashdraft.decode import ATTENTION, SlotDecoder, kv_bytes_per_token
+from flashdraft.decode import SlotDecoder
+from flashdraft.step import kv_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +72,6 @@ def main():
     for b in args.batch:
         for variant in args.variants:
             dec = SlotDecoder(model, b, args.length, [0], 0, compiled=variant == "compiled")
-            model.config._attn_implementation = ATTENTION
             with torch.inference_mode():
                 t = time.perf_counter()
                 graph, _ = dec._capture(args.length)
@@ -81,7 +81,6 @@ def main():
                 split = kernel_split(dec, args.length)
                 n = min(b, 64)
                 prefill = timed(partial(dec._prefill, list(range(n)), [[5] * 300] * n), 3)
-            model.config._attn_implementation = "sdpa"
             bound = (weights + b * args.length * kv) / hbm
             n_pre = n * 300
             rows.append({"batch": b, "variant": variant, "length": args.length, "step_ms": step * 1e3,

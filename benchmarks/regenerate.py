@@ -35,8 +35,8 @@ from precompute_hidden import run_rule, saved_target
 from transformers import AutoConfig, AutoTokenizer
 
 from flashdraft.config import RegenerateConfig
-from flashdraft.decode import kv_bytes_per_token
 from flashdraft.regenerate import regenerate
+from flashdraft.step import kv_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # spec sheet, SXM

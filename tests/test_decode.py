@@ -8,8 +8,9 @@ from torch._dynamo.utils import counters
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from flashdraft.chat import prompt_messages, render
-from flashdraft.decode import KV_BLOCK, SlotDecoder, unsupported
+from flashdraft.decode import SlotDecoder
 from flashdraft.regenerate import load_for_generate
+from flashdraft.step import KV_BLOCK, unsupported
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 12

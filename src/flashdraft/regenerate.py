@@ -140,7 +140,7 @@ def _safe_batch(model, tokenizer, rows, cfg, eos) -> list[dict]:
 
 def _run_hf(cfg, target, dtype, pending, order, parts, bar, clock: dict) -> list[dict]:
     model, tokenizer, eos = load_for_generate(target, dtype)
-    from .decode import unsupported
+    from .step import unsupported
 
     why = "regenerate.engine: generate" if cfg.engine == "generate" else unsupported(model)
     if why is None:

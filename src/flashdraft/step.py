@@ -1,0 +1,233 @@
+"""The target's layers as the static-cache engines run them (flashdraft.decode, flashdraft.session).
+
+The prefill runs the model's own decoder layers through two transformers hooks: a cache object whose
+`update` writes the rows' keys and values into their slots (`SlotCache`), and an attention function
+registered with `AttentionInterface` (ATTENTION). A decode or verify step runs the same layer math
+written out for the layouts in ARCHITECTURES (their weights, biases, QK-norms, activation and RoPE
+variant are the model's), pinned against HF `generate` by the tests. Each layer is split around the
+cache write and attention (`attn_in`, `attn_out`), so that on CUDA each half compiles into a few fused
+kernels between the matmuls (`Layers`), and attention is FlexAttention over a block mask listing only
+the KV blocks a query may read. `unsupported(model)` says when a model needs more (sliding windows,
+other layouts).
+
+A step's rows are tokens, each at its own position: one token for each slot (decode), or the tokens of
+one sequence at consecutive positions (verify). h is [rows, H]; q [rows, heads, 1, d]; k and v
+[rows, kv_heads, 1, d].
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import AttentionInterface
+
+ATTENTION = "flashdraft_slots"
+# Decoder layouts whose layers take (hidden, attention_mask, position_embeddings, past_key_values) and
+# call `past_key_values.update` then the configured attention function; checked against HF generate.
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+BUCKET = 256  # max_len granularity on CUDA, and the attention length granularity off it
+KV_BLOCK = 128  # FlexAttention's KV block: a query reads the blocks up to its own position
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Prefill: causal attention over the right-padded prompts themselves (their keys and values also
+    go to the slots through the cache's `update`)."""
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION, _attention)
+
+
+def unsupported(model) -> str | None:
+    """Why the static-cache engines cannot run `model` (None: they can)."""
+    cfg = model.config
+    if cfg.model_type not in ARCHITECTURES:
+        return f"model_type {cfg.model_type!r} (supported: {', '.join(ARCHITECTURES)})"
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+        return "sliding-window attention layers"
+    if getattr(cfg, "use_sliding_window", False) or (cfg.model_type == "mistral" and cfg.sliding_window):
+        return "sliding-window attention"
+    base = model.base_model
+    if not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{type(base).__name__} lacks embed_tokens/layers/norm/rotary_emb"
+    return None
+
+
+def round_len(n: int) -> int:
+    """Cache positions for n: a multiple of BUCKET (of KV_BLOCK, too)."""
+    return -(-n // BUCKET) * BUCKET
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class SlotCache:
+    """Keys and values of every slot. `update` is what an HF attention layer calls in the prefill: the
+    batch rows' keys and values go to their slots at positions 0..S-1."""
+
+    def __init__(self, model, slots: int, max_len: int):
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.base_model.layers]
+        self.v = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.base_model.layers]
+        self.rows = None  # the slots of the prefill's batch rows
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        self.k[layer_idx][self.rows, :, : key.shape[2]] = key
+        self.v[layer_idx][self.rows, :, : key.shape[2]] = value
+        return key, value
+
+
+def prefill(model, cache: SlotCache, rows, ids, layer_ids=()):
+    """The model's own layers over right-padded prompts `ids` [B, S] (causal, no mask), their keys and
+    values into slots `rows`: the final-normed hidden states, and the outputs of decoder layers
+    `layer_ids` concatenated as `target.select_features` does (None without layer ids)."""
+    base, attn = model.base_model, model.config._attn_implementation
+    positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+    h, feats = base.embed_tokens(ids), {}
+    pe = base.rotary_emb(h, positions)
+    model.config._attn_implementation, cache.rows = ATTENTION, rows
+    try:
+        for i, layer in enumerate(base.layers):
+            h = layer(h, attention_mask=None, position_ids=positions, past_key_values=cache,
+                      position_embeddings=pe)
+            h = h[0] if isinstance(h, tuple) else h
+            feats[i] = h
+    finally:
+        model.config._attn_implementation, cache.rows = attn, None
+    h = base.norm(h)
+    return h, features(feats, h, layer_ids)
+
+
+def features(outputs: dict, normed, layer_ids):
+    """Decoder layers `layer_ids`' outputs, concatenated on the last dim; HF's hidden state of the last
+    layer comes after the final norm, so that one is the normed output."""
+    if not layer_ids:
+        return None
+    last = len(outputs) - 1
+    return torch.cat([normed if i == last else outputs[i] for i in layer_ids], dim=-1)
+
+
+# ------------------------------------------------------------------------------------------ one step
+
+
+def _rms(x, weight, eps):
+    dtype = x.dtype
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def _rope(x, cos, sin):
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat((-x2, x1), -1) * sin
+
+
+def attn_in(h, w, cos, sin, *, eps, heads, kv_heads, head_dim):
+    """Input norm, q/k/v projections, QK-norm (where the model has one), RoPE."""
+    ln, wq, bq, wk, bk, wv, bv, qn, kn = w[:9]
+    x, b = _rms(h, ln, eps), h.shape[0]
+    q = F.linear(x, wq, bq).view(b, heads, head_dim)
+    k = F.linear(x, wk, bk).view(b, kv_heads, head_dim)
+    v = F.linear(x, wv, bv).view(b, kv_heads, 1, head_dim)
+    if qn is not None:
+        q, k = _rms(q, qn, eps), _rms(k, kn, eps)
+    return _rope(q[:, :, None], cos, sin), _rope(k[:, :, None], cos, sin), v
+
+
+def attn_out(h, attn, w, *, eps, act):
+    """Output projection and residual, post-attention norm, gated MLP and residual."""
+    wo, bo, ln, wg, bg, wu, bu, wd, bd = w[9:]
+    h = h + F.linear(attn.reshape(h.shape[0], -1), wo, bo)
+    x = _rms(h, ln, eps)
+    return h + F.linear(act(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
+
+
+def layer_weights(layer) -> tuple:
+    """The tensors `attn_in` and `attn_out` read, detached (plain tensors: the compiled functions take
+    every layer's as inputs of one graph)."""
+    a, m = layer.self_attn, layer.mlp
+    mods = (layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj, layer.post_attention_layernorm,
+            m.gate_proj, m.up_proj, m.down_proj)
+    ln1, q, k, v, o, ln2, g, u, d = [(x.weight.detach(), None if getattr(x, "bias", None) is None
+                                      else x.bias.detach()) for x in mods]
+    qn, kn = (getattr(a, n, None) for n in ("q_norm", "k_norm"))
+    qk = (qn.weight.detach(), kn.weight.detach()) if qn is not None else (None, None)
+    return (ln1[0], *q, *k, *v, *qk, *o, ln2[0], *g, *u, *d)
+
+
+class Layers:
+    """The target's decoder as a step runs it: each layer's tensors, its two halves (compiled when
+    `compiled`: the functions themselves, not wrappers, so each keeps its own compile cache), and the
+    attention over the cache (FlexAttention when compiled, else SDPA over a dense mask)."""
+
+    def __init__(self, model, compiled: bool):
+        cfg, base = model.config, model.base_model
+        self.base, self.head, self.compiled = base, model.get_output_embeddings(), compiled
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scaling = base.layers[0].self_attn.scaling
+        self.weights = [layer_weights(layer) for layer in base.layers]
+        self.in_kw = {"eps": cfg.rms_norm_eps, "heads": self.heads, "kv_heads": self.kv_heads,
+                      "head_dim": self.head_dim}
+        self.out_kw = {"eps": cfg.rms_norm_eps, "act": base.layers[0].mlp.act_fn}
+        self.attn_in, self.attn_out, self.flex = attn_in, attn_out, None
+        if compiled:
+            compile = partial(torch.compile, fullgraph=True, dynamic=False)
+            self.attn_in, self.attn_out = compile(attn_in), compile(attn_out)
+            self.flex = compile(flex_attention)
+
+    def run(self, tokens, positions, write, attend, layer_ids=()):
+        """The decoder over one token per row at `positions` [rows]: `write(layer, k, v)` stores the new
+        keys and values, `attend(q, layer)` reads the cache. Returns the final-normed hidden states and
+        the features of `layer_ids` (see `features`)."""
+        h, outputs = self.base.embed_tokens(tokens), {}
+        cos, sin = (x[:, None] for x in self.base.rotary_emb(h, positions[:, None]))  # [rows, 1, 1, d]
+        for i, w in enumerate(self.weights):
+            q, k, v = self.attn_in(h, w, cos, sin, **self.in_kw)
+            write(i, k, v)
+            h = self.attn_out(h, attend(q, i), w, **self.out_kw)
+            outputs[i] = h
+        h = self.base.norm(h)
+        return h, features(outputs, h, layer_ids)
+
+    def dense(self, q, k, v, mask):
+        """SDPA of q [B, heads, S, d] over k, v [B, kv_heads, L, d] with a boolean mask [B, 1, S, L]."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+
+    def sparse(self, q, k, v, mask: BlockMask):
+        return self.flex(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
+
+
+def block_mask(first, last, max_len: int, q_len: int, mask_mod) -> BlockMask:
+    """Queries of row b read KV blocks 0..first[b]-1 whole and first[b]..last[b] through `mask_mod`
+    (first, last: int32 [B, 1, 1]). The index arrays are dense: the kernel reads them as [B, 1, 1, n]."""
+    nblk = max_len // KV_BLOCK
+    ar = torch.arange(nblk, dtype=torch.int32, device=first.device).expand(first.shape[0], 1, 1, -1)
+    partial_idx = (first[..., None] + ar).clamp(max=nblk - 1).contiguous()
+    return BlockMask.from_kv_blocks(last - first + 1, partial_idx, first, ar.contiguous(), KV_BLOCK, mask_mod,
+                                    (q_len, max_len), compute_q_blocks=False)
+
+
+def capture(step, device, pool=None):
+    """A CUDA graph of `step()` and its outputs. The warm-up runs (which also compile, and make cuBLAS
+    handles, workspaces and lazy inits) happen outside the capture, on a side stream."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out
