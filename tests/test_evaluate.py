@@ -21,6 +21,7 @@ from flashdraft.evaluate import (
     eos_ids,
     evaluate,
     first_mismatch,
+    make_session,
     prompt_ids,
     speculative_decode,
     summarize,
@@ -56,6 +57,16 @@ def untrained(model, tokenizer, seed=0):
     spec = DrafterSpec.from_target(model.config, tokenizer, DrafterConfig(num_layers=2, block_size=B))
     torch.manual_seed(seed)
     return DFlashDrafter(spec).eval(), spec
+
+
+@pytest.fixture(params=["static", "hf"])
+def engine(request):
+    """The target's side of decoding: the static-cache session, and the model's own forward."""
+    return request.param
+
+
+def sess(model, layer_ids=(), engine="static"):
+    return make_session(model, engine, 256, layer_ids, B)
 
 
 def head(model):
@@ -106,13 +117,13 @@ def test_ngram_lookup_proposes_the_latest_continuation():
     assert ngram.propose([1, 2, 3], None, 3, 0.0, None) == ([], None)
 
 
-def test_ngram_speculation_is_lossless_and_exercises_rejections(toy):
+def test_ngram_speculation_is_lossless_and_exercises_rejections(toy, engine):
     _, model, tokenizer, prompts, layer_ids = toy
     eos, steps = eos_ids(model, tokenizer), []
     for p in prompts:
         ids = prompt_ids(tokenizer, p["messages"])
-        ref = target_decode(model, ids, MAX_NEW, eos)
-        d = speculative_decode(model, NgramProposer(B - 1), ids, layer_ids, MAX_NEW, eos)
+        ref = target_decode(sess(model, engine=engine), ids, MAX_NEW, eos)
+        d = speculative_decode(sess(model, layer_ids, engine), NgramProposer(B - 1), ids, MAX_NEW, eos)
         assert d.tokens == ref.tokens
         assert len(d.tokens) == MAX_NEW or d.tokens[-1] in eos
         steps += d.accepted
@@ -150,17 +161,17 @@ def test_untrained_drafter_is_lossless(toy):
 
 
 @pytest.mark.parametrize("cached", [True, False])
-def test_oracle_drafter_reaches_full_blocks_and_the_cap_cuts_the_last(toy, cached):
+def test_oracle_drafter_reaches_full_blocks_and_the_cap_cuts_the_last(toy, cached, engine):
     _, model, tokenizer, prompts, layer_ids = toy
     ids = prompt_ids(tokenizer, prompts[0]["messages"])
     # a long continuation without stopping at eos, so the oracle always knows B-1 tokens ahead
-    ref = target_decode(model, ids, MAX_NEW + B, eos=set())
+    ref = target_decode(sess(model, engine=engine), ids, MAX_NEW + B, eos=set())
     for max_new in (MAX_NEW, MAX_NEW - 2):  # the cap leaves B-1 tokens for the last step, then 1
         full, left = divmod(max_new - 1, B)  # after the prefill's token: full steps, then what is left
         assert 0 < left < B
         oracle = OracleDrafter(model, ids + ref.tokens, layer_ids)
         proposer = DFlashProposer(oracle, *head(model), cached=cached)
-        d = speculative_decode(model, proposer, ids, layer_ids, max_new, set())
+        d = speculative_decode(sess(model, layer_ids, engine), proposer, ids, max_new, set())
         assert d.tokens == ref.tokens[:max_new]  # truncated to max_new_tokens exactly
         assert oracle.calls == len(d.emitted)
         # the last block holds only the drafts the cap leaves room for: all emitted, no bonus
@@ -174,7 +185,7 @@ def test_oracle_drafter_reaches_full_blocks_and_the_cap_cuts_the_last(toy, cache
     # and context features appended for exactly the verified tokens (checked inside the double)
     oracle = OracleDrafter(model, ids + ref.tokens, layer_ids, miss_every_step=True)
     proposer = DFlashProposer(oracle, *head(model), cached=cached)
-    d = speculative_decode(model, proposer, ids, layer_ids, MAX_NEW, set())
+    d = speculative_decode(sess(model, layer_ids, engine), proposer, ids, MAX_NEW, set())
     assert d.tokens == ref.tokens[:MAX_NEW]
     assert d.accepted == [i % B for i in range(len(d.accepted))]
 
@@ -205,7 +216,7 @@ class RecordingProposer(DFlashProposer):
         return draft, q
 
 
-def test_cached_drafter_decodes_exactly_as_the_uncached_one(toy):
+def test_cached_drafter_decodes_exactly_as_the_uncached_one(toy, engine):
     """The drafter's context cache changes the cost of a draft, not the draft: the same draft at every
     step as recomputing the whole context, so the same acceptance and output (target-only's)."""
     _, model, tokenizer, prompts, layer_ids = toy
@@ -215,22 +226,23 @@ def test_cached_drafter_decodes_exactly_as_the_uncached_one(toy):
     full = RecordingProposer(drafter, *head(model), cached=False)
     for p in prompts:  # one proposer over several prompts: each decode starts from an empty cache
         ids = prompt_ids(tokenizer, p["messages"])
-        a = speculative_decode(model, cached, ids, layer_ids, MAX_NEW, eos)
-        b = speculative_decode(model, full, ids, layer_ids, MAX_NEW, eos)
-        assert a.tokens == b.tokens == target_decode(model, ids, MAX_NEW, eos).tokens
+        a = speculative_decode(sess(model, layer_ids, engine), cached, ids, MAX_NEW, eos)
+        b = speculative_decode(sess(model, layer_ids, engine), full, ids, MAX_NEW, eos)
+        assert a.tokens == b.tokens == target_decode(sess(model, engine=engine), ids, MAX_NEW, eos).tokens
         assert a.accepted == b.accepted
     assert cached.drafts == full.drafts and len(cached.drafts) > 2 * len(prompts)
     assert len({tuple(d) for d in cached.drafts}) > len(prompts)  # drafts that vary with the context
 
 
-def test_eos_inside_an_accepted_run_stops_there(toy):
+def test_eos_inside_an_accepted_run_stops_there(toy, engine):
     _, model, tokenizer, prompts, layer_ids = toy
     ids = prompt_ids(tokenizer, prompts[1]["messages"])
-    ref = target_decode(model, ids, MAX_NEW, eos=set())
+    ref = target_decode(sess(model, engine=engine), ids, MAX_NEW, eos=set())
     stop = {ref.tokens[6]}  # pretend the 7th generated token is an end of sequence
     oracle = OracleDrafter(model, ids + ref.tokens, layer_ids)
-    d = speculative_decode(model, DFlashProposer(oracle, *head(model)), ids, layer_ids, MAX_NEW, stop)
-    assert d.tokens == target_decode(model, ids, MAX_NEW, stop).tokens
+    proposer = DFlashProposer(oracle, *head(model))
+    d = speculative_decode(sess(model, layer_ids, engine), proposer, ids, MAX_NEW, stop)
+    assert d.tokens == target_decode(sess(model, engine=engine), ids, MAX_NEW, stop).tokens
     assert d.tokens[-1] in stop and len(d.tokens) == ref.tokens.index(ref.tokens[6]) + 1
     # the last step emits up to the stop token: a draft (r < B-1, the drafts after it never count) or the
     # bonus (r = B-1)
@@ -243,7 +255,7 @@ def test_eos_inside_an_accepted_run_stops_there(toy):
 def test_first_mismatch_locates_the_divergence_and_its_logit_gap(toy):
     _, model, tokenizer, prompts, _ = toy
     ids = prompt_ids(tokenizer, prompts[0]["messages"])
-    ref = target_decode(model, ids, 12, eos=set()).tokens
+    ref = target_decode(sess(model), ids, 12, eos=set()).tokens
     assert first_mismatch(model, ids, ref, list(ref))[0] == -1
     wrong = [*ref[:5], (ref[5] + 1) % model.config.vocab_size, *ref[6:]]
     j, gap, tie = first_mismatch(model, ids, ref, wrong)
@@ -274,7 +286,7 @@ def test_divergence_report_flags_a_numerical_tie(toy):
 
     _, model, tokenizer, prompts, _ = toy
     ids = prompt_ids(tokenizer, prompts[0]["messages"])
-    ref = target_decode(model, ids, 12, eos=set()).tokens
+    ref = target_decode(sess(model), ids, 12, eos=set()).tokens
     j = 4
     twin = model.config.vocab_size - 1  # a free embedding row above the tokenizer's (never in the inputs)
     assert twin > ref[j] and twin not in ids + ref
@@ -282,7 +294,7 @@ def test_divergence_report_flags_a_numerical_tie(toy):
     head = tied.get_output_embeddings().weight
     with torch.no_grad():
         head[twin] = head[ref[j]]
-    assert target_decode(tied, ids, 12, eos=set()).tokens == ref
+    assert target_decode(sess(tied), ids, 12, eos=set()).tokens == ref
 
     out = [*ref[:j], twin, *ref[j + 1:]]
     position, gap, tie = first_mismatch(tied, ids, ref, out)
@@ -353,9 +365,9 @@ def test_sampled_speculation_keeps_the_target_distribution(toy):
 
     drafter, _ = untrained(model, tokenizer)
     proposer, gen = DFlashProposer(drafter, *head(model)), torch.Generator().manual_seed(0)
-    counts, rejected = torch.zeros(vocab, dtype=torch.float64), 0
+    counts, rejected, session = torch.zeros(vocab, dtype=torch.float64), 0, sess(model, layer_ids)
     for _ in range(n):
-        d = speculative_decode(model, proposer, ids, layer_ids, 2, set(), temperature, gen)
+        d = speculative_decode(session, proposer, ids, 2, set(), temperature, gen)
         counts[d.tokens[1]] += 1
         rejected += d.accepted[0] == 0
     assert rejected > n / 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashdraft.config import DrafterConfig, ToyConfig, target_layer_ids
-from flashdraft.evaluate import DFlashProposer, prompt_ids, speculative_decode, target_decode
+from flashdraft.evaluate import DFlashProposer, make_session, prompt_ids, speculative_decode, target_decode
 from flashdraft.model import (
     DFlashDrafter,
     DraftCache,
@@ -69,7 +69,8 @@ def setup(tmp_path_factory):
     model.requires_grad_(False)
     spec = DrafterSpec.from_target(model.config, tokenizer, DrafterConfig(num_layers=2, block_size=B))
     prompts = [prompt_ids(tokenizer, c) for c in task_conversations(4, seed=11)]
-    sequences = [p + target_decode(model, p, MAX_NEW, eos=set()).tokens for p in prompts]
+    session = make_session(model, "auto", 256)
+    sequences = [p + target_decode(session, p, MAX_NEW, eos=set()).tokens for p in prompts]
     drafter = train_briefly(model, spec, sequences, [len(p) for p in prompts])
     export_drafter(drafter, spec, root / "drafter")
     ref, info = reference.DFlashDraftModel.from_pretrained(
@@ -122,13 +123,15 @@ def test_reference_decodes_losslessly_and_counts_acceptance_as_we_do(setup, cpu_
     # the real stop tokens, then a token the answer repeats, so the stop lands inside accepted runs
     stops = [eos_ids(model, tokenizer), [max(set(sequences[3]), key=sequences[3].count)]]
     steps, stopped_on_a_draft = [], False
+    plain = make_session(model, "auto", 256, (), B)
+    featured = make_session(model, "auto", 256, spec.target_layer_ids, B)
     for stop in stops:
         for p in prompts:
             for max_new in (MAX_NEW, MAX_NEW - 3):
-                want = target_decode(model, p, max_new, set(stop)).tokens
+                want = target_decode(plain, p, max_new, set(stop)).tokens
                 theirs = reference.dflash_generate(ref, model, torch.tensor([p]), max_new, stop,
                                                    return_stats=True)
-                ours = speculative_decode(model, proposer, p, spec.target_layer_ids, max_new, set(stop))
+                ours = speculative_decode(featured, proposer, p, max_new, set(stop))
                 assert theirs.output_ids[0, len(p) :].tolist() == want == ours.tokens
                 assert theirs.acceptance_lengths == ours.emitted
                 steps += zip(ours.emitted, ours.accepted, strict=True)

@@ -153,6 +153,7 @@ class EvalConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0
     shards: int = 0  # jobs the prompts are split into, one GPU each; 0: gpus.target (at least 1)
+    engine: str = "auto"  # the target's cache: auto | static (flashdraft.session) | hf (DynamicCache)
 
 
 @dataclass

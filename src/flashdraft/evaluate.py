@@ -29,7 +29,7 @@ from .config import EvalConfig
 from .io import progress, write_json, write_parquet
 from .model import DraftCache
 from .shards import shard_of
-from .target import eos_ids, select_features
+from .target import eos_ids
 
 # ---------------------------------------------------------------------------------------------------------
 # drafters: each proposes draft tokens from the verified tokens (and the target's features of them)
@@ -163,51 +163,44 @@ def verify(draft, logits, q, temperature, generator) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def target_decode(model, prompt_ids, max_new_tokens, eos, temperature=0.0, generator=None) -> Decoded:
-    """Plain autoregressive decoding, one token per forward over the same DynamicCache."""
-    from transformers import DynamicCache
-
-    dev, cache = model.device, DynamicCache(config=model.config)
-    ids = torch.tensor([prompt_ids], device=dev)
-    logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
+def target_decode(session, prompt_ids, max_new_tokens, eos, temperature=0.0, generator=None) -> Decoded:
+    """Plain autoregressive decoding, one token per forward over the session's cache."""
+    dev = session.model.device
+    logits, _ = session.prefill(prompt_ids)
     out = [_pick(logits, temperature, generator)]
     _sync(dev)
     t0 = time.perf_counter()
     while len(out) < max_new_tokens and out[-1] not in eos:
-        logits = model(input_ids=torch.tensor([[out[-1]]], device=dev), past_key_values=cache).logits[0, -1]
-        out.append(_pick(logits, temperature, generator))
+        logits, _ = session.forward([out[-1]])
+        out.append(_pick(logits[-1], temperature, generator))
     _sync(dev)
     steps = len(out) - 1
     return Decoded(out, [1] * steps, [0] * steps, [0] * steps, time.perf_counter() - t0)
 
 
 @torch.no_grad()
-def speculative_decode(
-    model, proposer, prompt_ids, layer_ids, max_new_tokens, eos, temperature=0.0, generator=None
-) -> Decoded:
-    from transformers import DynamicCache
-
-    dev, cache, hs = model.device, DynamicCache(config=model.config), proposer.uses_features
+def speculative_decode(session, proposer, prompt_ids, max_new_tokens, eos, temperature=0.0,
+                       generator=None) -> Decoded:
+    """Draft, verify [last, drafts] in one forward, keep the accepted prefix and the bonus token. The
+    session's features are the drafter's input (a session without layer ids suits a proposer that
+    needs none)."""
+    dev = session.model.device
     proposer.reset()
-    ids = torch.tensor([prompt_ids], device=dev)
-    o = model(input_ids=ids, past_key_values=cache, output_hidden_states=hs, logits_to_keep=1)
     # the drafter's context is every verified token but the last; it is handed over in increments:
     # first the prompt's features, then after each verify those of last + the accepted drafts
-    feats = select_features(o.hidden_states, layer_ids) if hs else None
-    new = [_pick(o.logits[0, -1], temperature, generator)]
+    logits, feats = session.prefill(prompt_ids)
+    new = [_pick(logits, temperature, generator)]
     tokens, emitted, accepted, verified = [*prompt_ids, new[0]], [], [], []
     _sync(dev)
     t0 = time.perf_counter()
     while len(new) < max_new_tokens and new[-1] not in eos:
         room = max_new_tokens - len(new)  # tokens this step may still emit, so at most as many drafts
         draft, q = proposer.propose(tokens, feats, room, temperature, generator)
-        block = torch.tensor([[tokens[-1], *draft]], device=dev)
-        o = model(input_ids=block, past_key_values=cache, output_hidden_states=hs)
-        n, nxt = verify(draft, o.logits[0].float(), q, temperature, generator)
-        if hs:  # the bonus token's features come with the next verify; rejected drafts' never
-            feats = select_features(o.hidden_states, layer_ids)[:, : n + 1]
-        if len(draft) > n:
-            cache.crop(-(len(draft) - n))  # negative: tokens to remove (drop the rejected drafts)
+        logits, feats = session.forward([tokens[-1], *draft])
+        n, nxt = verify(draft, logits.float(), q, temperature, generator)
+        if feats is not None:  # the bonus token's features come with the next verify; rejected drafts' never
+            feats = feats[:, : n + 1]
+        session.crop(len(draft) - n)  # drop the rejected drafts
         out = [*draft[:n], nxt][:room]
         stop = next((i for i, t in enumerate(out) if t in eos), len(out))
         out = out[: stop + 1]
@@ -219,6 +212,20 @@ def speculative_decode(
         verified.append(len(out) if len(out) <= n else len(draft))
     _sync(dev)
     return Decoded(new, emitted, accepted, verified, time.perf_counter() - t0)
+
+
+def make_session(model, engine: str, max_len: int, layer_ids=(), block: int = 1):
+    """The target's session for `eval.engine`: `static` (flashdraft.session), `hf` (the model's own
+    forward over a DynamicCache), or `auto` (static where it runs the model)."""
+    from .session import HFSession, StaticSession
+    from .step import unsupported
+
+    why = unsupported(model)
+    if engine == "static" and why:
+        raise ValueError(f"eval.engine 'static' cannot run this target: {why}; use 'auto' or 'hf'")
+    if engine == "hf" or why:
+        return HFSession(model, layer_ids)
+    return StaticSession(model, max_len, layer_ids, block)
 
 
 # A divergence is a numerical tie when both choices lie within this many ulps (of the target's dtype, at
@@ -301,19 +308,24 @@ def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, 
     indices = range(len(prompts)) if indices is None else indices
     encoded = [(i, p["id"], prompt_ids(tokenizer, list(p["messages"])))
                for i, p in zip(indices, prompts, strict=True)]
+    # target-only and the n-gram lookup need no features; a DFlash drafter reads them at its layer ids
+    max_len = max((len(ids) for _, _, ids in encoded), default=1) + cfg.max_new_tokens
+    plain = make_session(model, cfg.engine, max_len, (), block_size)
+    featured = make_session(model, cfg.engine, max_len, layer_ids, block_size)
+    session = {name: featured if prop.uses_features else plain for name, prop in proposers.items()}
     if encoded:  # warm up every path on the first prompt so the first timed prompt is not a cold start
         warm = min(cfg.max_new_tokens, 2 * block_size)
-        target_decode(model, encoded[0][2], warm, eos, temp, gen)
-        for prop in proposers.values():
-            speculative_decode(model, prop, encoded[0][2], layer_ids, warm, eos, temp, gen)
+        target_decode(plain, encoded[0][2], warm, eos, temp, gen)
+        for name, prop in proposers.items():
+            speculative_decode(session[name], prop, encoded[0][2], warm, eos, temp, gen)
     rows = []
     for i, pid, ids in progress(encoded, desc="evaluate", unit="prompt"):
         gen.manual_seed(seed + i)
-        ref = target_decode(model, ids, cfg.max_new_tokens, eos, temp, gen)
+        ref = target_decode(plain, ids, cfg.max_new_tokens, eos, temp, gen)
         rows.append(_row(pid, "target_only", ref, len(ids), None if temp else True, index=i))
         for name, prop in proposers.items():
             gen.manual_seed(seed + i)
-            d = speculative_decode(model, prop, ids, layer_ids, cfg.max_new_tokens, eos, temp, gen)
+            d = speculative_decode(session[name], prop, ids, cfg.max_new_tokens, eos, temp, gen)
             if temp:  # sampled outputs differ by design; losslessness is checked greedily
                 rows.append(_row(pid, name, d, len(ids), None, index=i))
             else:
