@@ -33,6 +33,7 @@ from .step import (
     kv_bytes_per_token,
     prefill,
     round_len,
+    target_step,
     unsupported,
 )
 
@@ -62,13 +63,13 @@ class SlotDecoder:
             raise ValueError(f"the static-cache decoder cannot run this model: {why}")
         dev = model.device
         cuda = dev.type == "cuda"
-        self.model = model
+        self.model, self.head = model, model.get_output_embeddings()
         self.slots, self.eos, self.pad_id, self.temperature = slots, set(eos), pad_id, temperature
         self.compiled = cuda if compiled is None else compiled
         self.max_len = round_len(max_len) if cuda or self.compiled else max_len
         self.refill = refill or max(1, slots // 8)
         self.prefill_tokens = prefill_tokens
-        self.layers = Layers(model, self.compiled)
+        self.layers = Layers.of_target(model, self.compiled)
         self.cache = SlotCache(model, slots, self.max_len)
         self.tokens = torch.full((slots,), pad_id, dtype=torch.long, device=dev)
         self.pos = torch.zeros(slots, dtype=torch.long, device=dev)  # the position each slot writes next
@@ -113,8 +114,8 @@ class SlotDecoder:
             cache.k[i].scatter_(2, idx, k)
             cache.v[i].scatter_(2, idx, v)
 
-        h, _ = L.run(self.tokens, self.pos, write, self._attend(length))
-        logits = L.head(h)
+        h, _ = target_step(self.model, L, self.tokens, self.pos, write, self._attend(length))
+        logits = self.head(h)
         self.pos.add_(self.live).clamp_(max=self.max_len - 1)
         return logits, logits.argmax(-1)
 
@@ -161,7 +162,7 @@ class SlotDecoder:
             ids[i, : len(p)] = torch.tensor(p)
         rows, lengths = torch.tensor(slots, device=dev), torch.tensor(n, device=dev)
         h, _ = prefill(self.model, self.cache, rows, ids.to(dev))
-        first = self._pick(self.layers.head(h[torch.arange(len(n), device=dev), lengths - 1]))
+        first = self._pick(self.head(h[torch.arange(len(n), device=dev), lengths - 1]))
         self.tokens[rows], self.pos[rows], self.live[rows] = first, lengths, 1
         return first.tolist()
 

@@ -16,7 +16,17 @@ from __future__ import annotations
 
 import torch
 
-from .step import KV_BLOCK, Layers, SlotCache, block_mask, capture, prefill, round_len, unsupported
+from .step import (
+    KV_BLOCK,
+    Layers,
+    SlotCache,
+    block_mask,
+    capture,
+    prefill,
+    round_len,
+    target_step,
+    unsupported,
+)
 from .target import select_features
 
 
@@ -34,7 +44,8 @@ class StaticSession:
         self.model, self.layer_ids, self.block = model, list(layer_ids), block
         self.compiled = cuda if compiled is None else compiled
         self.max_len = round_len(max_len + block)  # a padded block may write `block` past the end
-        self.layers = Layers(model, self.compiled)
+        self.layers = Layers.of_target(model, self.compiled)
+        self.head = model.get_output_embeddings()
         self.cache = SlotCache(model, 1, self.max_len)
         self.ids = torch.zeros(block, dtype=torch.long, device=dev)
         self.pos_t = torch.zeros(1, dtype=torch.long, device=dev)  # the position of ids[0], on the device
@@ -66,8 +77,8 @@ class StaticSession:
             def attend(q, i):
                 return L.dense(q.permute(2, 1, 0, 3), cache.k[i], cache.v[i], mask).permute(2, 1, 0, 3)
 
-        h, feats = L.run(self.ids[:size], positions, write, attend, self.layer_ids)
-        return L.head(h), feats
+        h, feats = target_step(self.model, L, self.ids[:size], positions, write, attend, self.layer_ids)
+        return self.head(h), feats
 
     @torch.inference_mode()
     def prepare(self):
@@ -87,7 +98,7 @@ class StaticSession:
         h, feats = prefill(self.model, self.cache, torch.zeros(1, dtype=torch.long, device=dev),
                            torch.tensor([ids], device=dev), self.layer_ids)
         self.pos = len(ids)
-        return self.layers.head(h[0, -1]), feats
+        return self.head(h[0, -1]), feats
 
     @torch.inference_mode()
     def forward(self, tokens: list[int]):

@@ -140,7 +140,8 @@ def attn_in(h, w, cos, sin, *, eps, heads, kv_heads, head_dim):
     v = F.linear(x, wv, bv).view(b, kv_heads, 1, head_dim)
     if qn is not None:
         q, k = _rms(q, qn, eps), _rms(k, kn, eps)
-    return _rope(q[:, :, None], cos, sin), _rope(k[:, :, None], cos, sin), v
+    # cos/sin in float32 (the drafter's RoPE) upcast q and k: attention wants v's dtype
+    return _rope(q[:, :, None], cos, sin).to(v.dtype), _rope(k[:, :, None], cos, sin).to(v.dtype), v
 
 
 def attn_out(h, attn, w, *, eps, act):
@@ -165,40 +166,45 @@ def layer_weights(layer) -> tuple:
 
 
 class Layers:
-    """The target's decoder as a step runs it: each layer's tensors, its two halves (compiled when
-    `compiled`: the functions themselves, not wrappers, so each keeps its own compile cache), and the
-    attention over the cache (FlexAttention when compiled, else SDPA over a dense mask)."""
+    """Decoder layers as a step runs them: each layer's tensors, its two halves (compiled when `compiled`:
+    the functions themselves, not wrappers, so each keeps its own compile cache), and the attention over
+    a cache (FlexAttention when compiled, else SDPA over a dense mask). The layers need the HF Qwen3
+    names (input_layernorm, self_attn.{q,k,v,o}_proj and optional q_norm/k_norm, post_attention_layernorm,
+    mlp.{gate,up,down}_proj), which the drafter's layers have too."""
 
-    def __init__(self, model, compiled: bool):
-        cfg, base = model.config, model.base_model
-        self.base, self.head, self.compiled = base, model.get_output_embeddings(), compiled
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scaling = base.layers[0].self_attn.scaling
-        self.weights = [layer_weights(layer) for layer in base.layers]
-        self.in_kw = {"eps": cfg.rms_norm_eps, "heads": self.heads, "kv_heads": self.kv_heads,
-                      "head_dim": self.head_dim}
-        self.out_kw = {"eps": cfg.rms_norm_eps, "act": base.layers[0].mlp.act_fn}
+    def __init__(self, layers, *, eps: float, heads: int, kv_heads: int, head_dim: int, act, scaling: float,
+                 compiled: bool):
+        self.heads, self.kv_heads, self.head_dim, self.scaling = heads, kv_heads, head_dim, scaling
+        self.compiled = compiled
+        self.weights = [layer_weights(layer) for layer in layers]
+        self.in_kw = {"eps": eps, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+        self.out_kw = {"eps": eps, "act": act}
         self.attn_in, self.attn_out, self.flex = attn_in, attn_out, None
         if compiled:
             compile = partial(torch.compile, fullgraph=True, dynamic=False)
             self.attn_in, self.attn_out = compile(attn_in), compile(attn_out)
             self.flex = compile(flex_attention)
 
-    def run(self, tokens, positions, write, attend, layer_ids=()):
-        """The decoder over one token per row at `positions` [rows]: `write(layer, k, v)` stores the new
-        keys and values, `attend(q, layer)` reads the cache. Returns the final-normed hidden states and
-        the features of `layer_ids` (see `features`)."""
-        h, outputs = self.base.embed_tokens(tokens), {}
-        cos, sin = (x[:, None] for x in self.base.rotary_emb(h, positions[:, None]))  # [rows, 1, 1, d]
+    @classmethod
+    def of_target(cls, model, compiled: bool) -> Layers:
+        cfg, base = model.config, model.base_model
+        heads = cfg.num_attention_heads
+        return cls(base.layers, eps=cfg.rms_norm_eps, heads=heads,
+                   kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                   act=base.layers[0].mlp.act_fn, scaling=base.layers[0].self_attn.scaling, compiled=compiled)
+
+    def run(self, h, cos, sin, write, attend):
+        """The layers over rows h [rows, H] with their RoPE cos/sin [rows, 1, 1, d]: `write(layer, k, v)`
+        stores the new keys and values, `attend(q, layer)` reads the cache. Returns the last layer's
+        output and every layer's (a dict by layer index)."""
+        outputs = {}
         for i, w in enumerate(self.weights):
             q, k, v = self.attn_in(h, w, cos, sin, **self.in_kw)
             write(i, k, v)
             h = self.attn_out(h, attend(q, i), w, **self.out_kw)
             outputs[i] = h
-        h = self.base.norm(h)
-        return h, features(outputs, h, layer_ids)
+        return h, outputs
 
     def dense(self, q, k, v, mask):
         """SDPA of q [B, heads, S, d] over k, v [B, kv_heads, L, d] with a boolean mask [B, 1, S, L]."""
@@ -206,6 +212,17 @@ class Layers:
 
     def sparse(self, q, k, v, mask: BlockMask):
         return self.flex(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
+
+
+def target_step(model, layers: Layers, tokens, positions, write, attend, layer_ids=()):
+    """The target over one token per row at `positions` [rows]: the final-normed hidden states and the
+    features of `layer_ids` (see `features`)."""
+    base = model.base_model
+    h = base.embed_tokens(tokens)
+    cos, sin = (x[:, None] for x in base.rotary_emb(h, positions[:, None]))  # [rows, 1, 1, d]
+    h, outputs = layers.run(h, cos, sin, write, attend)
+    h = base.norm(h)
+    return h, features(outputs, h, layer_ids)
 
 
 def block_mask(first, last, max_len: int, q_len: int, mask_mod) -> BlockMask:
