@@ -171,12 +171,15 @@ def bench_engine(engine, model, drafter, spec, prompts, args) -> dict:
     setup_s = time.perf_counter() - t0
     oracle_refs = [verify_path_continuation(featured, p, args.new_tokens, bs) for p in prompts]
 
-    cached = Timed(DFlashProposer(drafter, embed, head), dev)
-    uncached = Timed(DFlashProposer(drafter, embed, head, cached=False), dev)
+    def proposer(cached=True):  # on the static engine the drafter's cache is static too
+        p = DFlashProposer(drafter, embed, head, cached=cached)
+        return p.static(max_len) if engine == "static" else p
+
+    cached, uncached = Timed(proposer(), dev), Timed(proposer(cached=False), dev)
     # warm up every path once (kernels, allocator, lazy inits) on a short decode of the first prompt
     warm = min(args.new_tokens, 2 * bs)
     run_mode(plain, featured, prompts[:1], warm)
-    oracle = Oracle(DFlashProposer(drafter, embed, head), prompts[:1], oracle_refs[:1], bs - 1)
+    oracle = Oracle(proposer(), prompts[:1], oracle_refs[:1], bs - 1)
     for prop in (cached, uncached, Timed(oracle, dev)):
         run_mode(plain, featured, prompts[:1], warm, prop)
 
@@ -194,8 +197,7 @@ def bench_engine(engine, model, drafter, spec, prompts, args) -> dict:
     refs = timed_mode("target_only")
     timed_mode("dflash", cached)
     timed_mode("dflash_nocache", uncached)
-    outputs = timed_mode("oracle", Timed(Oracle(DFlashProposer(drafter, embed, head), prompts, oracle_refs,
-                                                bs - 1), dev))
+    outputs = timed_mode("oracle", Timed(Oracle(proposer(), prompts, oracle_refs, bs - 1), dev))
     modes["oracle"]["outputs_equal_verify_path"] = sum(a == b for a, b in zip(outputs, oracle_refs,
                                                                               strict=True))
     base = modes["target_only"]["tokens_per_s"]

@@ -58,3 +58,32 @@ def test_a_block_past_the_cache_or_the_block_size_is_refused(model):
     s.pos = s.max_len - 2
     with pytest.raises(ValueError, match=f"within {s.max_len} positions"):
         s.forward([1, 2])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_draft_session_drafts_as_the_drafter_over_its_context_cache(model, compiled):
+    """Blocks of every size (short ones padded), context extends longer than a block (in pieces) and
+    shorter (padded), past a KV block boundary: the logits `predict_block_cached` gives."""
+    from flashdraft.config import DrafterConfig
+    from flashdraft.model import DFlashDrafter, DraftCache, DrafterSpec
+    from flashdraft.session import DraftSession
+
+    torch._dynamo.reset()
+    spec = DrafterSpec.from_target(model.config, 90, DrafterConfig(num_layers=2, block_size=B))
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(spec).eval()
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    ours = DraftSession(drafter, embed, head, 2 * KV_BLOCK, compiled=compiled, graphs=False)
+    g = torch.Generator().manual_seed(2)
+    width = spec.num_features * spec.hidden_size
+    for context in (KV_BLOCK - 4, 3):  # two sequences in one session
+        ours.reset()
+        cache, n_new = DraftCache(), context
+        for size in (B, 1, 3, B, 2, B):
+            feats = torch.randn(1, n_new, width, generator=g)
+            last = int(torch.randint(0, 90, (), generator=g))
+            want = drafter.predict_block_cached(feats, last, embed, head, cache, cache.length + n_new, size)
+            ours.extend(feats)
+            assert ours.length == cache.length
+            torch.testing.assert_close(ours.draft(last, size), want, atol=1e-4, rtol=1e-4)
+            n_new = size  # the next step's context grows by what a verify may accept: up to the block

@@ -28,6 +28,7 @@ from .chat import prompt_messages, render
 from .config import EvalConfig
 from .io import progress, write_json, write_parquet
 from .model import DraftCache
+from .session import DraftSession, HFSession, StaticSession
 from .shards import shard_of
 from .target import eos_ids
 
@@ -39,24 +40,39 @@ class DFlashProposer:
     """A DFlash drafter: one parallel block prediction from the target features of the verified context.
 
     The context's keys/values live in a `DraftCache` that grows by the positions each verify step
-    accepts; `cached=False` recomputes them over the whole context every step (the reference)."""
+    accepts, or, after `static(max_len)`, in a `session.DraftSession` (static cache, CUDA-graph steps);
+    `cached=False` recomputes them over the whole context every step (the reference)."""
 
     uses_features = True
 
     def __init__(self, drafter, embed_weight, lm_head_weight, cached: bool = True):
         self.drafter, self.embed, self.head, self.cached = drafter, embed_weight, lm_head_weight, cached
         self.block_size = drafter.spec.block_size
+        self.session = None
         self.reset()
+
+    def static(self, max_len: int) -> DFlashProposer:
+        """Draft over a static cache of `max_len` context positions (a cached proposer only)."""
+        if self.cached:
+            self.session = DraftSession(self.drafter, self.embed, self.head, max_len)
+            self.reset()
+        return self
 
     def reset(self):
         """A new sequence: forget the context."""
         self.cache, self.features = DraftCache(), None
+        if self.session is not None:
+            self.session.reset()
 
     def propose(self, tokens, new_features, max_draft, temperature, generator):
         """new_features: target features of the positions verified since the last call; the context is
         every verified token but the last, which anchors the block. At most `max_draft` drafts."""
         size = min(self.block_size, max_draft + 1)
-        if self.cached:
+        if self.session is not None:
+            self.session.extend(new_features)
+            assert self.session.length == len(tokens) - 1, "the drafter's context is the verified tokens"
+            logits = self.session.draft(tokens[-1], size)
+        elif self.cached:
             logits = self.drafter.predict_block_cached(
                 new_features, tokens[-1], self.embed, self.head, self.cache, len(tokens) - 1, size
             )
@@ -217,7 +233,6 @@ def speculative_decode(session, proposer, prompt_ids, max_new_tokens, eos, tempe
 def make_session(model, engine: str, max_len: int, layer_ids=(), block: int = 1):
     """The target's session for `eval.engine`: `static` (flashdraft.session), `hf` (the model's own
     forward over a DynamicCache), or `auto` (static where it runs the model)."""
-    from .session import HFSession, StaticSession
     from .step import unsupported
 
     why = unsupported(model)
@@ -312,6 +327,9 @@ def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, 
     max_len = max((len(ids) for _, _, ids in encoded), default=1) + cfg.max_new_tokens
     plain = make_session(model, cfg.engine, max_len, (), block_size)
     featured = make_session(model, cfg.engine, max_len, layer_ids, block_size)
+    if isinstance(featured, StaticSession):  # the drafters' caches static too
+        proposers = {name: p.static(max_len) if isinstance(p, DFlashProposer) else p
+                     for name, p in proposers.items()}
     session = {name: featured if prop.uses_features else plain for name, prop in proposers.items()}
     if encoded:  # warm up every path on the first prompt so the first timed prompt is not a cold start
         warm = min(cfg.max_new_tokens, 2 * block_size)

@@ -15,13 +15,16 @@ path for models the static engine cannot run, and the reference the tests hold i
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from .model import rope_cos_sin
 from .step import (
     KV_BLOCK,
     Layers,
     SlotCache,
     block_mask,
     capture,
+    context_kv,
     prefill,
     round_len,
     target_step,
@@ -152,3 +155,138 @@ class HFSession:
     def crop(self, n: int):
         if n:
             self.cache.crop(-n)  # negative: tokens to remove
+
+
+class DraftSession:
+    """A DFlash drafter over a static cache of its context's keys and values (evaluation's drafting).
+
+    `extend(features)` projects the target features of newly verified positions into every layer's
+    keys and values at the end of the context; `draft(last_token, size)` predicts the block anchored
+    at the context's end: [last_token, MASK x (size-1)] at positions length.., bidirectional inside the
+    block, over the whole context (or its window). Both run on `block`-row steps: a block shorter than
+    `block` is padded (its pad keys masked), an extend longer than `block` goes in `block`-row pieces,
+    a shorter one is padded (its pad rows land past the context, where the next draft writes its own
+    block first). On CUDA both steps are compiled and captured as CUDA graphs."""
+
+    def __init__(self, drafter, embed_weight, lm_head_weight, max_len: int, compiled: bool | None = None,
+                 graphs: bool | None = None):
+        spec, dev = drafter.spec, drafter.fc.weight.device
+        cuda = dev.type == "cuda"
+        self.drafter, self.spec, self.block = drafter, spec, spec.block_size
+        self.embed, self.head = embed_weight, lm_head_weight
+        self.compiled = cuda if compiled is None else compiled
+        self.max_len = round_len(max_len + 2 * self.block)
+        self.layers = Layers(drafter.layers, eps=spec.rms_norm_eps, heads=spec.num_heads,
+                             kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, act=F.silu,
+                             scaling=spec.head_dim ** -0.5, compiled=self.compiled)
+        self.kv_kw = {"eps": spec.rms_norm_eps, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
+        self._kv = torch.compile(context_kv, fullgraph=True, dynamic=False) if self.compiled else context_kv
+        dtype = drafter.fc.weight.dtype
+        shape = (1, spec.num_kv_heads, self.max_len, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in drafter.layers]
+        self.v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in drafter.layers]
+        self.length = 0  # context positions held
+        self.len_t = torch.zeros(1, dtype=torch.long, device=dev)  # the same, on the device
+        self.size_t = torch.zeros(1, dtype=torch.long, device=dev)  # the block's real size
+        self.feats = torch.zeros(self.block, spec.num_features * spec.hidden_size, dtype=dtype, device=dev)
+        self.ids = torch.full((self.block,), spec.mask_token_id, dtype=torch.long, device=dev)
+        self.arange = torch.arange(self.max_len, device=dev)
+        self.graphs = {} if (cuda if graphs is None else graphs) else None
+        length, size, window = self.len_t, self.size_t, getattr(spec, "sliding_window", None)
+
+        def mask_mod(b, h, q, kv):  # the block's own real positions, and the context (its window)
+            seen = kv < length[0] + size[0]
+            return seen if window is None else seen & ((kv >= length[0]) | (kv > length[0] + q - window))
+
+        self._mask_mod = mask_mod
+
+    def reset(self):
+        """A new sequence: no context."""
+        self.length = 0
+
+    def _rope(self, n):
+        positions = self.len_t + self.arange[:n]
+        cos, sin = rope_cos_sin(positions[None], self.spec.head_dim, self.spec.rope_theta)
+        return positions, cos[0, :, None, None], sin[0, :, None, None]  # [n, 1, 1, d], float32
+
+    def _extend_step(self):
+        """feats (block rows) -> keys and values at positions len_t.."""
+        d = self.drafter
+        ctx = d.hidden_norm(d.fc(self.feats))
+        positions, cos, sin = self._rope(self.block)
+        for w, kc, vc in zip(self.layers.weights, self.k, self.v, strict=True):
+            k, v = self._kv(ctx, w, cos, sin, **self.kv_kw)
+            kc[0].index_copy_(1, positions, k[:, :, 0].transpose(0, 1))
+            vc[0].index_copy_(1, positions, v[:, :, 0].transpose(0, 1))
+
+    def _draft_step(self):
+        """ids (the block) at positions len_t..: the block's logits at positions 1..block-1."""
+        L, n = self.layers, self.block
+        positions, cos, sin = self._rope(n)
+
+        def write(i, k, v):  # the block's keys and values right after the context (never committed)
+            self.k[i][0].index_copy_(1, positions, k[:, :, 0].transpose(0, 1))
+            self.v[i][0].index_copy_(1, positions, v[:, :, 0].transpose(0, 1))
+
+        if self.compiled:
+            last = ((self.len_t + n - 1) // KV_BLOCK).to(torch.int32).view(1, 1, 1)
+            mask = block_mask(torch.zeros_like(last), last, self.max_len, n, self._mask_mod)
+
+            def attend(q, i):
+                return L.sparse(q.permute(2, 1, 0, 3), self.k[i], self.v[i], mask).permute(2, 1, 0, 3)
+        else:
+            q_idx = self.arange[:n, None]
+            mask = self._mask_mod(0, 0, q_idx, self.arange[None, :])[None, None]
+
+            def attend(q, i):
+                return L.dense(q.permute(2, 1, 0, 3), self.k[i], self.v[i], mask).permute(2, 1, 0, 3)
+
+        x = F.embedding(self.ids, self.embed).to(self.feats.dtype)
+        h, _ = L.run(x, cos, sin, write, attend)
+        out = self.drafter.norm(h)
+        return out[1:] @ self.head.to(out.dtype).T
+
+    def _run(self, name: str, step):
+        if self.graphs is None:
+            return step()
+        graph, out = self.graphs[name]
+        graph.replay()
+        return out
+
+    @torch.inference_mode()
+    def prepare(self):
+        """Compile both steps and capture their graphs, once, before any context is held: the capture's
+        runs write keys and values at positions 0..block-1, which the first extend overwrites."""
+        if self.graphs is None or self.graphs:
+            return
+        assert self.length == 0, "the drafter's graphs are captured before any context"
+        self.len_t.zero_()
+        self.size_t.fill_(self.block)
+        for name, step in (("extend", self._extend_step), ("draft", self._draft_step)):
+            pool = next(iter(self.graphs.values()))[0].pool() if self.graphs else None
+            self.graphs[name] = capture(step, self.feats.device, pool)
+
+    @torch.inference_mode()
+    def extend(self, features):
+        """features [1, n, K*H] of context positions length..length+n-1."""
+        self.prepare()
+        feats = features[0].to(self.feats.dtype)
+        for i in range(0, feats.shape[0], self.block):
+            piece = feats[i : i + self.block]
+            if self.length + self.block > self.max_len - self.block:
+                raise ValueError(f"the drafter's context would pass its {self.max_len} cache positions")
+            self.feats[: piece.shape[0]] = piece
+            self.len_t.fill_(self.length)
+            self._run("extend", self._extend_step)
+            self.length += piece.shape[0]
+
+    @torch.inference_mode()
+    def draft(self, last_token: int, size: int):
+        """Logits [size-1, V] of the block [last_token, MASK x (size-1)] after the context."""
+        if not 1 <= size <= self.block:
+            raise ValueError(f"a block of {size}: the drafter's blocks hold 1..{self.block} tokens")
+        self.prepare()
+        self.ids[0] = int(last_token)
+        self.len_t.fill_(self.length)
+        self.size_t.fill_(size)
+        return self._run("draft", self._draft_step)[: size - 1].clone()

@@ -152,6 +152,16 @@ def attn_out(h, attn, w, *, eps, act):
     return h + F.linear(act(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
 
 
+def context_kv(ctx, w, cos, sin, *, eps, kv_heads, head_dim):
+    """A drafter layer's keys (QK-norm, RoPE) and values of its context rows ctx [n, H] (the features
+    after fc and hidden_norm: no input norm, as `model.Attention.kv`)."""
+    _, _, _, wk, bk, wv, bv, _, kn = w[:9]
+    n = ctx.shape[0]
+    k = F.linear(ctx, wk, bk).view(n, kv_heads, head_dim)
+    v = F.linear(ctx, wv, bv).view(n, kv_heads, 1, head_dim)
+    return _rope(_rms(k, kn, eps)[:, :, None], cos, sin).to(v.dtype), v
+
+
 def layer_weights(layer) -> tuple:
     """The tensors `attn_in` and `attn_out` read, detached (plain tensors: the compiled functions take
     every layer's as inputs of one graph)."""
