@@ -8,6 +8,10 @@ from flashdraft.session import HFSession, StaticSession
 from flashdraft.step import KV_BLOCK
 
 B = 6
+# (device, compiled): eager and compiled on the CPU; on a GPU compiled and captured as CUDA graphs (fp32)
+ENGINES = [("cpu", False), ("cpu", True),
+           pytest.param("cuda", True, marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 LAYERS = [0, 2]  # the last layer (2): its feature is the final-normed state, as in HF's hidden_states
 
 
@@ -25,14 +29,15 @@ def model():
     return m
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_steps_verifies_and_crops_match_the_models_forward(model, compiled):
+@pytest.mark.parametrize(("device", "compiled"), ENGINES)
+def test_steps_verifies_and_crops_match_the_models_forward(model, device, compiled):
     """A prompt ending just before a KV block boundary, then one-token steps, full and short verify
     blocks (padded to B) across the boundary, crops of rejected drafts, and a second sequence in the
     same session: logits and features as the model's own forward computes them."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(1)
-    ours = StaticSession(model, 2 * KV_BLOCK, LAYERS, B, compiled=compiled, graphs=False)
+    model = model.to(device)
+    ours = StaticSession(model, 2 * KV_BLOCK, LAYERS, B, compiled=compiled, graphs=device == "cuda")
     ref = HFSession(model, LAYERS)
     for prompt_len in (KV_BLOCK - 3, 5):
         prompt = torch.randint(0, 96, (prompt_len,), generator=g).tolist()
@@ -60,8 +65,8 @@ def test_a_block_past_the_cache_or_the_block_size_is_refused(model):
         s.forward([1, 2])
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_draft_session_drafts_as_the_drafter_over_its_context_cache(model, compiled):
+@pytest.mark.parametrize(("device", "compiled"), ENGINES)
+def test_draft_session_drafts_as_the_drafter_over_its_context_cache(model, device, compiled):
     """Blocks of every size (short ones padded), context extends longer than a block (in pieces) and
     shorter (padded), past a KV block boundary: the logits `predict_block_cached` gives."""
     from flashdraft.config import DrafterConfig
@@ -71,16 +76,17 @@ def test_draft_session_drafts_as_the_drafter_over_its_context_cache(model, compi
     torch._dynamo.reset()
     spec = DrafterSpec.from_target(model.config, 90, DrafterConfig(num_layers=2, block_size=B))
     torch.manual_seed(1)
-    drafter = DFlashDrafter(spec).eval()
+    drafter = DFlashDrafter(spec).eval().to(device)
+    model = model.to(device)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    ours = DraftSession(drafter, embed, head, 2 * KV_BLOCK, compiled=compiled, graphs=False)
+    ours = DraftSession(drafter, embed, head, 2 * KV_BLOCK, compiled=compiled, graphs=device == "cuda")
     g = torch.Generator().manual_seed(2)
     width = spec.num_features * spec.hidden_size
     for context in (KV_BLOCK - 4, 3):  # two sequences in one session
         ours.reset()
         cache, n_new = DraftCache(), context
         for size in (B, 1, 3, B, 2, B):
-            feats = torch.randn(1, n_new, width, generator=g)
+            feats = torch.randn(1, n_new, width, generator=g).to(device)
             last = int(torch.randint(0, 90, (), generator=g))
             want = drafter.predict_block_cached(feats, last, embed, head, cache, cache.length + n_new, size)
             ours.extend(feats)
