@@ -20,6 +20,7 @@ from flashdraft.model import (
     dense_mask,
     dflash_loss,
     dflash_mask_mod,
+    dpace_weights,
     export_drafter,
     load_drafter,
     load_target_head,
@@ -247,6 +248,63 @@ def test_chunked_loss_equals_unchunked_in_value_and_gradient(setup):
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
     assert grads[0].abs().sum() > 0
+
+
+def test_dpace_weights_are_suffix_sums_of_smoothed_prefix_products():
+    """Eq. 7-8 of D-PACE by hand: q~ = (1-a) q + a, w_j = sum_{m>=j} prod_{i<=m} q~_i; an unlabeled
+    position is 1 in the products, 0 in the sums and gets weight 0."""
+    q = torch.tensor([[0.8, 0.5, 0.2], [0.8, 0.5, 0.2], [0.8, 0.5, 0.2]])
+    mask = torch.tensor([[True, True, True], [True, False, True], [True, True, True]])
+    w = dpace_weights(q, mask, 0.5)
+    p1, p2, p3 = 0.9, 0.9 * 0.75, 0.9 * 0.75 * 0.6
+    torch.testing.assert_close(w[0], torch.tensor([p1 + p2 + p3, p2 + p3, p3]))
+    torch.testing.assert_close(w[1], torch.tensor([0.9 + 0.9 * 0.6, 0.0, 0.9 * 0.6]))
+    assert dpace_weights(q, mask, 1.0)[0].tolist() == [3.0, 2.0, 1.0]  # alpha 1: positions left in the block
+    assert (w[0][:-1] >= w[0][1:]).all()  # non-increasing along the block
+    assert not dpace_weights(q.requires_grad_(), mask, 0.5).requires_grad  # detached
+
+
+def test_dpace_loss_is_the_weighted_ce_per_block_with_detached_weights(setup):
+    """D-PACE's loss, recomputed from inference-time predictions (weights from the drafter's own label
+    probabilities, sum over blocks divided by the number of blocks), and its gradient equals autograd's
+    through the CE alone; a given normalizer replaces the batch's own."""
+    _, ids, loss_mask, hidden, embed, head, anchors, valid = setup
+    torch.manual_seed(2)
+    d = DFlashDrafter(tiny_spec())
+    alpha, s = 0.3, ids.shape[1]
+    loss, stats = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0, chunk_blocks=2,
+                              objective="dpace", dpace_alpha=alpha)
+    loss.backward()
+    got = torch.cat([p.grad.flatten() for p in d.parameters()])
+    d.zero_grad()
+    out = train_forward(d, ids, hidden, anchors, valid, embed, "sdpa")
+    num, blocks = 0.0, 0
+    for r in range(2):
+        for j in valid[r].nonzero().flatten().tolist():
+            a = anchors[r, j].item()
+            k = torch.arange(1, B)
+            inside = (a + k) < s
+            lab = ids[r, (a + k).clamp(max=s - 1)]
+            ce = F.cross_entropy(out[r, j, 1:] @ head.T, lab, reduction="none")
+            m = inside & (loss_mask[r, (a + k).clamp(max=s - 1)] > 0)
+            w = dpace_weights(torch.exp(-ce)[None], m[None], alpha)[0]
+            num = num + (w * ce).sum()
+            blocks += 1
+    want_loss = num / blocks
+    want_loss.backward()
+    want = torch.cat([p.grad.flatten() for p in d.parameters()])
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    assert summarize(stats, B)["loss"] == pytest.approx(want_loss.item(), rel=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+    assert got.abs().sum() > 0
+    with torch.no_grad():
+        given, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0,
+                               objective="dpace", dpace_alpha=alpha, normalizer=torch.tensor(10.0))
+    assert given.item() == pytest.approx(num.item() / 10, rel=1e-5)
+    decay, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0)
+    assert decay.item() != pytest.approx(loss.item(), rel=1e-3)  # the objective is not ignored
+    with pytest.raises(ValueError, match="train.loss"):
+        dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0, objective="mean")
 
 
 @pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])

@@ -129,7 +129,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     max_anchors: int = 512
+    loss: str = "decay"  # decay: exp(-(k-1)/gamma) position weights (DFlash) | dpace: D-PACE's dynamic ones
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
+    dpace_alpha: float = 0.5  # D-PACE confidence smoothing, q~ = (1 - alpha) q + alpha, in [0, 1]
     batch_tokens: int = 16384  # token budget of one micro-batch per process
     buckets: list[int] = field(default_factory=lambda: [1024, 2048, 3072])  # padded lengths
     compile: bool = True

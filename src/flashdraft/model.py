@@ -5,7 +5,8 @@ decoder layers). Per step we sample anchors p (positions with loss_mask[p] and l
 anchor makes one block `[token[p], MASK x (B-1)]` at positions p..p+B-1. Every drafter layer attends
 from the block tokens to keys/values `[proj(context); proj(block)]` (KV injection): a block sees the
 context strictly before its anchor and its own block (bidirectionally), nothing else. Block position k
-predicts token[p+k] (same position, no shift), k=1..B-1, with loss weight loss_mask[p+k]*exp(-(k-1)/gamma).
+predicts token[p+k] (same position, no shift), k=1..B-1, with loss weight loss_mask[p+k]*exp(-(k-1)/gamma)
+(`train.loss: decay`) or D-PACE's weights from the drafter's own confidence (`train.loss: dpace`).
 
 The drafter has no embedding and no LM head: it uses the target's, frozen, passed in as tensors.
 Parameter names are the DFlash export keys, so the state dict is the export.
@@ -490,11 +491,15 @@ class LinearCrossEntropy(torch.autograd.Function):
     are kept for the backward and none are recomputed (W gets no gradient). Also returns, without a
     gradient, whether each row's argmax is its label.
 
+    dpace: None (the weights `weights` are fixed), or `(width, alpha)`: rows are blocks of `width`
+    positions (a chunk holds whole blocks), `weights` is their 0/1 label mask, and each block's weights
+    are `dpace_weights` of its own label probabilities, detached, computed from the chunk's logits.
+
     The logits are h @ W.T in W's dtype (bf16 on GPU, as autocast would give), then float32 for the
     softmax; the gradient goes back through the same matmul in W's dtype."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, weights, chunk: int):
+    def forward(ctx, h, weight, labels, weights, chunk: int, dpace=None):
         grad_h = torch.empty_like(h)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(labels.shape, dtype=torch.bool, device=h.device)
@@ -504,7 +509,12 @@ class LinearCrossEntropy(torch.autograd.Function):
                 y, w = labels[j], weights[j].float()
                 logits = (h[j].to(weight.dtype) @ weight.T).float()
                 lse = logits.logsumexp(-1)
-                total += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * w).sum()
+                ce = lse - logits.gather(1, y[:, None]).squeeze(1)
+                if dpace is not None:
+                    width, alpha = dpace
+                    mask = w.view(-1, width) > 0
+                    w = dpace_weights(torch.exp(-ce).view(-1, width), mask, alpha).flatten()
+                total += (ce * w).sum()
                 correct[j] = logits.argmax(-1) == y
                 grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: d CE / d logits = p - onehot
                 grad[torch.arange(len(y), device=y.device), y] -= 1.0
@@ -516,29 +526,69 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_correct):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_total, None, None, None, None
+        return grad_h * grad_total, None, None, None, None, None
+
+
+LOSSES = ("decay", "dpace")
+
+
+def dpace_weights(q, label_mask, alpha: float):
+    """D-PACE position weights `[N, B-1]` from the drafter's probabilities q of the labels at block
+    positions 1..B-1 (D-PACE: Dynamic Position-Aware Cross-Entropy for Parallel Speculative Drafting,
+    Wu et al., arXiv 2605.18810, Eq. 7-8; the authors' code github.com/Lucas-TY/D-PACE,
+    specforge/core/dflash.py `_dpace_weight`):
+
+        q~_i = (1 - alpha) q_i + alpha                 (smoothing, Eq. 7)
+        w_j  = sum_{m >= j} prod_{i <= m} q~_i         (Eq. 8: d E[accepted length] / d log q_j)
+
+    A position without a label (loss mask 0, past the sequence end) is 1 in the products and adds
+    nothing to the sums, and gets weight 0, as in the authors' code. The weights are detached: they set
+    how much each position's CE counts, the gradient flows only through the CE (Eq. 9)."""
+    q = q.detach().float()
+    smooth = torch.where(label_mask, (1.0 - alpha) * q + alpha, torch.ones_like(q))
+    prefix = smooth.cumprod(-1) * label_mask
+    return prefix.flip(-1).cumsum(-1).flip(-1) * label_mask
+
+
+def loss_normalizer(weights, valid, objective: str):
+    """What the summed weighted CE is divided by: the decay weights' sum (the DFlash recipe), or for
+    D-PACE the number of real blocks (anchors), not the weights' sum, which would cancel the
+    expected-length credit the weights carry (the D-PACE author, sgl-project/SpecForge#828; SpecForge
+    #848 normalizes by anchors too). Both are known before the forward and add up over micro-batches
+    and ranks, so a global batch can be normalized once (see train.py)."""
+    if objective == "decay":
+        return weights.sum()
+    if objective == "dpace":
+        return valid.sum().to(weights.dtype)
+    raise ValueError(f"train.loss must be one of {LOSSES}, not {objective!r}")
 
 
 def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_weight, lm_head_weight,
-                gamma: float, attention: str = "sdpa", chunk_blocks: int = 128):
-    """Weighted block CE: loss = sum(w*CE)/sum(w). The LM head + CE run `chunk_blocks` blocks at a time
-    (LinearCrossEntropy), so full logits `[blocks*(B-1), V]` never exist at once, and the backward
-    needs none.
+                gamma: float, attention: str = "sdpa", chunk_blocks: int = 128, objective: str = "decay",
+                dpace_alpha: float = 0.5, normalizer=None):
+    """Weighted block CE: loss = sum(w*CE) / normalizer. objective decay: w = loss_mask *
+    exp(-(k-1)/gamma), normalizer sum(w) (the DFlash recipe); dpace: w = `dpace_weights`, normalizer the
+    number of blocks (see `loss_normalizer`). `normalizer`: a given one (a global batch's, summed over
+    its micro-batches and ranks) instead of this batch's own. The LM head + CE run `chunk_blocks` blocks
+    at a time (LinearCrossEntropy), so full logits `[blocks*(B-1), V]` never exist at once, and the
+    backward needs none.
 
     Returns (loss, stats): stats is one detached float vector of sums, summable across steps and ranks
-    (see `summarize`): [sum w*CE, sum w, sum tau, blocks, correct_k (B-1), counted_k (B-1)]."""
+    (see `summarize`): [sum w*CE, sum normalizer, sum tau, blocks, correct_k (B-1), counted_k (B-1)]."""
     bs = _spec(drafter).block_size
     out = train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, attention)
     labels, weights, label_mask = block_labels(input_ids, loss_mask, anchors, valid, bs, gamma)
+    own = loss_normalizer(weights, valid, objective)
     sel = valid.flatten()  # only real blocks go through the LM head
     h = out[:, :, 1:].flatten(0, 1)[sel]
     labels, weights, label_mask = (t.flatten(0, 1)[sel] for t in (labels, weights, label_mask))
     rows = h.flatten(0, 1)  # [blocks*(B-1), H]
-    ce_sum, correct = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), weights.flatten(),
-                                               chunk_blocks * (bs - 1))
+    dpace = (bs - 1, dpace_alpha) if objective == "dpace" else None
+    fixed = label_mask.float() if dpace else weights
+    ce_sum, correct = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), fixed.flatten(),
+                                               chunk_blocks * (bs - 1), dpace)
     correct = correct.view_as(labels)
-    w_sum = weights.sum()
-    loss = ce_sum / w_sum.clamp(min=1e-6)
+    loss = ce_sum / (own if normalizer is None else normalizer).clamp(min=1e-6)
     if isinstance(drafter, torch.nn.parallel.DistributedDataParallel):
         # a degenerate batch (no anchors) must still touch every parameter, or DDP's all-reduce waits
         # forever (FSDP's parameters are sharded DTensors, not to be mixed with this loss)
@@ -547,7 +597,7 @@ def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_wei
         hit = correct & label_mask
         tau = simulated_tau(hit)
         blocks = torch.tensor(float(h.shape[0]), device=h.device)
-        head = torch.stack([ce_sum.detach(), w_sum, tau.sum(), blocks])
+        head = torch.stack([ce_sum.detach(), own.float(), tau.sum(), blocks])
         stats = torch.cat([head, hit.sum(0).float(), label_mask.sum(0).float()])
     return loss, stats
 

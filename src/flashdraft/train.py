@@ -230,6 +230,8 @@ class Step:
     embed: torch.Tensor  # frozen target embedding [V, H]
     head: torch.Tensor  # frozen target LM head [V, H]
     gamma: float
+    objective: str  # decay | dpace (train.loss)
+    dpace_alpha: float
     attention: str  # flex | sdpa
     max_anchors: int
     device: torch.device
@@ -258,7 +260,8 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
     embed, head = load_target_head(target_dir)
     embed, head = (t.to(device, amp or torch.float32) for t in (embed, head))
     gamma, attention = cfg.loss_gamma(spec.block_size), resolve_attention(cfg.attention, device)
-    return Step(drafter, spec, embed, head, gamma, attention, cfg.max_anchors, device, amp)
+    return Step(drafter, spec, embed, head, gamma, cfg.loss, cfg.dpace_alpha, attention, cfg.max_anchors,
+                device, amp)
 
 
 def anchors_for(step: Step, loss_mask, generator):
@@ -272,7 +275,8 @@ def forward_backward(step: Step, batch: dict, anchors, valid):
     ids, mask, hidden = (batch[k].to(dev, non_blocking=True) for k in ("input_ids", "loss_mask", "hidden"))
     with torch.autocast(dev.type, dtype=step.amp_dtype or torch.bfloat16, enabled=step.amp_dtype is not None):
         loss, stats = dflash_loss(step.model, ids, mask, hidden, anchors, valid, step.embed, step.head,
-                                  step.gamma, step.attention)
+                                  step.gamma, step.attention, objective=step.objective,
+                                  dpace_alpha=step.dpace_alpha)
     loss.backward()
     return loss.detach(), stats
 
