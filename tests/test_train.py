@@ -228,6 +228,29 @@ def test_torchrun_two_processes_train_and_export(data, reference):
         assert re.search(rf"rank {rank}: bucket \d+: step began at [\d.]+ s, took [\d.]+ s", log), log[-3000:]
 
 
+@pytest.mark.parametrize("block", [8, 16])
+def test_block_size_presets_train_export_and_load_in_the_reference(data, tmp_path, block):
+    """Blocks of 8 (Model-Optimizer's) and 16 (the paper's): training, export, and the export's round
+    trip through config.json and safetensors, into our loader and the reference's."""
+    root, shards = data
+    drafter = {**DRAFTER, "block_size": block}
+    run(train_cmd(root, shards, tmp_path, {**TRAIN, "max_steps": 2}, nproc=1, drafter=drafter))
+    rows = read_rows(tmp_path / "metrics.csv")
+    assert f"acc_pos_{block - 1}" in rows[0] and f"acc_pos_{block}" not in rows[0]
+    assert all(1.0 <= float(r["sim_tau"]) <= block for r in rows)
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["block_size"] == block
+    ours, spec = load_drafter(tmp_path / "drafter")
+    assert spec == load_spec(root / "target", DrafterConfig(**drafter))
+    reference = pytest.importorskip("dflash.model", reason="the pinned reference; `make install` installs it")
+    ref, info = reference.DFlashDraftModel.from_pretrained(tmp_path / "drafter", dtype=ours.fc.weight.dtype,
+                                                           output_loading_info=True)
+    assert not any(info.values()), info
+    assert ref.block_size == block and ref.mask_token_id == spec.mask_token_id
+    state = ours.state_dict()
+    assert all(torch.equal(v, state[k]) for k, v in ref.state_dict().items())
+
+
 def test_fsdp_trains_as_ddp_does_and_each_resumes_the_other(data, reference, tmp_path):
     """FSDP2 over 2 gloo processes (weights, gradients and AdamW state sharded) follows DDP's loss curve,
     and the checkpoints hold the same full state dicts: a stopped FSDP run resumes under FSDP and under
