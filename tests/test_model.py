@@ -158,6 +158,81 @@ def test_flex_attention_forward_agrees_with_sdpa_on_cpu(setup):
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-4)
 
 
+def test_sliding_window_mask_keeps_the_w_context_positions_up_to_each_query():
+    """W = 6, B = 4, anchor 9: the query at block position k (position 9 + k) sees context 4+k..8, its
+    whole block, nothing else; the dense SDPA mask is built from the same function."""
+    anchors, valid = torch.tensor([[9, 2, -1]]), torch.tensor([[True, True, False]])
+    s, bs, w = 12, 4, 6
+    m = dflash_mask_mod(anchors, valid, s, bs, w)(torch.tensor(0), 0, torch.arange(3 * bs)[:, None],
+                                                      torch.arange(s + 3 * bs)[None, :])
+    for k in range(bs):
+        assert m[k, :s].nonzero().flatten().tolist() == list(range(9 + k - w + 1, 9)), k
+        assert m[k, s : s + bs].all() and not m[k, s + bs :].any()  # its whole block, bidirectional
+    assert m[bs, :s].nonzero().flatten().tolist() == [0, 1]  # anchor 2: the window holds all its context
+    assert not m[2 * bs :].any()
+    full = dflash_mask_mod(anchors, valid, s, bs)(torch.tensor(0), 0, torch.arange(3 * bs)[:, None],
+                                                  torch.arange(s + 3 * bs)[None, :])
+    assert torch.equal(m[bs : 2 * bs], full[bs : 2 * bs]) and m[:bs, :s].sum() < full[:bs, :s].sum()
+    dense, _ = dense_mask(anchors, valid, s, bs, w)
+    assert torch.equal(dense[0, 0, : 2 * bs], m[: 2 * bs])
+
+
+@pytest.fixture(scope="module")
+def windowed(setup):
+    torch.manual_seed(3)
+    return DFlashDrafter(tiny_spec(sliding_window=12)).eval()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_windowed_training_forward_drafting_and_cache_agree(setup, windowed):
+    """With a window, the training forward (SDPA and flex), predict_block and cached drafting give the
+    same logits; features beyond the window change nothing, those inside do."""
+    _, ids, _, hidden, embed, head, anchors, valid = setup
+    with torch.no_grad():
+        train = train_forward(windowed, ids, hidden, anchors, valid, embed, "sdpa")
+        flex = train_forward(windowed, ids, hidden, anchors, valid, embed, "flex")
+    torch.testing.assert_close(flex, train, atol=1e-5, rtol=1e-4)
+    a = anchors[0, 2].item()  # 30: a query at 30 + k sees context > 30 + k - 12, i.e. from 19 + k
+    logits = windowed.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head)
+    torch.testing.assert_close(logits, train[0, 2, 1:] @ head.T, atol=1e-4, rtol=1e-4)
+    far, near = hidden.clone(), hidden.clone()
+    far[0, :19] += 5.0
+    near[0, 19] += 5.0
+    assert torch.equal(windowed.predict_block(far[:1, :a], ids[0, a].item(), embed, head), logits)
+    assert not torch.allclose(windowed.predict_block(near[:1, :a], ids[0, a].item(), embed, head), logits)
+    cache, s = DraftCache(), 0
+    for new in [9, 1, 14, B, 2]:
+        got = windowed.predict_block_cached(hidden[:1, s : s + new], ids[0, s + new].item(), embed, head,
+                                            cache, s + new)
+        s += new
+        want = windowed.predict_block(hidden[:1, :s], ids[0, s].item(), embed, head)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        short = windowed.predict_block_cached(hidden[:1, :0], ids[0, s].item(), embed, head, cache, s, 3)
+        torch.testing.assert_close(short, windowed.predict_block(hidden[:1, :s], ids[0, s].item(), embed,
+                                                                 head, 3), atol=1e-5, rtol=1e-5)
+
+
+def test_windowed_export_writes_the_engines_keys_and_round_trips(setup, windowed, tmp_path):
+    _, ids, _, hidden, embed, head, _, _ = setup
+    export_drafter(windowed, windowed.spec, tmp_path / "drafter")
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 3], "use_swa": True,
+                                       "swa_window_size": 12, "causal": False}
+    assert config["layer_types"] == ["sliding_attention"] * 2 and config["sliding_window"] == 12
+    assert config["use_sliding_window"] is True and config["is_causal"] is False
+    loaded, spec = load_drafter(tmp_path / "drafter")
+    assert spec == windowed.spec and spec.sliding_window == 12
+    a = 30
+    torch.testing.assert_close(loaded.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head),
+                               windowed.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head))
+    plain = tiny_spec().to_config_dict()
+    assert "use_swa" not in plain["dflash_config"] and "is_causal" not in plain
+    assert DrafterSpec.from_config_dict(plain).sliding_window is None
+    # an export of another engine that windows by use_swa alone, over all-full layer_types
+    other = {**plain, "dflash_config": {**plain["dflash_config"], "use_swa": True, "swa_window_size": 64}}
+    assert DrafterSpec.from_config_dict(other).sliding_window == 64
+
+
 def test_block_inputs_and_unshifted_labels():
     """SpecForge bug 1: block position k predicts token[anchor+k] (no shift by one)."""
     ids = torch.arange(100, 120)[None]

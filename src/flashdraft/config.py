@@ -118,6 +118,7 @@ class DrafterConfig:
     block_size: int = 16
     target_layer_ids: list[int] | None = None  # None: round(1 + i*(N-4)/(K-1))
     mask_token_id: int | None = None  # None: len(tokenizer), the first unused embedding row
+    sliding_window: int | None = None  # W >= block_size: a block query sees the W positions up to its own
 
 
 @dataclass
@@ -226,6 +227,12 @@ def check(cfg: Config) -> list[str]:
     n = cfg.toy.num_layers if cfg.target.build_toy else target_num_layers(read_target_config(cfg.target.path))
     if n:
         feature_layers(n, cfg.drafter)
+    w, bs = cfg.drafter.sliding_window, cfg.drafter.block_size
+    if w is not None and w < bs:
+        raise UserError(
+            f"config key drafter.sliding_window ({w}) < drafter.block_size ({bs}): a window must hold a "
+            "whole block; use a window of at least the block size, or null for none"
+        )
     warnings = []
     if cfg.hidden.shards > p.total:
         warnings.append(

@@ -45,6 +45,7 @@ class DrafterSpec:
     mask_token_id: int
     target_layer_ids: list[int]
     num_target_layers: int
+    sliding_window: int | None = None  # W: a block query at position q sees context kv > q - W (None: all)
 
     @property
     def num_features(self) -> int:
@@ -74,10 +75,22 @@ class DrafterSpec:
             mask_token_id=mask_token_id(tokenizer, c, drafter_cfg),
             target_layer_ids=feature_layer_ids(c, drafter_cfg),
             num_target_layers=num_layers(c),
+            sliding_window=drafter_cfg.sliding_window,
         )
 
     def to_config_dict(self, dtype: str = "bfloat16") -> dict:
-        """config.json in the DFlash format SGLang and vLLM load (a Qwen3 config plus DFlash keys)."""
+        """config.json in the DFlash format SGLang and vLLM load (a Qwen3 config plus DFlash keys).
+
+        A sliding window is written in every form the engines read, all saying one thing (every layer
+        windowed by W, not causal: the block stays bidirectional): `layer_types` sliding_attention with
+        `sliding_window` W (the reference `dflash` 0.1.0; SGLang's
+        `get_dflash_attention_sliding_window_size`),
+        top-level `is_causal: false` (the reference; vLLM's `_dflash_layer_causal`), and
+        `dflash_config.{use_swa, swa_window_size, causal: false}` (vLLM's `_resolve_layer_attention`,
+        TensorRT-LLM, as NVIDIA Model-Optimizer exports it)."""
+        w = self.sliding_window
+        swa = {} if w is None else {"use_swa": True, "swa_window_size": w, "causal": False}
+        layer = "full_attention" if w is None else "sliding_attention"
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -86,6 +99,7 @@ class DrafterSpec:
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
+                **swa,
             },
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -102,10 +116,11 @@ class DrafterSpec:
             "attention_bias": False,
             "attention_dropout": 0.0,
             "initializer_range": 0.02,
-            "layer_types": ["full_attention"] * self.num_layers,
+            "layer_types": [layer] * self.num_layers,
             "max_window_layers": self.num_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            "use_sliding_window": w is not None,
+            "sliding_window": w,
+            **({} if w is None else {"is_causal": False}),
             "tie_word_embeddings": False,
             "use_cache": True,
             "dtype": dtype,
@@ -129,7 +144,22 @@ class DrafterSpec:
             mask_token_id=dflash.get("mask_token_id", d.get("mask_token_id")),
             target_layer_ids=list(dflash.get("target_layer_ids", d.get("target_layer_ids", []))),
             num_target_layers=d["num_target_layers"],
+            sliding_window=_sliding_window(d),
         )
+
+
+def _sliding_window(d: dict) -> int | None:
+    """The window of an export: dflash_config.swa_window_size when use_swa, else sliding_window where
+    the layers say sliding_attention (one window for all layers, the only kind this drafter has)."""
+    dflash = d.get("dflash_config", {})
+    if dflash.get("use_swa"):
+        return int(dflash.get("swa_window_size") or d["sliding_window"])
+    types = d.get("layer_types") or []
+    if "sliding_attention" in types:
+        if set(types) != {"sliding_attention"}:
+            raise ValueError(f"layer_types {types}: this drafter windows all layers or none")
+        return int(d["sliding_window"])
+    return None
 
 
 def _rope_theta(config) -> float:
@@ -275,6 +305,14 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, cos, sin, mask)
         return self.norm(x)
 
+    def _block_mask(self, ctx_len: int, size: int, device):
+        """None (everything visible) without a sliding window; with one, the training mask of one block
+        anchored at ctx_len (`dense_mask`, the same mask function), so drafting sees what training saw."""
+        if self.spec.sliding_window is None:
+            return None
+        anchors = torch.tensor([[ctx_len]], device=device)
+        return dense_mask(anchors, anchors >= 0, ctx_len, size, self.spec.sliding_window)
+
     def _block_embeds(self, last_token: int, embed_weight, device, size: int):
         """`[token at anchor, MASK x (size-1)]` through the target's embedding, in the drafter's dtype."""
         ids = torch.full((1, size), self.spec.mask_token_id, dtype=torch.long, device=device)
@@ -294,7 +332,8 @@ class DFlashDrafter(nn.Module):
         size = size or self.spec.block_size
         positions = torch.arange(s + size, device=dev)[None]
         embeds = self._block_embeds(last_token, embed_weight, dev, size)
-        out = self(target_hidden.to(self.fc.weight.dtype), embeds, positions, mask=None)
+        mask = self._block_mask(s, size, dev)
+        out = self(target_hidden.to(self.fc.weight.dtype), embeds, positions, mask=mask)
         return out[0, 1:] @ lm_head_weight.to(out.dtype).T
 
     @torch.no_grad()
@@ -323,8 +362,9 @@ class DFlashDrafter(nn.Module):
         positions = torch.arange(s, s + size, device=dev)[None]
         cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
         x = self._block_embeds(last_token, embed_weight, dev, size)
+        mask = self._block_mask(s, size, dev)
         for layer, k, v in zip(self.layers, cache.k, cache.v, strict=True):
-            x = layer(x, (k, v), cos, sin, None)
+            x = layer(x, (k, v), cos, sin, mask)
         out = self.norm(x)
         return out[0, 1:] @ lm_head_weight.to(out.dtype).T
 
@@ -381,23 +421,27 @@ def sample_anchors(loss_mask, max_anchors: int, block_size: int, generator=None)
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
 
 
-def dflash_mask_mod(anchors, valid, ctx_len: int, block_size: int):
+def dflash_mask_mod(anchors, valid, ctx_len: int, block_size: int, window: int | None = None):
     """mask_mod(b, h, q_idx, kv_idx) over kv = [context (ctx_len); blocks (A*B)], queries = blocks.
 
     Block j sees context kv < anchor_j (strictly: the target features AT the anchor already encode the
     next token, and at inference the anchor's features do not exist yet), all of its own block, nothing
-    else; padded blocks see nothing."""
+    else; padded blocks see nothing. With a sliding window W, the query at block position k (position
+    anchor_j + k) sees only context kv > anchor_j + k - W: the W positions up to its own, as vLLM and
+    the reference `dflash` window a non-causal layer (W >= B, so the block itself is never cut)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
         ctx = (kv_idx < ctx_len) & (kv_idx < anchors[b, blk])
+        if window is not None:
+            ctx = ctx & (kv_idx > anchors[b, blk] + q_idx % block_size - window)
         own = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == blk)
         return (ctx | own) & valid[b, blk]
 
     return mask_mod
 
 
-def dense_mask(anchors, valid, ctx_len: int, block_size: int):
+def dense_mask(anchors, valid, ctx_len: int, block_size: int, window: int | None = None):
     """The same mask as a dense boolean `[b, 1, Q, KV]` for SDPA, plus `keep` `[b, 1, Q, 1]`.
 
     SDPA returns NaN on a fully masked row (and its backward too), so here a padded block attends to
@@ -408,7 +452,7 @@ def dense_mask(anchors, valid, ctx_len: int, block_size: int):
     bi = torch.arange(b, device=dev)[:, None, None]
     qi = torch.arange(q_len, device=dev)[None, :, None]
     kvi = torch.arange(ctx_len + q_len, device=dev)[None, None, :]
-    mask = dflash_mask_mod(anchors, valid, ctx_len, block_size)(bi, 0, qi, kvi)
+    mask = dflash_mask_mod(anchors, valid, ctx_len, block_size, window)(bi, 0, qi, kvi)
     blk = qi // block_size
     own = (kvi >= ctx_len) & ((kvi - ctx_len) // block_size == blk)
     keep = valid[bi, blk]  # [b, Q, 1]
@@ -416,14 +460,14 @@ def dense_mask(anchors, valid, ctx_len: int, block_size: int):
     return mask[:, None], keep[:, None]
 
 
-def flex_mask(anchors, valid, ctx_len: int, block_size: int):
+def flex_mask(anchors, valid, ctx_len: int, block_size: int, window: int | None = None):
     """The BlockMask, built eagerly: compiled, it added four minutes to a cold compile for no faster a
     step (benchmarks/results/compile_variants_qwen3-8b.json)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, a = anchors.shape
     q_len = a * block_size
-    mod = dflash_mask_mod(anchors, valid, ctx_len, block_size)
+    mod = dflash_mask_mod(anchors, valid, ctx_len, block_size, window)
     return create_block_mask(mod, B=b, H=None, Q_LEN=q_len, KV_LEN=ctx_len + q_len, device=anchors.device)
 
 
@@ -478,7 +522,7 @@ def train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, atte
         hidden = F.pad(hidden, (0, 0, 0, FLEX_MULTIPLE - s % FLEX_MULTIPLE))
         s = hidden.shape[1]
     positions = torch.cat([torch.arange(s, device=ids.device).expand(b, s), block_pos], dim=1)
-    mask = (flex_mask if attention == "flex" else dense_mask)(anchors, valid, s, bs)
+    mask = (flex_mask if attention == "flex" else dense_mask)(anchors, valid, s, bs, spec.sliding_window)
     # the residual stream starts from the frozen (maybe bf16) embedding rows, kept in the weights' fp32
     embeds = F.embedding(ids, embed_weight).to(next(drafter.parameters()).dtype)
     out = drafter(hidden, embeds, positions, mask)
