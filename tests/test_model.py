@@ -95,6 +95,29 @@ def test_anchors_only_where_loss_mask_at_p_and_p_plus_1():
     assert seen == eligible  # resampled: every eligible position is drawn at some step
 
 
+def test_a_samples_anchors_depend_on_its_seed_not_on_its_batch():
+    """The same sample (its seed, its loss mask) in two batches of other samples, at another row and
+    padded to another length, gets the same anchors; another seed (epoch) other ones."""
+    def sample(n, start):
+        m = torch.zeros(n)
+        m[start:] = 1
+        return m
+
+    x, y, z = sample(30, 4), sample(50, 10), sample(20, 2)
+
+    def batch(rows, length):
+        return torch.stack([F.pad(r, (0, length - len(r))) for r in rows] + [torch.zeros(length)])
+
+    a1, v1 = sample_anchors(batch([x, y], 64), 6, B, seeds=[7, 8, None])
+    a2, v2 = sample_anchors(batch([z, x], 128), 6, B, seeds=[9, 7, None])
+    assert torch.equal(a1[0][v1[0]], a2[1][v2[1]]) and v1[0].sum() == 6
+    assert not v1[2].any() and not v2[2].any()  # padding rows: no anchors
+    a3, v3 = sample_anchors(batch([x], 64), 6, B, seeds=[70, None])
+    assert not torch.equal(a1[0][v1[0]], a3[0][v3[0]])
+    eligible = set(range(4, 29))
+    assert set(a1[0][v1[0]].tolist()) <= eligible and set(a3[0][v3[0]].tolist()) <= eligible
+
+
 def test_mask_context_strictly_before_anchor_own_block_only_padded_sees_nothing():
     anchors, valid = torch.tensor([[5, 9, -1]]), torch.tensor([[True, True, False]])
     s, bs = 12, 4

@@ -23,6 +23,7 @@ from flashdraft.hidden import HiddenStore, manifest_path
 from flashdraft.model import load_drafter
 from flashdraft.train import (
     Collate,
+    anchor_seeds,
     bucket_for,
     epoch_batches,
     load_checkpoint,
@@ -165,6 +166,12 @@ def test_checkpoints_load_weights_only(tmp_path, monkeypatch):
     with pytest.raises(pickle.UnpicklingError):
         load_checkpoint(path, model2, optimizer2, scheduler2, "cpu", sharded=False)
     assert not marker.exists()
+
+
+def test_anchor_seeds_follow_the_sample_not_the_batch():
+    seeds = anchor_seeds(3, 1, [5, 9], rows=4)
+    assert seeds[2:] == [None, None] and anchor_seeds(3, 1, [9, 2], rows=2)[0] == seeds[1]
+    assert anchor_seeds(3, 2, [5], rows=1) != seeds[:1] and anchor_seeds(4, 1, [5], rows=1) != seeds[:1]
 
 
 def test_run_key_changes_with_config_and_data(data, tmp_path):

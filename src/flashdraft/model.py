@@ -400,15 +400,27 @@ def num_anchor_slots(seq_len: int, max_anchors: int, block_size: int) -> int:
     return -(-a // step) * step
 
 
-def sample_anchors(loss_mask, max_anchors: int, block_size: int, generator=None):
+def sample_anchors(loss_mask, max_anchors: int, block_size: int, generator=None, seeds=None):
     """Random anchors per sample: positions p with loss_mask[p] and loss_mask[p+1], drawn uniformly
     without replacement, sorted. Returns anchors `[b, A]` (-1 where padded) and valid `[b, A]`, with
-    A = num_anchor_slots(S, max_anchors, block_size)."""
+    A = num_anchor_slots(S, max_anchors, block_size).
+
+    seeds: one seed per row (None for a padding row): row r's keys come from its own generator, one
+    key per eligible position in order, so its anchors depend on its seed and its own loss mask only,
+    not on the batch it shares, its row, or the padded length. Without seeds, one `generator` draws
+    keys for the whole `[b, S-1]` batch."""
     b, s = loss_mask.shape
     a = num_anchor_slots(s, max_anchors, block_size)
     lm = loss_mask.bool().cpu()
     eligible = lm[:, :-1] & lm[:, 1:]  # [b, S-1]: p in 0..S-2
-    keys = torch.rand(eligible.shape, generator=generator)
+    if seeds is None:
+        keys = torch.rand(eligible.shape, generator=generator)
+    else:
+        keys = torch.ones(eligible.shape)
+        for r, seed in enumerate(seeds):
+            if seed is not None:
+                row = torch.Generator().manual_seed(seed)
+                keys[r, eligible[r]] = torch.rand(int(eligible[r].sum()), generator=row)
     keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))  # ineligible sort last
     k = min(max_anchors, s - 1)
     picked_keys, picked = keys.topk(k, dim=1, largest=False)

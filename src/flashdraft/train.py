@@ -2,10 +2,11 @@
 
 Data order is a pure function of (seed, epoch): each epoch's seeded permutation is cut into micro-batches
 of one length bucket each (rows = batch_tokens // bucket), the same list on every rank. Global step t of
-an epoch takes micro-batches [cursor, cursor + world); rank r takes cursor + r. Anchors are drawn from a
-generator seeded by (seed, epoch, micro-batch index). So a resumed run replays exactly what an
-uninterrupted one would have seen, and a resume on another number of processes continues from the same
-micro-batch. The model has no other randomness (no dropout), so that is all the RNG state a resume needs.
+an epoch takes micro-batches [cursor, cursor + world); rank r takes cursor + r. A sample's anchors are
+drawn from its own generator, seeded by (seed, epoch, sample index), whatever batch it lands in. So a
+resumed run replays exactly what an uninterrupted one would have seen, and a resume on another number of
+processes continues from the same micro-batch. The model has no other randomness (no dropout), so that
+is all the RNG state a resume needs.
 Model and optimizer are replicated (DDP) or sharded (FSDP2, `train.parallel`); checkpoints hold the full
 state dicts either way, so they depend on neither the world size nor the mode. Each rank normalizes its
 loss by its own weight sum and the gradients are averaged over ranks; the logged loss is the weighted
@@ -173,9 +174,12 @@ def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list
     return out
 
 
-def anchor_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    """Anchors of micro-batch `index` of `epoch`: fixed by the data position, not by rank or history."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_000_019 + index)
+def anchor_seeds(seed: int, epoch: int, samples: list[int], rows: int) -> list[int | None]:
+    """One anchor seed per row of a micro-batch: fixed by (seed, epoch, sample index), so a sample's
+    anchors do not depend on which samples share its batch, its rank, or the number of processes (as
+    SpecForge made them); padding rows get None."""
+    base = (seed * 1_000_003 + epoch) * 10_000_019
+    return [base + i for i in samples] + [None] * (rows - len(samples))
 
 
 class Collate:
@@ -264,8 +268,8 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
                 device, amp)
 
 
-def anchors_for(step: Step, loss_mask, generator):
-    anchors, valid = sample_anchors(loss_mask, step.max_anchors, step.spec.block_size, generator)
+def anchors_for(step: Step, loss_mask, generator=None, seeds=None):
+    anchors, valid = sample_anchors(loss_mask, step.max_anchors, step.spec.block_size, generator, seeds)
     return anchors.to(step.device), valid.to(step.device)
 
 
@@ -626,9 +630,9 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                              "lower train.batch_tokens or add data")
         n = min((len(batches) - cursor) // d.world, total - step)
         mine = [batches[cursor + i * d.world + d.rank] for i in range(max(0, n))]
-        for batch in batch_loader(store, mine, collate, d.device):
-            gen = anchor_generator(cfg.seed, epoch, cursor + d.rank)
-            anchors, valid = anchors_for(step_fn, batch["loss_mask"], gen)
+        for samples, batch in zip(mine, batch_loader(store, mine, collate, d.device), strict=True):
+            seeds = anchor_seeds(cfg.seed, epoch, samples, batch["loss_mask"].shape[0])
+            anchors, valid = anchors_for(step_fn, batch["loss_mask"], seeds=seeds)
             first = batch["bucket"] not in seen_buckets
             t_step = time.perf_counter()
             # after a bucket's first step its graph exists: a recompile now is a bug, or an eager fallback
