@@ -29,11 +29,13 @@ from flashdraft.train import (
     load_checkpoint,
     load_spec,
     lr_factor,
+    micro_per_step,
     parallel_mode,
     rows_per_batch,
     run_key,
     save_checkpoint,
     set_compile_workers,
+    steps_left,
 )
 from flashdraft.warmup import warmup
 
@@ -278,6 +280,43 @@ def test_fsdp_trains_as_ddp_does_and_each_resumes_the_other(data, reference, tmp
         got, _ = load_drafter(out / "drafter")
         for (k, x), y in zip(want.state_dict().items(), got.state_dict().values(), strict=True):
             assert torch.allclose(x, y, rtol=1e-4, atol=1e-6), (out.name, k)
+
+
+def test_a_global_batch_in_tokens_trains_the_same_on_one_and_two_processes(data, tmp_path):
+    """train.global_batch_tokens: two micro-batches per step, accumulated on one process or one each on
+    two, give the same steps, loss curve and weights; a resume on the other process count keeps the batch."""
+    root, shards = data
+    cfg = {**TRAIN, "max_steps": 0, "epochs": 1, "global_batch_tokens": 2 * TRAIN["batch_tokens"]}
+    one, two, moved = tmp_path / "one", tmp_path / "two", tmp_path / "moved"
+    log = run(train_cmd(root, shards, one, cfg, nproc=1)).stderr
+    assert "global batch: 2 micro-batches of 512 tokens, 2 or fewer per process" in log
+    run(train_cmd(root, shards, two, cfg, nproc=2))
+    run(train_cmd(root, shards, moved, cfg, nproc=2, extra=["--stop-at", "3"]))
+    run(train_cmd(root, shards, moved, cfg, nproc=1))  # resumed on one process
+    rows = read_rows(one / "metrics.csv")
+    assert len(rows) >= 6 and [r["step"] for r in rows] == [r["step"] for r in read_rows(two / "metrics.csv")]
+    for out in (two, moved):
+        assert losses(read_rows(out / "metrics.csv")) == pytest.approx(losses(rows), rel=1e-4), out.name
+        want, _ = load_drafter(one / "drafter")
+        got, _ = load_drafter(out / "drafter")
+        for (k, x), y in zip(want.state_dict().items(), got.state_dict().values(), strict=True):
+            assert torch.allclose(x, y, rtol=1e-3, atol=1e-5), (out.name, k)
+
+
+def test_micro_per_step_refuses_a_global_batch_the_processes_cannot_share(data):
+    lengths = [HiddenStore(data[1]).num_tokens(i) for i in range(48)]
+    fixed = TrainConfig(batch_tokens=512, global_batch_tokens=1024, buckets=[128, 256])
+    assert steps_left(lengths, fixed, 1) == steps_left(lengths, fixed, 2)
+    legacy = TrainConfig(batch_tokens=512, buckets=[128, 256])  # one micro-batch per process and step
+    half = steps_left(lengths, legacy, 2)
+    assert steps_left(lengths, legacy, 1) // 2 == half == steps_left(lengths, fixed, 1) > 0
+    cfg = TrainConfig(batch_tokens=512, global_batch_tokens=1536)
+    assert micro_per_step(cfg, 1) == micro_per_step(cfg, 2) == micro_per_step(cfg, 3) == 3
+    assert micro_per_step(TrainConfig(batch_tokens=512), 4) == 4  # 0: one per process
+    with pytest.raises(ValueError, match=r"train.global_batch_tokens \(1536\) must be a multiple"):
+        micro_per_step(cfg, 4)
+    with pytest.raises(ValueError, match="use 1024"):
+        micro_per_step(TrainConfig(batch_tokens=512, global_batch_tokens=700), 2)
 
 
 def test_parallel_mode_shards_only_what_would_not_fit():

@@ -134,6 +134,9 @@ class TrainConfig:
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
     dpace_alpha: float = 0.5  # D-PACE confidence smoothing, q~ = (1 - alpha) q + alpha, in [0, 1]
     batch_tokens: int = 16384  # token budget of one micro-batch per process
+    # tokens of one optimizer step over all processes, a multiple of batch_tokens (micro-batches accumulated);
+    # 0: one micro-batch per process (the global batch then grows with the process count)
+    global_batch_tokens: int = 0
     buckets: list[int] = field(default_factory=lambda: [1024, 2048, 3072])  # padded lengths
     compile: bool = True
     attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | flex | sdpa
