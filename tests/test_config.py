@@ -87,3 +87,15 @@ def test_a_sliding_window_smaller_than_a_block_is_refused_before_any_job():
     cfg.drafter.sliding_window = cfg.drafter.block_size - 1
     with pytest.raises(UserError, match=r"drafter\.sliding_window \(7\) < drafter\.block_size \(8\)"):
         check(cfg)
+
+
+def test_a_global_batch_the_training_processes_cannot_share_is_refused_before_any_job():
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "config" / "config.yaml"))
+    cfg.gpus.drafter = 2
+    check(cfg)  # 2048 tokens: one micro-batch of 1024 on each of 2 processes
+    cfg.gpus.drafter = 3
+    with pytest.raises(UserError, match=r"train\.global_batch_tokens \(2048\) .* each of the 3 training"):
+        check(cfg)
+    cfg.gpus.drafter, cfg.train.global_batch_tokens = 1, 1500
+    with pytest.raises(UserError, match=r"use a multiple of 1024 from 1024 up, or 0"):
+        check(cfg)

@@ -303,6 +303,18 @@ def test_a_global_batch_in_tokens_trains_the_same_on_one_and_two_processes(data,
             assert torch.allclose(x, y, rtol=1e-3, atol=1e-5), (out.name, k)
 
 
+def test_fsdp_accumulates_micro_batches_to_the_single_process_curve(data, tmp_path):
+    """Two micro-batches per process and step under FSDP2 (gradient sync only on the last) follow one
+    process accumulating all four."""
+    root, shards = data
+    cfg = {**TRAIN, "max_steps": 3, "global_batch_tokens": 4 * TRAIN["batch_tokens"]}
+    run(train_cmd(root, shards, tmp_path / "one", cfg, nproc=1))
+    run(train_cmd(root, shards, tmp_path / "fsdp", {**cfg, "parallel": "fsdp"}, nproc=2))
+    want = losses(read_rows(tmp_path / "one" / "metrics.csv"))
+    got = losses(read_rows(tmp_path / "fsdp" / "metrics.csv"))
+    assert len(want) == 3 and got == pytest.approx(want, rel=1e-4)
+
+
 def test_micro_per_step_refuses_a_global_batch_the_processes_cannot_share(data):
     lengths = [HiddenStore(data[1]).num_tokens(i) for i in range(48)]
     fixed = TrainConfig(batch_tokens=512, global_batch_tokens=1024, buckets=[128, 256])

@@ -230,6 +230,14 @@ def check(cfg: Config) -> list[str]:
     n = cfg.toy.num_layers if cfg.target.build_toy else target_num_layers(read_target_config(cfg.target.path))
     if n:
         feature_layers(n, cfg.drafter)
+    t, world = cfg.train, max(1, cfg.gpus.drafter) * cfg.gpus.drafter_nodes
+    g = t.global_batch_tokens
+    if g and (g % t.batch_tokens or g < world * t.batch_tokens):
+        raise UserError(
+            f"config key train.global_batch_tokens ({g}) must be a multiple of train.batch_tokens "
+            f"({t.batch_tokens}) and hold a micro-batch for each of the {world} training process(es): "
+            f"use a multiple of {t.batch_tokens} from {world * t.batch_tokens} up, or 0"
+        )
     w, bs = cfg.drafter.sliding_window, cfg.drafter.block_size
     if w is not None and w < bs:
         raise UserError(
