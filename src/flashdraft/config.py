@@ -1,6 +1,7 @@
 """Typed configuration: one dataclass per section of config/config.yaml.
 
-The dataclass defaults are the single place where defaults live (the DFlash recipe for training);
+The dataclass defaults are the single place where defaults live (the DFlash recipe for training, with
+D-PACE's loss weights);
 workflow/schemas/config.schema.yaml checks types and documents every key. Each stage script takes its
 section as JSON (`--cfg '{...}'`), so Snakemake reruns a stage only when its own section changes.
 """
@@ -130,7 +131,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     max_anchors: int = 512
-    loss: str = "decay"  # decay: exp(-(k-1)/gamma) position weights (DFlash) | dpace: D-PACE's dynamic ones
+    # dpace: D-PACE's position weights from the drafter's own confidence (beat decay on every seed of the
+    # toy ablation, benchmarks/results/recipe_ablation_toy.json) | decay: the paper's exp(-(k-1)/gamma)
+    loss: str = "dpace"
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
     dpace_alpha: float = 0.5  # D-PACE confidence smoothing, q~ = (1 - alpha) q + alpha, in [0, 1]
     batch_tokens: int = 16384  # token budget of one micro-batch per process
