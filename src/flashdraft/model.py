@@ -83,11 +83,10 @@ class DrafterSpec:
 
         A sliding window is written in every form the engines read, all saying one thing (every layer
         windowed by W, not causal: the block stays bidirectional): `layer_types` sliding_attention with
-        `sliding_window` W (the reference `dflash` 0.1.0; SGLang's
-        `get_dflash_attention_sliding_window_size`),
-        top-level `is_causal: false` (the reference; vLLM's `_dflash_layer_causal`), and
-        `dflash_config.{use_swa, swa_window_size, causal: false}` (vLLM's `_resolve_layer_attention`,
-        TensorRT-LLM, as NVIDIA Model-Optimizer exports it)."""
+        `sliding_window` W (the reference `dflash` 0.1.0; SGLang's `get_dflash_attention_sliding_window_size`
+        reads W - 1 as its left window), top-level `is_causal: false` (the reference; vLLM's
+        `_dflash_layer_causal`), and `dflash_config.{use_swa, swa_window_size, causal: false}` (vLLM's
+        `_resolve_layer_attention`, TensorRT-LLM, as NVIDIA Model-Optimizer exports it)."""
         w = self.sliding_window
         swa = {} if w is None else {"use_swa": True, "swa_window_size": w, "causal": False}
         layer = "full_attention" if w is None else "sliding_attention"
