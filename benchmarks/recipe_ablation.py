@@ -14,6 +14,8 @@ compiles for changed), train and evaluate, and the rest is reused. Variants, eac
 - window:  drafter.sliding_window 32; the toy's sequences are at most hidden.max_length (256) tokens,
            so a window of 2048 would leave every mask as it is: 32 is the window that cuts the toy's
            context as 2048 cuts a long real one
+- window2048: drafter.sliding_window 2048, the speculators recipe: on the toy's contexts a check that
+           the windowed paths (training mask, drafting mask, export) reproduce the unwindowed drafter
 
 tau is the evaluation's `tau_pooled` of the trained drafter (emitted tokens per verify step, as the
 reference `dflash_generate` counts it, pooled over the held-out prompts' steps). A run's result is kept in
@@ -39,6 +41,7 @@ VARIANTS = {  # each names its loss: the baseline is the paper's recipe whatever
     "dpace": {"train.loss": "dpace"},
     "block16": {"train.loss": "decay", "drafter.block_size": 16},
     "window": {"train.loss": "decay", "drafter.sliding_window": 32},
+    "window2048": {"train.loss": "decay", "drafter.sliding_window": 2048},
 }
 
 
