@@ -9,7 +9,15 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
-from flashdraft.config import Config, TrainConfig, from_dict, load_config, load_section, target_layer_ids
+from flashdraft.config import (
+    Config,
+    TrainConfig,
+    check,
+    from_dict,
+    load_config,
+    load_section,
+    target_layer_ids,
+)
 from flashdraft.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,3 +78,24 @@ def test_remote_code_target_refused_known_type_with_auto_map_read(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mine", "auto_map": auto_map}))
     with pytest.raises(UserError, match=r"needs remote code .*'mine'.*modeling\.X"):
         read_target_config(tmp_path)
+
+
+def test_a_sliding_window_smaller_than_a_block_is_refused_before_any_job():
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "config" / "config.yaml"))
+    cfg.drafter.sliding_window = cfg.drafter.block_size
+    check(cfg)
+    cfg.drafter.sliding_window = cfg.drafter.block_size - 1
+    with pytest.raises(UserError, match=r"drafter\.sliding_window \(7\) < drafter\.block_size \(8\)"):
+        check(cfg)
+
+
+def test_a_global_batch_the_training_processes_cannot_share_is_refused_before_any_job():
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "config" / "config.yaml"))
+    cfg.gpus.drafter = 2
+    check(cfg)  # 2048 tokens: one micro-batch of 1024 on each of 2 processes
+    cfg.gpus.drafter = 3
+    with pytest.raises(UserError, match=r"train\.global_batch_tokens \(2048\) .* each of the 3 training"):
+        check(cfg)
+    cfg.gpus.drafter, cfg.train.global_batch_tokens = 1, 1500
+    with pytest.raises(UserError, match=r"use a multiple of 1024 from 1024 up, or 0"):
+        check(cfg)

@@ -20,6 +20,7 @@ from flashdraft.model import (
     dense_mask,
     dflash_loss,
     dflash_mask_mod,
+    dpace_weights,
     export_drafter,
     load_drafter,
     load_target_head,
@@ -94,6 +95,29 @@ def test_anchors_only_where_loss_mask_at_p_and_p_plus_1():
     assert seen == eligible  # resampled: every eligible position is drawn at some step
 
 
+def test_a_samples_anchors_depend_on_its_seed_not_on_its_batch():
+    """The same sample (its seed, its loss mask) in two batches of other samples, at another row and
+    padded to another length, gets the same anchors; another seed (epoch) other ones."""
+    def sample(n, start):
+        m = torch.zeros(n)
+        m[start:] = 1
+        return m
+
+    x, y, z = sample(30, 4), sample(50, 10), sample(20, 2)
+
+    def batch(rows, length):
+        return torch.stack([F.pad(r, (0, length - len(r))) for r in rows] + [torch.zeros(length)])
+
+    a1, v1 = sample_anchors(batch([x, y], 64), 6, B, seeds=[7, 8, None])
+    a2, v2 = sample_anchors(batch([z, x], 128), 6, B, seeds=[9, 7, None])
+    assert torch.equal(a1[0][v1[0]], a2[1][v2[1]]) and v1[0].sum() == 6
+    assert not v1[2].any() and not v2[2].any()  # padding rows: no anchors
+    a3, v3 = sample_anchors(batch([x], 64), 6, B, seeds=[70, None])
+    assert not torch.equal(a1[0][v1[0]], a3[0][v3[0]])
+    eligible = set(range(4, 29))
+    assert set(a1[0][v1[0]].tolist()) <= eligible and set(a3[0][v3[0]].tolist()) <= eligible
+
+
 def test_mask_context_strictly_before_anchor_own_block_only_padded_sees_nothing():
     anchors, valid = torch.tensor([[5, 9, -1]]), torch.tensor([[True, True, False]])
     s, bs = 12, 4
@@ -155,6 +179,81 @@ def test_flex_attention_forward_agrees_with_sdpa_on_cpu(setup):
     """flex_attention runs its forward on CPU (eager), not its backward: the training path there is SDPA."""
     sdpa, flex = block_out(setup, attention="sdpa"), block_out(setup, attention="flex")
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-4)
+
+
+def test_sliding_window_mask_keeps_the_w_context_positions_up_to_each_query():
+    """W = 6, B = 4, anchor 9: the query at block position k (position 9 + k) sees context 4+k..8, its
+    whole block, nothing else; the dense SDPA mask is built from the same function."""
+    anchors, valid = torch.tensor([[9, 2, -1]]), torch.tensor([[True, True, False]])
+    s, bs, w = 12, 4, 6
+    m = dflash_mask_mod(anchors, valid, s, bs, w)(torch.tensor(0), 0, torch.arange(3 * bs)[:, None],
+                                                      torch.arange(s + 3 * bs)[None, :])
+    for k in range(bs):
+        assert m[k, :s].nonzero().flatten().tolist() == list(range(9 + k - w + 1, 9)), k
+        assert m[k, s : s + bs].all() and not m[k, s + bs :].any()  # its whole block, bidirectional
+    assert m[bs, :s].nonzero().flatten().tolist() == [0, 1]  # anchor 2: the window holds all its context
+    assert not m[2 * bs :].any()
+    full = dflash_mask_mod(anchors, valid, s, bs)(torch.tensor(0), 0, torch.arange(3 * bs)[:, None],
+                                                  torch.arange(s + 3 * bs)[None, :])
+    assert torch.equal(m[bs : 2 * bs], full[bs : 2 * bs]) and m[:bs, :s].sum() < full[:bs, :s].sum()
+    dense, _ = dense_mask(anchors, valid, s, bs, w)
+    assert torch.equal(dense[0, 0, : 2 * bs], m[: 2 * bs])
+
+
+@pytest.fixture(scope="module")
+def windowed(setup):
+    torch.manual_seed(3)
+    return DFlashDrafter(tiny_spec(sliding_window=12)).eval()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_windowed_training_forward_drafting_and_cache_agree(setup, windowed):
+    """With a window, the training forward (SDPA and flex), predict_block and cached drafting give the
+    same logits; features beyond the window change nothing, those inside do."""
+    _, ids, _, hidden, embed, head, anchors, valid = setup
+    with torch.no_grad():
+        train = train_forward(windowed, ids, hidden, anchors, valid, embed, "sdpa")
+        flex = train_forward(windowed, ids, hidden, anchors, valid, embed, "flex")
+    torch.testing.assert_close(flex, train, atol=1e-5, rtol=1e-4)
+    a = anchors[0, 2].item()  # 30: a query at 30 + k sees context > 30 + k - 12, i.e. from 19 + k
+    logits = windowed.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head)
+    torch.testing.assert_close(logits, train[0, 2, 1:] @ head.T, atol=1e-4, rtol=1e-4)
+    far, near = hidden.clone(), hidden.clone()
+    far[0, :19] += 5.0
+    near[0, 19] += 5.0
+    assert torch.equal(windowed.predict_block(far[:1, :a], ids[0, a].item(), embed, head), logits)
+    assert not torch.allclose(windowed.predict_block(near[:1, :a], ids[0, a].item(), embed, head), logits)
+    cache, s = DraftCache(), 0
+    for new in [9, 1, 14, B, 2]:
+        got = windowed.predict_block_cached(hidden[:1, s : s + new], ids[0, s + new].item(), embed, head,
+                                            cache, s + new)
+        s += new
+        want = windowed.predict_block(hidden[:1, :s], ids[0, s].item(), embed, head)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        short = windowed.predict_block_cached(hidden[:1, :0], ids[0, s].item(), embed, head, cache, s, 3)
+        torch.testing.assert_close(short, windowed.predict_block(hidden[:1, :s], ids[0, s].item(), embed,
+                                                                 head, 3), atol=1e-5, rtol=1e-5)
+
+
+def test_windowed_export_writes_the_engines_keys_and_round_trips(setup, windowed, tmp_path):
+    _, ids, _, hidden, embed, head, _, _ = setup
+    export_drafter(windowed, windowed.spec, tmp_path / "drafter")
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 3], "use_swa": True,
+                                       "swa_window_size": 12, "causal": False}
+    assert config["layer_types"] == ["sliding_attention"] * 2 and config["sliding_window"] == 12
+    assert config["use_sliding_window"] is True and config["is_causal"] is False
+    loaded, spec = load_drafter(tmp_path / "drafter")
+    assert spec == windowed.spec and spec.sliding_window == 12
+    a = 30
+    torch.testing.assert_close(loaded.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head),
+                               windowed.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head))
+    plain = tiny_spec().to_config_dict()
+    assert "use_swa" not in plain["dflash_config"] and "is_causal" not in plain
+    assert DrafterSpec.from_config_dict(plain).sliding_window is None
+    # an export of another engine that windows by use_swa alone, over all-full layer_types
+    other = {**plain, "dflash_config": {**plain["dflash_config"], "use_swa": True, "swa_window_size": 64}}
+    assert DrafterSpec.from_config_dict(other).sliding_window == 64
 
 
 def test_block_inputs_and_unshifted_labels():
@@ -247,6 +346,63 @@ def test_chunked_loss_equals_unchunked_in_value_and_gradient(setup):
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
     assert grads[0].abs().sum() > 0
+
+
+def test_dpace_weights_are_suffix_sums_of_smoothed_prefix_products():
+    """Eq. 7-8 of D-PACE by hand: q~ = (1-a) q + a, w_j = sum_{m>=j} prod_{i<=m} q~_i; an unlabeled
+    position is 1 in the products, 0 in the sums and gets weight 0."""
+    q = torch.tensor([[0.8, 0.5, 0.2], [0.8, 0.5, 0.2], [0.8, 0.5, 0.2]])
+    mask = torch.tensor([[True, True, True], [True, False, True], [True, True, True]])
+    w = dpace_weights(q, mask, 0.5)
+    p1, p2, p3 = 0.9, 0.9 * 0.75, 0.9 * 0.75 * 0.6
+    torch.testing.assert_close(w[0], torch.tensor([p1 + p2 + p3, p2 + p3, p3]))
+    torch.testing.assert_close(w[1], torch.tensor([0.9 + 0.9 * 0.6, 0.0, 0.9 * 0.6]))
+    assert dpace_weights(q, mask, 1.0)[0].tolist() == [3.0, 2.0, 1.0]  # alpha 1: positions left in the block
+    assert (w[0][:-1] >= w[0][1:]).all()  # non-increasing along the block
+    assert not dpace_weights(q.requires_grad_(), mask, 0.5).requires_grad  # detached
+
+
+def test_dpace_loss_is_the_weighted_ce_per_block_with_detached_weights(setup):
+    """D-PACE's loss, recomputed from inference-time predictions (weights from the drafter's own label
+    probabilities, sum over blocks divided by the number of blocks), and its gradient equals autograd's
+    through the CE alone; a given normalizer replaces the batch's own."""
+    _, ids, loss_mask, hidden, embed, head, anchors, valid = setup
+    torch.manual_seed(2)
+    d = DFlashDrafter(tiny_spec())
+    alpha, s = 0.3, ids.shape[1]
+    loss, stats = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0, chunk_blocks=2,
+                              objective="dpace", dpace_alpha=alpha)
+    loss.backward()
+    got = torch.cat([p.grad.flatten() for p in d.parameters()])
+    d.zero_grad()
+    out = train_forward(d, ids, hidden, anchors, valid, embed, "sdpa")
+    num, blocks = 0.0, 0
+    for r in range(2):
+        for j in valid[r].nonzero().flatten().tolist():
+            a = anchors[r, j].item()
+            k = torch.arange(1, B)
+            inside = (a + k) < s
+            lab = ids[r, (a + k).clamp(max=s - 1)]
+            ce = F.cross_entropy(out[r, j, 1:] @ head.T, lab, reduction="none")
+            m = inside & (loss_mask[r, (a + k).clamp(max=s - 1)] > 0)
+            w = dpace_weights(torch.exp(-ce)[None], m[None], alpha)[0]
+            num = num + (w * ce).sum()
+            blocks += 1
+    want_loss = num / blocks
+    want_loss.backward()
+    want = torch.cat([p.grad.flatten() for p in d.parameters()])
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    assert summarize(stats, B)["loss"] == pytest.approx(want_loss.item(), rel=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+    assert got.abs().sum() > 0
+    with torch.no_grad():
+        given, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0,
+                               objective="dpace", dpace_alpha=alpha, normalizer=torch.tensor(10.0))
+    assert given.item() == pytest.approx(num.item() / 10, rel=1e-5)
+    decay, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0)
+    assert decay.item() != pytest.approx(loss.item(), rel=1e-3)  # the objective is not ignored
+    with pytest.raises(ValueError, match="train.loss"):
+        dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0, objective="mean")
 
 
 @pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])

@@ -2,6 +2,8 @@
 envs/requirements-nodeps.txt): it loads our export, drafts what we draft, decodes losslessly with it, and
 counts acceptance per verify step as we do."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -107,6 +109,41 @@ def test_reference_drafts_our_logits(setup):
             # (one matmul over both can round differently in the last bit)
             ours = drafter.predict_block_cached(features[:, :s], seq[s], embed, head, DraftCache(), s, size)
             assert torch.equal(ours, theirs)
+
+
+def test_reference_loads_a_windowed_export_and_drafts_our_logits(setup, tmp_path):
+    """drafter.sliding_window: the reference reads the export's layer_types, sliding_window and is_causal
+    as a non-causal window of W on every layer, and drafts what our windowed drafter drafts."""
+    model, _, spec, _, _, _, _, sequences = setup
+    w = B
+    windowed = dataclasses.replace(spec, sliding_window=w)
+    torch.manual_seed(5)
+    drafter = DFlashDrafter(windowed).eval()
+    export_drafter(drafter, windowed, tmp_path / "drafter")
+    ref, info = reference.DFlashDraftModel.from_pretrained(tmp_path / "drafter", dtype=torch.float32,
+                                                           output_loading_info=True)
+    assert not any(info.values()), info
+    assert all(layer.self_attn.sliding_window == w and not layer.self_attn.is_causal for layer in ref.layers)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    seq = sequences[1]
+    with torch.no_grad():
+        hs = model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+    features = select_features(hs, spec.target_layer_ids)
+    s = len(seq) - B  # a context well past the window
+    block = torch.full((1, B), spec.mask_token_id)
+    block[0, 0] = seq[s]
+    with torch.no_grad():
+        out = ref(target_hidden=features[:, :s], noise_embedding=embed[block],
+                  position_ids=torch.arange(s + B)[None])
+        theirs = ref.compute_logits(out[:, 1:], model.get_output_embeddings())[0]
+        full = drafter.predict_block(features[:, :s], seq[s], embed, head)
+    cached = drafter.predict_block_cached(features[:, :s], seq[s], embed, head, DraftCache(), s)
+    torch.testing.assert_close(cached, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full, theirs, atol=1e-5, rtol=1e-5)
+    unwindowed = DFlashDrafter(spec).eval()
+    unwindowed.load_state_dict(drafter.state_dict())
+    unwindowed_logits = unwindowed.predict_block(features[:, :s], seq[s], embed, head)
+    assert not torch.allclose(unwindowed_logits, theirs, atol=1e-3)
 
 
 @pytest.fixture

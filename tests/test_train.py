@@ -23,16 +23,19 @@ from flashdraft.hidden import HiddenStore, manifest_path
 from flashdraft.model import load_drafter
 from flashdraft.train import (
     Collate,
+    anchor_seeds,
     bucket_for,
     epoch_batches,
     load_checkpoint,
     load_spec,
     lr_factor,
+    micro_per_step,
     parallel_mode,
     rows_per_batch,
     run_key,
     save_checkpoint,
     set_compile_workers,
+    steps_left,
 )
 from flashdraft.warmup import warmup
 
@@ -167,6 +170,12 @@ def test_checkpoints_load_weights_only(tmp_path, monkeypatch):
     assert not marker.exists()
 
 
+def test_anchor_seeds_follow_the_sample_not_the_batch():
+    seeds = anchor_seeds(3, 1, [5, 9], rows=4)
+    assert seeds[2:] == [None, None] and anchor_seeds(3, 1, [9, 2], rows=2)[0] == seeds[1]
+    assert anchor_seeds(3, 2, [5], rows=1) != seeds[:1] and anchor_seeds(4, 1, [5], rows=1) != seeds[:1]
+
+
 def test_run_key_changes_with_config_and_data(data, tmp_path):
     _, shards = data
     cfg, dcfg = TrainConfig(), DrafterConfig()
@@ -228,6 +237,29 @@ def test_torchrun_two_processes_train_and_export(data, reference):
         assert re.search(rf"rank {rank}: bucket \d+: step began at [\d.]+ s, took [\d.]+ s", log), log[-3000:]
 
 
+@pytest.mark.parametrize("block", [8, 16])
+def test_block_size_presets_train_export_and_load_in_the_reference(data, tmp_path, block):
+    """Blocks of 8 (Model-Optimizer's) and 16 (the paper's): training, export, and the export's round
+    trip through config.json and safetensors, into our loader and the reference's."""
+    root, shards = data
+    drafter = {**DRAFTER, "block_size": block}
+    run(train_cmd(root, shards, tmp_path, {**TRAIN, "max_steps": 2}, nproc=1, drafter=drafter))
+    rows = read_rows(tmp_path / "metrics.csv")
+    assert f"acc_pos_{block - 1}" in rows[0] and f"acc_pos_{block}" not in rows[0]
+    assert all(1.0 <= float(r["sim_tau"]) <= block for r in rows)
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["block_size"] == block
+    ours, spec = load_drafter(tmp_path / "drafter")
+    assert spec == load_spec(root / "target", DrafterConfig(**drafter))
+    reference = pytest.importorskip("dflash.model", reason="the pinned reference; `make install` installs it")
+    ref, info = reference.DFlashDraftModel.from_pretrained(tmp_path / "drafter", dtype=ours.fc.weight.dtype,
+                                                           output_loading_info=True)
+    assert not any(info.values()), info
+    assert ref.block_size == block and ref.mask_token_id == spec.mask_token_id
+    state = ours.state_dict()
+    assert all(torch.equal(v, state[k]) for k, v in ref.state_dict().items())
+
+
 def test_fsdp_trains_as_ddp_does_and_each_resumes_the_other(data, reference, tmp_path):
     """FSDP2 over 2 gloo processes (weights, gradients and AdamW state sharded) follows DDP's loss curve,
     and the checkpoints hold the same full state dicts: a stopped FSDP run resumes under FSDP and under
@@ -248,6 +280,55 @@ def test_fsdp_trains_as_ddp_does_and_each_resumes_the_other(data, reference, tmp
         got, _ = load_drafter(out / "drafter")
         for (k, x), y in zip(want.state_dict().items(), got.state_dict().values(), strict=True):
             assert torch.allclose(x, y, rtol=1e-4, atol=1e-6), (out.name, k)
+
+
+def test_a_global_batch_in_tokens_trains_the_same_on_one_and_two_processes(data, tmp_path):
+    """train.global_batch_tokens: two micro-batches per step, accumulated on one process or one each on
+    two, give the same steps, loss curve and weights; a resume on the other process count keeps the batch."""
+    root, shards = data
+    cfg = {**TRAIN, "max_steps": 0, "epochs": 1, "global_batch_tokens": 2 * TRAIN["batch_tokens"]}
+    one, two, moved = tmp_path / "one", tmp_path / "two", tmp_path / "moved"
+    log = run(train_cmd(root, shards, one, cfg, nproc=1)).stderr
+    assert "global batch: 2 micro-batches of 512 tokens, 2 or fewer per process" in log
+    run(train_cmd(root, shards, two, cfg, nproc=2))
+    run(train_cmd(root, shards, moved, cfg, nproc=2, extra=["--stop-at", "3"]))
+    run(train_cmd(root, shards, moved, cfg, nproc=1))  # resumed on one process
+    rows = read_rows(one / "metrics.csv")
+    assert len(rows) >= 6 and [r["step"] for r in rows] == [r["step"] for r in read_rows(two / "metrics.csv")]
+    for out in (two, moved):
+        assert losses(read_rows(out / "metrics.csv")) == pytest.approx(losses(rows), rel=1e-4), out.name
+        want, _ = load_drafter(one / "drafter")
+        got, _ = load_drafter(out / "drafter")
+        for (k, x), y in zip(want.state_dict().items(), got.state_dict().values(), strict=True):
+            assert torch.allclose(x, y, rtol=1e-3, atol=1e-5), (out.name, k)
+
+
+def test_fsdp_accumulates_micro_batches_to_the_single_process_curve(data, tmp_path):
+    """Two micro-batches per process and step under FSDP2 (gradient sync only on the last) follow one
+    process accumulating all four."""
+    root, shards = data
+    cfg = {**TRAIN, "max_steps": 3, "global_batch_tokens": 4 * TRAIN["batch_tokens"]}
+    run(train_cmd(root, shards, tmp_path / "one", cfg, nproc=1))
+    run(train_cmd(root, shards, tmp_path / "fsdp", {**cfg, "parallel": "fsdp"}, nproc=2))
+    want = losses(read_rows(tmp_path / "one" / "metrics.csv"))
+    got = losses(read_rows(tmp_path / "fsdp" / "metrics.csv"))
+    assert len(want) == 3 and got == pytest.approx(want, rel=1e-4)
+
+
+def test_micro_per_step_refuses_a_global_batch_the_processes_cannot_share(data):
+    lengths = [HiddenStore(data[1]).num_tokens(i) for i in range(48)]
+    fixed = TrainConfig(batch_tokens=512, global_batch_tokens=1024, buckets=[128, 256])
+    assert steps_left(lengths, fixed, 1) == steps_left(lengths, fixed, 2)
+    legacy = TrainConfig(batch_tokens=512, buckets=[128, 256])  # one micro-batch per process and step
+    half = steps_left(lengths, legacy, 2)
+    assert steps_left(lengths, legacy, 1) // 2 == half == steps_left(lengths, fixed, 1) > 0
+    cfg = TrainConfig(batch_tokens=512, global_batch_tokens=1536)
+    assert micro_per_step(cfg, 1) == micro_per_step(cfg, 2) == micro_per_step(cfg, 3) == 3
+    assert micro_per_step(TrainConfig(batch_tokens=512), 4) == 4  # 0: one per process
+    with pytest.raises(ValueError, match=r"train.global_batch_tokens \(1536\) must be a multiple"):
+        micro_per_step(cfg, 4)
+    with pytest.raises(ValueError, match="use 1024"):
+        micro_per_step(TrainConfig(batch_tokens=512, global_batch_tokens=700), 2)
 
 
 def test_parallel_mode_shards_only_what_would_not_fit():

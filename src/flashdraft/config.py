@@ -1,6 +1,7 @@
 """Typed configuration: one dataclass per section of config/config.yaml.
 
-The dataclass defaults are the single place where defaults live (the DFlash recipe for training);
+The dataclass defaults are the single place where defaults live (the DFlash recipe for training, with
+D-PACE's loss weights);
 workflow/schemas/config.schema.yaml checks types and documents every key. Each stage script takes its
 section as JSON (`--cfg '{...}'`), so Snakemake reruns a stage only when its own section changes.
 """
@@ -118,6 +119,7 @@ class DrafterConfig:
     block_size: int = 16
     target_layer_ids: list[int] | None = None  # None: round(1 + i*(N-4)/(K-1))
     mask_token_id: int | None = None  # None: len(tokenizer), the first unused embedding row
+    sliding_window: int | None = None  # W >= block_size: a block query sees the W positions up to its own
 
 
 @dataclass
@@ -129,8 +131,15 @@ class TrainConfig:
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     max_anchors: int = 512
+    # dpace: D-PACE's position weights from the drafter's own confidence (beat decay on every seed of the
+    # toy ablation, benchmarks/results/recipe_ablation_toy.json) | decay: the paper's exp(-(k-1)/gamma)
+    loss: str = "dpace"
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
+    dpace_alpha: float = 0.5  # D-PACE confidence smoothing, q~ = (1 - alpha) q + alpha, in [0, 1]
     batch_tokens: int = 16384  # token budget of one micro-batch per process
+    # tokens of one optimizer step over all processes, a multiple of batch_tokens (micro-batches accumulated);
+    # 0: one micro-batch per process (the global batch then grows with the process count)
+    global_batch_tokens: int = 0
     buckets: list[int] = field(default_factory=lambda: [1024, 2048, 3072])  # padded lengths
     compile: bool = True
     attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | flex | sdpa
@@ -226,6 +235,20 @@ def check(cfg: Config) -> list[str]:
     n = cfg.toy.num_layers if cfg.target.build_toy else target_num_layers(read_target_config(cfg.target.path))
     if n:
         feature_layers(n, cfg.drafter)
+    t, world = cfg.train, max(1, cfg.gpus.drafter) * cfg.gpus.drafter_nodes
+    g = t.global_batch_tokens
+    if g and (g % t.batch_tokens or g < world * t.batch_tokens):
+        raise UserError(
+            f"config key train.global_batch_tokens ({g}) must be a multiple of train.batch_tokens "
+            f"({t.batch_tokens}) and hold a micro-batch for each of the {world} training process(es): "
+            f"use a multiple of {t.batch_tokens} from {world * t.batch_tokens} up, or 0"
+        )
+    w, bs = cfg.drafter.sliding_window, cfg.drafter.block_size
+    if w is not None and w < bs:
+        raise UserError(
+            f"config key drafter.sliding_window ({w}) < drafter.block_size ({bs}): a window must hold a "
+            "whole block; use a window of at least the block size, or null for none"
+        )
     warnings = []
     if cfg.hidden.shards > p.total:
         warnings.append(

@@ -5,7 +5,8 @@ decoder layers). Per step we sample anchors p (positions with loss_mask[p] and l
 anchor makes one block `[token[p], MASK x (B-1)]` at positions p..p+B-1. Every drafter layer attends
 from the block tokens to keys/values `[proj(context); proj(block)]` (KV injection): a block sees the
 context strictly before its anchor and its own block (bidirectionally), nothing else. Block position k
-predicts token[p+k] (same position, no shift), k=1..B-1, with loss weight loss_mask[p+k]*exp(-(k-1)/gamma).
+predicts token[p+k] (same position, no shift), k=1..B-1, with loss weight loss_mask[p+k]*exp(-(k-1)/gamma)
+(`train.loss: decay`) or D-PACE's weights from the drafter's own confidence (`train.loss: dpace`).
 
 The drafter has no embedding and no LM head: it uses the target's, frozen, passed in as tensors.
 Parameter names are the DFlash export keys, so the state dict is the export.
@@ -44,6 +45,7 @@ class DrafterSpec:
     mask_token_id: int
     target_layer_ids: list[int]
     num_target_layers: int
+    sliding_window: int | None = None  # W: a block query at position q sees context kv > q - W (None: all)
 
     @property
     def num_features(self) -> int:
@@ -73,10 +75,21 @@ class DrafterSpec:
             mask_token_id=mask_token_id(tokenizer, c, drafter_cfg),
             target_layer_ids=feature_layer_ids(c, drafter_cfg),
             num_target_layers=num_layers(c),
+            sliding_window=drafter_cfg.sliding_window,
         )
 
     def to_config_dict(self, dtype: str = "bfloat16") -> dict:
-        """config.json in the DFlash format SGLang and vLLM load (a Qwen3 config plus DFlash keys)."""
+        """config.json in the DFlash format SGLang and vLLM load (a Qwen3 config plus DFlash keys).
+
+        A sliding window is written in every form the engines read, all saying one thing (every layer
+        windowed by W, not causal: the block stays bidirectional): `layer_types` sliding_attention with
+        `sliding_window` W (the reference `dflash` 0.1.0; SGLang's `get_dflash_attention_sliding_window_size`
+        reads W - 1 as its left window), top-level `is_causal: false` (the reference; vLLM's
+        `_dflash_layer_causal`), and `dflash_config.{use_swa, swa_window_size, causal: false}` (vLLM's
+        `_resolve_layer_attention`, TensorRT-LLM, as NVIDIA Model-Optimizer exports it)."""
+        w = self.sliding_window
+        swa = {} if w is None else {"use_swa": True, "swa_window_size": w, "causal": False}
+        layer = "full_attention" if w is None else "sliding_attention"
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -85,6 +98,7 @@ class DrafterSpec:
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
+                **swa,
             },
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -101,10 +115,11 @@ class DrafterSpec:
             "attention_bias": False,
             "attention_dropout": 0.0,
             "initializer_range": 0.02,
-            "layer_types": ["full_attention"] * self.num_layers,
+            "layer_types": [layer] * self.num_layers,
             "max_window_layers": self.num_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            "use_sliding_window": w is not None,
+            "sliding_window": w,
+            **({} if w is None else {"is_causal": False}),
             "tie_word_embeddings": False,
             "use_cache": True,
             "dtype": dtype,
@@ -128,7 +143,22 @@ class DrafterSpec:
             mask_token_id=dflash.get("mask_token_id", d.get("mask_token_id")),
             target_layer_ids=list(dflash.get("target_layer_ids", d.get("target_layer_ids", []))),
             num_target_layers=d["num_target_layers"],
+            sliding_window=_sliding_window(d),
         )
+
+
+def _sliding_window(d: dict) -> int | None:
+    """The window of an export: dflash_config.swa_window_size when use_swa, else sliding_window where
+    the layers say sliding_attention (one window for all layers, the only kind this drafter has)."""
+    dflash = d.get("dflash_config", {})
+    if dflash.get("use_swa"):
+        return int(dflash.get("swa_window_size") or d["sliding_window"])
+    types = d.get("layer_types") or []
+    if "sliding_attention" in types:
+        if set(types) != {"sliding_attention"}:
+            raise ValueError(f"layer_types {types}: this drafter windows all layers or none")
+        return int(d["sliding_window"])
+    return None
 
 
 def _rope_theta(config) -> float:
@@ -274,6 +304,14 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, cos, sin, mask)
         return self.norm(x)
 
+    def _block_mask(self, ctx_len: int, size: int, device):
+        """None (everything visible) without a sliding window; with one, the training mask of one block
+        anchored at ctx_len (`dense_mask`, the same mask function), so drafting sees what training saw."""
+        if self.spec.sliding_window is None:
+            return None
+        anchors = torch.tensor([[ctx_len]], device=device)
+        return dense_mask(anchors, anchors >= 0, ctx_len, size, self.spec.sliding_window)
+
     def _block_embeds(self, last_token: int, embed_weight, device, size: int):
         """`[token at anchor, MASK x (size-1)]` through the target's embedding, in the drafter's dtype."""
         ids = torch.full((1, size), self.spec.mask_token_id, dtype=torch.long, device=device)
@@ -293,7 +331,8 @@ class DFlashDrafter(nn.Module):
         size = size or self.spec.block_size
         positions = torch.arange(s + size, device=dev)[None]
         embeds = self._block_embeds(last_token, embed_weight, dev, size)
-        out = self(target_hidden.to(self.fc.weight.dtype), embeds, positions, mask=None)
+        mask = self._block_mask(s, size, dev)
+        out = self(target_hidden.to(self.fc.weight.dtype), embeds, positions, mask=mask)
         return out[0, 1:] @ lm_head_weight.to(out.dtype).T
 
     @torch.no_grad()
@@ -322,8 +361,9 @@ class DFlashDrafter(nn.Module):
         positions = torch.arange(s, s + size, device=dev)[None]
         cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
         x = self._block_embeds(last_token, embed_weight, dev, size)
+        mask = self._block_mask(s, size, dev)
         for layer, k, v in zip(self.layers, cache.k, cache.v, strict=True):
-            x = layer(x, (k, v), cos, sin, None)
+            x = layer(x, (k, v), cos, sin, mask)
         out = self.norm(x)
         return out[0, 1:] @ lm_head_weight.to(out.dtype).T
 
@@ -359,15 +399,27 @@ def num_anchor_slots(seq_len: int, max_anchors: int, block_size: int) -> int:
     return -(-a // step) * step
 
 
-def sample_anchors(loss_mask, max_anchors: int, block_size: int, generator=None):
+def sample_anchors(loss_mask, max_anchors: int, block_size: int, generator=None, seeds=None):
     """Random anchors per sample: positions p with loss_mask[p] and loss_mask[p+1], drawn uniformly
     without replacement, sorted. Returns anchors `[b, A]` (-1 where padded) and valid `[b, A]`, with
-    A = num_anchor_slots(S, max_anchors, block_size)."""
+    A = num_anchor_slots(S, max_anchors, block_size).
+
+    seeds: one seed per row (None for a padding row): row r's keys come from its own generator, one
+    key per eligible position in order, so its anchors depend on its seed and its own loss mask only,
+    not on the batch it shares, its row, or the padded length. Without seeds, one `generator` draws
+    keys for the whole `[b, S-1]` batch."""
     b, s = loss_mask.shape
     a = num_anchor_slots(s, max_anchors, block_size)
     lm = loss_mask.bool().cpu()
     eligible = lm[:, :-1] & lm[:, 1:]  # [b, S-1]: p in 0..S-2
-    keys = torch.rand(eligible.shape, generator=generator)
+    if seeds is None:
+        keys = torch.rand(eligible.shape, generator=generator)
+    else:
+        keys = torch.ones(eligible.shape)
+        for r, seed in enumerate(seeds):
+            if seed is not None:
+                row = torch.Generator().manual_seed(seed)
+                keys[r, eligible[r]] = torch.rand(int(eligible[r].sum()), generator=row)
     keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))  # ineligible sort last
     k = min(max_anchors, s - 1)
     picked_keys, picked = keys.topk(k, dim=1, largest=False)
@@ -380,23 +432,27 @@ def sample_anchors(loss_mask, max_anchors: int, block_size: int, generator=None)
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
 
 
-def dflash_mask_mod(anchors, valid, ctx_len: int, block_size: int):
+def dflash_mask_mod(anchors, valid, ctx_len: int, block_size: int, window: int | None = None):
     """mask_mod(b, h, q_idx, kv_idx) over kv = [context (ctx_len); blocks (A*B)], queries = blocks.
 
     Block j sees context kv < anchor_j (strictly: the target features AT the anchor already encode the
     next token, and at inference the anchor's features do not exist yet), all of its own block, nothing
-    else; padded blocks see nothing."""
+    else; padded blocks see nothing. With a sliding window W, the query at block position k (position
+    anchor_j + k) sees only context kv > anchor_j + k - W: the W positions up to its own, as vLLM and
+    the reference `dflash` window a non-causal layer (W >= B, so the block itself is never cut)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
         ctx = (kv_idx < ctx_len) & (kv_idx < anchors[b, blk])
+        if window is not None:
+            ctx = ctx & (kv_idx > anchors[b, blk] + q_idx % block_size - window)
         own = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == blk)
         return (ctx | own) & valid[b, blk]
 
     return mask_mod
 
 
-def dense_mask(anchors, valid, ctx_len: int, block_size: int):
+def dense_mask(anchors, valid, ctx_len: int, block_size: int, window: int | None = None):
     """The same mask as a dense boolean `[b, 1, Q, KV]` for SDPA, plus `keep` `[b, 1, Q, 1]`.
 
     SDPA returns NaN on a fully masked row (and its backward too), so here a padded block attends to
@@ -407,7 +463,7 @@ def dense_mask(anchors, valid, ctx_len: int, block_size: int):
     bi = torch.arange(b, device=dev)[:, None, None]
     qi = torch.arange(q_len, device=dev)[None, :, None]
     kvi = torch.arange(ctx_len + q_len, device=dev)[None, None, :]
-    mask = dflash_mask_mod(anchors, valid, ctx_len, block_size)(bi, 0, qi, kvi)
+    mask = dflash_mask_mod(anchors, valid, ctx_len, block_size, window)(bi, 0, qi, kvi)
     blk = qi // block_size
     own = (kvi >= ctx_len) & ((kvi - ctx_len) // block_size == blk)
     keep = valid[bi, blk]  # [b, Q, 1]
@@ -415,14 +471,14 @@ def dense_mask(anchors, valid, ctx_len: int, block_size: int):
     return mask[:, None], keep[:, None]
 
 
-def flex_mask(anchors, valid, ctx_len: int, block_size: int):
+def flex_mask(anchors, valid, ctx_len: int, block_size: int, window: int | None = None):
     """The BlockMask, built eagerly: compiled, it added four minutes to a cold compile for no faster a
     step (benchmarks/results/compile_variants_qwen3-8b.json)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, a = anchors.shape
     q_len = a * block_size
-    mod = dflash_mask_mod(anchors, valid, ctx_len, block_size)
+    mod = dflash_mask_mod(anchors, valid, ctx_len, block_size, window)
     return create_block_mask(mod, B=b, H=None, Q_LEN=q_len, KV_LEN=ctx_len + q_len, device=anchors.device)
 
 
@@ -477,7 +533,7 @@ def train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, atte
         hidden = F.pad(hidden, (0, 0, 0, FLEX_MULTIPLE - s % FLEX_MULTIPLE))
         s = hidden.shape[1]
     positions = torch.cat([torch.arange(s, device=ids.device).expand(b, s), block_pos], dim=1)
-    mask = (flex_mask if attention == "flex" else dense_mask)(anchors, valid, s, bs)
+    mask = (flex_mask if attention == "flex" else dense_mask)(anchors, valid, s, bs, spec.sliding_window)
     # the residual stream starts from the frozen (maybe bf16) embedding rows, kept in the weights' fp32
     embeds = F.embedding(ids, embed_weight).to(next(drafter.parameters()).dtype)
     out = drafter(hidden, embeds, positions, mask)
@@ -490,11 +546,15 @@ class LinearCrossEntropy(torch.autograd.Function):
     are kept for the backward and none are recomputed (W gets no gradient). Also returns, without a
     gradient, whether each row's argmax is its label.
 
+    dpace: None (the weights `weights` are fixed), or `(width, alpha)`: rows are blocks of `width`
+    positions (a chunk holds whole blocks), `weights` is their 0/1 label mask, and each block's weights
+    are `dpace_weights` of its own label probabilities, detached, computed from the chunk's logits.
+
     The logits are h @ W.T in W's dtype (bf16 on GPU, as autocast would give), then float32 for the
     softmax; the gradient goes back through the same matmul in W's dtype."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, weights, chunk: int):
+    def forward(ctx, h, weight, labels, weights, chunk: int, dpace=None):
         grad_h = torch.empty_like(h)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(labels.shape, dtype=torch.bool, device=h.device)
@@ -504,7 +564,12 @@ class LinearCrossEntropy(torch.autograd.Function):
                 y, w = labels[j], weights[j].float()
                 logits = (h[j].to(weight.dtype) @ weight.T).float()
                 lse = logits.logsumexp(-1)
-                total += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * w).sum()
+                ce = lse - logits.gather(1, y[:, None]).squeeze(1)
+                if dpace is not None:
+                    width, alpha = dpace
+                    mask = w.view(-1, width) > 0
+                    w = dpace_weights(torch.exp(-ce).view(-1, width), mask, alpha).flatten()
+                total += (ce * w).sum()
                 correct[j] = logits.argmax(-1) == y
                 grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: d CE / d logits = p - onehot
                 grad[torch.arange(len(y), device=y.device), y] -= 1.0
@@ -516,29 +581,69 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_correct):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_total, None, None, None, None
+        return grad_h * grad_total, None, None, None, None, None
+
+
+LOSSES = ("decay", "dpace")
+
+
+def dpace_weights(q, label_mask, alpha: float):
+    """D-PACE position weights `[N, B-1]` from the drafter's probabilities q of the labels at block
+    positions 1..B-1 (D-PACE: Dynamic Position-Aware Cross-Entropy for Parallel Speculative Drafting,
+    Wu et al., arXiv 2605.18810, Eq. 7-8; the authors' code github.com/Lucas-TY/D-PACE,
+    specforge/core/dflash.py `_dpace_weight`):
+
+        q~_i = (1 - alpha) q_i + alpha                 (smoothing, Eq. 7)
+        w_j  = sum_{m >= j} prod_{i <= m} q~_i         (Eq. 8: d E[accepted length] / d log q_j)
+
+    A position without a label (loss mask 0, past the sequence end) is 1 in the products and adds
+    nothing to the sums, and gets weight 0, as in the authors' code. The weights are detached: they set
+    how much each position's CE counts, the gradient flows only through the CE (Eq. 9)."""
+    q = q.detach().float()
+    smooth = torch.where(label_mask, (1.0 - alpha) * q + alpha, torch.ones_like(q))
+    prefix = smooth.cumprod(-1) * label_mask
+    return prefix.flip(-1).cumsum(-1).flip(-1) * label_mask
+
+
+def loss_normalizer(weights, valid, objective: str):
+    """What the summed weighted CE is divided by: the decay weights' sum (the DFlash recipe), or for
+    D-PACE the number of real blocks (anchors), not the weights' sum, which would cancel the
+    expected-length credit the weights carry (the D-PACE author, sgl-project/SpecForge#828; SpecForge
+    #848 normalizes by anchors too). Both are known before the forward and add up over micro-batches
+    and ranks, so a global batch can be normalized once (see train.py)."""
+    if objective == "decay":
+        return weights.sum()
+    if objective == "dpace":
+        return valid.sum().to(weights.dtype)
+    raise ValueError(f"train.loss must be one of {LOSSES}, not {objective!r}")
 
 
 def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_weight, lm_head_weight,
-                gamma: float, attention: str = "sdpa", chunk_blocks: int = 128):
-    """Weighted block CE: loss = sum(w*CE)/sum(w). The LM head + CE run `chunk_blocks` blocks at a time
-    (LinearCrossEntropy), so full logits `[blocks*(B-1), V]` never exist at once, and the backward
-    needs none.
+                gamma: float, attention: str = "sdpa", chunk_blocks: int = 128, objective: str = "decay",
+                dpace_alpha: float = 0.5, normalizer=None):
+    """Weighted block CE: loss = sum(w*CE) / normalizer. objective decay: w = loss_mask *
+    exp(-(k-1)/gamma), normalizer sum(w) (the DFlash recipe); dpace: w = `dpace_weights`, normalizer the
+    number of blocks (see `loss_normalizer`). `normalizer`: a given one (a global batch's, summed over
+    its micro-batches and ranks) instead of this batch's own. The LM head + CE run `chunk_blocks` blocks
+    at a time (LinearCrossEntropy), so full logits `[blocks*(B-1), V]` never exist at once, and the
+    backward needs none.
 
     Returns (loss, stats): stats is one detached float vector of sums, summable across steps and ranks
-    (see `summarize`): [sum w*CE, sum w, sum tau, blocks, correct_k (B-1), counted_k (B-1)]."""
+    (see `summarize`): [sum w*CE, sum normalizer, sum tau, blocks, correct_k (B-1), counted_k (B-1)]."""
     bs = _spec(drafter).block_size
     out = train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, attention)
     labels, weights, label_mask = block_labels(input_ids, loss_mask, anchors, valid, bs, gamma)
+    own = loss_normalizer(weights, valid, objective)
     sel = valid.flatten()  # only real blocks go through the LM head
     h = out[:, :, 1:].flatten(0, 1)[sel]
     labels, weights, label_mask = (t.flatten(0, 1)[sel] for t in (labels, weights, label_mask))
     rows = h.flatten(0, 1)  # [blocks*(B-1), H]
-    ce_sum, correct = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), weights.flatten(),
-                                               chunk_blocks * (bs - 1))
+    dpace = (bs - 1, dpace_alpha) if objective == "dpace" else None
+    fixed = label_mask.float() if dpace else weights
+    ce_sum, correct = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), fixed.flatten(),
+                                               chunk_blocks * (bs - 1), dpace)
     correct = correct.view_as(labels)
-    w_sum = weights.sum()
-    loss = ce_sum / w_sum.clamp(min=1e-6)
+    loss = ce_sum / (own if normalizer is None else normalizer).clamp(min=1e-6)
     if isinstance(drafter, torch.nn.parallel.DistributedDataParallel):
         # a degenerate batch (no anchors) must still touch every parameter, or DDP's all-reduce waits
         # forever (FSDP's parameters are sharded DTensors, not to be mixed with this loss)
@@ -547,7 +652,7 @@ def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_wei
         hit = correct & label_mask
         tau = simulated_tau(hit)
         blocks = torch.tensor(float(h.shape[0]), device=h.device)
-        head = torch.stack([ce_sum.detach(), w_sum, tau.sum(), blocks])
+        head = torch.stack([ce_sum.detach(), own.float(), tau.sum(), blocks])
         stats = torch.cat([head, hit.sum(0).float(), label_mask.sum(0).float()])
     return loss, stats
 

@@ -1,15 +1,20 @@
 """Drafter training: one process per device (torchrun), DDP, token-budget micro-batches, checkpoints.
 
 Data order is a pure function of (seed, epoch): each epoch's seeded permutation is cut into micro-batches
-of one length bucket each (rows = batch_tokens // bucket), the same list on every rank. Global step t of
-an epoch takes micro-batches [cursor, cursor + world); rank r takes cursor + r. Anchors are drawn from a
-generator seeded by (seed, epoch, micro-batch index). So a resumed run replays exactly what an
-uninterrupted one would have seen, and a resume on another number of processes continues from the same
-micro-batch. The model has no other randomness (no dropout), so that is all the RNG state a resume needs.
+of one length bucket each (rows = batch_tokens // bucket), the same list on every rank. An optimizer
+step takes G = global_batch_tokens // batch_tokens micro-batches [cursor, cursor + G) (G = world when
+train.global_batch_tokens is 0); rank r takes cursor + r, cursor + r + world, ... and accumulates their
+gradients (as torchtitan fills its global batch), so a step sees the same data on any number of
+processes. A sample's anchors are
+drawn from its own generator, seeded by (seed, epoch, sample index), whatever batch it lands in. So a
+resumed run replays exactly what an uninterrupted one would have seen, and a resume on another number of
+processes continues from the same micro-batch. The model has no other randomness (no dropout), so that
+is all the RNG state a resume needs.
 Model and optimizer are replicated (DDP) or sharded (FSDP2, `train.parallel`); checkpoints hold the full
-state dicts either way, so they depend on neither the world size nor the mode. Each rank normalizes its
-loss by its own weight sum and the gradients are averaged over ranks; the logged loss is the weighted
-mean over all ranks and steps since the last log.
+state dicts either way, so they depend on neither the world size nor the mode. Each micro-batch's loss
+is divided by the whole global batch's normalizer (summed over its micro-batches and ranks before the
+first forward), so the gradient is the global batch's, whatever its split; the logged loss is the
+weighted mean over all ranks and steps since the last log.
 
 torch.compile is not thread-safe: everything compiled runs on the main thread of this process; data
 loading uses DataLoader worker processes on GPU and the main thread on CPU.
@@ -40,9 +45,11 @@ from .io import atomic_path, progress, torch_dtype
 from .model import (
     DFlashDrafter,
     DrafterSpec,
+    block_labels,
     dflash_loss,
     export_drafter,
     load_target_head,
+    loss_normalizer,
     resolve_attention,
     sample_anchors,
     stats_size,
@@ -153,6 +160,21 @@ def bucket_for(length: int, buckets: list[int]) -> int:
     return max(buckets)
 
 
+def micro_per_step(cfg: TrainConfig, world: int) -> int:
+    """Micro-batches in one optimizer step, over all ranks: global_batch_tokens // batch_tokens, or one
+    per rank when global_batch_tokens is 0 (then the global batch grows with the process count)."""
+    if not cfg.global_batch_tokens:
+        return world
+    g, rem = divmod(cfg.global_batch_tokens, cfg.batch_tokens)
+    if rem or g < world:
+        raise ValueError(
+            f"train.global_batch_tokens ({cfg.global_batch_tokens}) must be a multiple of train.batch_tokens "
+            f"({cfg.batch_tokens}) and hold at least one micro-batch per process ({world}): "
+            f"use {cfg.batch_tokens * max(world, g or 1)} or lower train.batch_tokens"
+        )
+    return g
+
+
 def rows_per_batch(bucket: int, batch_tokens: int) -> int:
     return max(1, batch_tokens // bucket)
 
@@ -173,9 +195,12 @@ def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list
     return out
 
 
-def anchor_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    """Anchors of micro-batch `index` of `epoch`: fixed by the data position, not by rank or history."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 10_000_019 + index)
+def anchor_seeds(seed: int, epoch: int, samples: list[int], rows: int) -> list[int | None]:
+    """One anchor seed per row of a micro-batch: fixed by (seed, epoch, sample index), so a sample's
+    anchors do not depend on which samples share its batch, its rank, or the number of processes (as
+    SpecForge made them); padding rows get None."""
+    base = (seed * 1_000_003 + epoch) * 10_000_019
+    return [base + i for i in samples] + [None] * (rows - len(samples))
 
 
 class Collate:
@@ -230,6 +255,8 @@ class Step:
     embed: torch.Tensor  # frozen target embedding [V, H]
     head: torch.Tensor  # frozen target LM head [V, H]
     gamma: float
+    objective: str  # decay | dpace (train.loss)
+    dpace_alpha: float
     attention: str  # flex | sdpa
     max_anchors: int
     device: torch.device
@@ -258,21 +285,31 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
     embed, head = load_target_head(target_dir)
     embed, head = (t.to(device, amp or torch.float32) for t in (embed, head))
     gamma, attention = cfg.loss_gamma(spec.block_size), resolve_attention(cfg.attention, device)
-    return Step(drafter, spec, embed, head, gamma, attention, cfg.max_anchors, device, amp)
+    return Step(drafter, spec, embed, head, gamma, cfg.loss, cfg.dpace_alpha, attention, cfg.max_anchors,
+                device, amp)
 
 
-def anchors_for(step: Step, loss_mask, generator):
-    anchors, valid = sample_anchors(loss_mask, step.max_anchors, step.spec.block_size, generator)
+def anchors_for(step: Step, loss_mask, generator=None, seeds=None):
+    anchors, valid = sample_anchors(loss_mask, step.max_anchors, step.spec.block_size, generator, seeds)
     return anchors.to(step.device), valid.to(step.device)
 
 
-def forward_backward(step: Step, batch: dict, anchors, valid):
-    """Loss, backward; returns (detached loss, stats). The optimizer step is the caller's."""
+def batch_normalizer(step: Step, batch: dict, anchors, valid) -> torch.Tensor:
+    """This micro-batch's share of the loss normalizer (`loss_normalizer`), known before its forward."""
+    ids, mask = (batch[k].to(step.device, non_blocking=True) for k in ("input_ids", "loss_mask"))
+    _, weights, _ = block_labels(ids, mask, anchors, valid, step.spec.block_size, step.gamma)
+    return loss_normalizer(weights, valid, step.objective).double()
+
+
+def forward_backward(step: Step, batch: dict, anchors, valid, normalizer=None):
+    """Loss, backward; returns (detached loss, stats). The optimizer step is the caller's. normalizer:
+    what the summed weighted CE is divided by (None: this batch's own, `loss_normalizer`)."""
     dev = step.device
     ids, mask, hidden = (batch[k].to(dev, non_blocking=True) for k in ("input_ids", "loss_mask", "hidden"))
     with torch.autocast(dev.type, dtype=step.amp_dtype or torch.bfloat16, enabled=step.amp_dtype is not None):
         loss, stats = dflash_loss(step.model, ids, mask, hidden, anchors, valid, step.embed, step.head,
-                                  step.gamma, step.attention)
+                                  step.gamma, step.attention, objective=step.objective,
+                                  dpace_alpha=step.dpace_alpha, normalizer=normalizer)
     loss.backward()
     return loss.detach(), stats
 
@@ -519,10 +556,20 @@ def compile_phases(top: int = 6) -> str:
 
 def steps_left(lengths, cfg: TrainConfig, world: int, epoch: int = 0, cursor: int = 0) -> int:
     """Optimizer steps from data position (epoch, cursor) to the end of cfg.epochs."""
-    left = 0
+    left, g = 0, micro_per_step(cfg, world)
     for e in range(epoch, cfg.epochs):
-        left += (len(epoch_batches(lengths, cfg, e)) - (cursor if e == epoch else 0)) // world
+        left += (len(epoch_batches(lengths, cfg, e)) - (cursor if e == epoch else 0)) // g
     return left
+
+
+def no_grad_sync(model, sharded: bool, skip: bool):
+    """Accumulating micro-batches: skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) of all
+    but the step's last backward."""
+    if skip and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    if sharded:
+        model.set_requires_gradient_sync(not skip)
+    return contextlib.nullcontext()
 
 
 def train(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list[str], checkpoints,
@@ -585,6 +632,7 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                                                              if warm and sharded else ""))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=d.device.type == "cuda")
+    g = micro_per_step(cfg, d.world)
     total = cfg.max_steps or steps_left(lengths, cfg, d.world)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
 
@@ -593,11 +641,14 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
     found = checkpoint_dirs(run_dir)
     if found:
         state = load_checkpoint(found[-1], drafter, optimizer, scheduler, d.device, sharded)
-        if not cfg.max_steps and state["world"] != d.world:  # the same data split another way
+        if not cfg.max_steps and state["world"] != d.world and not cfg.global_batch_tokens:
+            # one micro-batch per process: another process count changes the global batch
             total = state["step"] + steps_left(lengths, cfg, d.world, state["epoch"], state["cursor"])
         log(d, f"resumed from {found[-1]}: step {state['step']}/{total}, saved by {state['world']} rank(s)")
     else:
         log(d, f"new run in {run_dir}: {total} steps")
+    log(d, f"global batch: {g} micro-batches of {cfg.batch_tokens} tokens, {-(-g // d.world)} or fewer per "
+           f"process and step")
     step, epoch, cursor, rows = state["step"], state["epoch"], state["cursor"], state["rows"]
     width = stats_size(spec.block_size) + 1  # + tokens
     # summed stats since the last log; a resumed window lives on rank 0 (the ranks' sum is what counts)
@@ -617,20 +668,34 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
     drafter.train()
     while step < total:
         batches = epoch_batches(lengths, cfg, epoch)
-        if len(batches) < d.world:
-            raise ValueError(f"{len(batches)} micro-batches per epoch for {d.world} processes: "
-                             "lower train.batch_tokens or add data")
-        n = min((len(batches) - cursor) // d.world, total - step)
-        mine = [batches[cursor + i * d.world + d.rank] for i in range(max(0, n))]
-        for batch in batch_loader(store, mine, collate, d.device):
-            gen = anchor_generator(cfg.seed, epoch, cursor + d.rank)
-            anchors, valid = anchors_for(step_fn, batch["loss_mask"], gen)
-            first = batch["bucket"] not in seen_buckets
-            t_step = time.perf_counter()
-            # after a bucket's first step its graph exists: a recompile now is a bug, or an eager fallback
-            stance = torch.compiler.set_stance("fail_on_recompile") if cfg.compile and not first else None
-            with stance or contextlib.nullcontext():
-                loss, stats = forward_backward(step_fn, batch, anchors, valid)
+        if len(batches) < g:
+            raise ValueError(f"{len(batches)} micro-batches per epoch, fewer than one global batch ({g}): "
+                             "lower train.batch_tokens or train.global_batch_tokens, or add data")
+        n = min((len(batches) - cursor) // g, total - step)
+        # step i: micro-batches cursor + i*g + [rank, rank + world, ...] (every rank has one: g >= world)
+        mine = [[cursor + i * g + j for j in range(d.rank, g, d.world)] for i in range(max(0, n))]
+        loader = iter(batch_loader(store, [batches[k] for ks in mine for k in ks], collate, d.device))
+        for ks in mine:
+            micro = [next(loader) for _ in ks]
+            anchors = [anchors_for(step_fn, b["loss_mask"],
+                                   seeds=anchor_seeds(cfg.seed, epoch, batches[k], len(b["loss_mask"])))
+                       for k, b in zip(ks, micro, strict=True)]
+            # the global batch's normalizer; DDP and FSDP average gradients over ranks, hence / world
+            mine_norm = sum(batch_normalizer(step_fn, b, *av) for b, av in zip(micro, anchors, strict=True))
+            norm = _all_sum(mine_norm, d) / d.world
+            t_step, firsts = time.perf_counter(), []
+            for j, (batch, (a, v)) in enumerate(zip(micro, anchors, strict=True)):
+                first = batch["bucket"] not in seen_buckets
+                # after a bucket's first step its graph exists: a recompile now is a bug, or an eager fallback
+                stance = torch.compiler.set_stance("fail_on_recompile") if cfg.compile and not first else None
+                sync = no_grad_sync(step_fn.model, sharded, skip=j < len(micro) - 1)
+                with stance or contextlib.nullcontext(), sync:
+                    loss, stats = forward_backward(step_fn, batch, a, v, norm.float())
+                window[:-1] += stats.double()
+                window[-1] += batch["tokens"]
+                if first:
+                    seen_buckets.add(batch["bucket"])
+                    firsts.append(batch["bucket"])
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
             if sharded:
                 grad_norm = grad_norm.full_tensor()  # a DTensor: the norm over every rank's shards
@@ -638,19 +703,16 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            step, cursor = step + 1, cursor + d.world
-            window[:-1] += stats.double()
-            window[-1] += batch["tokens"]
+            step, cursor = step + 1, cursor + g
             bar.update(1)
-            if first:
-                seen_buckets.add(batch["bucket"])
+            for bucket in firsts:
                 if d.device.type == "cuda":
                     torch.cuda.synchronize(d.device)
                 took = time.perf_counter() - t_step
                 what = f"compiled, caches {cache_counters()}" if cfg.compile else "eager"
-                log(d, f"bucket {batch['bucket']}: first step {took:.1f} s ({what})")
+                log(d, f"bucket {bucket}: first step {took:.1f} s ({what})")
                 if d.world > 1:  # DDP syncs the backward: a rank that started late shows up as a long step
-                    log(d, f"bucket {batch['bucket']}: step began at {process_age() - took:.1f} s, took "
+                    log(d, f"bucket {bucket}: step began at {process_age() - took:.1f} s, took "
                            f"{took:.1f} s", every_rank=True)
                 if cfg.compile:
                     log(d, f"compile phases: {compile_phases()}", every_rank=True)
