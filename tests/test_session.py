@@ -65,16 +65,19 @@ def test_a_block_past_the_cache_or_the_block_size_is_refused(model):
         s.forward([1, 2])
 
 
+@pytest.mark.parametrize("window", [None, 2 * B])
 @pytest.mark.parametrize(("device", "compiled"), ENGINES)
-def test_draft_session_drafts_as_the_drafter_over_its_context_cache(model, device, compiled):
+def test_draft_session_drafts_as_the_drafter_over_its_context_cache(model, device, compiled, window):
     """Blocks of every size (short ones padded), context extends longer than a block (in pieces) and
-    shorter (padded), past a KV block boundary: the logits `predict_block_cached` gives."""
+    shorter (padded), past a KV block boundary, with and without a sliding window: the logits
+    `predict_block_cached` gives."""
     from flashdraft.config import DrafterConfig
     from flashdraft.model import DFlashDrafter, DraftCache, DrafterSpec
     from flashdraft.session import DraftSession
 
     torch._dynamo.reset()
-    spec = DrafterSpec.from_target(model.config, 90, DrafterConfig(num_layers=2, block_size=B))
+    spec = DrafterSpec.from_target(model.config, 90, DrafterConfig(num_layers=2, block_size=B,
+                                                                   sliding_window=window))
     torch.manual_seed(1)
     drafter = DFlashDrafter(spec).eval().to(device)
     model = model.to(device)
