@@ -82,7 +82,9 @@ def test_plan_on_production_on_one_node(qwen3_8b_dir, tmp_path):
 
     # half the GPUs: twice the hours (40 and 8 shard jobs in whole waves; training on gpus.drafter)
     def on(gpus, drafter):
-        cfg = P.load(with_keys(tmp_path, PRODUCTION, gpus__drafter=drafter, eval__shards=8))
+        # a global batch both 3 and 6 training processes can share (6 micro-batches of 16384 tokens)
+        cfg = P.load(with_keys(tmp_path, PRODUCTION, gpus__drafter=drafter, eval__shards=8,
+                               train__global_batch_tokens=6 * 16384))
         return P.plan(cfg, "results", gpus=gpus)
 
     half, full = on(4, 3), on(8, 6)
