@@ -90,6 +90,8 @@ def test_production_dry_run_sbatch_resources(tmp_path):
 def test_multi_node_dry_run_asks_for_nodes_and_launches_srun(tmp_path):
     pytest.importorskip("snakemake_executor_plugin_slurm")
     config = production(tmp_path, drafter_nodes=2)
+    # 6 processes: a global batch they can share (production's 3 micro-batches serve 1 or 3)
+    write_config(config, {"train.global_batch_tokens": 6 * 16384}, base=config)
     proc = snakemake(tmp_path, "-n", "--profile", str(PROFILE), "--workflow-profile", "none", "train",
                      config=config)
     (train,) = job_resources(proc.stdout)["train"]
