@@ -70,7 +70,7 @@ import transformers
 from shapes import QWEN3_8B, TOY
 
 from flashdraft.config import DrafterConfig
-from flashdraft.hidden import manifest_path, open_shard, write_manifest
+from flashdraft.hidden import ShardMeta, manifest_path, open_shard, write_manifest
 from flashdraft.model import num_anchor_slots, sample_anchors
 from flashdraft.train import load_spec
 
@@ -134,9 +134,9 @@ def setup(preset: dict, work: Path) -> dict:
     spec = load_spec(target, drafter_config(preset))
     width, s = spec.num_features * spec.hidden_size, preset["seq_len"]
     path = work / "hidden" / "shard-00000.arrow"
-    meta = dict(target="random", layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
-                dtype="bfloat16")
-    with open_shard(path, **meta) as w:
+    meta = ShardMeta(target="random", target_layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
+                     dtype="bfloat16")
+    with open_shard(path, meta) as w:
         for i in range(preset["samples"]):
             ids = torch.randint(0, spec.mask_token_id, (s,), generator=g).tolist()
             w.write(f"r{i}", ids, [1] * s, torch.randn(s, width, generator=g, dtype=torch.bfloat16))
