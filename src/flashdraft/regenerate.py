@@ -27,6 +27,7 @@ from .chat import prompt_messages, render
 from .config import RegenerateConfig, to_json
 from .io import progress, write_json, write_parquet
 from .shards import shard_of
+from .sources import MESSAGES
 from .target import read_target_config
 
 FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash loses little
@@ -43,7 +44,7 @@ def _schema(error: bool):
     fields = [
         ("id", pa.string()),
         ("source", pa.string()),
-        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("messages", MESSAGES),
         ("response_tokens", pa.int32()),
         ("finish_reason", pa.string()),
     ]
