@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from flashdraft.chat import prompt_messages, render
 from flashdraft.decode import KV_BLOCK, SlotDecoder, unsupported
-from flashdraft.regenerate import load_for_generate
+from flashdraft.target import load_for_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 12

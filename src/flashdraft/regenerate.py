@@ -28,7 +28,7 @@ from .config import RegenerateConfig, to_json
 from .io import progress, write_json, write_parquet
 from .shards import shard_of
 from .sources import MESSAGES
-from .target import read_target_config
+from .target import generate, load_for_generate, read_target_config
 
 FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash loses little
 # settings of how to reach the server, not of what it answers: changing them keeps committed parts
@@ -51,36 +51,6 @@ def _schema(error: bool):
     return pa.schema(fields + ([("error", pa.string())] if error else []))
 
 
-def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
-             thinking: bool, eos: list[int]) -> list[tuple[str, int, int, str]]:
-    """Answer a batch of chat prompts: (answer, prompt tokens, answer tokens, finish_reason) each."""
-    import torch
-
-    texts = [render(tokenizer, p, add_generation_prompt=True, thinking=thinking) for p in prompts]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    # greedy: unset the model's sampling defaults so generate does not warn that they are ignored
-    sampling = (
-        dict(do_sample=True, temperature=temperature)
-        if temperature > 0
-        else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    )
-    with torch.inference_mode():
-        out = model.generate(
-            **enc,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=tokenizer.pad_token_id,
-            **sampling,
-        )
-    results, new_ids = [], out[:, enc["input_ids"].shape[1] :].tolist()
-    for mask, new in zip(enc["attention_mask"].tolist(), new_ids, strict=True):
-        stop = next((i for i, t in enumerate(new) if t in eos), None)
-        tokens = new if stop is None else new[:stop]
-        answer = tokenizer.decode(tokens, skip_special_tokens=True)
-        results.append((answer, sum(mask), len(tokens), "length" if stop is None else "stop"))
-    return results
-
-
 def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig, eos: list[int]) -> list[dict]:
     """Answer a batch of prompt rows; returns output rows (messages = prompt + the target's answer)."""
     prompts = [prompt_messages(r["messages"]) for r in rows]
@@ -89,17 +59,6 @@ def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig, eo
         _result(row, prompt, answer, n, finish)
         for row, prompt, (answer, _, n, finish) in zip(rows, prompts, out, strict=True)
     ]
-
-
-def load_for_generate(target: str, dtype: str):
-    """The target ready for batched generate: left padding, a pad token, and its end-of-turn ids."""
-    from .target import eos_ids, load_target
-
-    model, tokenizer = load_target(target, dtype)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer, eos_ids(model, tokenizer)
 
 
 def _result(row, prompt, answer: str, n_tokens: int, finish: str) -> dict:

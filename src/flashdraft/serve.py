@@ -23,7 +23,7 @@ import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .regenerate import generate, load_for_generate
+from .target import generate, load_for_generate
 
 MAX_BODY = 1 << 20  # bytes; a chat request is far smaller
 MAX_TOKENS_LIMIT = 32768
