@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from flashdraft.config import DrafterConfig
 from flashdraft.hidden import HiddenStore, ShardMeta, manifest_path
+from flashdraft.io import run_dtype, torch_dtype
 from flashdraft.precompute import token_batches, write_shard
 from flashdraft.shards import shard_of
 from flashdraft.target import feature_layer_ids, layers_needed
@@ -55,7 +56,7 @@ def sync():
 
 def build_target(preset: str, dev):
     config = Qwen3Config(**PRESETS[preset])
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = torch_dtype(run_dtype("bfloat16", dev))
     torch.manual_seed(0)
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")

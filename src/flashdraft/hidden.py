@@ -33,18 +33,15 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from .io import atomic_path, write_json
+from .io import STORAGE_DTYPES, atomic_path, torch_dtype, write_json
 
 FORMAT = "flashdraft.hidden/1"
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3": torch.float8_e4m3fn}
 FP8 = "float8_e4m3"
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def storage_dtype(name: str) -> torch.dtype:
-    if name not in STORAGE_DTYPES:
-        raise ValueError(f"hidden.dtype {name!r} is not supported; use one of {sorted(STORAGE_DTYPES)}")
-    return STORAGE_DTYPES[name]
+    return torch_dtype(name, STORAGE_DTYPES, "hidden.dtype")
 
 
 def bytes_per_token(dtype: str, width: int) -> int:

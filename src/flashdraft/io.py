@@ -1,4 +1,5 @@
-"""Small shared I/O helpers: atomic writes, progress bars, dtype names, device choice."""
+"""Small shared I/O helpers: atomic writes, progress bars, dtype names (and CPU means float32), device
+choice."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from pathlib import Path
 
 from .errors import disk_full, disk_full_error
 
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+# The dtype names configs use -> torch's names for them; the schema's enums are checked against these
+# (tests/test_config.py).
+TORCH_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+               "float8_e4m3": "float8_e4m3fn"}
+DTYPES = ("float32", "bfloat16", "float16")  # what a model runs in: target.dtype, train.dtype
+STORAGE_DTYPES = ("bfloat16", "float32", "float8_e4m3")  # what a hidden-state shard stores: hidden.dtype
 
 
 @contextlib.contextmanager
@@ -67,12 +73,19 @@ def progress(iterable=None, **kwargs):
     return tqdm(iterable, file=sys.stderr, **kwargs)
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str, allowed: tuple[str, ...] = DTYPES, key: str = "dtype"):
+    """The torch dtype of a config's dtype name; `allowed`: the names the config key `key` takes."""
     import torch
 
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
-    return getattr(torch, DTYPES[name])
+    if name not in allowed:
+        raise ValueError(f"{key} {name!r} is not supported; use one of {sorted(allowed)}")
+    return getattr(torch, TORCH_NAMES[name])
+
+
+def run_dtype(name: str, dev) -> str:
+    """The dtype a model runs in on `dev`: `name` on a GPU, float32 on the CPU, where bf16 and fp16 matmuls
+    are slow and not what any CPU user wants."""
+    return "float32" if dev.type == "cpu" else name
 
 
 def device():

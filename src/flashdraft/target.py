@@ -11,7 +11,7 @@ from pathlib import Path
 from .chat import render
 from .config import DrafterConfig, feature_layers
 from .errors import UserError
-from .io import device, torch_dtype
+from .io import device, run_dtype, torch_dtype
 
 
 def read_target_config(path) -> dict:
@@ -55,9 +55,8 @@ def load_target(path: str, dtype: str = "bfloat16", dev=None):
 
     read_target_config(path)  # refuses remote code before transformers sees the directory
     dev = dev or device()
-    if dev.type == "cpu" and dtype != "float32":
-        dtype = "float32"  # bf16 matmuls on CPU are slow and not what any CPU user wants
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(run_dtype(dtype, dev)),
+                                                 attn_implementation="sdpa")
     model.to(dev).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
