@@ -22,7 +22,6 @@ import hashlib
 import json
 import mmap
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from .io import STORAGE_DTYPES, atomic_path, torch_dtype, write_json
+from .io import STORAGE_DTYPES, atomic_path, log, torch_dtype, write_json
 
 FORMAT = "flashdraft.hidden/1"
 FP8 = "float8_e4m3"
@@ -66,7 +65,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, rows: int = 64) -> torch.Tensor:
     """bf16 of q * scale per token, a few tokens at a time so the float32 temporary stays in cache: the
-    same bits as one whole-tensor expression, about 1.8x its rate on one CPU core (the reader's workers)."""
+    same bits as one whole-tensor expression, at a higher rate on one CPU core (the reader's workers)."""
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     for i in range(0, q.shape[0], rows):
         out[i : i + rows].copy_(q[i : i + rows].float().mul_(scale[i : i + rows].unsqueeze(-1)))
@@ -174,8 +173,8 @@ def _sha256(pieces) -> bytes:
 def tree_digest(chunk_digests) -> str:
     """A shard's checksum: sha256 of the concatenated sha256 digests of its consecutive 64 MiB chunks.
 
-    Chunks hash independently, so writing and verifying hash on several cores: one sha256 stream runs at
-    about 1-2 GB/s, slower than a disk and far slower than the page cache."""
+    Chunks hash independently, so writing and verifying hash on several cores: one sha256 stream is slower
+    than a disk and far slower than the page cache."""
     return hashlib.sha256(b"".join(chunk_digests)).hexdigest()
 
 
@@ -362,8 +361,7 @@ def open_shard(path, meta: ShardMeta, **writer_kw):
             try:
                 writer.abort()  # release the file so atomic_path can remove the temporary
             except Exception as second:  # the first error is the cause: raise it, not this one chained on it
-                print(f"hidden shard {path}: while aborting after {error!r}, also: {second!r}",
-                      file=sys.stderr, flush=True)
+                log(f"hidden shard {path}: while aborting after {error!r}, also: {second!r}")
             raise
 
 

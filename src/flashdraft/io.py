@@ -1,14 +1,20 @@
-"""Small shared I/O helpers: atomic writes, progress bars, dtype names (and CPU means float32), device
-choice."""
+"""Small shared I/O helpers: atomic writes, progress bars, the log line, dtype names (and CPU means
+float32), device choice."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import sys
+import time
 import uuid
 from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
 
 from .errors import disk_full, disk_full_error
 
@@ -39,8 +45,6 @@ def atomic_path(path: str | os.PathLike):
     finally:
         if tmp.exists():
             if tmp.is_dir():
-                import shutil
-
                 shutil.rmtree(tmp)
             else:
                 tmp.unlink()
@@ -53,9 +57,6 @@ def write_json(path, obj) -> None:
 
 def write_parquet(table, path) -> None:
     """Write a pyarrow Table or pandas DataFrame atomically."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if not isinstance(table, pa.Table):
         table = pa.Table.from_pandas(table, preserve_index=False)
     with atomic_path(path) as tmp:
@@ -64,13 +65,30 @@ def write_parquet(table, path) -> None:
 
 def progress(iterable=None, **kwargs):
     """tqdm with rate and ETA; in log files (no TTY) it prints a line every 10 s instead of redrawing."""
-    from tqdm import tqdm
-
     tty = sys.stderr.isatty()
     kwargs.setdefault("mininterval", 0.5 if tty else 10.0)
     kwargs.setdefault("dynamic_ncols", tty)
     kwargs.setdefault("ascii", not tty)
     return tqdm(iterable, file=sys.stderr, **kwargs)
+
+
+_T0 = time.perf_counter()
+
+
+def process_age() -> float:
+    """Seconds since this process started (from /proc on Linux, so imports count; else since this import)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # starttime
+        start = ticks / os.sysconf("SC_CLK_TCK")
+        return float(Path("/proc/uptime").read_text().split()[0]) - start
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _T0
+
+
+def log(msg: str) -> None:
+    """A line on stderr stamped with the process's age: a stage's log shows where its time goes. (stdout
+    holds what a script reports as its result.)"""
+    print(f"[{process_age():7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def torch_dtype(name: str, allowed: tuple[str, ...] = DTYPES, key: str = "dtype"):

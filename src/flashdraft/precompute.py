@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import queue
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from .hidden import (
     storage_dtype,
     write_manifest,
 )
-from .io import device, progress
+from .io import device, log, progress
 from .shards import shard_of
 from .target import decoder_prefix, feature_layer_ids, layers_needed, load_target, select_features
 
@@ -193,8 +192,9 @@ PINNED_AHEAD = 4  # host buffers in flight: queued, being written, being hashed
 
 def _pin_ahead(rows: int, width: int, dtype: str) -> None:
     """Pin PINNED_AHEAD buffers of the size forward_features asks for, and free them: the caching host
-    allocator keeps them for reuse, so the loop never stalls on pinning new memory (cudaHostAlloc runs at
-    a few GB/s and can wait for the device)."""
+    allocator keeps them for reuse, so the loop never stalls on pinning new memory (cudaHostAlloc is slow
+    and can wait for the device; `pinned_allocations` in benchmarks/results/precompute_hidden_gpu_*.json
+    counts the loop's own)."""
     shape = (rows, width)
     bufs = [torch.empty(shape, dtype=storage_dtype(dtype), pin_memory=True) for _ in range(PINNED_AHEAD)]
     if dtype == FP8:
@@ -269,9 +269,8 @@ def precompute_shard(
     writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id,
                          desc=f"hidden shard {shard}/{num_shards}")
     t = writer.timing
-    print(f"hidden shard {shard}: {writer.tokens} tokens in {t['seconds']:.1f} s "
-          f"({writer.tokens / max(t['seconds'], 1e-9):.0f} tok/s); the forward waited "
-          f"{t['waited_on_writer_s']:.1f} s on the writer thread, which was busy {t['writer_busy_s']:.1f} s",
-          file=sys.stderr, flush=True)
+    log(f"hidden shard {shard}: {writer.tokens} tokens in {t['seconds']:.1f} s "
+        f"({writer.tokens / max(t['seconds'], 1e-9):.0f} tok/s); the forward waited "
+        f"{t['waited_on_writer_s']:.1f} s on the writer thread, which was busy {t['writer_busy_s']:.1f} s")
     counts = {"shard": shard, "num_shards": num_shards, "truncated": truncated, "skipped": skipped}
     return write_manifest(manifest or manifest_path(out_arrow), writer, **counts)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import tempfile
 import zlib
 from collections import Counter
@@ -25,7 +24,7 @@ from .chat import prompt_messages
 from .config import PromptsConfig
 from .dedup import MinHasher, near_duplicates
 from .errors import UserError, disk_full, disk_full_error
-from .io import atomic_path, progress, write_json, write_parquet
+from .io import atomic_path, log, progress, write_json, write_parquet
 from .sources import MESSAGES, ParseError, Rejected, load_source, to_messages
 
 
@@ -282,7 +281,7 @@ def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False) -> dict
         warnings = [f"source {s.name!r}: {s.path} has no rows; it contributes no prompts"
                     for s in cfg.sources if stats[s.name]["read"] == 0]
         for w in warnings:
-            print(f"warning: {w}", file=sys.stderr, flush=True)
+            log(f"warning: {w}")
         near = near_duplicates(sig, cfg.near_dup_threshold) if sig is not None else np.zeros(len(src), bool)
         del sig
         near_by_src = np.bincount(src[near], minlength=len(names))

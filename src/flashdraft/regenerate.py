@@ -23,9 +23,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from http.client import HTTPException
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from .chat import prompt_messages, render
 from .config import RegenerateConfig, to_json
-from .io import progress, write_json, write_parquet
+from .io import log, progress, write_json, write_parquet
+from .managed_server import ManagedServer
 from .shards import shard_of
 from .sources import MESSAGES
 from .target import generate, load_for_generate, read_target_config
@@ -39,8 +43,6 @@ ENGINE_KEYS = ("engine", "batch_size", "shards", "part_rows")
 
 
 def _schema(error: bool):
-    import pyarrow as pa
-
     fields = [
         ("id", pa.string()),
         ("source", pa.string()),
@@ -107,7 +109,7 @@ def _run_hf(cfg, target, dtype, pending, order, parts, bar, clock: dict) -> list
         return _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock)
     if cfg.engine == "static":
         raise ValueError(f"regenerate.engine 'static' cannot run {target}: {why}; use 'auto' or 'generate'")
-    print(f"regenerate: HF generate, in fixed batches ({why})")
+    log(f"regenerate: HF generate, in fixed batches ({why})")
     batch = cfg.batch_size or 16
     # batches are fixed over the whole sorted prompt list (longest first, so memory errors show early),
     # and parts hold whole batches: a resumed run forms exactly the batches an uninterrupted one does
@@ -150,9 +152,9 @@ def _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock: dict) ->
     slots = cfg.batch_size or (auto_slots(model, max_len) if model.device.type == "cuda" else 32)
     slots = min(slots, len(rows))
     decoder = SlotDecoder(model, slots, max_len, eos, tokenizer.pad_token_id, cfg.temperature)
-    print(f"regenerate: static-cache engine, {slots} slots of {decoder.max_len} positions, "
-          f"CUDA graphs {'on' if decoder.graphs is not None else 'off'}, "
-          f"compiled step {'on' if decoder.compiled else 'off'}")
+    log(f"regenerate: static-cache engine, {slots} slots of {decoder.max_len} positions, "
+        f"CUDA graphs {'on' if decoder.graphs is not None else 'off'}, "
+        f"compiled step {'on' if decoder.compiled else 'off'}")
     parts.flush_s = FLUSH_S
     t = time.monotonic()
     decoder.prepare()  # a one-off per job, reported apart from the decode rate
@@ -257,7 +259,7 @@ def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float
             bar.update(1)
             errors += row["error"] is not None
             if errors > max_errors:
-                print(f"regenerate: {errors} failed rows, more than the stage tolerates; stopping")
+                log(f"regenerate: {errors} failed rows, more than the stage tolerates; stopping")
                 break
     finally:
         ex.shutdown(cancel_futures=True)  # unsent requests are dropped; in-flight ones run out
@@ -265,8 +267,6 @@ def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float
 
 
 def _managed_server(cfg: RegenerateConfig, target: str, work: Path):
-    from .managed_server import ManagedServer
-
     return ManagedServer(cfg.server_cmd, target, cfg.server_gpus, cfg.server_port, cfg.server_timeout_s,
                          work / "server.log")
 
@@ -286,8 +286,6 @@ class _Parts:
             self.flush()
 
     def flush(self):
-        import pyarrow as pa
-
         if self.buf:
             table = pa.Table.from_pylist(self.buf, schema=_schema(error=True))
             write_parquet(table, self.work / f"part-{self.next:05d}.parquet")
@@ -296,8 +294,6 @@ class _Parts:
 
 
 def _read_parts(work: Path, wanted: set[str]) -> list[dict]:
-    import pyarrow.parquet as pq
-
     rows = []
     for part in sorted(work.glob("part-*.parquet")):  # atomic writes: every such file is complete
         rows += [r for r in pq.read_table(part).to_pylist() if r["id"] in wanted]
@@ -308,7 +304,7 @@ def _prepare_work_dir(work: Path, key: dict) -> None:
     """Parts made with another target or config are stale: clear them instead of mixing answers."""
     meta = work / "meta.json"
     if meta.exists() and json.loads(meta.read_text()) != key:
-        print(f"regenerate: {work} holds parts of another target/config; starting over")
+        log(f"regenerate: {work} holds parts of another target/config; starting over")
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     if not meta.exists():
@@ -317,8 +313,6 @@ def _prepare_work_dir(work: Path, key: dict) -> None:
 
 def _finish(rows: list[dict], errors: list[dict], out: str, max_fraction: float,
             total: int | None = None, err_path=None) -> dict:
-    import pyarrow as pa
-
     err_path = err_path or Path(out).parent / "errors.parquet"
     err_schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("reason", pa.string())])
     write_parquet(pa.Table.from_pylist(errors, schema=err_schema), err_path)
@@ -369,8 +363,6 @@ def regenerate(
     """Answer the prompts of `prompts_path` in shard `shard` of `num_shards` (`shards.shard_of`, the
     assignment the hidden-state shards use) with the target; write `out` and the failed rows to
     `errors_path` (default: errors.parquet beside `out`)."""
-    import pyarrow.parquet as pq
-
     prompt_rows = pq.read_table(prompts_path, columns=["id", "source", "messages"]).to_pylist()
     order = {r["id"]: i for i, r in enumerate(prompt_rows)}
     if len(order) != len(prompt_rows):
