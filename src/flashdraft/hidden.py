@@ -119,13 +119,17 @@ class ShardMeta:
         raw = {k.decode(): v.decode() for k, v in (metadata or {}).items()}
         if raw.get("flashdraft.format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT} shard (format {raw.get('flashdraft.format')!r})")
-        return cls.from_dict({
+        fields = {
             "target": raw["flashdraft.target"],
             "target_layer_ids": json.loads(raw["flashdraft.target_layer_ids"]),
             "dtype": raw["flashdraft.dtype"],
             "hidden_size": int(raw["flashdraft.hidden_size"]),
             "num_features": int(raw["flashdraft.num_features"]),
-        })
+        }
+        try:
+            return cls.from_dict(fields)
+        except ValueError as e:
+            raise ValueError(f"{path}: schema metadata {e}") from e
 
 
 def manifest_path(arrow_path) -> Path:
