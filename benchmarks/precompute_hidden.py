@@ -3,7 +3,7 @@
 `--mode gpu` (one GPU, a random-weight target of the preset's shape, built in memory: no download):
   - bare forward: the target's decoder over the same token batches, nothing selected, copied or stored;
   - disk: plain sequential writes of as many bytes as the bf16 shard, the rate the disk allows;
-  - ours: hidden.write_shard (the precompute loop: forward through the needed layers, pack, quantize,
+  - ours: precompute.write_shard (the precompute loop: forward through the needed layers, pack, quantize,
     pinned async copies, writer thread, Arrow IPC, sha256) for bf16 and fp8, tokens/s including the
     final close of the shard;
   - bytes per token on disk for both dtypes;
@@ -38,7 +38,9 @@ from shapes import QWEN3_8B, TOY
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from flashdraft.config import DrafterConfig
-from flashdraft.hidden import HiddenStore, manifest_path, token_batches, write_shard
+from flashdraft.hidden import HiddenStore, ShardMeta, manifest_path
+from flashdraft.io import run_dtype, torch_dtype
+from flashdraft.precompute import token_batches, write_shard
 from flashdraft.shards import shard_of
 from flashdraft.target import feature_layer_ids, layers_needed
 
@@ -54,7 +56,7 @@ def sync():
 
 def build_target(preset: str, dev):
     config = Qwen3Config(**PRESETS[preset])
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = torch_dtype(run_dtype("bfloat16", dev))
     torch.manual_seed(0)
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -137,7 +139,8 @@ def bench_gpu(args) -> dict:
     # warm up kernels (cuBLAS/SDPA heuristics) on a batch of each dtype path, outside the timings
     warm = samples[: len(batches[0])]
     for dtype in ("bfloat16", "float8_e4m3"):
-        meta = dict(target="random", layer_ids=layer_ids, hidden_size=model.config.hidden_size, dtype=dtype)
+        meta = ShardMeta(target="random", target_layer_ids=layer_ids, hidden_size=model.config.hidden_size,
+                         dtype=dtype)
         write_shard(model, warm, work / "warm.arrow", meta, args.batch_tokens, 0, desc="warmup")
     (work / "warm.arrow").unlink()
 
@@ -164,7 +167,8 @@ def bench_gpu(args) -> dict:
     result = {}
     for dtype in ("bfloat16", "float8_e4m3"):
         path = work / f"shard-{dtype}.arrow"
-        meta = dict(target="random", layer_ids=layer_ids, hidden_size=model.config.hidden_size, dtype=dtype)
+        meta = ShardMeta(target="random", target_layer_ids=layer_ids, hidden_size=model.config.hidden_size,
+                         dtype=dtype)
         sync()
         pinned_before = host_allocs()
         t0 = time.perf_counter()

@@ -70,7 +70,8 @@ import transformers
 from shapes import QWEN3_8B, TOY
 
 from flashdraft.config import DrafterConfig
-from flashdraft.hidden import manifest_path, open_shard, write_manifest
+from flashdraft.hidden import ShardMeta, manifest_path, open_shard, write_manifest
+from flashdraft.launch import torchrun_argv
 from flashdraft.model import num_anchor_slots, sample_anchors
 from flashdraft.train import load_spec
 
@@ -134,9 +135,9 @@ def setup(preset: dict, work: Path) -> dict:
     spec = load_spec(target, drafter_config(preset))
     width, s = spec.num_features * spec.hidden_size, preset["seq_len"]
     path = work / "hidden" / "shard-00000.arrow"
-    meta = dict(target="random", layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
-                dtype="bfloat16")
-    with open_shard(path, **meta) as w:
+    meta = ShardMeta(target="random", target_layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
+                     dtype="bfloat16")
+    with open_shard(path, meta) as w:
         for i in range(preset["samples"]):
             ids = torch.randint(0, spec.mask_token_id, (s,), generator=g).tolist()
             w.write(f"r{i}", ids, [1] * s, torch.randn(s, width, generator=g, dtype=torch.bfloat16))
@@ -297,12 +298,11 @@ def base_env(preset: dict, inductor: Path) -> dict:
 
 
 def torchrun(preset: dict, world: int, cfg: dict, work: Path, run: str, shards: list[str], extra=()) -> list:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
-    if preset["device"] == "cuda":
-        cmd.append("--virtual-local-rank")  # each rank sees its GPU as cuda:0, as the cache keys need
+    cuda = preset["device"] == "cuda"  # virtual: each rank sees its GPU as cuda:0, as the cache keys need
+    cmd = torchrun_argv(sys.executable, REPO / "scripts" / "train.py", world, virtual=cuda)
     out = work / "runs" / run
     shutil.rmtree(out, ignore_errors=True)
-    return cmd + [str(REPO / "scripts" / "train.py"), "--cfg", json.dumps(cfg),
+    return cmd + ["--cfg", json.dumps(cfg),
                   "--drafter-cfg", json.dumps(drafter_json(preset)), "--target", str(work / "target"),
                   "--checkpoints", str(out / "checkpoints"), "--metrics", str(out / "metrics.csv"),
                   "--out", str(out / "drafter"), *extra, *shards]

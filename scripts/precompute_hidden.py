@@ -10,7 +10,7 @@ import json
 
 from flashdraft.config import DrafterConfig, HiddenConfig, load_section
 from flashdraft.errors import cli
-from flashdraft.hidden import precompute_shard
+from flashdraft.precompute import precompute_shard
 
 
 @cli

@@ -73,7 +73,7 @@ def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24) -> l
     import torch
 
     from flashdraft.config import DrafterConfig, ToyConfig
-    from flashdraft.hidden import manifest_path, open_shard, write_manifest
+    from flashdraft.hidden import ShardMeta, manifest_path, open_shard, write_manifest
     from flashdraft.toy import build_toy_target
     from flashdraft.train import load_spec
 
@@ -84,8 +84,9 @@ def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24) -> l
     paths = []
     for s in range(shards):
         path = root / f"shard-{s:05d}.arrow"
-        meta = dict(target="toy", layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size)
-        with open_shard(path, **meta) as w:
+        meta = ShardMeta(target="toy", target_layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
+                         dtype="bfloat16")
+        with open_shard(path, meta) as w:
             for i in range(rows):
                 n = int(torch.randint(40, 300, (1,), generator=g))  # some longer than the largest bucket
                 start = int(torch.randint(0, 50, (1,), generator=g))

@@ -19,6 +19,7 @@ from flashdraft.config import (
     target_layer_ids,
 )
 from flashdraft.errors import UserError
+from flashdraft.io import DTYPES, STORAGE_DTYPES, torch_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -41,6 +42,14 @@ def _check(cls, node, where):
 
 def test_schema_documents_every_dataclass_key():
     _check(Config, yaml.safe_load(SCHEMA.read_text()), "config")
+
+
+def test_schema_dtypes_are_the_ones_torch_dtype_takes():
+    props = yaml.safe_load(SCHEMA.read_text())["properties"]
+    for section, names in (("target", DTYPES), ("train", DTYPES), ("hidden", STORAGE_DTYPES)):
+        enum = props[section]["properties"]["dtype"]["enum"]
+        assert sorted(enum) == sorted(names), f"{section}.dtype: schema {enum} vs flashdraft.io {names}"
+        assert all(torch_dtype(n, names).itemsize in (1, 2, 4) for n in enum)
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "production.yaml"])

@@ -9,8 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from flashdraft.chat import prompt_messages, render
 from flashdraft.decode import SlotDecoder
-from flashdraft.regenerate import load_for_generate
 from flashdraft.step import KV_BLOCK, unsupported
+from flashdraft.target import load_for_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 12

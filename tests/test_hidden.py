@@ -15,23 +15,22 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from flashdraft import hidden
+from flashdraft import hidden, precompute
 from flashdraft.chat import tokenize_conversation
 from flashdraft.config import DrafterConfig, HiddenConfig, ToyConfig
 from flashdraft.errors import UserError
 from flashdraft.hidden import (
     FP8,
     HiddenStore,
+    ShardMeta,
     ShardWriter,
     manifest_path,
     open_shard,
-    precompute_shard,
-    preflight,
     quantize_fp8,
-    token_batches,
     verify_shard,
     write_manifest,
 )
+from flashdraft.precompute import precompute_shard, preflight, token_batches
 from flashdraft.shards import shard_of, shard_sources
 from flashdraft.target import load_target, select_features
 from flashdraft.toy import build_toy_target, task_conversations
@@ -43,8 +42,8 @@ CFG = HiddenConfig(max_length=96, batch_tokens=256, dtype="bfloat16")
 
 def write_shard(path, rows, dtype="bfloat16", layer_ids=(1, 3), hidden_size=8, target="tgt", **kw):
     """Write (id, input_ids, loss_mask, hidden) rows to a shard + manifest; return the manifest."""
-    meta = dict(target=target, layer_ids=list(layer_ids), hidden_size=hidden_size, dtype=dtype)
-    with open_shard(path, **meta, **kw) as w:
+    meta = ShardMeta(target=target, target_layer_ids=list(layer_ids), hidden_size=hidden_size, dtype=dtype)
+    with open_shard(path, meta, **kw) as w:
         for sid, ids, mask, h in rows:
             w.write(sid, ids, mask, *quantize_fp8(h)) if dtype == FP8 else w.write(sid, ids, mask, h)
     return write_manifest(manifest_path(path), w, shard=0, num_shards=1, truncated=0, skipped=0)
@@ -116,6 +115,16 @@ def test_store_rejects_mismatched_shards(tmp_path):
     write_shard(b, random_rows(2, torch.bfloat16, width=24), layer_ids=(1, 2, 3))
     with pytest.raises(ValueError, match=r"b\.arrow.*target_layer_ids"):
         HiddenStore([a, b])
+
+
+def test_shard_meta_is_what_schema_and_manifest_both_say(tmp_path):
+    path = tmp_path / "a.arrow"
+    manifest = write_shard(path, random_rows(2, torch.bfloat16, width=24), layer_ids=(1, 2, 3))
+    meta = HiddenStore([path]).meta
+    assert meta == ShardMeta.from_dict(manifest) == ShardMeta("tgt", [1, 2, 3], "bfloat16", 8)
+    assert meta.to_dict() == {k: manifest[k] for k in meta.to_dict()} and meta.width == 24
+    with pytest.raises(ValueError, match="num_features 2 but 3"):
+        ShardMeta.from_dict({**manifest, "num_features": 2})
 
 
 def test_writer_rejects_bad_rows_and_leaves_no_file(tmp_path):
@@ -299,7 +308,7 @@ def test_fp8_writer_and_verify_check_scales(tmp_path):
 
     # NaN (e4m3fn has no Inf) in the values, and a zero scale, written through the writer
     nan = tmp_path / "nan.arrow"
-    with open_shard(nan, target="tgt", layer_ids=[1, 3], hidden_size=8, dtype=FP8) as w:
+    with open_shard(nan, ShardMeta("tgt", [1, 3], FP8, 8)) as w:
         q, scale = quantize_fp8(rows[0][3])
         q.view(torch.uint8)[2, 5] = 0x7F
         w.write("a", *rows[0][1:3], q, scale)
@@ -315,10 +324,10 @@ def test_fp8_writer_and_verify_check_scales(tmp_path):
     with pytest.raises(ValueError, match="scale"):
         write_shard(tmp_path / "x.arrow", [(sid, ids, mask, x)], dtype=FP8, layer_ids=(1, 3), hidden_size=4)
     with pytest.raises(ValueError, match="scale"):  # fp8 values without their scales
-        with open_shard(tmp_path / "y.arrow", target="t", layer_ids=[1, 3], hidden_size=8, dtype=FP8) as w:
+        with open_shard(tmp_path / "y.arrow", ShardMeta("t", [1, 3], FP8, 8)) as w:
             w.write(sid, ids, mask, quantize_fp8(x)[0])
     with pytest.raises(ValueError, match="scale"):  # a bf16 shard takes no scale
-        with open_shard(tmp_path / "z.arrow", target="t", layer_ids=[1, 3], hidden_size=8) as w:
+        with open_shard(tmp_path / "z.arrow", ShardMeta("t", [1, 3], "bfloat16", 8)) as w:
             w.write(sid, ids, mask, x.bfloat16(), torch.ones(9))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"{n}.{e}" for n in ("good", "bad", "nan") for e in ("arrow", "json")
@@ -413,7 +422,7 @@ def test_precompute_matches_direct_forward(precomputed, toy_target, train_parque
 def test_precompute_fp8_end_to_end(precomputed, toy_target, train_parquet, tmp_path, monkeypatch):
     shards, manifests = precomputed
     need = []
-    monkeypatch.setattr(hidden, "preflight", lambda tokens, dtype, width, d, margin: need.append(
+    monkeypatch.setattr(precompute, "preflight", lambda tokens, dtype, width, d, margin: need.append(
         hidden.bytes_per_token(dtype, width)))
     out = tmp_path / "shard-00001.arrow"
     cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=CFG.batch_tokens, dtype=FP8)
@@ -466,7 +475,7 @@ def test_failed_precompute_leaves_no_file(toy_target, train_parquet, tmp_path, m
     if where == "writer":  # a row that fails to write, on the I/O thread
         monkeypatch.setattr(ShardWriter, "write_rows", failing(ShardWriter.write_rows))
     else:  # the forward pass fails on the main thread while rows are queued
-        monkeypatch.setattr(hidden, "forward_features", failing(hidden.forward_features))
+        monkeypatch.setattr(precompute, "forward_features", failing(precompute.forward_features))
     out = tmp_path / "hidden" / "shard-00000.arrow"
     with pytest.raises((OSError, RuntimeError), match=f"injected failure in the {where}"):
         precompute_shard(toy_target, "float32", train_parquet, 0, 1, out, CFG, LAYERS)
@@ -528,7 +537,7 @@ def test_gpu_features_packed_quantized_on_device_copied_async_to_pinned(toy_targ
     layer_ids = [1, 2, 3]
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (37, 5, 64, 20)]
-    feats, scales, event = hidden.forward_features(model, batch, layer_ids, dtype, 0, torch.cuda.Stream())
+    feats, scales, event = precompute.forward_features(model, batch, layer_ids, dtype, 0, torch.cuda.Stream())
     assert event is not None and feats.device.type == "cpu" and feats.is_pinned()
     event.synchronize()
     assert feats.shape == (sum(map(len, batch)), 3 * model.config.hidden_size)
@@ -566,7 +575,7 @@ def test_forward_runs_only_the_layers_the_features_need(toy_target):
     seen = []
     layers = model.model.layers
     hooks = [layer.register_forward_hook(lambda *a, i=i: seen.append(i)) for i, layer in enumerate(layers)]
-    feats, _, _ = hidden.forward_features(model, [[5, 6, 7, 8]], [1, 2], "float32", 0)
+    feats, _, _ = precompute.forward_features(model, [[5, 6, 7, 8]], [1, 2], "float32", 0)
     assert seen == [0, 1, 2, 3] and feats.shape == (4, 2 * model.config.hidden_size)
     with pytest.raises(RuntimeError), decoder_prefix(model, 2):
         assert len(model.model.layers) == 2

@@ -11,7 +11,8 @@ import yaml
 from flashdraft import plan as P
 from flashdraft.config import Config, DrafterConfig, HiddenConfig, TargetConfig, ToyConfig
 from flashdraft.errors import UserError
-from flashdraft.hidden import FP8, precompute_shard
+from flashdraft.hidden import FP8
+from flashdraft.precompute import precompute_shard
 from flashdraft.toy import build_toy_target, task_conversations
 
 REPO = Path(__file__).resolve().parents[1]

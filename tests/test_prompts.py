@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flashdraft import prompts, toy
+from flashdraft import sources as source_files
 from flashdraft.config import PromptsConfig, SourceConfig, ToyConfig, to_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,22 +40,22 @@ def test_shapes_map_to_the_same_messages():
         ({"prompt": "What is 1 + 2?", "response": "1 + 2 = 3."}, "prompt"),
     ]
     for rec, shape in records:
-        assert prompts.to_messages(rec, shape) == want
-        assert prompts.to_messages(rec) == want  # auto detection
+        assert source_files.to_messages(rec, shape) == want
+        assert source_files.to_messages(rec) == want  # auto detection
     renamed = {"question": "What is 1 + 2?", "answer": "1 + 2 = 3."}
-    assert prompts.to_messages(renamed, "auto", {"question": "prompt", "answer": "response"}) == want
-    alpaca = prompts.to_messages({"instruction": "Add them.", "input": "1 and 2"})
+    assert source_files.to_messages(renamed, "auto", {"question": "prompt", "answer": "response"}) == want
+    alpaca = source_files.to_messages({"instruction": "Add them.", "input": "1 and 2"})
     assert alpaca == [{"role": "user", "content": "Add them.\n\n1 and 2"}]
 
 
 def test_normalization_and_stable_id():
-    a = prompts.to_messages({"prompt": "  Cafe\u0301 menu   \nline two\t\n"})
-    b = prompts.to_messages({"prompt": "Caf\u00e9 menu\nline two"})
+    a = source_files.to_messages({"prompt": "  Cafe\u0301 menu   \nline two\t\n"})
+    b = source_files.to_messages({"prompt": "Caf\u00e9 menu\nline two"})
     assert a == b == [{"role": "user", "content": "Caf\u00e9 menu\nline two"}]
     sid = prompts.sample_id(a)
     assert len(sid) == 16 and int(sid, 16) >= 0 and sid == prompts.sample_id(b)
     assert sid != prompts.sample_id([{"role": "user", "content": "Cafe menu\nline two"}])
-    code = prompts.to_messages({"prompt": "def f(x):\n    return x"})
+    code = source_files.to_messages({"prompt": "def f(x):\n    return x"})
     assert code[0]["content"] == "def f(x):\n    return x"  # indentation kept
 
 
@@ -74,8 +75,8 @@ def test_normalization_and_stable_id():
     ],
 )
 def test_rejects_with_reason(record, reason):
-    with pytest.raises(prompts.Rejected, match=reason):
-        prompts.to_messages(record)
+    with pytest.raises(source_files.Rejected, match=reason):
+        source_files.to_messages(record)
 
 
 def test_load_source_formats(tmp_path):
@@ -91,16 +92,16 @@ def test_load_source_formats(tmp_path):
         w.write_table(pa.Table.from_pylist(rows))
     (tmp_path / "a.json").write_text(json.dumps(rows))
     for ext in ["jsonl", "parquet", "arrow", "json"]:
-        got = list(prompts.load_source(SourceConfig(name=ext, path=str(tmp_path / f"a.{ext}"))))
+        got = list(source_files.load_source(SourceConfig(name=ext, path=str(tmp_path / f"a.{ext}"))))
         assert [r for _, r in got[:5]] == rows, ext
-    bad = list(prompts.load_source(SourceConfig(name="j", path=str(tmp_path / "a.jsonl"))))[5:]
+    bad = list(source_files.load_source(SourceConfig(name="j", path=str(tmp_path / "a.jsonl"))))[5:]
     assert [(i, r.reason) for i, r in bad] == [(5, "bad utf-8"), (6, "unparseable json")]
     folder = tmp_path / "hf" / "data"  # a local dataset folder, as `datasets` reads it offline
     folder.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows[:3]), folder / "train-00000-of-00002.parquet")
     pq.write_table(pa.Table.from_pylist(rows[3:]), folder / "train-00001-of-00002.parquet")
     hf = SourceConfig(name="hf", path=str(tmp_path / "hf"), format="hf", split="train")
-    assert [r for _, r in prompts.load_source(hf)] == rows
+    assert [r for _, r in source_files.load_source(hf)] == rows
 
 
 def test_expand_toy_sources(sources, tmp_path):

@@ -20,6 +20,7 @@ from conftest import cache_misses, toy_hidden_shards
 
 from flashdraft.config import DrafterConfig, TrainConfig, to_json
 from flashdraft.hidden import HiddenStore, manifest_path
+from flashdraft.launch import torchrun_argv
 from flashdraft.model import load_drafter
 from flashdraft.train import (
     Collate,
@@ -55,13 +56,14 @@ def data(tmp_path_factory):
 def train_cmd(root, shards, out, cfg=TRAIN, nproc=2, drafter=DRAFTER, extra=(), gpu=False):
     """scripts/train.py under torchrun (nproc > 1) or as a plain process. gpu: every rank sees its GPU as
     cuda:0 (--virtual-local-rank), as the workflow runs it."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", *(["--virtual-local-rank"] if gpu else []),
-                "--standalone", "--nproc_per_node", str(nproc)]
     script = str(REPO / "scripts" / "train.py")
-    args = [script, "--cfg", json.dumps(cfg), "--drafter-cfg", json.dumps(drafter),
+    launcher = [sys.executable, script]
+    if nproc > 1:
+        launcher = torchrun_argv(sys.executable, script, nproc, virtual=gpu)
+    args = ["--cfg", json.dumps(cfg), "--drafter-cfg", json.dumps(drafter),
             "--target", str(root / "target"), "--checkpoints", str(out / "checkpoints"),
             "--metrics", str(out / "metrics.csv"), "--out", str(out / "drafter"), *extra, *shards]
-    return (launcher if nproc > 1 else [sys.executable]) + args
+    return launcher + args
 
 
 def run(cmd, env=None, gpu=False):

@@ -1,5 +1,5 @@
-"""Hidden-state store: Arrow IPC shards of target features, their manifests, a memory-mapped reader,
-verification, and the precompute pipeline that fills the shards.
+"""Hidden-state store: Arrow IPC shards of target features, their manifests, a memory-mapped reader and
+verification (the pipeline that fills the shards is precompute.py).
 
 A shard is one Arrow IPC file with one row per sample:
   id (string), input_ids (list<int32>), loss_mask (list<int8>), num_tokens (int32),
@@ -17,16 +17,14 @@ Files appear under their final name only when complete (written to a temporary s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import mmap
 import os
-import queue
-import shutil
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,24 +32,15 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from .chat import tokenize_conversation
-from .config import DrafterConfig, HiddenConfig
-from .errors import UserError
-from .io import atomic_path, device, progress, write_json
-from .shards import shard_of
-from .target import decoder_prefix, feature_layer_ids, layers_needed, load_target, select_features
+from .io import STORAGE_DTYPES, atomic_path, log, torch_dtype, write_json
 
 FORMAT = "flashdraft.hidden/1"
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3": torch.float8_e4m3fn}
 FP8 = "float8_e4m3"
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-META_KEYS = ("target", "target_layer_ids", "dtype", "hidden_size", "num_features")
 
 
 def storage_dtype(name: str) -> torch.dtype:
-    if name not in STORAGE_DTYPES:
-        raise ValueError(f"hidden.dtype {name!r} is not supported; use one of {sorted(STORAGE_DTYPES)}")
-    return STORAGE_DTYPES[name]
+    return torch_dtype(name, STORAGE_DTYPES, "hidden.dtype")
 
 
 def bytes_per_token(dtype: str, width: int) -> int:
@@ -76,11 +65,71 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, rows: int = 64) -> torch.Tensor:
     """bf16 of q * scale per token, a few tokens at a time so the float32 temporary stays in cache: the
-    same bits as one whole-tensor expression, about 1.8x its rate on one CPU core (the reader's workers)."""
+    same bits as one whole-tensor expression, at a higher rate on one CPU core (the reader's workers)."""
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     for i in range(0, q.shape[0], rows):
         out[i : i + rows].copy_(q[i : i + rows].float().mul_(scale[i : i + rows].unsqueeze(-1)))
     return out
+
+
+@dataclass
+class ShardMeta:
+    """What a shard holds: the target it came from, the decoder layers whose features it concatenates,
+    the storage dtype and H. The field names are the keys on disk, in the schema metadata
+    (`flashdraft.<key>`) and in the manifest, which adds `num_features` (K, derived here)."""
+
+    target: str
+    target_layer_ids: list[int]
+    dtype: str
+    hidden_size: int
+
+    def __post_init__(self):
+        self.target = str(self.target)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.hidden_size = int(self.hidden_size)
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def width(self) -> int:
+        """K*H: the features of one token."""
+        return self.num_features * self.hidden_size
+
+    def to_dict(self) -> dict:
+        """The manifest's keys for it (and the metadata a reader compares between shards)."""
+        return {**dataclasses.asdict(self), "num_features": self.num_features}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ShardMeta:
+        """From a manifest (or any dict with the fields); a `num_features` that disagrees is an error."""
+        meta = cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        if "num_features" in d and int(d["num_features"]) != meta.num_features:
+            raise ValueError(f"num_features {d['num_features']} but {meta.num_features} target_layer_ids")
+        return meta
+
+    def schema_metadata(self) -> dict[str, str]:
+        """The Arrow schema metadata: `flashdraft.<key>` -> the value as text (JSON for the layer ids)."""
+        meta = {"format": FORMAT, **self.to_dict()}
+        return {f"flashdraft.{k}": v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+
+    @classmethod
+    def from_schema_metadata(cls, metadata: dict[bytes, bytes] | None, path) -> ShardMeta:
+        raw = {k.decode(): v.decode() for k, v in (metadata or {}).items()}
+        if raw.get("flashdraft.format") != FORMAT:
+            raise ValueError(f"{path}: not a {FORMAT} shard (format {raw.get('flashdraft.format')!r})")
+        fields = {
+            "target": raw["flashdraft.target"],
+            "target_layer_ids": json.loads(raw["flashdraft.target_layer_ids"]),
+            "dtype": raw["flashdraft.dtype"],
+            "hidden_size": int(raw["flashdraft.hidden_size"]),
+            "num_features": int(raw["flashdraft.num_features"]),
+        }
+        try:
+            return cls.from_dict(fields)
+        except ValueError as e:
+            raise ValueError(f"{path}: schema metadata {e}") from e
 
 
 def manifest_path(arrow_path) -> Path:
@@ -88,15 +137,7 @@ def manifest_path(arrow_path) -> Path:
     return Path(arrow_path).with_suffix(".json")
 
 
-def shard_schema(target: str, layer_ids: list[int], hidden_size: int, dtype: str) -> pa.Schema:
-    meta = {
-        "format": FORMAT,
-        "target": str(target),
-        "target_layer_ids": json.dumps([int(i) for i in layer_ids]),
-        "dtype": dtype,
-        "hidden_size": str(int(hidden_size)),
-        "num_features": str(len(layer_ids)),
-    }
+def shard_schema(meta: ShardMeta) -> pa.Schema:
     fields = [
         ("id", pa.string()),
         ("input_ids", pa.list_(pa.int32())),
@@ -104,28 +145,19 @@ def shard_schema(target: str, layer_ids: list[int], hidden_size: int, dtype: str
         ("num_tokens", pa.int32()),
         ("hidden", pa.large_binary()),
     ]
-    if dtype == FP8:
+    if meta.dtype == FP8:
         fields.append(("scale", pa.large_binary()))
-    return pa.schema(fields, metadata={f"flashdraft.{k}": v for k, v in meta.items()})
+    return pa.schema(fields, metadata=meta.schema_metadata())
 
 
-def read_meta(schema: pa.Schema, path) -> dict:
+def read_meta(schema: pa.Schema, path) -> ShardMeta:
     """Check a shard's schema and decode its metadata (target, layer ids, dtype, H, K)."""
-    raw = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
-    if raw.get("flashdraft.format") != FORMAT:
-        raise ValueError(f"{path}: not a {FORMAT} shard (format {raw.get('flashdraft.format')!r})")
-    meta = {
-        "target": raw["flashdraft.target"],
-        "target_layer_ids": json.loads(raw["flashdraft.target_layer_ids"]),
-        "dtype": raw["flashdraft.dtype"],
-        "hidden_size": int(raw["flashdraft.hidden_size"]),
-        "num_features": int(raw["flashdraft.num_features"]),
-    }
-    expected = shard_schema(meta["target"], meta["target_layer_ids"], meta["hidden_size"], meta["dtype"])
+    meta = ShardMeta.from_schema_metadata(schema.metadata, path)
+    expected = shard_schema(meta)
     if not schema.equals(expected, check_metadata=False):
         got, want = schema.remove_metadata(), expected.remove_metadata()
         raise ValueError(f"{path}: schema {got} differs from {want}")
-    storage_dtype(meta["dtype"])
+    storage_dtype(meta.dtype)
     return meta
 
 
@@ -145,8 +177,8 @@ def _sha256(pieces) -> bytes:
 def tree_digest(chunk_digests) -> str:
     """A shard's checksum: sha256 of the concatenated sha256 digests of its consecutive 64 MiB chunks.
 
-    Chunks hash independently, so writing and verifying hash on several cores: one sha256 stream runs at
-    about 1-2 GB/s, slower than a disk and far slower than the page cache."""
+    Chunks hash independently, so writing and verifying hash on several cores: one sha256 stream is slower
+    than a disk and far slower than the page cache."""
     return hashlib.sha256(b"".join(chunk_digests)).hexdigest()
 
 
@@ -216,19 +248,10 @@ class ShardWriter:
 
     Use it through `open_shard`, which writes a temporary sibling and renames it only on success."""
 
-    def __init__(
-        self, path, *, target, layer_ids, hidden_size, dtype="bfloat16", max_rows=8, max_bytes=256 << 20
-    ):
-        self.torch_dtype = storage_dtype(dtype)
-        self.meta = {
-            "target": str(target),
-            "target_layer_ids": [int(i) for i in layer_ids],
-            "dtype": dtype,
-            "hidden_size": int(hidden_size),
-            "num_features": len(layer_ids),
-        }
-        self.width = len(layer_ids) * hidden_size
-        self.schema = shard_schema(target, layer_ids, hidden_size, dtype)
+    def __init__(self, path, meta: ShardMeta, *, max_rows=8, max_bytes=256 << 20):
+        self.torch_dtype = storage_dtype(meta.dtype)
+        self.meta, self.width = meta, meta.width
+        self.schema = shard_schema(meta)
         self.sink = _HashingSink(path)
         self.writer = ipc.new_file(pa.PythonFile(self.sink, mode="w"), self.schema)
         self.max_rows, self.max_bytes = max_rows, max_bytes
@@ -245,7 +268,7 @@ class ShardWriter:
             )
 
     def _want(self, n: int):
-        fp8 = self.meta["dtype"] == FP8
+        fp8 = self.meta.dtype == FP8
         return (n, self.width), self.torch_dtype, ((n,), torch.float32) if fp8 else None
 
     def write(self, sample_id: str, input_ids, loss_mask, hidden: torch.Tensor, scale=None) -> None:
@@ -326,7 +349,7 @@ def _binary(data: np.ndarray, sizes: list[int]) -> pa.LargeBinaryArray:
 
 
 @contextlib.contextmanager
-def open_shard(path, **meta):
+def open_shard(path, meta: ShardMeta, **writer_kw):
     """Yield a ShardWriter; the shard appears at `path` only if the block completes without error.
 
     A killed run leaves its temporary behind (nothing runs after kill -9); the rerun deletes it."""
@@ -334,7 +357,7 @@ def open_shard(path, **meta):
     for stale in path.parent.glob(f".tmp-*-{path.name}"):
         stale.unlink(missing_ok=True)
     with atomic_path(path) as tmp:
-        writer = ShardWriter(tmp, **meta)
+        writer = ShardWriter(tmp, meta, **writer_kw)
         try:
             yield writer
             writer.close()
@@ -342,8 +365,7 @@ def open_shard(path, **meta):
             try:
                 writer.abort()  # release the file so atomic_path can remove the temporary
             except Exception as second:  # the first error is the cause: raise it, not this one chained on it
-                print(f"hidden shard {path}: while aborting after {error!r}, also: {second!r}",
-                      file=sys.stderr, flush=True)
+                log(f"hidden shard {path}: while aborting after {error!r}, also: {second!r}")
             raise
 
 
@@ -351,7 +373,7 @@ def write_manifest(path, writer: ShardWriter, **extra) -> dict:
     """Manifest of a closed shard: what it holds, its size and checksum (+ `extra`: shard, counts, ...)."""
     manifest = {
         "format": FORMAT,
-        **writer.meta,
+        **writer.meta.to_dict(),
         "rows": writer.rows,
         "tokens": writer.tokens,
         "bytes": writer.bytes,
@@ -386,10 +408,11 @@ class HiddenStore:
             meta = read_meta(reader.schema, path)
             if self.meta is None:
                 self.meta = meta
-            diff = [k for k in META_KEYS if meta[k] != self.meta[k]]
+            mine, first = meta.to_dict(), self.meta.to_dict()
+            diff = [k for k in first if mine[k] != first[k]]
             if diff:
-                got = ", ".join(f"{k}={meta[k]!r}" for k in diff)
-                want = ", ".join(f"{k}={self.meta[k]!r}" for k in diff)
+                got = ", ".join(f"{k}={mine[k]!r}" for k in diff)
+                want = ", ".join(f"{k}={first[k]!r}" for k in diff)
                 raise ValueError(f"shard {path} has {got} but {self.paths[0]} has {want}: shards differ")
             batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
             for b, batch in enumerate(batches):
@@ -400,7 +423,7 @@ class HiddenStore:
             self._batches.append(batches)
         self.lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
         self._locs = locs
-        self._dtype = storage_dtype(self.meta["dtype"])
+        self._dtype = storage_dtype(self.meta.dtype)
 
     def __reduce__(self):
         return HiddenStore, (self.paths,)  # DataLoader workers reopen the maps instead of pickling them
@@ -436,23 +459,23 @@ class HiddenStore:
 
     @property
     def hidden_size(self) -> int:
-        return self.meta["hidden_size"]
+        return self.meta.hidden_size
 
     @property
     def num_features(self) -> int:
-        return self.meta["num_features"]
+        return self.meta.num_features
 
     @property
     def dtype(self) -> str:
-        return self.meta["dtype"]
+        return self.meta.dtype
 
     @property
     def layer_ids(self) -> list[int]:
-        return list(self.meta["target_layer_ids"])
+        return list(self.meta.target_layer_ids)
 
     @property
     def target(self) -> str:
-        return self.meta["target"]
+        return self.meta.target
 
 
 # --------------------------------------------------------------------------------------------- verifying
@@ -500,9 +523,9 @@ def verify_shard(arrow_path, manifest_file=None, max_errors=20) -> dict:
     except (pa.ArrowException, OSError, ValueError, KeyError) as e:
         err(f"cannot be read as a hidden shard: {e}")
         return result
-    for k in META_KEYS:
-        if store.meta[k] != manifest.get(k):
-            err(f"schema metadata {k}={store.meta[k]!r} but manifest says {manifest.get(k)!r}")
+    for k, v in store.meta.to_dict().items():
+        if v != manifest.get(k):
+            err(f"schema metadata {k}={v!r} but manifest says {manifest.get(k)!r}")
     if len(store) != manifest.get("rows"):
         err(f"{len(store)} rows, manifest says {manifest.get('rows')}")
     if int(store.lengths.sum()) != manifest.get("tokens"):
@@ -561,244 +584,3 @@ def move_aside(arrow_path, bad_dir=None) -> list[tuple[str, str]]:
             os.replace(src, dst)
             moved.append((str(src), str(dst)))
     return moved
-
-
-# -------------------------------------------------------------------------------------------- precompute
-
-
-def preflight(tokens: int, dtype: str, width: int, out_dir, margin: float = 0.1) -> int:
-    """Refuse to start when the disk under `out_dir` cannot hold the estimated bytes (+ margin)."""
-    need = int(hidden_bytes(tokens, dtype, width) * (1 + margin))
-    d = Path(out_dir).resolve()
-    while not d.exists():
-        d = d.parent
-    free = shutil.disk_usage(d).free
-    if need > free:
-        raise UserError(
-            f"not enough disk space in {out_dir}: hidden states need about {need / 2**30:.2f} GiB "
-            f"({need} bytes: {tokens} tokens x {bytes_per_token(dtype, width)} bytes/token "
-            f"+ {margin:.0%} margin) "
-            f"but only {free / 2**30:.2f} GiB ({free} bytes) are free; free space there, or lower "
-            "hidden.max_length or hidden.dtype (float8_e4m3 halves it)"
-        )
-    return need
-
-
-def tokenize_shard(tokenizer, data_parquet, shard: int, num_shards: int, max_length: int):
-    """The shard's samples as (id, input_ids, loss_mask), plus counts of truncated and skipped samples."""
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(data_parquet, columns=["id", "messages"])
-    mine = [shard_of(i, num_shards) == shard for i in table.column("id").to_pylist()]
-    table = table.filter(pa.array(mine, pa.bool_()))
-    samples, truncated, skipped = [], 0, 0
-    columns = table.column("id").to_pylist(), table.column("messages").to_pylist()
-    for sid, messages in zip(*columns, strict=True):
-        ids, mask, cut = tokenize_conversation(tokenizer, messages, max_length=max_length)
-        if not any(mask):  # nothing to learn from (no assistant token survived)
-            skipped += 1
-            continue
-        truncated += cut
-        samples.append((sid, ids, mask))
-    return samples, truncated, skipped
-
-
-def token_batches(lengths: list[int], batch_tokens: int, window: int = 1024) -> list[list[int]]:
-    """Group indices into batches whose padded size (rows x longest) fits `batch_tokens` (at least one row).
-
-    Sorting by length only within a window keeps padding low and the output order close to the input's."""
-    batches = []
-    for start in range(0, len(lengths), window):
-        order = sorted(range(start, min(start + window, len(lengths))), key=lambda i: -lengths[i])
-        cur = []
-        for i in order:
-            if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:  # cur[0] is the longest
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            batches.append(cur)
-    return batches
-
-
-@torch.inference_mode()
-def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dtype: str, pad_id: int,
-                     copy_stream=None, host_rows: int | None = None):
-    """Target features of a batch, packed: [T, K*H] in the storage dtype with the rows' T tokens back to
-    back (no padding), their float32 scales [T] for fp8 (else None), and an event that marks the copy
-    to the host done (None off CUDA).
-
-    The forward runs right-padded, unmasked (see below), and only through the deepest selected layer;
-    packing and fp8 quantizing happen on the model's device, so the copy moves only real tokens (half
-    the bytes for fp8). On CUDA the copy lands in pinned memory on `copy_stream`, so the next batch's
-    forward overlaps it. `host_rows`: the size of the pinned buffers in tokens (default: this batch's)."""
-    dev = next(model.parameters()).device
-    lengths = [len(x) for x in batch_ids]
-    width = max(lengths)
-    ids = torch.full((len(batch_ids), width), pad_id, dtype=torch.long)
-    for i, x in enumerate(batch_ids):
-        ids[i, : len(x)] = torch.tensor(x)
-    # flat indices of the real tokens, computed on the host (no device sync to find them)
-    real = torch.cat([torch.arange(n) + i * width for i, n in enumerate(lengths)])
-    with decoder_prefix(model, layers_needed(model.config.num_hidden_layers, layer_ids)):
-        # The decoder alone: no LM head, whose logits would be [B, S, vocab]. No attention mask: padding
-        # is on the right, so under causal attention no real token ever sees a pad, and without a mask
-        # SDPA takes its fused causal (flash) kernel. The pads' own features are dropped below.
-        out = model.base_model(input_ids=ids.to(dev), output_hidden_states=True, use_cache=False)
-    feats = select_features(out.hidden_states, layer_ids).flatten(0, 1).index_select(0, real.to(dev))
-    del out
-    feats, scales = quantize_fp8(feats) if dtype == FP8 else (feats.to(storage_dtype(dtype)), None)
-    if dev.type != "cuda":
-        return feats, scales, None
-
-    compute = torch.cuda.current_stream(dev)
-    stream = copy_stream or compute
-    stream.wait_stream(compute)
-    host = []
-    with torch.cuda.stream(stream):
-        for t in (feats, scales):
-            if t is not None:
-                t.record_stream(stream)  # the allocator must not hand this memory out before the copy ends
-                # one pinned size for every batch, so the caching host allocator reuses its blocks
-                # instead of pinning new memory (slow: cudaHostAlloc) whenever a batch is longer
-                rows = max(host_rows or 0, t.shape[0])
-                buf = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True)[: t.shape[0]]
-                host.append(buf.copy_(t, non_blocking=True))
-        event = torch.cuda.Event()
-        event.record(stream)
-    return host[0], host[1] if scales is not None else None, event
-
-
-class WriterThread:
-    """Runs `fn(item)` for queued items on one background thread that only does I/O.
-
-    The bounded queue caps host memory at `depth` batches in flight; the model stays on the main thread
-    (compiled code must never run off it). After an error the thread keeps draining, so `put` never hangs."""
-
-    def __init__(self, fn, depth: int = 2):
-        self.fn, self.queue, self.error, self.aborted = fn, queue.Queue(depth), None, False
-        self.busy_s = self.wait_s = 0.0  # writer time in fn; producer time blocked on a full queue
-        self.thread = threading.Thread(target=self._run, name="hidden-writer", daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while (item := self.queue.get()) is not None:
-            if self.error is None and not self.aborted:
-                t0 = time.perf_counter()
-                try:
-                    self.fn(item)
-                except BaseException as e:
-                    self.error = e
-                self.busy_s += time.perf_counter() - t0
-
-    def put(self, item) -> None:
-        self._check()
-        t0 = time.perf_counter()
-        self.queue.put(item)
-        self.wait_s += time.perf_counter() - t0
-
-    def close(self, abort: bool = False) -> None:
-        """Wait for the queued items (or drop them on abort); re-raise a writer error here."""
-        self.aborted = abort
-        self.queue.put(None)
-        self.thread.join()
-        if not abort:
-            self._check()
-
-    def _check(self):
-        if self.error is not None:
-            raise RuntimeError(f"hidden-state writer thread failed: {self.error!r}") from self.error
-
-
-def _write_rows(writer: ShardWriter, rows, feats, scales, event) -> None:
-    if event is not None:
-        event.synchronize()  # the non-blocking device-to-host copy has landed
-    writer.write_rows(rows, feats, scales)
-
-
-PINNED_AHEAD = 4  # host buffers in flight: queued, being written, being hashed
-
-
-def _pin_ahead(rows: int, width: int, dtype: str) -> None:
-    """Pin PINNED_AHEAD buffers of the size forward_features asks for, and free them: the caching host
-    allocator keeps them for reuse, so the loop never stalls on pinning new memory (cudaHostAlloc runs at
-    a few GB/s and can wait for the device)."""
-    shape = (rows, width)
-    bufs = [torch.empty(shape, dtype=storage_dtype(dtype), pin_memory=True) for _ in range(PINNED_AHEAD)]
-    if dtype == FP8:
-        bufs += [torch.empty(rows, dtype=torch.float32, pin_memory=True) for _ in range(PINNED_AHEAD)]
-    del bufs
-
-
-def write_shard(model, samples, out_arrow, meta: dict, batch_tokens: int, pad_id: int, desc="hidden"):
-    """Forward `samples` [(id, input_ids, loss_mask)] through the model in token-budget batches and write
-    their features to the shard `out_arrow` (atomically); returns the closed ShardWriter.
-
-    The main thread only runs the model; a writer thread does the host-side I/O as copies land."""
-    t_start = time.perf_counter()
-    lengths = [len(x[1]) for x in samples]
-    cuda = next(model.parameters()).device.type == "cuda"
-    copy_stream = torch.cuda.Stream() if cuda else None
-    if cuda:  # pin the host buffers before the loop (see _pin_ahead)
-        _pin_ahead(batch_tokens, len(meta["layer_ids"]) * meta["hidden_size"], meta["dtype"])
-    bar = progress(total=sum(lengths), unit="tok", unit_scale=True, desc=desc)
-    with open_shard(out_arrow, **meta) as writer:
-        io_thread = WriterThread(lambda item: _write_rows(writer, *item))
-        try:
-            for batch in token_batches(lengths, batch_tokens):
-                rows = [samples[i] for i in batch]
-                ids = [r[1] for r in rows]
-                feats = forward_features(model, ids, meta["layer_ids"], meta["dtype"], pad_id, copy_stream,
-                                         host_rows=batch_tokens)
-                io_thread.put((rows, *feats))
-                bar.update(sum(lengths[i] for i in batch))
-        except BaseException:
-            io_thread.close(abort=True)
-            raise
-        finally:
-            bar.close()
-        t_loop = time.perf_counter()
-        io_thread.close()
-    # where the time went: a forward that waits on the writer is disk- (or checksum-) bound
-    writer.timing = {"seconds": time.perf_counter() - t_start, "loop_s": t_loop - t_start,
-                     "waited_on_writer_s": io_thread.wait_s, "writer_busy_s": io_thread.busy_s}
-    return writer
-
-
-def precompute_shard(
-    target_path,
-    dtype: str,
-    data_parquet,
-    shard: int,
-    num_shards: int,
-    out_arrow,
-    hidden_cfg: HiddenConfig,
-    drafter_cfg: DrafterConfig,
-    manifest=None,
-) -> dict:
-    """Forward the target over this shard's samples and store the drafter's features; returns the manifest.
-
-    `dtype` is what the target runs in, `hidden_cfg.dtype` what is stored."""
-    storage_dtype(hidden_cfg.dtype)  # fail before loading the model
-    if not 0 <= shard < num_shards:
-        raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
-    model, tokenizer = load_target(str(target_path), dtype, device())
-    layer_ids = feature_layer_ids(model.config, drafter_cfg)
-    hidden_size = model.config.hidden_size
-    max_length = hidden_cfg.max_length
-    samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards, max_length)
-    lengths = [len(s[1]) for s in samples]
-    preflight(sum(lengths), hidden_cfg.dtype, len(layer_ids) * hidden_size, Path(out_arrow).parent,
-              hidden_cfg.disk_margin)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked, right side
-
-    meta = dict(target=str(target_path), layer_ids=layer_ids, hidden_size=hidden_size, dtype=hidden_cfg.dtype)
-    writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id,
-                         desc=f"hidden shard {shard}/{num_shards}")
-    t = writer.timing
-    print(f"hidden shard {shard}: {writer.tokens} tokens in {t['seconds']:.1f} s "
-          f"({writer.tokens / max(t['seconds'], 1e-9):.0f} tok/s); the forward waited "
-          f"{t['waited_on_writer_s']:.1f} s on the writer thread, which was busy {t['writer_busy_s']:.1f} s",
-          file=sys.stderr, flush=True)
-    counts = {"shard": shard, "num_shards": num_shards, "truncated": truncated, "skipped": skipped}
-    return write_manifest(manifest or manifest_path(out_arrow), writer, **counts)

@@ -1,17 +1,29 @@
-"""Small shared I/O helpers: atomic writes, progress bars, dtype names, device choice."""
+"""Small shared I/O helpers: atomic writes, progress bars, the log line, dtype names (and CPU means
+float32), device choice."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import sys
+import time
 import uuid
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
 from .errors import disk_full, disk_full_error
 
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+# The dtype names configs use -> torch's names for them; the schema's enums are checked against these
+# (tests/test_config.py).
+TORCH_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+               "float8_e4m3": "float8_e4m3fn"}
+DTYPES = ("float32", "bfloat16", "float16")  # what a model runs in: target.dtype, train.dtype
+STORAGE_DTYPES = ("bfloat16", "float32", "float8_e4m3")  # what a hidden-state shard stores: hidden.dtype
 
 
 @contextlib.contextmanager
@@ -33,8 +45,6 @@ def atomic_path(path: str | os.PathLike):
     finally:
         if tmp.exists():
             if tmp.is_dir():
-                import shutil
-
                 shutil.rmtree(tmp)
             else:
                 tmp.unlink()
@@ -47,9 +57,6 @@ def write_json(path, obj) -> None:
 
 def write_parquet(table, path) -> None:
     """Write a pyarrow Table or pandas DataFrame atomically."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if not isinstance(table, pa.Table):
         table = pa.Table.from_pandas(table, preserve_index=False)
     with atomic_path(path) as tmp:
@@ -58,8 +65,6 @@ def write_parquet(table, path) -> None:
 
 def progress(iterable=None, **kwargs):
     """tqdm with rate and ETA; in log files (no TTY) it prints a line every 10 s instead of redrawing."""
-    from tqdm import tqdm
-
     tty = sys.stderr.isatty()
     kwargs.setdefault("mininterval", 0.5 if tty else 10.0)
     kwargs.setdefault("dynamic_ncols", tty)
@@ -67,12 +72,38 @@ def progress(iterable=None, **kwargs):
     return tqdm(iterable, file=sys.stderr, **kwargs)
 
 
-def torch_dtype(name: str):
+_T0 = time.perf_counter()
+
+
+def process_age() -> float:
+    """Seconds since this process started (from /proc on Linux, so imports count; else since this import)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # starttime
+        start = ticks / os.sysconf("SC_CLK_TCK")
+        return float(Path("/proc/uptime").read_text().split()[0]) - start
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _T0
+
+
+def log(msg: str) -> None:
+    """A line on stderr stamped with the process's age: a stage's log shows where its time goes. (stdout
+    holds what a script reports as its result.)"""
+    print(f"[{process_age():7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def torch_dtype(name: str, allowed: tuple[str, ...] = DTYPES, key: str = "dtype"):
+    """The torch dtype of a config's dtype name; `allowed`: the names the config key `key` takes."""
     import torch
 
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
-    return getattr(torch, DTYPES[name])
+    if name not in allowed:
+        raise ValueError(f"{key} {name!r} is not supported; use one of {sorted(allowed)}")
+    return getattr(torch, TORCH_NAMES[name])
+
+
+def run_dtype(name: str, dev) -> str:
+    """The dtype a model runs in on `dev`: `name` on a GPU, float32 on the CPU, where bf16 and fp16 matmuls
+    are slow and not what any CPU user wants."""
+    return "float32" if dev.type == "cpu" else name
 
 
 def device():

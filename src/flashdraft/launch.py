@@ -13,18 +13,29 @@ from shlex import quote
 # The node this line runs on, the first of the allocation: torchrun hosts the rendezvous store on the node
 # whose host name matches, every other agent connects to it.
 RDZV_HOST = '"$(hostname)"'
+RDZV_ID = '"$SLURM_JOB_ID"'
+
+
+def torchrun_argv(py, script, nproc: int, nodes: int = 1, virtual: bool = False,
+                  port: int = 29400) -> list[str]:
+    """`nproc` processes per node running `script`; `virtual` adds --virtual-local-rank (each rank sees
+    its GPU as cuda:0). On several nodes the rendezvous endpoint and id are shell words (RDZV_HOST,
+    RDZV_ID) that the job's shell expands: such an argv runs only through `torchrun`'s line."""
+    argv = [str(py), "-m", "torch.distributed.run"]
+    argv += ["--standalone"] if nodes == 1 else ["--nnodes", str(nodes)]
+    argv += ["--nproc_per_node", str(nproc)] + (["--virtual-local-rank"] if virtual else [])
+    if nodes > 1:
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{RDZV_HOST}:{port}", "--rdzv-id", RDZV_ID]
+    return argv + [str(script)]
 
 
 def torchrun(py: str, script: str, nproc: int, nodes: int = 1, virtual: bool = False,
              port: int = 29400) -> str:
-    """`nproc` processes per node running `script`; `virtual` adds --virtual-local-rank (each rank sees
-    its GPU as cuda:0)."""
-    v = " --virtual-local-rank" if virtual else ""
-    py, script = quote(str(py)), quote(str(script))  # a checkout path may hold spaces or quotes
-    if nodes == 1:
-        return f"{py} -m torch.distributed.run --standalone --nproc_per_node {nproc}{v} {script}"
-    return (f"{py} -m torch.distributed.run --nnodes {nodes} --nproc_per_node {nproc}{v}"
-            f" --rdzv-backend c10d --rdzv-endpoint {RDZV_HOST}:{port} --rdzv-id \"$SLURM_JOB_ID\" {script}")
+    """`torchrun_argv` as a shell line: every word quoted (a checkout path may hold spaces or quotes)
+    except the rendezvous words the shell must expand."""
+    expand = {f"{RDZV_HOST}:{port}", RDZV_ID}
+    argv = torchrun_argv(py, script, nproc, nodes, virtual, port)
+    return " ".join(a if a in expand else quote(a) for a in argv)
 
 
 def on_every_node(cmd: str, nodes: int) -> str:

@@ -23,11 +23,16 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from http.client import HTTPException
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from .chat import prompt_messages, render
 from .config import RegenerateConfig, to_json
-from .io import progress, write_json, write_parquet
+from .io import log, progress, write_json, write_parquet
+from .managed_server import ManagedServer
 from .shards import shard_of
-from .target import read_target_config
+from .sources import MESSAGES
+from .target import generate, load_for_generate, read_target_config
 
 FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash loses little
 # settings of how to reach the server, not of what it answers: changing them keeps committed parts
@@ -38,46 +43,14 @@ ENGINE_KEYS = ("engine", "batch_size", "shards", "part_rows")
 
 
 def _schema(error: bool):
-    import pyarrow as pa
-
     fields = [
         ("id", pa.string()),
         ("source", pa.string()),
-        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("messages", MESSAGES),
         ("response_tokens", pa.int32()),
         ("finish_reason", pa.string()),
     ]
     return pa.schema(fields + ([("error", pa.string())] if error else []))
-
-
-def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
-             thinking: bool, eos: list[int]) -> list[tuple[str, int, int, str]]:
-    """Answer a batch of chat prompts: (answer, prompt tokens, answer tokens, finish_reason) each."""
-    import torch
-
-    texts = [render(tokenizer, p, add_generation_prompt=True, thinking=thinking) for p in prompts]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    # greedy: unset the model's sampling defaults so generate does not warn that they are ignored
-    sampling = (
-        dict(do_sample=True, temperature=temperature)
-        if temperature > 0
-        else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    )
-    with torch.inference_mode():
-        out = model.generate(
-            **enc,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=tokenizer.pad_token_id,
-            **sampling,
-        )
-    results, new_ids = [], out[:, enc["input_ids"].shape[1] :].tolist()
-    for mask, new in zip(enc["attention_mask"].tolist(), new_ids, strict=True):
-        stop = next((i for i, t in enumerate(new) if t in eos), None)
-        tokens = new if stop is None else new[:stop]
-        answer = tokenizer.decode(tokens, skip_special_tokens=True)
-        results.append((answer, sum(mask), len(tokens), "length" if stop is None else "stop"))
-    return results
 
 
 def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig, eos: list[int]) -> list[dict]:
@@ -88,17 +61,6 @@ def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig, eo
         _result(row, prompt, answer, n, finish)
         for row, prompt, (answer, _, n, finish) in zip(rows, prompts, out, strict=True)
     ]
-
-
-def load_for_generate(target: str, dtype: str):
-    """The target ready for batched generate: left padding, a pad token, and its end-of-turn ids."""
-    from .target import eos_ids, load_target
-
-    model, tokenizer = load_target(target, dtype)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer, eos_ids(model, tokenizer)
 
 
 def _result(row, prompt, answer: str, n_tokens: int, finish: str) -> dict:
@@ -147,7 +109,7 @@ def _run_hf(cfg, target, dtype, pending, order, parts, bar, clock: dict) -> list
         return _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock)
     if cfg.engine == "static":
         raise ValueError(f"regenerate.engine 'static' cannot run {target}: {why}; use 'auto' or 'generate'")
-    print(f"regenerate: HF generate, in fixed batches ({why})")
+    log(f"regenerate: HF generate, in fixed batches ({why})")
     batch = cfg.batch_size or 16
     # batches are fixed over the whole sorted prompt list (longest first, so memory errors show early),
     # and parts hold whole batches: a resumed run forms exactly the batches an uninterrupted one does
@@ -190,9 +152,9 @@ def _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock: dict) ->
     slots = cfg.batch_size or (auto_slots(model, max_len) if model.device.type == "cuda" else 32)
     slots = min(slots, len(rows))
     decoder = SlotDecoder(model, slots, max_len, eos, tokenizer.pad_token_id, cfg.temperature)
-    print(f"regenerate: static-cache engine, {slots} slots of {decoder.max_len} positions, "
-          f"CUDA graphs {'on' if decoder.graphs is not None else 'off'}, "
-          f"compiled step {'on' if decoder.compiled else 'off'}")
+    log(f"regenerate: static-cache engine, {slots} slots of {decoder.max_len} positions, "
+        f"CUDA graphs {'on' if decoder.graphs is not None else 'off'}, "
+        f"compiled step {'on' if decoder.compiled else 'off'}")
     parts.flush_s = FLUSH_S
     t = time.monotonic()
     decoder.prepare()  # a one-off per job, reported apart from the decode rate
@@ -297,7 +259,7 @@ def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float
             bar.update(1)
             errors += row["error"] is not None
             if errors > max_errors:
-                print(f"regenerate: {errors} failed rows, more than the stage tolerates; stopping")
+                log(f"regenerate: {errors} failed rows, more than the stage tolerates; stopping")
                 break
     finally:
         ex.shutdown(cancel_futures=True)  # unsent requests are dropped; in-flight ones run out
@@ -305,8 +267,6 @@ def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float
 
 
 def _managed_server(cfg: RegenerateConfig, target: str, work: Path):
-    from .managed_server import ManagedServer
-
     return ManagedServer(cfg.server_cmd, target, cfg.server_gpus, cfg.server_port, cfg.server_timeout_s,
                          work / "server.log")
 
@@ -326,8 +286,6 @@ class _Parts:
             self.flush()
 
     def flush(self):
-        import pyarrow as pa
-
         if self.buf:
             table = pa.Table.from_pylist(self.buf, schema=_schema(error=True))
             write_parquet(table, self.work / f"part-{self.next:05d}.parquet")
@@ -336,8 +294,6 @@ class _Parts:
 
 
 def _read_parts(work: Path, wanted: set[str]) -> list[dict]:
-    import pyarrow.parquet as pq
-
     rows = []
     for part in sorted(work.glob("part-*.parquet")):  # atomic writes: every such file is complete
         rows += [r for r in pq.read_table(part).to_pylist() if r["id"] in wanted]
@@ -348,7 +304,7 @@ def _prepare_work_dir(work: Path, key: dict) -> None:
     """Parts made with another target or config are stale: clear them instead of mixing answers."""
     meta = work / "meta.json"
     if meta.exists() and json.loads(meta.read_text()) != key:
-        print(f"regenerate: {work} holds parts of another target/config; starting over")
+        log(f"regenerate: {work} holds parts of another target/config; starting over")
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     if not meta.exists():
@@ -357,8 +313,6 @@ def _prepare_work_dir(work: Path, key: dict) -> None:
 
 def _finish(rows: list[dict], errors: list[dict], out: str, max_fraction: float,
             total: int | None = None, err_path=None) -> dict:
-    import pyarrow as pa
-
     err_path = err_path or Path(out).parent / "errors.parquet"
     err_schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("reason", pa.string())])
     write_parquet(pa.Table.from_pylist(errors, schema=err_schema), err_path)
@@ -409,8 +363,6 @@ def regenerate(
     """Answer the prompts of `prompts_path` in shard `shard` of `num_shards` (`shards.shard_of`, the
     assignment the hidden-state shards use) with the target; write `out` and the failed rows to
     `errors_path` (default: errors.parquet beside `out`)."""
-    import pyarrow.parquet as pq
-
     prompt_rows = pq.read_table(prompts_path, columns=["id", "source", "messages"]).to_pylist()
     order = {r["id"]: i for i, r in enumerate(prompt_rows)}
     if len(order) != len(prompt_rows):

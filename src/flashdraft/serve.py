@@ -23,7 +23,8 @@ import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .regenerate import generate, load_for_generate
+from .io import log
+from .target import generate, load_for_generate
 
 MAX_BODY = 1 << 20  # bytes; a chat request is far smaller
 MAX_TOKENS_LIMIT = 32768
@@ -179,10 +180,10 @@ def main(argv=None) -> None:
     try:
         srv = Server(args.target, args.host, args.port, args.dtype, args.name, args.fail_every,
                      args.max_tokens_limit)
-        print(f"serving {srv.name} on http://{args.host}:{srv.server_address[1]}/v1", flush=True)
+        log(f"serving {srv.name} on http://{args.host}:{srv.server_address[1]}/v1")
         srv.serve_forever()
     except KeyboardInterrupt:
-        print("stopped", flush=True)
+        log("stopped")
     finally:
         if srv is not None:
             srv.server_close()

@@ -1,4 +1,5 @@
-"""The target model: loading, feature-layer ids, MASK id. One place for each of these facts."""
+"""The target model: loading, feature-layer ids, MASK id, answering chat prompts with generate. One place
+for each of these facts."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import importlib.util
 import json
 from pathlib import Path
 
+from .chat import render
 from .config import DrafterConfig, feature_layers
 from .errors import UserError
-from .io import device, torch_dtype
+from .io import device, run_dtype, torch_dtype
 
 
 def read_target_config(path) -> dict:
@@ -53,9 +55,8 @@ def load_target(path: str, dtype: str = "bfloat16", dev=None):
 
     read_target_config(path)  # refuses remote code before transformers sees the directory
     dev = dev or device()
-    if dev.type == "cpu" and dtype != "float32":
-        dtype = "float32"  # bf16 matmuls on CPU are slow and not what any CPU user wants
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(run_dtype(dtype, dev)),
+                                                 attn_implementation="sdpa")
     model.to(dev).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
@@ -109,6 +110,45 @@ def eos_ids(model, tokenizer) -> list[int]:
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     extra = tokenizer.eos_token_id
     return sorted({int(i) for i in ids} | ({int(extra)} if isinstance(extra, int) else set()))
+
+
+def load_for_generate(target: str, dtype: str):
+    """The target ready for batched generate: left padding, a pad token, and its end-of-turn ids."""
+    model, tokenizer = load_target(target, dtype)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, eos_ids(model, tokenizer)
+
+
+def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
+             thinking: bool, eos: list[int]) -> list[tuple[str, int, int, str]]:
+    """Answer a batch of chat prompts: (answer, prompt tokens, answer tokens, finish_reason) each."""
+    import torch
+
+    texts = [render(tokenizer, p, add_generation_prompt=True, thinking=thinking) for p in prompts]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    # greedy: unset the model's sampling defaults so generate does not warn that they are ignored
+    sampling = (
+        dict(do_sample=True, temperature=temperature)
+        if temperature > 0
+        else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    )
+    with torch.inference_mode():
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=tokenizer.pad_token_id,
+            **sampling,
+        )
+    results, new_ids = [], out[:, enc["input_ids"].shape[1] :].tolist()
+    for mask, new in zip(enc["attention_mask"].tolist(), new_ids, strict=True):
+        stop = next((i for i, t in enumerate(new) if t in eos), None)
+        tokens = new if stop is None else new[:stop]
+        answer = tokenizer.decode(tokens, skip_special_tokens=True)
+        results.append((answer, sum(mask), len(tokens), "length" if stop is None else "stop"))
+    return results
 
 
 def mask_token_id(tokenizer, target_config, drafter: DrafterConfig) -> int:

@@ -1,0 +1,276 @@
+"""The precompute pipeline: the target's forward over a shard's samples, and the features it selects
+written into a hidden-state shard (the format is hidden.py's).
+
+One shard job, one GPU, three threads: the main thread runs the model (batches by token budget, the
+decoder only through the deepest selected layer, packing and fp8 on the device, a copy to pinned host
+memory on a side stream); a writer thread only appends the landed batches to the shard; the shard's
+hash threads checksum what it has written. docs/architecture.md walks through it.
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from .chat import tokenize_conversation
+from .config import DrafterConfig, HiddenConfig
+from .errors import UserError
+from .hidden import (
+    FP8,
+    ShardMeta,
+    ShardWriter,
+    bytes_per_token,
+    hidden_bytes,
+    manifest_path,
+    open_shard,
+    quantize_fp8,
+    storage_dtype,
+    write_manifest,
+)
+from .io import device, log, progress
+from .shards import shard_of
+from .target import decoder_prefix, feature_layer_ids, layers_needed, load_target, select_features
+
+
+def preflight(tokens: int, dtype: str, width: int, out_dir, margin: float = 0.1) -> int:
+    """Refuse to start when the disk under `out_dir` cannot hold the estimated bytes (+ margin)."""
+    need = int(hidden_bytes(tokens, dtype, width) * (1 + margin))
+    d = Path(out_dir).resolve()
+    while not d.exists():
+        d = d.parent
+    free = shutil.disk_usage(d).free
+    if need > free:
+        raise UserError(
+            f"not enough disk space in {out_dir}: hidden states need about {need / 2**30:.2f} GiB "
+            f"({need} bytes: {tokens} tokens x {bytes_per_token(dtype, width)} bytes/token "
+            f"+ {margin:.0%} margin) "
+            f"but only {free / 2**30:.2f} GiB ({free} bytes) are free; free space there, or lower "
+            "hidden.max_length or hidden.dtype (float8_e4m3 halves it)"
+        )
+    return need
+
+
+def tokenize_shard(tokenizer, data_parquet, shard: int, num_shards: int, max_length: int):
+    """The shard's samples as (id, input_ids, loss_mask), plus counts of truncated and skipped samples."""
+    table = pq.read_table(data_parquet, columns=["id", "messages"])
+    mine = [shard_of(i, num_shards) == shard for i in table.column("id").to_pylist()]
+    table = table.filter(pa.array(mine, pa.bool_()))
+    samples, truncated, skipped = [], 0, 0
+    columns = table.column("id").to_pylist(), table.column("messages").to_pylist()
+    for sid, messages in zip(*columns, strict=True):
+        ids, mask, cut = tokenize_conversation(tokenizer, messages, max_length=max_length)
+        if not any(mask):  # nothing to learn from (no assistant token survived)
+            skipped += 1
+            continue
+        truncated += cut
+        samples.append((sid, ids, mask))
+    return samples, truncated, skipped
+
+
+def token_batches(lengths: list[int], batch_tokens: int, window: int = 1024) -> list[list[int]]:
+    """Group indices into batches whose padded size (rows x longest) fits `batch_tokens` (at least one row).
+
+    Sorting by length only within a window keeps padding low and the output order close to the input's."""
+    batches = []
+    for start in range(0, len(lengths), window):
+        order = sorted(range(start, min(start + window, len(lengths))), key=lambda i: -lengths[i])
+        cur = []
+        for i in order:
+            if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:  # cur[0] is the longest
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+    return batches
+
+
+@torch.inference_mode()
+def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dtype: str, pad_id: int,
+                     copy_stream=None, host_rows: int | None = None):
+    """Target features of a batch, packed: [T, K*H] in the storage dtype with the rows' T tokens back to
+    back (no padding), their float32 scales [T] for fp8 (else None), and an event that marks the copy
+    to the host done (None off CUDA).
+
+    The forward runs right-padded, unmasked (see below), and only through the deepest selected layer;
+    packing and fp8 quantizing happen on the model's device, so the copy moves only real tokens (half
+    the bytes for fp8). On CUDA the copy lands in pinned memory on `copy_stream`, so the next batch's
+    forward overlaps it. `host_rows`: the size of the pinned buffers in tokens (default: this batch's)."""
+    dev = next(model.parameters()).device
+    lengths = [len(x) for x in batch_ids]
+    width = max(lengths)
+    ids = torch.full((len(batch_ids), width), pad_id, dtype=torch.long)
+    for i, x in enumerate(batch_ids):
+        ids[i, : len(x)] = torch.tensor(x)
+    # flat indices of the real tokens, computed on the host (no device sync to find them)
+    real = torch.cat([torch.arange(n) + i * width for i, n in enumerate(lengths)])
+    with decoder_prefix(model, layers_needed(model.config.num_hidden_layers, layer_ids)):
+        # The decoder alone: no LM head, whose logits would be [B, S, vocab]. No attention mask: padding
+        # is on the right, so under causal attention no real token ever sees a pad, and without a mask
+        # SDPA takes its fused causal (flash) kernel. The pads' own features are dropped below.
+        out = model.base_model(input_ids=ids.to(dev), output_hidden_states=True, use_cache=False)
+    feats = select_features(out.hidden_states, layer_ids).flatten(0, 1).index_select(0, real.to(dev))
+    del out
+    feats, scales = quantize_fp8(feats) if dtype == FP8 else (feats.to(storage_dtype(dtype)), None)
+    if dev.type != "cuda":
+        return feats, scales, None
+
+    compute = torch.cuda.current_stream(dev)
+    stream = copy_stream or compute
+    stream.wait_stream(compute)
+    host = []
+    with torch.cuda.stream(stream):
+        for t in (feats, scales):
+            if t is not None:
+                t.record_stream(stream)  # the allocator must not hand this memory out before the copy ends
+                # one pinned size for every batch, so the caching host allocator reuses its blocks
+                # instead of pinning new memory (slow: cudaHostAlloc) whenever a batch is longer
+                rows = max(host_rows or 0, t.shape[0])
+                buf = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True)[: t.shape[0]]
+                host.append(buf.copy_(t, non_blocking=True))
+        event = torch.cuda.Event()
+        event.record(stream)
+    return host[0], host[1] if scales is not None else None, event
+
+
+class WriterThread:
+    """Runs `fn(item)` for queued items on one background thread that only does I/O.
+
+    The bounded queue caps host memory at `depth` batches in flight; the model stays on the main thread
+    (compiled code must never run off it). After an error the thread keeps draining, so `put` never hangs."""
+
+    def __init__(self, fn, depth: int = 2):
+        self.fn, self.queue, self.error, self.aborted = fn, queue.Queue(depth), None, False
+        self.busy_s = self.wait_s = 0.0  # writer time in fn; producer time blocked on a full queue
+        self.thread = threading.Thread(target=self._run, name="hidden-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while (item := self.queue.get()) is not None:
+            if self.error is None and not self.aborted:
+                t0 = time.perf_counter()
+                try:
+                    self.fn(item)
+                except BaseException as e:
+                    self.error = e
+                self.busy_s += time.perf_counter() - t0
+
+    def put(self, item) -> None:
+        self._check()
+        t0 = time.perf_counter()
+        self.queue.put(item)
+        self.wait_s += time.perf_counter() - t0
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for the queued items (or drop them on abort); re-raise a writer error here."""
+        self.aborted = abort
+        self.queue.put(None)
+        self.thread.join()
+        if not abort:
+            self._check()
+
+    def _check(self):
+        if self.error is not None:
+            raise RuntimeError(f"hidden-state writer thread failed: {self.error!r}") from self.error
+
+
+def _write_rows(writer: ShardWriter, rows, feats, scales, event) -> None:
+    if event is not None:
+        event.synchronize()  # the non-blocking device-to-host copy has landed
+    writer.write_rows(rows, feats, scales)
+
+
+PINNED_AHEAD = 4  # host buffers in flight: queued, being written, being hashed
+
+
+def _pin_ahead(rows: int, width: int, dtype: str) -> None:
+    """Pin PINNED_AHEAD buffers of the size forward_features asks for, and free them: the caching host
+    allocator keeps them for reuse, so the loop never stalls on pinning new memory (cudaHostAlloc is slow
+    and can wait for the device; `pinned_allocations` in benchmarks/results/precompute_hidden_gpu_*.json
+    counts the loop's own)."""
+    shape = (rows, width)
+    bufs = [torch.empty(shape, dtype=storage_dtype(dtype), pin_memory=True) for _ in range(PINNED_AHEAD)]
+    if dtype == FP8:
+        bufs += [torch.empty(rows, dtype=torch.float32, pin_memory=True) for _ in range(PINNED_AHEAD)]
+    del bufs
+
+
+def write_shard(model, samples, out_arrow, meta: ShardMeta, batch_tokens: int, pad_id: int, desc="hidden"):
+    """Forward `samples` [(id, input_ids, loss_mask)] through the model in token-budget batches and write
+    their features to the shard `out_arrow` (atomically); returns the closed ShardWriter.
+
+    The main thread only runs the model; a writer thread does the host-side I/O as copies land."""
+    t_start = time.perf_counter()
+    lengths = [len(x[1]) for x in samples]
+    cuda = next(model.parameters()).device.type == "cuda"
+    copy_stream = torch.cuda.Stream() if cuda else None
+    if cuda:  # pin the host buffers before the loop (see _pin_ahead)
+        _pin_ahead(batch_tokens, meta.width, meta.dtype)
+    bar = progress(total=sum(lengths), unit="tok", unit_scale=True, desc=desc)
+    with open_shard(out_arrow, meta) as writer:
+        io_thread = WriterThread(lambda item: _write_rows(writer, *item))
+        try:
+            for batch in token_batches(lengths, batch_tokens):
+                rows = [samples[i] for i in batch]
+                ids = [r[1] for r in rows]
+                feats = forward_features(model, ids, meta.target_layer_ids, meta.dtype, pad_id, copy_stream,
+                                         host_rows=batch_tokens)
+                io_thread.put((rows, *feats))
+                bar.update(sum(lengths[i] for i in batch))
+        except BaseException:
+            io_thread.close(abort=True)
+            raise
+        finally:
+            bar.close()
+        t_loop = time.perf_counter()
+        io_thread.close()
+    # where the time went: a forward that waits on the writer is disk- (or checksum-) bound
+    writer.timing = {"seconds": time.perf_counter() - t_start, "loop_s": t_loop - t_start,
+                     "waited_on_writer_s": io_thread.wait_s, "writer_busy_s": io_thread.busy_s}
+    return writer
+
+
+def precompute_shard(
+    target_path,
+    dtype: str,
+    data_parquet,
+    shard: int,
+    num_shards: int,
+    out_arrow,
+    hidden_cfg: HiddenConfig,
+    drafter_cfg: DrafterConfig,
+    manifest=None,
+) -> dict:
+    """Forward the target over this shard's samples and store the drafter's features; returns the manifest.
+
+    `dtype` is what the target runs in, `hidden_cfg.dtype` what is stored."""
+    storage_dtype(hidden_cfg.dtype)  # fail before loading the model
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
+    model, tokenizer = load_target(str(target_path), dtype, device())
+    layer_ids = feature_layer_ids(model.config, drafter_cfg)
+    hidden_size = model.config.hidden_size
+    max_length = hidden_cfg.max_length
+    samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards, max_length)
+    lengths = [len(s[1]) for s in samples]
+    preflight(sum(lengths), hidden_cfg.dtype, len(layer_ids) * hidden_size, Path(out_arrow).parent,
+              hidden_cfg.disk_margin)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked, right side
+
+    meta = ShardMeta(target=str(target_path), target_layer_ids=layer_ids, hidden_size=hidden_size,
+                     dtype=hidden_cfg.dtype)
+    writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id,
+                         desc=f"hidden shard {shard}/{num_shards}")
+    t = writer.timing
+    log(f"hidden shard {shard}: {writer.tokens} tokens in {t['seconds']:.1f} s "
+        f"({writer.tokens / max(t['seconds'], 1e-9):.0f} tok/s); the forward waited "
+        f"{t['waited_on_writer_s']:.1f} s on the writer thread, which was busy {t['writer_busy_s']:.1f} s")
+    counts = {"shard": shard, "num_shards": num_shards, "truncated": truncated, "skipped": skipped}
+    return write_manifest(manifest or manifest_path(out_arrow), writer, **counts)
