@@ -171,7 +171,7 @@ class SlotDecoder:
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], max_new_tokens: int) -> Iterator[tuple[int, list[int], str]]:
         """Yield (index into `prompts`, new tokens, "stop" | "length") as each row ends, in finishing order.
-        New tokens exclude the stop token, as `regenerate.generate` does."""
+        New tokens exclude the stop token, as `target.generate` does."""
         too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens > self.max_len]
         if too_long:
             raise ValueError(f"{len(too_long)} prompts exceed max_len {self.max_len} with their answers")
