@@ -48,17 +48,16 @@ def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
     from transformers import Qwen3Config
 
     import flashdraft.model as model
-    from flashdraft.config import DrafterConfig
-    from flashdraft.train import (
-        Step,
-        anchors_for,
+    from flashdraft.compile_cache import (
         cache_counters,
         compile_phases,
-        forward_backward,
         inductor_cache_dir,
         merge_inductor_files,
+        pack_inductor_dir,
+        random_batch,
     )
-    from flashdraft.warmup import pack_inductor_dir, random_batch
+    from flashdraft.config import DrafterConfig
+    from flashdraft.train_step import Step, anchors_for, forward_backward
 
     dev = torch.device(preset["device"])
     if mask == "compiled":

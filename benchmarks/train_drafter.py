@@ -72,7 +72,7 @@ from shapes import QWEN3_8B, TOY
 from flashdraft.config import DrafterConfig
 from flashdraft.hidden import manifest_path, open_shard, write_manifest
 from flashdraft.model import num_anchor_slots, sample_anchors
-from flashdraft.train import load_spec
+from flashdraft.train_step import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core FLOP/s per GPU (SXM)

@@ -18,26 +18,23 @@ import pytest
 import torch
 from conftest import cache_misses, toy_hidden_shards
 
-from flashdraft.config import DrafterConfig, TrainConfig, to_json
-from flashdraft.hidden import HiddenStore, manifest_path
-from flashdraft.model import load_drafter
-from flashdraft.train import (
+from flashdraft.batches import (
     Collate,
     anchor_seeds,
     bucket_for,
     epoch_batches,
-    load_checkpoint,
-    load_spec,
-    lr_factor,
     micro_per_step,
-    parallel_mode,
     rows_per_batch,
-    run_key,
-    save_checkpoint,
-    set_compile_workers,
     steps_left,
 )
-from flashdraft.warmup import warmup
+from flashdraft.checkpoint import load_checkpoint, run_key, save_checkpoint
+from flashdraft.compile_cache import set_compile_workers, warmup
+from flashdraft.config import DrafterConfig, TrainConfig, to_json
+from flashdraft.distributed import parallel_mode
+from flashdraft.hidden import HiddenStore, manifest_path
+from flashdraft.model import load_drafter
+from flashdraft.train import lr_factor
+from flashdraft.train_step import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = {"num_layers": 2, "block_size": 8}

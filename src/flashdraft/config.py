@@ -156,6 +156,14 @@ class TrainConfig:
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
 
 
+# The train fields the compiled step depends on (compile_cache.cache_key holds them), and what else the
+# compile warmup reads: the seed (its drafter's initialization) and the parallel mode (FSDP: nothing to
+# compile). The workflow reruns the warmup when one of WARMUP_TRAIN_KEYS changes, not on lr etc. They
+# live here, not in compile_cache.py, so the workflow reads them without importing torch.
+COMPILED_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "attention", "dtype")
+WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
+
+
 @dataclass
 class EvalConfig:
     num_prompts: int = 64
