@@ -71,7 +71,7 @@ from shapes import QWEN3_8B, TOY
 
 from flashdraft.config import DrafterConfig
 from flashdraft.hidden import manifest_path, open_shard, write_manifest
-from flashdraft.model import num_anchor_slots, sample_anchors
+from flashdraft.loss import num_anchor_slots, sample_anchors
 from flashdraft.train_step import load_spec
 
 REPO = Path(__file__).resolve().parents[1]

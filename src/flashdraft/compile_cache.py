@@ -33,7 +33,8 @@ from .config import COMPILED_TRAIN_KEYS, DrafterConfig, TrainConfig
 from .distributed import Dist, gpu_bytes, log, parallel_mode
 from .hidden import manifest_path
 from .io import atomic_path, device, write_json
-from .model import DFlashDrafter, DrafterSpec, resolve_attention
+from .loss import resolve_attention
+from .model import DFlashDrafter, DrafterSpec
 from .train_step import anchors_for, build_step, forward_backward, load_spec
 
 ARTIFACTS = "artifacts.bin"  # the Mega-Cache blob (empty when nothing was compiled)

@@ -12,7 +12,7 @@ import torch
 
 from .distributed import Dist, all_sum, log
 from .io import atomic_path, progress
-from .model import stats_size, summarize
+from .loss import stats_size, summarize
 
 METRIC_KEYS = ["step", "epoch", "loss", "acc"]
 

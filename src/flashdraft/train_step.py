@@ -10,17 +10,9 @@ from transformers import AutoConfig, AutoTokenizer
 
 from .config import DrafterConfig, TrainConfig
 from .io import torch_dtype
-from .model import (
-    DFlashDrafter,
-    DrafterSpec,
-    block_labels,
-    dflash_loss,
-    load_target_head,
-    loss_normalizer,
-    resolve_attention,
-    sample_anchors,
-)
-from .target import read_target_config
+from .loss import block_labels, dflash_loss, loss_normalizer, resolve_attention, sample_anchors
+from .model import DFlashDrafter, DrafterSpec
+from .target import load_target_head, read_target_config
 
 
 @dataclass
