@@ -59,16 +59,8 @@ class DrafterSpec:
         if isinstance(tokenizer, int):
             tokenizer = range(tokenizer)  # mask_token_id only needs len(tokenizer)
         return cls(
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            **_qwen3_shape(lambda key, *default: getattr(c, key, *default)),
             num_layers=drafter_cfg.num_layers,
-            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(c),
-            vocab_size=c.vocab_size,
-            max_position_embeddings=getattr(c, "max_position_embeddings", 32768),
             block_size=drafter_cfg.block_size,
             mask_token_id=mask_token_id(tokenizer, c, drafter_cfg),
             target_layer_ids=feature_layer_ids(c, drafter_cfg),
@@ -125,18 +117,11 @@ class DrafterSpec:
 
     @classmethod
     def from_config_dict(cls, d: dict) -> DrafterSpec:
+        """The spec of an export's config.json (to_config_dict's, or another DFlash exporter's)."""
         dflash = d.get("dflash_config", {})
         return cls(
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_heads=d["num_attention_heads"],
-            num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            **_qwen3_shape(lambda key, *default: d[key] if key in d or not default else default[0]),
             num_layers=d["num_hidden_layers"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-            vocab_size=d["vocab_size"],
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
             block_size=d.get("block_size", dflash.get("block_size", 16)),
             mask_token_id=dflash.get("mask_token_id", d.get("mask_token_id")),
             target_layer_ids=list(dflash.get("target_layer_ids", d.get("target_layer_ids", []))),
@@ -159,15 +144,28 @@ def _sliding_window(d: dict) -> int | None:
     return None
 
 
-def _rope_theta(config) -> float:
-    """RoPE base from a transformers 5 (`rope_parameters`) or 4 (`rope_theta`) config.
+def _qwen3_shape(get) -> dict:
+    """The spec fields a Qwen3-style HF config gives, with their defaults: one mapping for a target's
+    config object and an export's config.json. `get(key)` reads a key that must be there, `get(key,
+    default)` one that may be missing.
 
-    The drafter always uses default (unscaled) RoPE: its export says so (`rope_scaling: null`), so it is
-    consistent with itself whatever scaling the target uses for long contexts."""
-    params = getattr(config, "rope_parameters", None) or {}
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(getattr(config, "rope_theta", None) or 10000.0)
+    RoPE's base comes from transformers 5 (`rope_parameters`) or 4 (`rope_theta`) keys. The drafter
+    always uses default (unscaled) RoPE: its export says so (`rope_scaling: null`), so it is consistent
+    with itself whatever scaling the target uses for long contexts."""
+    heads = get("num_attention_heads")
+    rope = get("rope_parameters", None) or {}
+    theta = rope["rope_theta"] if "rope_theta" in rope else get("rope_theta", None) or 10000.0
+    return {
+        "hidden_size": get("hidden_size"),
+        "intermediate_size": get("intermediate_size"),
+        "num_heads": heads,
+        "num_kv_heads": get("num_key_value_heads", None) or heads,
+        "head_dim": get("head_dim", None) or get("hidden_size") // heads,
+        "rms_norm_eps": get("rms_norm_eps", 1e-6),
+        "rope_theta": float(theta),
+        "vocab_size": get("vocab_size"),
+        "max_position_embeddings": get("max_position_embeddings", 32768),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
