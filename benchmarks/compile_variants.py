@@ -31,6 +31,21 @@ from pathlib import Path
 
 import torch
 from shapes import QWEN3_8B, TOY
+from torch.nn.attention.flex_attention import create_block_mask
+from transformers import Qwen3Config
+
+import flashdraft.loss as loss_module
+import flashdraft.model as model
+from flashdraft.compile_cache import (
+    cache_counters,
+    compile_phases,
+    inductor_cache_dir,
+    merge_inductor_files,
+    pack_inductor_dir,
+    random_batch,
+)
+from flashdraft.config import DrafterConfig
+from flashdraft.train_step import Step, anchors_for, forward_backward
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = {
@@ -45,25 +60,8 @@ STEADY = 5
 
 def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
     """One process: build, (warm: load the caches), first step, steady steps; (cold: save the caches)."""
-    from transformers import Qwen3Config
-
-    import flashdraft.loss as loss
-    import flashdraft.model as model
-    from flashdraft.compile_cache import (
-        cache_counters,
-        compile_phases,
-        inductor_cache_dir,
-        merge_inductor_files,
-        pack_inductor_dir,
-        random_batch,
-    )
-    from flashdraft.config import DrafterConfig
-    from flashdraft.train_step import Step, anchors_for, forward_backward
-
     dev = torch.device(preset["device"])
     if mask == "compiled":
-        from torch.nn.attention.flex_attention import create_block_mask
-
         compiled = torch.compile(create_block_mask, dynamic=False)
 
         def flex_mask(anchors, valid, ctx_len, block_size):
@@ -72,7 +70,7 @@ def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
             return compiled(mod, B=b, H=None, Q_LEN=a * block_size, KV_LEN=ctx_len + a * block_size,
                             device=anchors.device)
 
-        loss.flex_mask = flex_mask  # train_forward looks it up in its module
+        loss_module.flex_mask = flex_mask  # train_forward looks it up in its module
     if phase == "warm":
         torch.compiler.load_cache_artifacts((cache / "artifacts.bin").read_bytes())
         merge_inductor_files(cache / "inductor.tar", inductor_cache_dir())

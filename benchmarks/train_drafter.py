@@ -67,11 +67,14 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import save_file
 from shapes import QWEN3_8B, TOY
+from transformers import Qwen3Config
 
 from flashdraft.config import DrafterConfig
 from flashdraft.hidden import manifest_path, open_shard, write_manifest
 from flashdraft.loss import num_anchor_slots, sample_anchors
+from flashdraft.toy import build_tokenizer, task_conversations
 from flashdraft.train_step import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,11 +116,6 @@ def setup(preset: dict, work: Path) -> dict:
     if marker.exists() and json.loads(marker.read_text()) == params:
         print(f"setup: reusing {work}", flush=True)
         return params
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config
-
-    from flashdraft.toy import build_tokenizer, task_conversations
-
     t0 = time.perf_counter()
     shutil.rmtree(work / "target", ignore_errors=True)
     shutil.rmtree(work / "hidden", ignore_errors=True)

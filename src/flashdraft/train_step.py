@@ -41,7 +41,7 @@ def load_spec(target_dir, drafter_cfg: DrafterConfig) -> DrafterSpec:
 def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.device) -> Step:
     """A seeded fp32 drafter on `device` (compiled in place when cfg.compile) and the target's frozen head."""
     torch.manual_seed(cfg.seed)
-    with torch.device(device):  # initialized where it runs: much faster than on one CPU core and moved
+    with torch.device(device):  # initialized where it runs, not on one CPU core and then moved
         drafter = DFlashDrafter(spec)
     if cfg.compile:
         # one graph per length bucket: dynamic=False keeps shapes static, buckets bound the recompiles
