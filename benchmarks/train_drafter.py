@@ -37,7 +37,7 @@ K target features, vocab V:
                  MLP       2*3*Q*H*I
                  attention 2*2*nh*d*P             (P = visible query-key pairs, B*(a+B) for anchor a)
     LM head      2*A*(B-1)*H*V
-P is averaged over anchors drawn by model.sample_anchors on the same length and full loss mask.
+P is averaged over anchors drawn by loss.sample_anchors on the same length and full loss mask.
 MFU = (tokens/s per GPU) * (FLOPs per token) / peak, peak = 989e12 (bf16 dense) for H100/H200, else null.
 `mfu_required_grads` is the same with 2x instead of 3x for fc and the LM head, whose inputs (target
 features, frozen head) need no gradient.
