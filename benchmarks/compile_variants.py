@@ -2,16 +2,16 @@
 first step, steady step and peak memory, side by side in one run on one device.
 
 Variants (`--variants`, `SCOPE:MASK` each):
-- SCOPE `whole`: the drafter compiled as one module (what train.build_step does); `regional`: each decoder
-  layer compiled on its own (one layer's graph, reused by the others).
-- MASK `eager`: flex's BlockMask built by an eager create_block_mask each step (what model.flex_mask does);
+- SCOPE `whole`: the drafter compiled as one module (what train_step.build_step does); `regional`: each
+  decoder layer compiled on its own (one layer's graph, reused by the others).
+- MASK `eager`: flex's BlockMask built by an eager create_block_mask each step (what loss.flex_mask does);
   `compiled`: by torch.compile(create_block_mask). On CPU (SDPA, a dense mask) only `eager` applies.
 
 Each (variant, cache) is a fresh process with an empty Inductor dir. The cold one compiles, then saves the
-Mega-Cache blob and its Inductor dir's files (warmup.pack_inductor_dir); the warm one loads them first, as
-train.load_compile_cache does. Both run train.forward_backward plus the optimizer step on random data of
-the preset's shapes: the first step (compile or cache hits), two more, then 5 timed under
-fail_on_recompile. Startup (imports, model build) is not counted: it does not depend on the variant.
+Mega-Cache blob and its Inductor dir's files (compile_cache.pack_inductor_dir); the warm one loads them
+first, as compile_cache.load_compile_cache does. Both run train_step.forward_backward plus the optimizer
+step on random data of the preset's shapes: the first step (compile or cache hits), two more, then 5 timed
+under fail_on_recompile. Startup (imports, model build) is not counted: it does not depend on the variant.
 
 Usage: python benchmarks/compile_variants.py [--preset qwen3-8b|tiny]
            [--variants whole:eager,regional:eager,whole:compiled] [--out FILE]
@@ -31,6 +31,21 @@ from pathlib import Path
 
 import torch
 from shapes import QWEN3_8B, TOY
+from torch.nn.attention.flex_attention import create_block_mask
+from transformers import Qwen3Config
+
+import flashdraft.loss as loss_module
+import flashdraft.model as model
+from flashdraft.compile_cache import (
+    cache_counters,
+    compile_phases,
+    inductor_cache_dir,
+    merge_inductor_files,
+    pack_inductor_dir,
+    random_batch,
+)
+from flashdraft.config import DrafterConfig
+from flashdraft.train_step import Step, anchors_for, forward_backward
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = {
@@ -45,25 +60,8 @@ STEADY = 5
 
 def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
     """One process: build, (warm: load the caches), first step, steady steps; (cold: save the caches)."""
-    from transformers import Qwen3Config
-
-    import flashdraft.model as model
-    from flashdraft.config import DrafterConfig
-    from flashdraft.train import (
-        Step,
-        anchors_for,
-        cache_counters,
-        compile_phases,
-        forward_backward,
-        inductor_cache_dir,
-        merge_inductor_files,
-    )
-    from flashdraft.warmup import pack_inductor_dir, random_batch
-
     dev = torch.device(preset["device"])
     if mask == "compiled":
-        from torch.nn.attention.flex_attention import create_block_mask
-
         compiled = torch.compile(create_block_mask, dynamic=False)
 
         def flex_mask(anchors, valid, ctx_len, block_size):
@@ -72,7 +70,7 @@ def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
             return compiled(mod, B=b, H=None, Q_LEN=a * block_size, KV_LEN=ctx_len + a * block_size,
                             device=anchors.device)
 
-        model.flex_mask = flex_mask  # train_forward looks it up in the module
+        loss_module.flex_mask = flex_mask  # train_forward looks it up in its module
     if phase == "warm":
         torch.compiler.load_cache_artifacts((cache / "artifacts.bin").read_bytes())
         merge_inductor_files(cache / "inductor.tar", inductor_cache_dir())

@@ -37,7 +37,7 @@ K target features, vocab V:
                  MLP       2*3*Q*H*I
                  attention 2*2*nh*d*P             (P = visible query-key pairs, B*(a+B) for anchor a)
     LM head      2*A*(B-1)*H*V
-P is averaged over anchors drawn by model.sample_anchors on the same length and full loss mask.
+P is averaged over anchors drawn by loss.sample_anchors on the same length and full loss mask.
 MFU = (tokens/s per GPU) * (FLOPs per token) / peak, peak = 989e12 (bf16 dense) for H100/H200, else null.
 `mfu_required_grads` is the same with 2x instead of 3x for fc and the LM head, whose inputs (target
 features, frozen head) need no gradient.
@@ -67,13 +67,16 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import save_file
 from shapes import QWEN3_8B, TOY
+from transformers import Qwen3Config
 
 from flashdraft.config import DrafterConfig
 from flashdraft.hidden import ShardMeta, manifest_path, open_shard, write_manifest
 from flashdraft.launch import torchrun_argv
-from flashdraft.model import num_anchor_slots, sample_anchors
-from flashdraft.train import load_spec
+from flashdraft.loss import num_anchor_slots, sample_anchors
+from flashdraft.toy import build_tokenizer, task_conversations
+from flashdraft.train_step import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core FLOP/s per GPU (SXM)
@@ -114,11 +117,6 @@ def setup(preset: dict, work: Path) -> dict:
     if marker.exists() and json.loads(marker.read_text()) == params:
         print(f"setup: reusing {work}", flush=True)
         return params
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config
-
-    from flashdraft.toy import build_tokenizer, task_conversations
-
     t0 = time.perf_counter()
     shutil.rmtree(work / "target", ignore_errors=True)
     shutil.rmtree(work / "hidden", ignore_errors=True)

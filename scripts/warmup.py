@@ -11,9 +11,9 @@ cache dir it compiled into) and <out-dir>/meta.json (the cache key and counters)
 import argparse
 import json
 
+from flashdraft.compile_cache import warmup
 from flashdraft.config import DrafterConfig, TrainConfig, load_section
 from flashdraft.errors import cli
-from flashdraft.warmup import warmup
 
 
 @cli

@@ -75,7 +75,7 @@ def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24) -> l
     from flashdraft.config import DrafterConfig, ToyConfig
     from flashdraft.hidden import ShardMeta, manifest_path, open_shard, write_manifest
     from flashdraft.toy import build_toy_target
-    from flashdraft.train import load_spec
+    from flashdraft.train_step import load_spec
 
     build_toy_target(ToyConfig(steps=0, num_docs=200), str(root / "target"))
     spec = load_spec(root / "target", DrafterConfig(**drafter))

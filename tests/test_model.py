@@ -10,26 +10,28 @@ from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.config import DrafterConfig
-from flashdraft.model import (
-    DFlashDrafter,
-    DraftCache,
-    DrafterSpec,
+from flashdraft.loss import (
     LinearCrossEntropy,
     block_inputs,
     block_labels,
-    dense_mask,
     dflash_loss,
-    dflash_mask_mod,
     dpace_weights,
-    export_drafter,
-    load_drafter,
-    load_target_head,
     num_anchor_slots,
     sample_anchors,
     simulated_tau,
     summarize,
     train_forward,
 )
+from flashdraft.model import (
+    DFlashDrafter,
+    DraftCache,
+    DrafterSpec,
+    dense_mask,
+    dflash_mask_mod,
+    export_drafter,
+    load_drafter,
+)
+from flashdraft.target import load_target_head
 
 B = 8  # block size of the tiny drafter
 V = 100

@@ -17,28 +17,26 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cache_misses, toy_hidden_shards
+from torch._inductor import config as inductor_config
 
-from flashdraft.config import DrafterConfig, TrainConfig, to_json
-from flashdraft.hidden import HiddenStore, manifest_path
-from flashdraft.launch import torchrun_argv
-from flashdraft.model import load_drafter
-from flashdraft.train import (
+from flashdraft.batches import (
     Collate,
     anchor_seeds,
     bucket_for,
     epoch_batches,
-    load_checkpoint,
-    load_spec,
-    lr_factor,
     micro_per_step,
-    parallel_mode,
     rows_per_batch,
-    run_key,
-    save_checkpoint,
-    set_compile_workers,
     steps_left,
 )
-from flashdraft.warmup import warmup
+from flashdraft.checkpoint import load_checkpoint, run_key, save_checkpoint
+from flashdraft.compile_cache import set_compile_workers, warmup
+from flashdraft.config import DrafterConfig, TrainConfig, to_json
+from flashdraft.distributed import parallel_mode
+from flashdraft.hidden import HiddenStore, manifest_path
+from flashdraft.launch import torchrun_argv
+from flashdraft.model import load_drafter
+from flashdraft.train import lr_factor
+from flashdraft.train_step import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = {"num_layers": 2, "block_size": 8}
@@ -347,16 +345,15 @@ def test_parallel_mode_shards_only_what_would_not_fit():
 
 
 def test_compile_workers_none_when_warm_a_share_of_the_cores_when_cold(monkeypatch):
-    from torch._inductor import config
-
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    monkeypatch.setattr(config, "compile_threads", config.compile_threads)  # restored after the test
+    # restored after the test
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
     cores = len(os.sched_getaffinity(0))
     assert set_compile_workers(warm=True, local_world=8) == 1
     assert set_compile_workers(warm=False, local_world=1) == min(32, cores)
     assert set_compile_workers(warm=False, local_world=4 * cores) == 1
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
-    config.compile_threads = 3  # as torch reads the variable at import
+    inductor_config.compile_threads = 3  # as torch reads the variable at import
     assert set_compile_workers(warm=True, local_world=2) == 3  # the user's choice stands
 
 

@@ -156,6 +156,14 @@ class TrainConfig:
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
 
 
+# The train fields the compiled step depends on (compile_cache.cache_key holds them), and what else the
+# compile warmup reads: the seed (its drafter's initialization) and the parallel mode (FSDP: nothing to
+# compile). The workflow reruns the warmup when one of WARMUP_TRAIN_KEYS changes, not on lr etc. They
+# live here, not in compile_cache.py, so the workflow reads them without importing torch.
+COMPILED_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "attention", "dtype")
+WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
+
+
 @dataclass
 class EvalConfig:
     num_prompts: int = 64
@@ -282,7 +290,7 @@ def feature_layers(num_target_layers: int, drafter: DrafterConfig) -> list[int]:
     """0-indexed decoder layers whose outputs feed the drafter: drafter.target_layer_ids or the formula."""
     n = num_target_layers
     ids = drafter.target_layer_ids or target_layer_ids(n, drafter.num_layers)
-    bad = [i for i in ids if not 0 <= i < n]
+    bad = layers_out_of_range(ids, n)
     if bad:
         raise UserError(
             f"config key drafter.target_layer_ids: {bad} out of range for a target with {n} layers; "
@@ -299,6 +307,11 @@ def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]
     if k == 1:
         return [n // 2]
     ids = [round(1 + i * (n - 4) / (k - 1)) for i in range(k)]
-    if any(not 0 <= i < n for i in ids):
+    if layers_out_of_range(ids, n):
         raise ValueError(f"target_layer_ids {ids} out of range for a target with {n} layers")
     return ids
+
+
+def layers_out_of_range(layer_ids, num_target_layers: int) -> list[int]:
+    """The layer ids a target of `num_target_layers` decoder layers does not have (0-indexed)."""
+    return [i for i in layer_ids if not 0 <= i < num_target_layers]

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .chat import prompt_messages, render
-from .config import EvalConfig
+from .config import EvalConfig, layers_out_of_range
 from .io import progress, write_json, write_parquet
 from .model import DraftCache
 from .session import DraftSession, HFSession, StaticSession
@@ -118,7 +118,7 @@ def check_drafter(spec, target_config) -> None:
         problems.append(f"vocab_size {spec.vocab_size} != target vocab_size {target_config.vocab_size}")
     if spec.num_target_layers != n:
         problems.append(f"num_target_layers {spec.num_target_layers} != target num_hidden_layers {n}")
-    bad = [i for i in spec.target_layer_ids if not 0 <= i < n]
+    bad = layers_out_of_range(spec.target_layer_ids, n)
     if bad:
         problems.append(f"target_layer_ids {bad} out of range for a target with {n} layers")
     if not 0 <= spec.mask_token_id < target_config.vocab_size:

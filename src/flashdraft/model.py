@@ -1,12 +1,12 @@
-"""The DFlash drafter: K Qwen3-style layers that denoise a block of B tokens from target features.
+"""The DFlash drafter: K Qwen3-style layers that denoise a block of B tokens from target features, its
+spec, and its export.
 
-A training sample is a sequence of S tokens with the target's features `[S, K*H]` (outputs of K target
-decoder layers). Per step we sample anchors p (positions with loss_mask[p] and loss_mask[p+1]); each
-anchor makes one block `[token[p], MASK x (B-1)]` at positions p..p+B-1. Every drafter layer attends
-from the block tokens to keys/values `[proj(context); proj(block)]` (KV injection): a block sees the
-context strictly before its anchor and its own block (bidirectionally), nothing else. Block position k
-predicts token[p+k] (same position, no shift), k=1..B-1, with loss weight loss_mask[p+k]*exp(-(k-1)/gamma)
-(`train.loss: decay`) or D-PACE's weights from the drafter's own confidence (`train.loss: dpace`).
+The context is a sequence of S tokens with the target's features `[S, K*H]` (outputs of K target
+decoder layers). A block `[token[p], MASK x (B-1)]` sits at positions p..p+B-1 after its anchor p. Every
+drafter layer attends from the block tokens to keys/values `[proj(context); proj(block)]` (KV
+injection): a block sees the context strictly before its anchor and its own block (bidirectionally),
+nothing else. Block position k predicts token[p+k] (same position, no shift). The training objective is
+in loss.py.
 
 The drafter has no embedding and no LM head: it uses the target's, frozen, passed in as tensors.
 Parameter names are the DFlash export keys, so the state dict is the export.
@@ -15,18 +15,18 @@ Parameter names are the DFlash export keys, so the state dict is the export.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 
 from .config import DrafterConfig
 from .io import atomic_path
-
-FLEX_MULTIPLE = 128  # flex_attention kernels need Q and KV lengths padded to its block size
+from .target import feature_layer_ids, mask_token_id, num_layers
 
 
 @dataclass
@@ -55,22 +55,12 @@ class DrafterSpec:
     @classmethod
     def from_target(cls, target_config, tokenizer, drafter_cfg: DrafterConfig) -> DrafterSpec:
         """Shapes from the target's HF config; `tokenizer` (or its length) places the MASK row."""
-        from .target import feature_layer_ids, mask_token_id, num_layers
-
         c = target_config
         if isinstance(tokenizer, int):
             tokenizer = range(tokenizer)  # mask_token_id only needs len(tokenizer)
         return cls(
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            **_qwen3_shape(lambda key, *default: getattr(c, key, *default)),
             num_layers=drafter_cfg.num_layers,
-            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(c),
-            vocab_size=c.vocab_size,
-            max_position_embeddings=getattr(c, "max_position_embeddings", 32768),
             block_size=drafter_cfg.block_size,
             mask_token_id=mask_token_id(tokenizer, c, drafter_cfg),
             target_layer_ids=feature_layer_ids(c, drafter_cfg),
@@ -127,18 +117,11 @@ class DrafterSpec:
 
     @classmethod
     def from_config_dict(cls, d: dict) -> DrafterSpec:
+        """The spec of an export's config.json (to_config_dict's, or another DFlash exporter's)."""
         dflash = d.get("dflash_config", {})
         return cls(
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_heads=d["num_attention_heads"],
-            num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            **_qwen3_shape(lambda key, *default: d[key] if key in d or not default else default[0]),
             num_layers=d["num_hidden_layers"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-            vocab_size=d["vocab_size"],
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
             block_size=d.get("block_size", dflash.get("block_size", 16)),
             mask_token_id=dflash.get("mask_token_id", d.get("mask_token_id")),
             target_layer_ids=list(dflash.get("target_layer_ids", d.get("target_layer_ids", []))),
@@ -161,15 +144,28 @@ def _sliding_window(d: dict) -> int | None:
     return None
 
 
-def _rope_theta(config) -> float:
-    """RoPE base from a transformers 5 (`rope_parameters`) or 4 (`rope_theta`) config.
+def _qwen3_shape(get) -> dict:
+    """The spec fields a Qwen3-style HF config gives, with their defaults: one mapping for a target's
+    config object and an export's config.json. `get(key)` reads a key that must be there, `get(key,
+    default)` one that may be missing.
 
-    The drafter always uses default (unscaled) RoPE: its export says so (`rope_scaling: null`), so it is
-    consistent with itself whatever scaling the target uses for long contexts."""
-    params = getattr(config, "rope_parameters", None) or {}
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(getattr(config, "rope_theta", None) or 10000.0)
+    RoPE's base comes from transformers 5 (`rope_parameters`) or 4 (`rope_theta`) keys. The drafter
+    always uses default (unscaled) RoPE: its export says so (`rope_scaling: null`), so it is consistent
+    with itself whatever scaling the target uses for long contexts."""
+    heads = get("num_attention_heads")
+    rope = get("rope_parameters", None) or {}
+    theta = rope["rope_theta"] if "rope_theta" in rope else get("rope_theta", None) or 10000.0
+    return {
+        "hidden_size": get("hidden_size"),
+        "intermediate_size": get("intermediate_size"),
+        "num_heads": heads,
+        "num_kv_heads": get("num_key_value_heads", None) or heads,
+        "head_dim": get("head_dim", None) or get("hidden_size") // heads,
+        "rms_norm_eps": get("rms_norm_eps", 1e-6),
+        "rope_theta": float(theta),
+        "vocab_size": get("vocab_size"),
+        "max_position_embeddings": get("max_position_embeddings", 32768),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -217,8 +213,6 @@ def attend(q, k, v, mask):
     if isinstance(mask, tuple):
         dense, keep = mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True) * keep
-    from torch.nn.attention.flex_attention import flex_attention
-
     return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
 
 
@@ -387,49 +381,7 @@ class DraftCache:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# training: anchors, masks, block inputs, loss
-
-
-def num_anchor_slots(seq_len: int, max_anchors: int, block_size: int) -> int:
-    """Anchors per sample for a padded length: at most max_anchors and seq_len-1, rounded up so the
-    block queries (slots * B) are a multiple of 128, which flex_attention needs. Fixed per length bucket,
-    so every step of a bucket has one shape (no recompiles)."""
-    a = max(1, min(max_anchors, seq_len - 1))
-    step = FLEX_MULTIPLE // math.gcd(FLEX_MULTIPLE, block_size)
-    return -(-a // step) * step
-
-
-def sample_anchors(loss_mask, max_anchors: int, block_size: int, generator=None, seeds=None):
-    """Random anchors per sample: positions p with loss_mask[p] and loss_mask[p+1], drawn uniformly
-    without replacement, sorted. Returns anchors `[b, A]` (-1 where padded) and valid `[b, A]`, with
-    A = num_anchor_slots(S, max_anchors, block_size).
-
-    seeds: one seed per row (None for a padding row): row r's keys come from its own generator, one
-    key per eligible position in order, so its anchors depend on its seed and its own loss mask only,
-    not on the batch it shares, its row, or the padded length. Without seeds, one `generator` draws
-    keys for the whole `[b, S-1]` batch."""
-    b, s = loss_mask.shape
-    a = num_anchor_slots(s, max_anchors, block_size)
-    lm = loss_mask.bool().cpu()
-    eligible = lm[:, :-1] & lm[:, 1:]  # [b, S-1]: p in 0..S-2
-    if seeds is None:
-        keys = torch.rand(eligible.shape, generator=generator)
-    else:
-        keys = torch.ones(eligible.shape)
-        for r, seed in enumerate(seeds):
-            if seed is not None:
-                row = torch.Generator().manual_seed(seed)
-                keys[r, eligible[r]] = torch.rand(int(eligible[r].sum()), generator=row)
-    keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))  # ineligible sort last
-    k = min(max_anchors, s - 1)
-    picked_keys, picked = keys.topk(k, dim=1, largest=False)
-    valid = picked_keys < 1.0
-    picked = torch.where(valid, picked, torch.full_like(picked, s)).sort(dim=1).values
-    valid = picked < s
-    anchors = torch.full((b, a), -1, dtype=torch.long)
-    anchors[:, :k] = torch.where(valid, picked, torch.full_like(picked, -1))
-    valid = anchors >= 0
-    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+# the attention pattern (training builds it for many blocks, drafting for one)
 
 
 def dflash_mask_mod(anchors, valid, ctx_len: int, block_size: int, window: int | None = None):
@@ -471,254 +423,14 @@ def dense_mask(anchors, valid, ctx_len: int, block_size: int, window: int | None
     return mask[:, None], keep[:, None]
 
 
-def flex_mask(anchors, valid, ctx_len: int, block_size: int, window: int | None = None):
-    """The BlockMask, built eagerly: compiled, it added four minutes to a cold compile for no faster a
-    step (benchmarks/results/compile_variants_qwen3-8b.json)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    b, a = anchors.shape
-    q_len = a * block_size
-    mod = dflash_mask_mod(anchors, valid, ctx_len, block_size, window)
-    return create_block_mask(mod, B=b, H=None, Q_LEN=q_len, KV_LEN=ctx_len + q_len, device=anchors.device)
-
-
-def resolve_attention(name: str, device) -> str:
-    """auto = flex on CUDA (fast, no dense mask), sdpa on CPU (flex has no CPU backward)."""
-    if name == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "sdpa"
-    if name not in ("flex", "sdpa"):
-        raise ValueError(f"attention must be auto, flex or sdpa, not {name!r}")
-    return name
-
-
-def block_inputs(input_ids, anchors, block_size: int, mask_token_id: int):
-    """Block token ids `[b, A*B]` (`[token at anchor, MASK x (B-1)]`) and their positions (anchor+k)."""
-    b, a = anchors.shape
-    safe = anchors.clamp(min=0)
-    ids = torch.full((b, a, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
-    ids[:, :, 0] = input_ids.gather(1, safe)
-    positions = safe[:, :, None] + torch.arange(block_size, device=anchors.device)
-    return ids.view(b, -1), positions.view(b, -1)
-
-
-def block_labels(input_ids, loss_mask, anchors, valid, block_size: int, gamma: float):
-    """Labels, loss weights and label mask `[b, A, B-1]` for block positions k=1..B-1.
-
-    Block position k predicts token[anchor+k] (the same position: no shift). Weight
-    loss_mask[anchor+k] * exp(-(k-1)/gamma); 0 past the sequence end and for padded anchors."""
-    s = input_ids.shape[1]
-    k = torch.arange(1, block_size, device=anchors.device)
-    idx = anchors[:, :, None] + k  # [b, A, B-1]
-    inside = (idx < s) & valid[:, :, None]
-    idx = idx.clamp(0, s - 1)
-    labels = input_ids.gather(1, idx.flatten(1)).view_as(idx)
-    label_mask = inside & (loss_mask.gather(1, idx.flatten(1)).view_as(idx) > 0)
-    decay = torch.exp(-(k - 1).float() / gamma)
-    weights = label_mask.float() * decay
-    return labels, weights, label_mask
-
-
-def _spec(drafter) -> DrafterSpec:
-    return drafter.module.spec if hasattr(drafter, "module") else drafter.spec  # DDP wraps the drafter
-
-
-def train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, attention: str):
-    """Drafter output `[b, A, B, H]` for the blocks at `anchors` over context `hidden` `[b, S, K*H]`."""
-    spec = _spec(drafter)
-    b, s = input_ids.shape
-    a, bs = anchors.shape[1], spec.block_size
-    ids, block_pos = block_inputs(input_ids, anchors, bs, spec.mask_token_id)
-    if attention == "flex" and s % FLEX_MULTIPLE:
-        # pad the context to flex's block size; padded positions are >= S > every anchor: never visible
-        hidden = F.pad(hidden, (0, 0, 0, FLEX_MULTIPLE - s % FLEX_MULTIPLE))
-        s = hidden.shape[1]
-    positions = torch.cat([torch.arange(s, device=ids.device).expand(b, s), block_pos], dim=1)
-    mask = (flex_mask if attention == "flex" else dense_mask)(anchors, valid, s, bs, spec.sliding_window)
-    # the residual stream starts from the frozen (maybe bf16) embedding rows, kept in the weights' fp32
-    embeds = F.embedding(ids, embed_weight).to(next(drafter.parameters()).dtype)
-    out = drafter(hidden, embeds, positions, mask)
-    return out.view(b, a, bs, -1)
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W.T, y_i) for rows h `[N, H]` of a frozen head W `[V, H]`, `chunk` rows at a
-    time, with the gradient for h computed in the forward while each chunk's logits exist: no logits
-    are kept for the backward and none are recomputed (W gets no gradient). Also returns, without a
-    gradient, whether each row's argmax is its label.
-
-    dpace: None (the weights `weights` are fixed), or `(width, alpha)`: rows are blocks of `width`
-    positions (a chunk holds whole blocks), `weights` is their 0/1 label mask, and each block's weights
-    are `dpace_weights` of its own label probabilities, detached, computed from the chunk's logits.
-
-    The logits are h @ W.T in W's dtype (bf16 on GPU, as autocast would give), then float32 for the
-    softmax; the gradient goes back through the same matmul in W's dtype."""
-
-    @staticmethod
-    def forward(ctx, h, weight, labels, weights, chunk: int, dpace=None):
-        grad_h = torch.empty_like(h)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        correct = torch.empty(labels.shape, dtype=torch.bool, device=h.device)
-        with torch.autocast(h.device.type, enabled=False):
-            for i in range(0, h.shape[0], chunk):
-                j = slice(i, i + chunk)
-                y, w = labels[j], weights[j].float()
-                logits = (h[j].to(weight.dtype) @ weight.T).float()
-                lse = logits.logsumexp(-1)
-                ce = lse - logits.gather(1, y[:, None]).squeeze(1)
-                if dpace is not None:
-                    width, alpha = dpace
-                    mask = w.view(-1, width) > 0
-                    w = dpace_weights(torch.exp(-ce).view(-1, width), mask, alpha).flatten()
-                total += (ce * w).sum()
-                correct[j] = logits.argmax(-1) == y
-                grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: d CE / d logits = p - onehot
-                grad[torch.arange(len(y), device=y.device), y] -= 1.0
-                grad_h[j] = (grad.mul_(w[:, None]).to(weight.dtype) @ weight).to(h.dtype)
-        ctx.save_for_backward(grad_h)
-        ctx.mark_non_differentiable(correct)
-        return total, correct
-
-    @staticmethod
-    def backward(ctx, grad_total, _grad_correct):
-        (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_total, None, None, None, None, None
-
-
-LOSSES = ("decay", "dpace")
-
-
-def dpace_weights(q, label_mask, alpha: float):
-    """D-PACE position weights `[N, B-1]` from the drafter's probabilities q of the labels at block
-    positions 1..B-1 (D-PACE: Dynamic Position-Aware Cross-Entropy for Parallel Speculative Drafting,
-    Wu et al., arXiv 2605.18810, Eq. 7-8; the authors' code github.com/Lucas-TY/D-PACE,
-    specforge/core/dflash.py `_dpace_weight`):
-
-        q~_i = (1 - alpha) q_i + alpha                 (smoothing, Eq. 7)
-        w_j  = sum_{m >= j} prod_{i <= m} q~_i         (Eq. 8: d E[accepted length] / d log q_j)
-
-    A position without a label (loss mask 0, past the sequence end) is 1 in the products and adds
-    nothing to the sums, and gets weight 0, as in the authors' code. The weights are detached: they set
-    how much each position's CE counts, the gradient flows only through the CE (Eq. 9)."""
-    q = q.detach().float()
-    smooth = torch.where(label_mask, (1.0 - alpha) * q + alpha, torch.ones_like(q))
-    prefix = smooth.cumprod(-1) * label_mask
-    return prefix.flip(-1).cumsum(-1).flip(-1) * label_mask
-
-
-def loss_normalizer(weights, valid, objective: str):
-    """What the summed weighted CE is divided by: the decay weights' sum (the DFlash recipe), or for
-    D-PACE the number of real blocks (anchors), not the weights' sum, which would cancel the
-    expected-length credit the weights carry (the D-PACE author, sgl-project/SpecForge#828; SpecForge
-    #848 normalizes by anchors too). Both are known before the forward and add up over micro-batches
-    and ranks, so a global batch can be normalized once (see train.py)."""
-    if objective == "decay":
-        return weights.sum()
-    if objective == "dpace":
-        return valid.sum().to(weights.dtype)
-    raise ValueError(f"train.loss must be one of {LOSSES}, not {objective!r}")
-
-
-def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_weight, lm_head_weight,
-                gamma: float, attention: str = "sdpa", chunk_blocks: int = 128, objective: str = "decay",
-                dpace_alpha: float = 0.5, normalizer=None):
-    """Weighted block CE: loss = sum(w*CE) / normalizer. objective decay: w = loss_mask *
-    exp(-(k-1)/gamma), normalizer sum(w) (the DFlash recipe); dpace: w = `dpace_weights`, normalizer the
-    number of blocks (see `loss_normalizer`). `normalizer`: a given one (a global batch's, summed over
-    its micro-batches and ranks) instead of this batch's own. The LM head + CE run `chunk_blocks` blocks
-    at a time (LinearCrossEntropy), so full logits `[blocks*(B-1), V]` never exist at once, and the
-    backward needs none.
-
-    Returns (loss, stats): stats is one detached float vector of sums, summable across steps and ranks
-    (see `summarize`): [sum w*CE, sum normalizer, sum tau, blocks, correct_k (B-1), counted_k (B-1)]."""
-    bs = _spec(drafter).block_size
-    out = train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, attention)
-    labels, weights, label_mask = block_labels(input_ids, loss_mask, anchors, valid, bs, gamma)
-    own = loss_normalizer(weights, valid, objective)
-    sel = valid.flatten()  # only real blocks go through the LM head
-    h = out[:, :, 1:].flatten(0, 1)[sel]
-    labels, weights, label_mask = (t.flatten(0, 1)[sel] for t in (labels, weights, label_mask))
-    rows = h.flatten(0, 1)  # [blocks*(B-1), H]
-    dpace = (bs - 1, dpace_alpha) if objective == "dpace" else None
-    fixed = label_mask.float() if dpace else weights
-    ce_sum, correct = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), fixed.flatten(),
-                                               chunk_blocks * (bs - 1), dpace)
-    correct = correct.view_as(labels)
-    loss = ce_sum / (own if normalizer is None else normalizer).clamp(min=1e-6)
-    if isinstance(drafter, torch.nn.parallel.DistributedDataParallel):
-        # a degenerate batch (no anchors) must still touch every parameter, or DDP's all-reduce waits
-        # forever (FSDP's parameters are sharded DTensors, not to be mixed with this loss)
-        loss = loss + sum(p.sum() for p in drafter.parameters()) * 0.0
-    with torch.no_grad():
-        hit = correct & label_mask
-        tau = simulated_tau(hit)
-        blocks = torch.tensor(float(h.shape[0]), device=h.device)
-        head = torch.stack([ce_sum.detach(), own.float(), tau.sum(), blocks])
-        stats = torch.cat([head, hit.sum(0).float(), label_mask.sum(0).float()])
-    return loss, stats
-
-
-def simulated_tau(hit):
-    """Acceptance length per block from hits `[blocks, B-1]`: the draft is accepted up to its first miss
-    (a position without a label counts as a miss), plus the target's bonus token."""
-    return hit.long().cumprod(dim=1).sum(dim=1).float() + 1.0
-
-
-def summarize(stats, block_size: int) -> dict:
-    """Metrics from summed `dflash_loss` stats: loss, acc, acc_pos_1..B-1, sim_tau."""
-    stats = stats.double().cpu().tolist()
-    ce, w, tau, blocks = stats[:4]
-    n = block_size - 1
-    correct, counted = stats[4 : 4 + n], stats[4 + n : 4 + 2 * n]
-    row = {"loss": ce / w if w else float("nan"), "acc": sum(correct) / max(1.0, sum(counted))}
-    for k in range(n):
-        row[f"acc_pos_{k + 1}"] = correct[k] / counted[k] if counted[k] else float("nan")
-    row["sim_tau"] = tau / blocks if blocks else float("nan")
-    return row
-
-
-def stats_size(block_size: int) -> int:
-    return 4 + 2 * (block_size - 1)
-
-
 # ---------------------------------------------------------------------------------------------------------
-# the target's embedding and LM head; export and load
-
-
-def load_target_head(target_dir):
-    """(embed_weight, lm_head_weight) read straight from the target's safetensors, without building the
-    target. Handles sharded checkpoints (model.safetensors.index.json) and tied embeddings."""
-    from safetensors import safe_open
-
-    target_dir = Path(target_dir)
-    config = json.loads((target_dir / "config.json").read_text())
-    index = target_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        with safe_open(target_dir / "model.safetensors", framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-
-    def find(*suffixes):
-        for suffix in suffixes:
-            for key in sorted(weight_map):
-                if key.endswith(suffix):
-                    with safe_open(target_dir / weight_map[key], framework="pt") as f:
-                        return f.get_tensor(key)
-        return None
-
-    embed = find("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
-    if embed is None:
-        raise ValueError(f"{target_dir}: no input embedding (embed_tokens.weight) in the safetensors")
-    head = None if config.get("tie_word_embeddings", False) else find("lm_head.weight")
-    return embed, embed if head is None else head
+# export and load
 
 
 def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir, dtype: torch.dtype | None = None,
                    state: dict | None = None):
     """config.json + model.safetensors in the DFlash format, written as one directory atomically.
     state: the drafter's full state dict, where the module holds only shards of it (FSDP)."""
-    from safetensors.torch import save_file
-
     state = drafter.state_dict() if state is None else state
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
     bad = [k for k in state if "embed_tokens" in k or "lm_head" in k]
@@ -732,8 +444,6 @@ def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir, dtype: to
 
 def load_drafter(path, device="cpu") -> tuple[DFlashDrafter, DrafterSpec]:
     """The drafter of an export directory, in the dtype it was saved in."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     spec = DrafterSpec.from_config_dict(json.loads((path / "config.json").read_text()))
     state = load_file(path / "model.safetensors", device=str(device))

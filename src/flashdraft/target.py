@@ -160,3 +160,32 @@ def mask_token_id(tokenizer, target_config, drafter: DrafterConfig) -> int:
             "set drafter.mask_token_id to an unused row"
         )
     return mid
+
+
+def load_target_head(target_dir):
+    """(embed_weight, lm_head_weight) read straight from the target's safetensors, without building the
+    target. Handles sharded checkpoints (model.safetensors.index.json) and tied embeddings."""
+    from safetensors import safe_open  # here, not at the top: appended to this module
+
+    target_dir = Path(target_dir)
+    config = json.loads((target_dir / "config.json").read_text())
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        with safe_open(target_dir / "model.safetensors", framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+
+    def find(*suffixes):
+        for suffix in suffixes:
+            for key in sorted(weight_map):
+                if key.endswith(suffix):
+                    with safe_open(target_dir / weight_map[key], framework="pt") as f:
+                        return f.get_tensor(key)
+        return None
+
+    embed = find("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
+    if embed is None:
+        raise ValueError(f"{target_dir}: no input embedding (embed_tokens.weight) in the safetensors")
+    head = None if config.get("tie_word_embeddings", False) else find("lm_head.weight")
+    return embed, embed if head is None else head

@@ -11,7 +11,7 @@ from snakemake.utils import validate
 REPO = Path(workflow.basedir).parent
 sys.path.insert(0, str(REPO / "src"))
 
-from flashdraft.config import Config, check, from_dict  # noqa: E402
+from flashdraft.config import WARMUP_TRAIN_KEYS, Config, check, from_dict  # noqa: E402
 from flashdraft.errors import UserError  # noqa: E402
 from flashdraft.gpu import visible_gpus  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
@@ -27,9 +27,6 @@ RESULTS = "results"
 LOGS = f"{RESULTS}/logs"
 BENCH = f"{RESULTS}/benchmarks"
 
-# Training reads only these keys at compile time: the warmup reruns when they change, not on lr etc.
-WARMUP_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "attention", "dtype", "seed",
-                     "parallel")
 # Hidden states depend on which layers are fused, not on the drafter's block size.
 HIDDEN_DRAFTER_KEYS = ("num_layers", "target_layer_ids")
 

@@ -1,0 +1,119 @@
+"""Checkpoints: the run key, full state dicts whatever holds them (DDP or FSDP), save, load and resume.
+
+Checkpoints hold the full state dicts in torch's one-process formats, so they depend on neither the
+world size nor the parallel mode. The data position (epoch, cursor) is all the RNG state a resume needs:
+data order and anchors are functions of (seed, epoch, index) (see batches.py), and the model has no
+dropout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from .config import DrafterConfig, TrainConfig, to_json
+from .distributed import Dist, barrier
+from .hidden import manifest_path
+from .io import atomic_path
+
+
+def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str]) -> str:
+    """Short hash of both configs and the shard manifests: a changed config never resumes an old run."""
+    same_run = {k: v for k, v in asdict(cfg).items() if k != "parallel"}  # DDP and FSDP resume each other
+    h = hashlib.sha256((json.dumps(same_run, sort_keys=True) + to_json(drafter_cfg)).encode())
+    for path in shards:
+        m = manifest_path(path)
+        h.update(m.read_bytes() if m.exists() else str(Path(path).stat().st_size).encode())
+    return h.hexdigest()[:12]
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (an interrupted save leaves only a `.tmp-*` sibling)."""
+    return sorted(p for p in run_dir.glob("step-*") if (p / "state.json").exists())
+
+
+def full_state(drafter, optimizer, sharded: bool) -> tuple[dict, dict]:
+    """Model and optimizer state dicts in torch's one-process formats, whatever holds them. Sharded
+    (FSDP) they are gathered: a collective, every rank calls it and rank 0 gets them (the others get
+    empty dicts). So checkpoints and exports do not depend on the world size or on DDP vs FSDP."""
+    if not sharded:
+        return drafter.state_dict(), optimizer.state_dict()
+    model, optim = get_state_dict(drafter, optimizer,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    index = {name: i for i, (name, _) in enumerate(drafter.named_parameters())}  # names -> torch's ids
+    return model, _rekey(optim, index) if optim else optim
+
+
+def _rekey(optim: dict, key: dict) -> dict:
+    """An optimizer state dict with its parameter keys mapped through `key` (names <-> torch's ids)."""
+    return {"state": {key[k]: v for k, v in optim["state"].items()},
+            "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in optim["param_groups"]]}
+
+
+def load_full_state(drafter, optimizer, model: dict, optim: dict, sharded: bool) -> None:
+    """The inverse of full_state: every rank loads the full dicts and keeps its shards."""
+    if not sharded:
+        drafter.load_state_dict(model)
+        optimizer.load_state_dict(optim)
+        return
+    names = dict(enumerate(name for name, _ in drafter.named_parameters()))  # torch's ids -> names
+    set_state_dict(drafter, optimizer, model_state_dict=model, optim_state_dict=_rekey(optim, names),
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def save_checkpoint(run_dir: Path, model: dict, optim: dict, scheduler, state: dict, keep: int) -> Path:
+    """model/optim: full_state's dicts."""
+    path = run_dir / f"step-{state['step']:08d}"
+    with atomic_path(path) as tmp:
+        tmp.mkdir(parents=True)
+        torch.save(model, tmp / "model.pt")
+        opt = {"optimizer": optim, "scheduler": scheduler.state_dict()}
+        torch.save(opt, tmp / "optim.pt")
+        (tmp / "state.json").write_text(json.dumps(state))
+    for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def load_checkpoint(path: Path, drafter, optimizer, scheduler, device, sharded: bool) -> dict:
+    # weights_only: tensors and plain Python values only, so a checkpoint cannot run code when loaded
+    # (explicit: the default depends on the torch version and on TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD)
+    opt = torch.load(path / "optim.pt", map_location=device, weights_only=True)
+    model = torch.load(path / "model.pt", map_location=device, weights_only=True)
+    load_full_state(drafter, optimizer, model, opt["optimizer"], sharded)
+    scheduler.load_state_dict(opt["scheduler"])
+    return json.loads((path / "state.json").read_text())
+
+
+class Checkpointer:
+    """Saves and resumes one run's state under its run dir: every rank joins the gather (FSDP), rank 0
+    writes, all wait for it."""
+
+    def __init__(self, run_dir: Path, d: Dist, drafter, optimizer, scheduler, sharded: bool, keep: int):
+        self.run_dir, self.d, self.keep, self.sharded = run_dir, d, keep, sharded
+        self.drafter, self.optimizer, self.scheduler = drafter, optimizer, scheduler
+
+    def latest(self) -> Path | None:
+        found = checkpoint_dirs(self.run_dir)
+        return found[-1] if found else None
+
+    def resume(self, path: Path) -> dict:
+        """Load model, optimizer and schedule from `path`; returns its state.json."""
+        return load_checkpoint(path, self.drafter, self.optimizer, self.scheduler, self.d.device,
+                               self.sharded)
+
+    def save(self, state: dict) -> None:
+        model, optim = full_state(self.drafter, self.optimizer, self.sharded)
+        if self.d.main:
+            save_checkpoint(self.run_dir, model, optim, self.scheduler, state, self.keep)
+        barrier(self.d)
+
+    def model_state(self) -> dict:
+        """The full model state dict (a collective under FSDP; rank 0 gets it)."""
+        return full_state(self.drafter, self.optimizer, self.sharded)[0]

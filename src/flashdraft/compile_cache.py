@@ -1,0 +1,257 @@
+"""The compile cache: the warmup that fills it, its key, its files, its counters and loading it.
+
+The warmup runs in one process, on its main thread (torch.compile is not thread-safe), and compiles the
+training step for every length bucket: train_step.forward_backward on random data of the real shapes
+(rows x bucket x K*H, the same anchor slots), so its graphs are exactly the ones training asks for. It
+saves the compile caches as one Mega-Cache blob (ARTIFACTS) that every training rank loads before its
+first step. Inductor compiles into a fresh cache dir whose files are saved as INDUCTOR_FILES next to the
+blob: training unpacks them into its own Inductor dir, which gives it what the blob lacks (the compiled
+C++ kernels of CPU graphs). The caches skip Inductor code generation and autotuning, not Dynamo tracing:
+a rank still traces, then hits. META holds the key the warmup compiled for; training compares its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import compile_times, counters
+from torch._inductor import config as inductor_config
+from torch._inductor.runtime.cache_dir_utils import cache_dir as _inductor_cache_dir
+
+from .batches import rows_per_batch
+from .config import COMPILED_TRAIN_KEYS, DrafterConfig, TrainConfig
+from .distributed import Dist, gpu_bytes, log, parallel_mode
+from .hidden import manifest_path
+from .io import atomic_path, device, write_json
+from .loss import resolve_attention
+from .model import DFlashDrafter, DrafterSpec
+from .train_step import anchors_for, build_step, forward_backward, load_spec
+
+ARTIFACTS = "artifacts.bin"  # the Mega-Cache blob (empty when nothing was compiled)
+INDUCTOR_FILES = "inductor.tar"  # the warmup's Inductor cache dir
+META = "meta.json"  # the key, the counters and what was compiled
+
+
+
+def cache_key(cfg: TrainConfig, spec: DrafterSpec, device: torch.device) -> dict:
+    """What the compiled graphs depend on; the warmup writes it to META and training compares."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    fields = {k: getattr(cfg, k) for k in COMPILED_TRAIN_KEYS}
+    return {
+        "torch": torch.__version__, "device": name, "spec": asdict(spec), **fields,
+        "buckets": sorted(cfg.buckets),
+        "attention": resolve_attention(cfg.attention, device),
+        "dtype": cfg.dtype if device.type == "cuda" else "float32",
+        # Inductor's CPU kernels are generated for the intra-op thread count
+        "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
+    }
+
+
+def cache_counters() -> dict:
+    """Compile-cache hits and misses so far in this process (FX graph and AOTAutograd caches)."""
+    keys = [("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+            ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss")]
+    return {k: int(counters[group][k]) for group, k in keys}
+
+
+def compile_phases(top: int = 6) -> str:
+    """The slowest compile phases so far in this process, summed (Dynamo's own timers), for the log."""
+    names, values = compile_times(repr="csv", aggregate=True)
+    phases = sorted(((float(v), k) for k, v in zip(names, values, strict=True)), reverse=True)[:top]
+    return ", ".join(f"{k} {v:.2f} s" for v, k in phases)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inductor's files
+
+
+def inductor_cache_dir() -> Path:
+    """The Inductor cache dir this process compiles into (TORCHINDUCTOR_CACHE_DIR or torch's default)."""
+    return Path(_inductor_cache_dir())
+
+
+@contextlib.contextmanager
+def fresh_inductor_dir():
+    """Inductor compiles into a new, empty cache dir for the block, so that dir holds exactly this
+    warmup's files (training unpacks them, see merge_inductor_files)."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="flashdraft-inductor-") as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+        try:
+            yield Path(tmp)
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
+def pack_inductor_dir(src: Path, tar_path: Path) -> int:
+    """Tar the Inductor dir's files (not Triton's cache: the FX-graph entries carry their kernels, and its
+    dirs are per device index) atomically; returns the file count."""
+    files = sorted(p for p in src.rglob("*") if p.is_file() and "triton" not in p.relative_to(src).parts
+                   and not p.name.endswith(".lock"))
+    with atomic_path(tar_path) as tmp, tarfile.open(tmp, "w") as tar:
+        for f in files:
+            tar.add(f, arcname=str(f.relative_to(src)))
+    return len(files)
+
+
+def merge_inductor_files(tar_path, dest: Path) -> int:
+    """Unpack the warmup's Inductor files into `dest`, keeping the files already there; returns how many
+    were added. Each file is written under a temporary name and renamed, so ranks that share a cache dir
+    never read another rank's half-written file. They hold what the Mega-Cache blob does not carry, such
+    as the compiled C++ kernels of CPU graphs, which a fresh dir would otherwise build again."""
+    added, root = 0, dest.resolve()
+    with tarfile.open(tar_path) as tar:
+        for member in tar:
+            target = (root / member.name).resolve()
+            if not member.isfile() or not target.is_relative_to(root) or target.exists():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
+            with tar.extractfile(member) as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.chmod(tmp, member.mode & 0o777)
+            os.replace(tmp, target)
+            added += 1
+    return added
+
+
+# ---------------------------------------------------------------------------------------------------------
+# training's side
+
+
+def load_compile_cache(cache_dir, key: dict, d: Dist) -> bool:
+    """Load the warmup's Mega-Cache blob into this process's compile caches, if there is one; True when
+    it was loaded and its key matches (every graph should hit)."""
+    if not cache_dir or not (Path(cache_dir) / ARTIFACTS).exists():
+        log(d, f"compile cache: none at {cache_dir}; compiling from scratch")
+        return False
+    blob = Path(cache_dir) / ARTIFACTS
+    meta = Path(cache_dir) / META
+    info = json.loads(meta.read_text()) if meta.exists() else {}
+    theirs = info.get("key", {})
+    differ = sorted(k for k in key if theirs.get(k) != key[k])
+    if differ:
+        log(d, f"compile cache: warmup key differs in {differ}; expect cache misses")
+    if blob.stat().st_size == 0:
+        why = "training shards the drafter (FSDP)" if info.get("fsdp") else "compile: false"
+        log(d, f"compile cache: empty (the warmup compiled nothing: {why})")
+        return False
+    torch.compiler.load_cache_artifacts(blob.read_bytes())
+    files, dest = Path(cache_dir) / INDUCTOR_FILES, inductor_cache_dir()
+    added = merge_inductor_files(files, dest) if files.exists() else 0
+    log(d, f"compile cache: loaded {blob} ({blob.stat().st_size} bytes); {added} Inductor files added to "
+           f"{dest}")
+    return not differ
+
+
+def set_compile_workers(warm: bool, local_world: int) -> int:
+    """Size Inductor's pool of compile worker processes, unless TORCHINDUCTOR_COMPILE_THREADS does.
+
+    By default every process starts min(32, cores) workers, each importing torch, at its first compile:
+    on a node of N ranks that is N pools fighting over the cores. A warm rank compiles nothing (its
+    kernels load from the cache in-process), so it starts none, and its first step's tracing keeps the
+    CPU; a cold rank gets its share of the cores."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        inductor_config.compile_threads = 1 if warm else max(1, min(32, cores // max(1, local_world)))
+    return inductor_config.compile_threads
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the warmup
+
+
+def _say(msg: str) -> None:
+    print(f"warmup: {msg}", file=sys.stderr, flush=True)
+
+
+def feature_width(shards: list[str]) -> int | None:
+    """K*H as the hidden-state manifests record it (None when no manifest exists yet)."""
+    widths = set()
+    for path in shards:
+        m = manifest_path(path)
+        if m.exists():
+            meta = json.loads(m.read_text())
+            widths.add(int(meta["num_features"]) * int(meta["hidden_size"]))
+    if len(widths) > 1:
+        raise ValueError(f"hidden shards disagree on the feature width: {sorted(widths)}")
+    return widths.pop() if widths else None
+
+
+def random_batch(bucket: int, rows: int, width: int, vocab: int, dtype, generator) -> dict:
+    return {
+        "input_ids": torch.randint(0, vocab, (rows, bucket), generator=generator),
+        "loss_mask": torch.ones(rows, bucket),
+        "hidden": torch.randn(rows, bucket, width, generator=generator).to(dtype),
+        "tokens": rows * bucket,
+        "bucket": bucket,
+    }
+
+
+def warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list[str], out_dir,
+           world: int = 1) -> dict:
+    """Compile (or, with compile: false, only check) the step per bucket; write ARTIFACTS, INDUCTOR_FILES
+    and META. `world`: the training's process count; when it shards the drafter (FSDP), nothing is
+    compiled or run here (its graphs are not the unsharded step's, and one GPU may not hold that step)."""
+    with fresh_inductor_dir() as inductor:
+        return _warmup(cfg, drafter_cfg, target_dir, shards, Path(out_dir), inductor, world)
+
+
+def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, out: Path, inductor: Path,
+            world: int):
+    dev = device()
+    spec = load_spec(target_dir, drafter_cfg)
+    width = spec.num_features * spec.hidden_size
+    stored = feature_width(shards)
+    if stored is not None and stored != width:
+        raise ValueError(f"hidden shards hold {stored} features per token, the drafter expects {width}")
+    key = cache_key(cfg, spec, dev)
+    with torch.device("meta"):  # counted, not allocated
+        params = sum(p.numel() for p in DFlashDrafter(spec).parameters())
+    sharded = parallel_mode(cfg.parallel, params, world, gpu_bytes(dev)) == "fsdp"
+    if sharded:
+        _say(f"training shards the drafter over {world} processes (FSDP); its graphs are not this "
+             "unsharded step's, so nothing is compiled here and every rank compiles")
+    step = None if sharded else build_step(cfg, spec, target_dir, dev)
+    g = torch.Generator().manual_seed(cfg.seed)
+    seconds = {}
+    for bucket in [] if sharded else sorted(set(cfg.buckets)):
+        batch = random_batch(bucket, rows_per_batch(bucket, cfg.batch_tokens), width, spec.vocab_size,
+                             step.amp_dtype or torch.float32, g)
+        anchors, valid = anchors_for(step, batch["loss_mask"], g)
+        t0 = time.perf_counter()
+        loss, _ = forward_backward(step, batch, anchors, valid)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        seconds[bucket] = round(time.perf_counter() - t0, 3)
+        step.model.zero_grad(set_to_none=True)
+        _say(f"bucket {bucket}: fwd+bwd {seconds[bucket]:.1f} s, loss {loss.item():.3f}, "
+             f"caches {cache_counters()}")
+    blob = b""
+    if cfg.compile and not sharded:
+        artifacts = torch.compiler.save_cache_artifacts()
+        blob = artifacts[0] if artifacts is not None else b""
+        _say(f"saved {len(blob)} bytes of compile caches")
+    elif not cfg.compile:
+        _say(f"compile is false; nothing to compile, writing an empty {ARTIFACTS}")
+    with atomic_path(out / ARTIFACTS) as tmp:
+        tmp.write_bytes(blob)
+    files = pack_inductor_dir(inductor, out / INDUCTOR_FILES)  # empty when nothing was compiled
+    meta = {"key": key, "compile": cfg.compile, "fsdp": sharded, "seconds": seconds,
+            "counters": cache_counters(), "artifact_bytes": len(blob), "inductor_files": files,
+            "inductor_bytes": (out / INDUCTOR_FILES).stat().st_size}
+    write_json(out / META, meta)
+    return meta

@@ -1,0 +1,98 @@
+"""Training metrics: the window of summed stats since the last log, the live CSV next to the checkpoints,
+TensorBoard (optional), the progress bar and the final CSV. The logged loss is the weighted mean over all
+ranks and steps since the last log."""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+import torch
+
+from .distributed import Dist, all_sum, log
+from .io import atomic_path, progress
+from .loss import stats_size, summarize
+
+METRIC_KEYS = ["step", "epoch", "loss", "acc"]
+
+
+def metric_fields(block_size: int) -> list[str]:
+    pos = [f"acc_pos_{k}" for k in range(1, block_size)]
+    return METRIC_KEYS + pos + ["sim_tau", "lr", "grad_norm", "tokens_per_s"]
+
+
+def tensorboard(log_dir: Path, step: int, d: Dist):
+    """A TensorBoard writer on rank 0 next to the checkpoints; `purge_step` drops the events a killed
+    run logged after its last checkpoint, as the live CSV does."""
+    if not d.main:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # the tensorboard package is optional: the CSV has every number
+        log(d, "tensorboard not installed; metrics go to CSV only")
+        return None
+    return SummaryWriter(str(log_dir), purge_step=step + 1 if step else None)  # `step` is checkpointed
+
+
+def write_metrics(path, rows: list[dict], fields: list[str]) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+class MetricsLogger:
+    """One run's metrics from `step` on; `rows` and `window` come from the checkpoint on a resume (a
+    resumed window lives on rank 0: the ranks' sum is what counts). close() ends the bar and TensorBoard."""
+
+    def __init__(self, run_dir: Path, d: Dist, block_size: int, step: int, total: int, rows: list[dict],
+                 window: list[float] | None):
+        self.d, self.block_size, self.rows = d, block_size, rows
+        self.fields = metric_fields(block_size)
+        width = stats_size(block_size) + 1  # + tokens
+        self.window = torch.zeros(width, dtype=torch.float64, device=d.device)
+        if window and d.main:
+            self.window += torch.tensor(window, dtype=torch.float64, device=d.device)
+        self.live_csv = run_dir / "metrics.csv"
+        if d.main:
+            # drops the rows a killed run logged after its last checkpoint
+            write_metrics(self.live_csv, rows, self.fields)
+        self.tb = tensorboard(run_dir / "tensorboard", step, d)
+        self.bar = progress(total=total, initial=step, desc="train", unit="step", disable=not d.main)
+        self.t_window = time.perf_counter()
+
+    def add(self, stats: torch.Tensor, tokens: int) -> None:
+        self.window[:-1] += stats.double()
+        self.window[-1] += tokens
+
+    def window_state(self) -> list[float]:
+        """The open window summed over ranks, for a checkpoint (a collective)."""
+        return all_sum(self.window, self.d).tolist()
+
+    def log(self, step: int, epoch: float, lr: float, grad_norm: float) -> dict:
+        """Close the window into a row (a collective): CSV, TensorBoard and the bar on rank 0."""
+        summed = all_sum(self.window, self.d).cpu()
+        dt, self.t_window = time.perf_counter() - self.t_window, time.perf_counter()
+        row = {"step": step, "epoch": epoch, **summarize(summed[:-1], self.block_size), "lr": lr,
+               "grad_norm": grad_norm, "tokens_per_s": float(summed[-1]) / max(dt, 1e-9)}
+        self.rows.append(row)
+        self.window.zero_()
+        if self.d.main:
+            with open(self.live_csv, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self.fields).writerow(row)
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}", refresh=False)
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step":
+                    self.tb.add_scalar(f"train/{k}", v, step)
+            self.tb.flush()
+        return row
+
+    def write(self, path) -> None:
+        write_metrics(path, self.rows, self.fields)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,79 @@
+"""The training step, shared by the loop (train.py) and the compile warmup (compile_cache.py) so both
+compile the same graphs: the drafter, the target's frozen head, and one forward+backward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from .config import DrafterConfig, TrainConfig
+from .io import torch_dtype
+from .loss import block_labels, dflash_loss, loss_normalizer, resolve_attention, sample_anchors
+from .model import DFlashDrafter, DrafterSpec
+from .target import load_target_head, read_target_config
+
+
+@dataclass
+class Step:
+    """Everything one forward+backward needs besides the batch."""
+
+    model: torch.nn.Module  # the drafter, compiled in place, maybe wrapped in DDP
+    spec: DrafterSpec
+    embed: torch.Tensor  # frozen target embedding [V, H]
+    head: torch.Tensor  # frozen target LM head [V, H]
+    gamma: float
+    objective: str  # decay | dpace (train.loss)
+    dpace_alpha: float
+    attention: str  # flex | sdpa
+    max_anchors: int
+    device: torch.device
+    amp_dtype: torch.dtype | None  # autocast dtype (GPU), None: plain float32 (CPU)
+
+
+def load_spec(target_dir, drafter_cfg: DrafterConfig) -> DrafterSpec:
+    read_target_config(target_dir)  # refuses remote code before transformers sees the directory
+    config = AutoConfig.from_pretrained(target_dir)
+    return DrafterSpec.from_target(config, AutoTokenizer.from_pretrained(target_dir), drafter_cfg)
+
+
+def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.device) -> Step:
+    """A seeded fp32 drafter on `device` (compiled in place when cfg.compile) and the target's frozen head."""
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):  # initialized where it runs, not on one CPU core and then moved
+        drafter = DFlashDrafter(spec)
+    if cfg.compile:
+        # one graph per length bucket: dynamic=False keeps shapes static, buckets bound the recompiles
+        drafter.compile(dynamic=False)
+    amp = torch_dtype(cfg.dtype) if device.type == "cuda" and cfg.dtype != "float32" else None
+    embed, head = load_target_head(target_dir)
+    embed, head = (t.to(device, amp or torch.float32) for t in (embed, head))
+    gamma, attention = cfg.loss_gamma(spec.block_size), resolve_attention(cfg.attention, device)
+    return Step(drafter, spec, embed, head, gamma, cfg.loss, cfg.dpace_alpha, attention, cfg.max_anchors,
+                device, amp)
+
+
+def anchors_for(step: Step, loss_mask, generator=None, seeds=None):
+    anchors, valid = sample_anchors(loss_mask, step.max_anchors, step.spec.block_size, generator, seeds)
+    return anchors.to(step.device), valid.to(step.device)
+
+
+def batch_normalizer(step: Step, batch: dict, anchors, valid) -> torch.Tensor:
+    """This micro-batch's share of the loss normalizer (`loss_normalizer`), known before its forward."""
+    ids, mask = (batch[k].to(step.device, non_blocking=True) for k in ("input_ids", "loss_mask"))
+    _, weights, _ = block_labels(ids, mask, anchors, valid, step.spec.block_size, step.gamma)
+    return loss_normalizer(weights, valid, step.objective).double()
+
+
+def forward_backward(step: Step, batch: dict, anchors, valid, normalizer=None):
+    """Loss, backward; returns (detached loss, stats). The optimizer step is the caller's. normalizer:
+    what the summed weighted CE is divided by (None: this batch's own, `loss_normalizer`)."""
+    dev = step.device
+    ids, mask, hidden = (batch[k].to(dev, non_blocking=True) for k in ("input_ids", "loss_mask", "hidden"))
+    with torch.autocast(dev.type, dtype=step.amp_dtype or torch.bfloat16, enabled=step.amp_dtype is not None):
+        loss, stats = dflash_loss(step.model, ids, mask, hidden, anchors, valid, step.embed, step.head,
+                                  step.gamma, step.attention, objective=step.objective,
+                                  dpace_alpha=step.dpace_alpha, normalizer=normalizer)
+    loss.backward()
+    return loss.detach(), stats
