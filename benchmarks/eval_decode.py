@@ -1,8 +1,8 @@
 """Decode tokens/s: target-only greedy decoding vs DFlash speculative decoding, side by side.
 
-Both run evaluate.py's own loops (`target_decode`, `speculative_decode`, `DFlashProposer`) on a
-random-weight target built in-process (no download, no tokenizer: prompts are random token ids, and no
-token ends a sequence), over each of the target's engines in one run: `static` (flashdraft.session:
+Both run evaluation's own loops (flashdraft.speculative: `target_decode`, `speculative_decode`,
+`DFlashProposer`) on a random-weight target built in-process (no download, no tokenizer: prompts are
+random token ids, and no token ends a sequence), over each of the target's engines in one run: `static` (flashdraft.session:
 static KV cache, compiled one-token step and block verify captured as CUDA graphs on a GPU; `modes`)
 and `hf` (the model's own forward over a DynamicCache, the eager loop evaluation ran before;
 `modes_hf`).
@@ -38,8 +38,8 @@ from shapes import QWEN3_8B, TOY
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.config import DrafterConfig
-from flashdraft.evaluate import DFlashProposer, make_session, speculative_decode, target_decode
 from flashdraft.model import DFlashDrafter, DrafterSpec
+from flashdraft.speculative import DFlashProposer, make_session, speculative_decode, target_decode
 from flashdraft.step import kv_bytes_per_token
 
 PRESETS = {

@@ -12,23 +12,17 @@ import pytest
 import torch
 
 from flashdraft.config import DrafterConfig, EvalConfig, ToyConfig
-from flashdraft.evaluate import (
+from flashdraft.evaluate import _row, check_drafter, evaluate, first_mismatch, prompt_ids, summarize
+from flashdraft.speculative import (
     Decoded,
     DFlashProposer,
     NgramProposer,
-    _row,
-    check_drafter,
-    eos_ids,
-    evaluate,
-    first_mismatch,
     make_session,
-    prompt_ids,
     speculative_decode,
-    summarize,
     target_decode,
     verify,
 )
-from flashdraft.target import feature_layer_ids, load_target, select_features
+from flashdraft.target import eos_ids, feature_layer_ids, load_target, select_features
 from flashdraft.toy import build_toy_target, task_conversations
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from flashdraft.config import DrafterConfig, ToyConfig, target_layer_ids
-from flashdraft.evaluate import DFlashProposer, make_session, prompt_ids, speculative_decode, target_decode
+from flashdraft.evaluate import prompt_ids
 from flashdraft.loss import dflash_loss, sample_anchors
 from flashdraft.model import DFlashDrafter, DraftCache, DrafterSpec, export_drafter
+from flashdraft.speculative import DFlashProposer, make_session, speculative_decode, target_decode
 from flashdraft.target import eos_ids, load_target, select_features
 from flashdraft.toy import build_toy_target, task_conversations
 

@@ -31,7 +31,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir as _inductor_cache
 from .batches import rows_per_batch
 from .config import COMPILED_TRAIN_KEYS, DrafterConfig, TrainConfig
 from .distributed import Dist, gpu_bytes, log, parallel_mode
-from .hidden import manifest_path
+from .hidden import ShardMeta, manifest_path
 from .io import atomic_path, device, write_json
 from .loss import resolve_attention
 from .model import DFlashDrafter, DrafterSpec
@@ -184,8 +184,7 @@ def feature_width(shards: list[str]) -> int | None:
     for path in shards:
         m = manifest_path(path)
         if m.exists():
-            meta = json.loads(m.read_text())
-            widths.add(int(meta["num_features"]) * int(meta["hidden_size"]))
+            widths.add(ShardMeta.from_dict(json.loads(m.read_text())).width)
     if len(widths) > 1:
         raise ValueError(f"hidden shards disagree on the feature width: {sorted(widths)}")
     return widths.pop() if widths else None
