@@ -2,10 +2,10 @@
 
 Both run evaluation's own loops (flashdraft.speculative: `target_decode`, `speculative_decode`,
 `DFlashProposer`) on a random-weight target built in-process (no download, no tokenizer: prompts are
-random token ids, and no token ends a sequence), over each of the target's engines in one run: `static` (flashdraft.session:
-static KV cache, compiled one-token step and block verify captured as CUDA graphs on a GPU; `modes`)
-and `hf` (the model's own forward over a DynamicCache, the eager loop evaluation ran before;
-`modes_hf`).
+random token ids, and no token ends a sequence), over each of the target's engines in one run:
+`static` (flashdraft.session: static KV cache, compiled one-token step and block verify captured as
+CUDA graphs on a GPU; `modes`) and `hf` (the model's own forward over a DynamicCache, the eager loop
+evaluation ran before; `modes_hf`).
 
 Random weights make the drafter's acceptance meaningless (tau ~ 1), so an oracle mode also runs: the real
 drafter drafts (its cost is paid) but the proposal is the target's greedy continuation as the verify
