@@ -11,6 +11,7 @@ The final file is the parts in prompt order.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -19,7 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from http.client import HTTPException
 from pathlib import Path
 
@@ -247,22 +248,34 @@ def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float
     if os.environ.get(cfg.api_key_env or ""):
         headers["Authorization"] = f"Bearer {os.environ[cfg.api_key_env]}"
     parts.flush_s, gave_up = FLUSH_S, []
+    # at most `concurrency` requests in flight, the next sent only once one returns: when the
+    # errors pass the limit, nothing more goes out than what is already in flight
+    todo, running = iter(pending), set()
     ex = ThreadPoolExecutor(cfg.concurrency)
+
+    def send(n):
+        for r in itertools.islice(todo, n):
+            running.add(ex.submit(_ask, r, url, headers, cfg, cfg.model or target, count))
+
     try:
-        futures = [ex.submit(_ask, r, url, headers, cfg, cfg.model or target, count) for r in pending]
-        for f in as_completed(futures):
-            row, commit = f.result()
-            if commit:
-                parts.add([row])
-            else:
-                gave_up.append(row)
-            bar.update(1)
-            errors += row["error"] is not None
+        send(cfg.concurrency)
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            running -= done
+            for f in done:
+                row, commit = f.result()
+                if commit:
+                    parts.add([row])
+                else:
+                    gave_up.append(row)
+                bar.update(1)
+                errors += row["error"] is not None
             if errors > max_errors:
                 log(f"regenerate: {errors} failed rows, more than the stage tolerates; stopping")
                 break
+            send(len(done))
     finally:
-        ex.shutdown(cancel_futures=True)  # unsent requests are dropped; in-flight ones run out
+        ex.shutdown(cancel_futures=True)  # in-flight requests run out
     return gave_up
 
 
