@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -42,8 +41,9 @@ def test_processes_wait_for_a_free_gpu_and_locks_die_with_them(tmp_path):
             assert g1 != g2 or e1 <= s2 or e2 <= s1
     # A killed holder leaves no stale lock: the kernel drops flocks with the process.
     holder = subprocess.Popen(LEASE + ["--gpus", "2", "--pool", "0,1", "--lock-dir", str(tmp_path), "--",
-                                       sys.executable, "-c", "import time; time.sleep(60)"], env=env)
-    time.sleep(1.5)
+                                       sys.executable, "-c", "import time; print('held', flush=True); "
+                                       "time.sleep(60)"], stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout.readline().strip() == "held"  # the command runs only once both GPUs are its
     holder.kill(), holder.wait()
     lease = Lease(2, tmp_path, pool=["0", "1"], poll_s=0.05, timeout_s=10)
     assert lease.acquire() == ["0", "1"]

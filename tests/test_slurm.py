@@ -123,11 +123,16 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def sacct(cluster, *args) -> list[list[str]]:
-    """sacct rows (parsable), after slurmdbd has taken the last job's end."""
-    time.sleep(2)
-    out = cluster.run("sacct", "-a", "-n", "-P", "-S", "2000-01-01", *args).stdout
-    return [line.split("|") for line in out.splitlines() if line]
+def sacct(cluster, *args, timeout: float = 60) -> list[list[str]]:
+    """sacct rows (parsable), once slurmdbd has taken every listed job's end (State is the last field)."""
+    end = time.monotonic() + timeout
+    while True:
+        out = cluster.run("sacct", "-a", "-n", "-P", "-S", "2000-01-01", *args).stdout
+        rows = [line.split("|") for line in out.splitlines() if line]
+        settled = rows and not any(r[-1].split()[0] in ("PENDING", "RUNNING", "COMPLETING") for r in rows)
+        if settled or time.monotonic() > end:
+            return rows
+        time.sleep(0.5)
 
 
 def test_two_nodes_one_rendezvous_train_on_the_cpu(cluster, tmp_path):
