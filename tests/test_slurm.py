@@ -129,7 +129,7 @@ def sacct(cluster, *args, timeout: float = 60) -> list[list[str]]:
     while True:
         out = cluster.run("sacct", "-a", "-n", "-P", "-S", "2000-01-01", *args).stdout
         rows = [line.split("|") for line in out.splitlines() if line]
-        settled = rows and not any(r[-1].split()[0] in ("PENDING", "RUNNING", "COMPLETING") for r in rows)
+        settled = rows and not any(r[-1].startswith(("PENDING", "RUNNING", "COMPLETING")) for r in rows)
         if settled or time.monotonic() > end:
             return rows
         time.sleep(0.5)
