@@ -85,6 +85,17 @@ def test_reference_loads_our_export_strictly(setup):
     assert all(torch.equal(v, ours[k]) for k, v in ref.state_dict().items())
 
 
+def reference_block(ref, model, context, anchor: int, size: int, mask_id: int):
+    """The reference drafter's logits for the block [anchor, MASK x (size-1)] after `context` features."""
+    block = torch.full((1, size), mask_id)
+    block[0, 0] = anchor
+    positions = torch.arange(context.shape[1] + size)[None]
+    with torch.no_grad():
+        out = ref(target_hidden=context, noise_embedding=model.get_input_embeddings().weight[block],
+                  position_ids=positions)
+        return ref.compute_logits(out[:, 1:], model.get_output_embeddings())[0]
+
+
 def test_reference_drafts_our_logits(setup):
     model, _, spec, drafter, ref, _, _, sequences = setup
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
@@ -94,12 +105,7 @@ def test_reference_drafts_our_logits(setup):
     features = select_features(hs, spec.target_layer_ids)
     for s in (5, len(seq) - B):  # the anchor seq[s] after a context of s verified tokens
         for size in (B, 3):  # a full block, and a last one shortened by the cap
-            block = torch.full((1, size), spec.mask_token_id)
-            block[0, 0] = seq[s]
-            with torch.no_grad():
-                out = ref(target_hidden=features[:, :s], noise_embedding=embed[block],
-                          position_ids=torch.arange(s + size)[None])
-                theirs = ref.compute_logits(out[:, 1:], model.get_output_embeddings())[0]
+            theirs = reference_block(ref, model, features[:, :s], seq[s], size, spec.mask_token_id)
             # the evaluator's path: context and block projected apart, as the reference projects them
             # (one matmul over both can round differently in the last bit)
             ours = drafter.predict_block_cached(features[:, :s], seq[s], embed, head, DraftCache(), s, size)
@@ -125,12 +131,8 @@ def test_reference_loads_a_windowed_export_and_drafts_our_logits(setup, tmp_path
         hs = model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
     features = select_features(hs, spec.target_layer_ids)
     s = len(seq) - B  # a context well past the window
-    block = torch.full((1, B), spec.mask_token_id)
-    block[0, 0] = seq[s]
+    theirs = reference_block(ref, model, features[:, :s], seq[s], B, spec.mask_token_id)
     with torch.no_grad():
-        out = ref(target_hidden=features[:, :s], noise_embedding=embed[block],
-                  position_ids=torch.arange(s + B)[None])
-        theirs = ref.compute_logits(out[:, 1:], model.get_output_embeddings())[0]
         full = drafter.predict_block(features[:, :s], seq[s], embed, head)
     cached = drafter.predict_block_cached(features[:, :s], seq[s], embed, head, DraftCache(), s)
     torch.testing.assert_close(cached, theirs, atol=1e-5, rtol=1e-5)
