@@ -32,20 +32,14 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from .io import STORAGE_DTYPES, atomic_path, log, torch_dtype, write_json
+from .io import FP8, STORAGE_DTYPES, atomic_path, bytes_per_token, log, torch_dtype, write_json
 
 FORMAT = "flashdraft.hidden/1"
-FP8 = "float8_e4m3"
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def storage_dtype(name: str) -> torch.dtype:
     return torch_dtype(name, STORAGE_DTYPES, "hidden.dtype")
-
-
-def bytes_per_token(dtype: str, width: int) -> int:
-    """Bytes one token takes in a shard: K*H features (+ an fp32 scale for fp8), int32 id, int8 mask."""
-    return width * storage_dtype(dtype).itemsize + (4 if dtype == FP8 else 0) + 5
 
 
 def hidden_bytes(tokens: int, dtype: str, width: int) -> int:

@@ -1,20 +1,17 @@
 """Small shared I/O helpers: atomic writes, progress bars, the log line, dtype names (and CPU means
-float32), device choice."""
+float32), bytes per hidden-state token, byte sizes as config strings ("2TB") and back, device choice."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
 import uuid
 from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from .errors import disk_full, disk_full_error
 
@@ -24,6 +21,44 @@ TORCH_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16
                "float8_e4m3": "float8_e4m3fn"}
 DTYPES = ("float32", "bfloat16", "float16")  # what a model runs in: target.dtype, train.dtype
 STORAGE_DTYPES = ("bfloat16", "float32", "float8_e4m3")  # what a hidden-state shard stores: hidden.dtype
+FP8 = "float8_e4m3"
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float8_e4m3": 1}  # bytes of one stored value
+
+
+def bytes_per_token(dtype: str, width: int) -> int:
+    """Bytes one token takes in a hidden-state shard: K*H features (+ an fp32 scale for fp8), int32 id,
+    int8 mask. Without torch, so the config and the plan can size chunks and disks."""
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"hidden.dtype {dtype!r} is not supported; use one of {sorted(STORAGE_DTYPES)}")
+    return width * ITEMSIZE[dtype] + (4 if dtype == FP8 else 0) + 5
+
+
+# "2TB", "500 GB", "1.5TiB", "2e12", "4096": decimal units are powers of 1000, binary (KiB..) of 1024
+_UNITS = {"": 1, "b": 1, **{f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgtp")},
+          **{f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgtp")}}
+_SIZE = re.compile(r"\s*(\d+\.?\d*(?:e[+-]?\d+)?|\.\d+(?:e[+-]?\d+)?)\s*([kmgtp]i?b|b)?\s*", re.IGNORECASE)
+
+
+def parse_bytes(value, key: str = "size") -> int:
+    """Bytes from an int or a string such as "2TB", "500GB", "1.5TiB" or "2e12" (whole bytes, rounded
+    down); anything else is a ValueError naming `key`."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    m = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    if not m:
+        raise ValueError(f"{key}: {value!r} is not a size; give bytes (an integer >= 0) or a string such "
+                         "as 2TB, 500GB, 1.5TiB or 2e12")
+    from decimal import Decimal
+
+    return int(Decimal(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in decimal units, three significant digits: 2.05 TB, 500 GB, 12 B."""
+    for unit, size in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 @contextlib.contextmanager
@@ -57,6 +92,9 @@ def write_json(path, obj) -> None:
 
 def write_parquet(table, path) -> None:
     """Write a pyarrow Table or pandas DataFrame atomically."""
+    import pyarrow as pa  # here, not above: the config parses sizes with this module, and stays light
+    import pyarrow.parquet as pq
+
     if not isinstance(table, pa.Table):
         table = pa.Table.from_pandas(table, preserve_index=False)
     with atomic_path(path) as tmp:
@@ -65,6 +103,8 @@ def write_parquet(table, path) -> None:
 
 def progress(iterable=None, **kwargs):
     """tqdm with rate and ETA; in log files (no TTY) it prints a line every 10 s instead of redrawing."""
+    from tqdm import tqdm
+
     tty = sys.stderr.isatty()
     kwargs.setdefault("mininterval", 0.5 if tty else 10.0)
     kwargs.setdefault("dynamic_ncols", tty)
