@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UserError
+from .io import bytes_per_token, parse_bytes
 
 
 @dataclass
@@ -111,6 +112,12 @@ class HiddenConfig:
     dtype: str = "bfloat16"  # hidden-state storage: bfloat16 | float32 | float8_e4m3 (per-token scale)
     batch_tokens: int = 16384  # token budget of one forward batch
     disk_margin: float = 0.1  # preflight: free space must exceed the estimated bytes by this fraction
+    mode: str = "store"  # store: every epoch's hidden states on disk | stream: a ring of 2 chunks
+    disk_budget: int = 0  # bytes of hidden states on disk at once (stream); "2TB" etc. accepted; 0: unset
+    chunk_tokens: int = 0  # hidden-state tokens per chunk (stream); 0: from disk_budget
+
+    def __post_init__(self):
+        self.disk_budget = parse_bytes(self.disk_budget, "config key hidden.disk_budget")
 
 
 @dataclass
@@ -228,9 +235,10 @@ def _dataclass_type(tp) -> type | None:
     return None
 
 
-def check(cfg: Config) -> list[str]:
-    """What needs only the config and the target's config.json, checked before any job runs: raises a
-    UserError naming the key; returns warnings."""
+def check(cfg: Config, target: dict | None = None) -> list[str]:
+    """What needs only the config and the target's config.json (`target`: that file's contents, when it
+    is not at target.path yet), checked before any job runs: raises a UserError naming the key; returns
+    warnings."""
     from .target import read_target_config, target_num_layers  # target imports this module
 
     p = cfg.prompts
@@ -240,7 +248,10 @@ def check(cfg: Config) -> list[str]:
             "every prompt; make min_chars <= max_chars"
         )
     # the toy target is built later, from toy.num_layers
-    n = cfg.toy.num_layers if cfg.target.build_toy else target_num_layers(read_target_config(cfg.target.path))
+    if cfg.target.build_toy:
+        n = cfg.toy.num_layers
+    else:
+        n = target_num_layers(target if target is not None else read_target_config(cfg.target.path))
     if n:
         feature_layers(n, cfg.drafter)
     t, world = cfg.train, max(1, cfg.gpus.drafter) * cfg.gpus.drafter_nodes
@@ -264,6 +275,23 @@ def check(cfg: Config) -> list[str]:
             "(prompts.total): some shards will be empty; lower hidden.shards"
         )
     return warnings
+
+
+def stream_chunk_tokens(hidden: HiddenConfig, width: int) -> int:
+    """Hidden-state tokens per chunk in stream mode: hidden.chunk_tokens, else what half of
+    hidden.disk_budget holds (two chunks are on disk at once: one trains while the next is written).
+    `width`: values stored per token (K fused layers x H)."""
+    if hidden.chunk_tokens:
+        return hidden.chunk_tokens
+    if not hidden.disk_budget:
+        raise UserError("config key hidden.disk_budget: stream mode needs the bytes of hidden states allowed "
+                        "on disk at once (e.g. 2TB), or hidden.chunk_tokens")
+    per_token = bytes_per_token(hidden.dtype, width)
+    tokens = hidden.disk_budget // (2 * per_token)
+    if tokens < 1:
+        raise UserError(f"config key hidden.disk_budget: {hidden.disk_budget} bytes do not hold two tokens "
+                        f"of hidden states ({per_token} bytes each); give at least {2 * per_token}")
+    return tokens
 
 
 def load_section(cls, text: str | None, where: str):
