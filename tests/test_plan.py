@@ -175,3 +175,147 @@ def test_precompute_preflight_refuses_with_the_plans_estimate(tmp_path, dtype):
     width = P.hidden_width(cfg, P.target_shapes(cfg))
     assert need == int(P.hidden_disk(tokens, width)[dtype] * (1 + hidden.disk_margin))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2TB", 2 * 10**12), ("500GB", 500 * 10**9), ("1.5TiB", 3 * 2**39), ("2e12", 2 * 10**12),
+    (" 64 kib ", 65536), ("4096", 4096), ("1.1TB", 1_100_000_000_000), (7, 7),
+])
+def test_parse_bytes_reads_sizes_as_the_schema_does(text, expected):
+    from flashdraft.io import parse_bytes
+
+    assert parse_bytes(text) == expected
+    assert HiddenConfig(disk_budget=text).disk_budget == expected
+    if isinstance(text, str):
+        schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+        assert re.search(schema["properties"]["hidden"]["properties"]["disk_budget"]["pattern"], text)
+
+
+@pytest.mark.parametrize("bad", ["2 TBs", "-1", "TB", "", "1e", "5K", -3, 1.5, True])
+def test_a_bad_size_is_an_error_naming_the_key(bad):
+    from flashdraft.io import parse_bytes
+
+    with pytest.raises(ValueError, match="config key hidden.disk_budget"):
+        HiddenConfig(disk_budget=bad)
+    with pytest.raises(ValueError, match="--disk-budget"):
+        parse_bytes(bad, "--disk-budget")
+    if isinstance(bad, str):
+        schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+        assert not re.search(schema["properties"]["hidden"]["properties"]["disk_budget"]["pattern"], bad)
+
+
+def test_stream_chunk_tokens_from_the_budget_or_the_key():
+    from flashdraft.config import stream_chunk_tokens
+    from flashdraft.hidden import storage_dtype
+    from flashdraft.io import STORAGE_DTYPES, bytes_per_token
+
+    for dtype in STORAGE_DTYPES:  # the torch-free arithmetic is torch's itemsize
+        scale = 4 if dtype == FP8 else 0
+        assert bytes_per_token(dtype, 10) == 10 * storage_dtype(dtype).itemsize + scale + 5
+    width = 5 * 4096
+    per_token = bytes_per_token(FP8, width)
+    budget = HiddenConfig(dtype=FP8, disk_budget="2TB")
+    assert stream_chunk_tokens(budget, width) == 2 * 10**12 // (2 * per_token)
+    assert stream_chunk_tokens(HiddenConfig(dtype=FP8, disk_budget="2TB", chunk_tokens=1000), width) == 1000
+    with pytest.raises(UserError, match="config key hidden.disk_budget"):
+        stream_chunk_tokens(HiddenConfig(mode="stream"), width)
+
+
+def test_pipeline_waits_for_the_slower_side_and_the_ring():
+    assert P.pipeline_seconds([2, 2, 2], [1, 1, 1]) == 2 + 2 + 2 + 1  # precompute-bound: + the drain
+    assert P.pipeline_seconds([1, 1, 1], [3, 3, 3]) == 1 + 3 + 3 + 3  # training-bound: the fill +
+    # chunk 2's shards wait for chunk 0's training (two chunks on disk): 11 + 5, then its training
+    assert P.pipeline_seconds([1, 1, 5], [10, 1, 1]) == 17
+
+
+def test_both_modes_and_the_recommendation_on_production():
+    cfg = P.load(PRODUCTION, target=QWEN3_8B)  # production's target.path does not exist here
+    p = P.plan(cfg, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
+    store, stream, tok = p["modes"]["store"], p["modes"]["stream"], p["tokens"]
+    per_token = 5 * 4096 + 9  # fp8
+    assert store.peak_disk == p["hidden_bytes"][FP8] == tok.total * per_token
+    assert store.wall_hours == pytest.approx(p["total_hours"])
+    assert store.split == P.Split(cfg.gpus.target, cfg.gpus.drafter)
+
+    c = stream.chunks
+    assert c.cap == 2 * 10**12 // (2 * per_token)
+    assert c.step_tokens == cfg.train.global_batch_tokens
+    assert max(c.sizes) == c.cap // c.step_tokens * c.step_tokens
+    assert sum(c.sizes) == cfg.train.epochs * tok.total and c.per_epoch == -(-tok.total // max(c.sizes))
+    assert stream.peak_disk == 2 * max(c.sizes) * per_token <= 2 * 10**12
+    rate = P.RATES[f"precompute_{FP8}"].value
+    assert stream.hours["precompute"] == pytest.approx(sum(c.sizes) / (cfg.gpus.target * rate) / 3600)
+    busy = stream.hours["training"] + stream.hours["start-up and checkpoints"]
+    pre = stream.hours["precompute"]
+    assert max(busy, pre) < stream.hours["pipeline"] < busy + pre
+    assert stream.wall_hours == pytest.approx(stream.hours["regeneration"] + stream.hours["pipeline"]
+                                              + stream.hours["evaluation"])
+    # each chunk job starts: the measured launch, a checkpoint load and its saves
+    assert c.startup_s > P.RATES["train_launch"].value + p["load_s"] + p["save_s"]
+
+    rec = p["recommendation"]
+    splits = {(m.mode, m.split.target + m.split.drafter) for m in rec.candidates}
+    assert splits == {("store", 16), ("stream", 8)}
+    fits = [m for m in rec.candidates if m.peak_disk <= 2 * 10**12]
+    assert "store" not in {m.mode for m in fits} and rec.best.wall_hours == min(m.wall_hours for m in fits)
+    assert rec.floor_hours == pytest.approx(rec.best.gpu_hours / 8) and rec.floor_hours < rec.best.wall_hours
+    # with disk for store mode, every stage on all 8 GPUs one after another beats the pipeline
+    roomy = P.plan(cfg, "no-results", gpus=8, budget=20 * 10**12, target=QWEN3_8B)["recommendation"]
+    assert roomy.best.mode == "store" and roomy.best.split == P.Split(8, 8)
+
+
+def test_plan_command_writes_both_modes_and_refuses_a_budget_nothing_fits(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = plan_cli("--configfile", PRODUCTION, "--gpus", 8, "--target-config", "qwen3-8b", "--json", out,
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(out.read_text())
+    assert set(s) == {"store", "stream", "recommended", "floor_hours", "floor_fraction"}
+    assert set(s["store"]) == set(s["stream"]) == {"wall_hours", "peak_disk_tb"}
+    assert set(s["recommended"]) == {"mode", "gpus", "wall_hours", "peak_disk_tb"}
+    assert set(s["recommended"]["gpus"]) == {"target", "drafter"}
+    assert 0 < s["floor_fraction"] <= 1 and s["recommended"]["peak_disk_tb"] <= 2
+    recommended = r"^recommended: hidden\.mode \w+, gpus\.target \d, gpus\.drafter \d: "
+    assert re.search(recommended, proc.stdout, re.M)
+    assert "| pipeline: precompute and training at once |" in proc.stdout
+
+    proc = plan_cli("--configfile", PRODUCTION, "--gpus", 8, "--target-config", "qwen3-8b",
+                    "--disk-budget", "1GB", cwd=tmp_path)
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert "config key hidden.disk_budget: 1 GB (--disk-budget) fits no plan on 8 GPUs" in line, line
+    assert "one optimizer step" in line
+    bad = with_keys(tmp_path, PRODUCTION, hidden__disk_budget="2 TBs")
+    proc = plan_cli("--configfile", bad, "--target-config", "qwen3-8b", cwd=tmp_path)
+    assert proc.returncode == 1 and "config key hidden.disk_budget" in proc.stderr
+
+
+def test_results_of_another_target_are_ignored(tmp_path):
+    cfg = P.load(EMBEDDED)
+    r = tmp_path / "results"
+    (r / "prompts").mkdir(parents=True)
+    stats = {"totals": {"sampled_train": 300, "sampled_eval": 9}, "requested_train": cfg.prompts.total}
+    (r / "prompts" / "stats.json").write_text(json.dumps(stats))
+    (r / "hidden").mkdir()
+    for i in range(cfg.hidden.shards):
+        manifest = {"tokens": 1000 + i, "target": cfg.target.path}
+        (r / "hidden" / f"shard-{i:05d}.json").write_text(json.dumps(manifest))
+    tok = P.token_stats(cfg, r)
+    assert (tok.samples, tok.total) == (300, 2001) and not any("IGNORED" in n for n in tok.notes)
+
+    (r / "hidden" / "shard-00000.json").write_text(json.dumps({"tokens": 5, "target": "models/Other"}))
+    tok = P.token_stats(cfg, r)
+    assert tok.samples == cfg.prompts.total and tok.total != 2001
+    assert any(n.startswith("IGNORED") and "models/Other" in n for n in tok.notes)
+
+    (r / "hidden" / "shard-00000.json").unlink()  # the target matches again; the prompts asked for differ
+    (r / "prompts" / "stats.json").write_text(json.dumps({**stats, "requested_train": 5}))
+    tok = P.token_stats(cfg, r)
+    assert tok.samples == cfg.prompts.total and any("prompts.total 5" in n for n in tok.notes)
+
+
+def test_target_config_preset_is_qwen3_8b():
+    shapes = P.read_shapes("qwen3-8b")
+    assert {k: shapes[k] for k in P.REFERENCE_TARGET} == P.REFERENCE_TARGET
+    with pytest.raises(UserError, match="no such file, nor a preset"):
+        P.read_shapes("nope")
