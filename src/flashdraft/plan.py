@@ -718,8 +718,8 @@ def describe_chunks(m: ModePlan) -> str:
     return (f"chunks of <= {c.cap:,} hidden-state tokens ({c.source}), {c.cap // c.step_tokens:,} optimizer "
             f"steps of {c.step_tokens:,} tokens; {c.per_epoch} per epoch, {len(c.sizes)} in all. A full "
             f"chunk: precompute {c.precompute_s:,.0f} s on {max(1, m.split.target)} GPU(s), training "
-            f"{c.train_s:,.0f} s on {m.gpus['training']} + {c.startup_s:.0f} s for its job's launch to first "
-            f"step, checkpoint load and saves; the slower side: {slower}")
+            f"{c.train_s:,.0f} s on {m.gpus['training']} GPU(s) + {c.startup_s:.0f} s for its job's launch "
+            f"to first step, checkpoint load and saves; the slower side: {slower}")
 
 
 def render_recommendation(r: Recommendation) -> list[str]:
