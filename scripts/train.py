@@ -17,6 +17,7 @@ import sys
 
 from flashdraft.config import DrafterConfig, TrainConfig, load_section
 from flashdraft.errors import cli
+from flashdraft.io import write_json
 from flashdraft.train import train
 
 
@@ -28,20 +29,37 @@ def main(argv=None):
     p.add_argument("--target", required=True, help="HF model directory of the target")
     p.add_argument("--compile-cache", default=None, help="the warmup's directory (artifacts.bin, meta.json)")
     p.add_argument("--checkpoints", required=True, help="resumable state goes to <this>/<run key>/")
-    p.add_argument("--metrics", required=True, help="final metrics CSV")
-    p.add_argument("--out", required=True, help="export directory of the trained drafter")
+    p.add_argument("--metrics", default=None, help="final metrics CSV (not with --chunk)")
+    p.add_argument("--out", default=None, help="export directory of the trained drafter (not with --chunk)")
     p.add_argument("--stop-at", type=int, default=None,
                    help="save a checkpoint after this step and exit without exporting (simulated preemption)")
-    p.add_argument("shards", nargs="+", help="hidden-state shards (.arrow)")
+    p.add_argument("--plan", default=None,
+                   help="stream mode: the data plan's directory; the shards then hold --chunk's samples")
+    p.add_argument("--chunk", default=None,
+                   help="stream mode: train this chunk of the plan (epoch-EEE/chunk-CCCCC); without: export")
+    p.add_argument("--done", default=None, help="stream mode: the chunk's summary (JSON) once it has trained")
+    p.add_argument("shards", nargs="*", help="hidden-state shards (.arrow)")
     args = p.parse_args(argv)
+    if not args.shards and (args.plan is None or args.chunk is not None):
+        p.error("no hidden-state shards given")
+    if args.chunk is None and not (args.metrics and args.out):
+        p.error("--metrics and --out are needed to export the drafter")
     cfg = load_section(TrainConfig, args.cfg, "train")
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
     result = train(cfg, drafter_cfg, args.target, args.shards, args.checkpoints, args.metrics, args.out,
-                   compile_cache=args.compile_cache, stop_at=args.stop_at)
+                   compile_cache=args.compile_cache, stop_at=args.stop_at, plan=args.plan, chunk=args.chunk)
     if result["stopped"]:
         sys.exit(128 + result["signal"] if result["signal"] else 0)  # stopped by a signal: not finished
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(json.dumps({**result["rows"][-1], "compile_cache": result["compile_cache"]}))
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    if "chunk" in result:
+        summary = {k: result[k] for k in ("chunk", "step", "first_step_done_s", "seconds", "compile_cache")}
+        if args.done:
+            write_json(args.done, summary)
+        print(json.dumps(summary))
+    else:
+        last = result["rows"][-1] if result["rows"] else {}
+        print(json.dumps({**last, "compile_cache": result["compile_cache"]}))
 
 
 if __name__ == "__main__":

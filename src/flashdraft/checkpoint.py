@@ -19,15 +19,19 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from .config import DrafterConfig, TrainConfig, to_json
 from .distributed import Dist, barrier
+from .errors import UserError
 from .hidden import manifest_path
 from .io import atomic_path
 
 
-def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str]) -> str:
-    """Short hash of both configs and the shard manifests: a changed config never resumes an old run."""
+def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str], plan: str | None = None) -> str:
+    """Short hash of both configs and the data (the shard manifests, or in stream mode the data plan's
+    fingerprint): a changed config or data set never resumes an old run."""
     same_run = {k: v for k, v in asdict(cfg).items() if k != "parallel"}  # DDP and FSDP resume each other
     h = hashlib.sha256((json.dumps(same_run, sort_keys=True) + to_json(drafter_cfg)).encode())
-    for path in shards:
+    if plan is not None:
+        h.update(f"plan {plan}".encode())
+    for path in shards if plan is None else []:
         m = manifest_path(path)
         h.update(m.read_bytes() if m.exists() else str(Path(path).stat().st_size).encode())
     return h.hexdigest()[:12]
@@ -36,6 +40,38 @@ def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str]) -> 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first (an interrupted save leaves only a `.tmp-*` sibling)."""
     return sorted(p for p in run_dir.glob("step-*") if (p / "state.json").exists())
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
+def chunk_resume_point(run_dir: Path, start: int, end: int) -> Path | None:
+    """Where the training of a chunk of steps [start, end) begins: the latest checkpoint inside it (an
+    attempt that was stopped or killed), else the one at `start` (None at step 0). Then the checkpoints
+    after it are removed: they belong to a run of this chunk and later ones that is being redone (a
+    completed chunk keeps only its end, see prune_chunk). Rank 0 alone calls it."""
+    found = checkpoint_dirs(run_dir)
+    inside = [p for p in found if start < checkpoint_step(p) < end]
+    at = inside[-1] if inside else next((p for p in found if checkpoint_step(p) == start), None)
+    if at is None and start > 0:
+        kept = ", ".join(str(checkpoint_step(p)) for p in found) or "none"
+        raise UserError(f"no checkpoint at step {start} in {run_dir} (kept: {kept}) to train steps "
+                        f"{start}..{end} from: train.keep_checkpoints removed it, or the previous chunk did "
+                        "not finish; rerun from an earlier chunk (snakemake --forcerun on its train_chunk "
+                        "output) or raise train.keep_checkpoints")
+    for p in found:
+        if checkpoint_step(p) > (checkpoint_step(at) if at else 0):
+            shutil.rmtree(p, ignore_errors=True)
+    return at
+
+
+def prune_chunk(run_dir: Path, start: int, end: int) -> None:
+    """A finished chunk keeps its end only: the next chunk starts there, and chunk_resume_point reads a
+    checkpoint inside a chunk as an attempt of that chunk that did not finish."""
+    for p in checkpoint_dirs(run_dir):
+        if start < checkpoint_step(p) < end:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def full_state(drafter, optimizer, sharded: bool) -> tuple[dict, dict]:

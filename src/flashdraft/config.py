@@ -277,6 +277,10 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
     return warnings
 
 
+# Stream mode keeps this many chunks' hidden states on disk at once: one trains while the next is written.
+STREAM_RING = 2
+
+
 def stream_chunk_tokens(hidden: HiddenConfig, width: int) -> int:
     """Hidden-state tokens per chunk in stream mode: hidden.chunk_tokens, else what half of
     hidden.disk_budget holds (two chunks are on disk at once: one trains while the next is written).
@@ -287,10 +291,10 @@ def stream_chunk_tokens(hidden: HiddenConfig, width: int) -> int:
         raise UserError("config key hidden.disk_budget: stream mode needs the bytes of hidden states allowed "
                         "on disk at once (e.g. 2TB), or hidden.chunk_tokens")
     per_token = bytes_per_token(hidden.dtype, width)
-    tokens = hidden.disk_budget // (2 * per_token)
+    tokens = hidden.disk_budget // (STREAM_RING * per_token)
     if tokens < 1:
         raise UserError(f"config key hidden.disk_budget: {hidden.disk_budget} bytes do not hold two tokens "
-                        f"of hidden states ({per_token} bytes each); give at least {2 * per_token}")
+                        f"of hidden states ({per_token} bytes each); give at least {STREAM_RING * per_token}")
     return tokens
 
 

@@ -428,6 +428,10 @@ class HiddenStore:
     def num_tokens(self, i: int) -> int:
         return int(self.lengths[i])
 
+    def ids(self) -> list[str]:
+        """Every sample's id, in index order."""
+        return [sid for batches in self._batches for b in batches for sid in b.column("id").to_pylist()]
+
     def _column(self, s: int, batch, r: int, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Row r of a large_binary column as a tensor over the mapped file (no copy)."""
         col = batch.column(name)

@@ -255,10 +255,19 @@ def precompute_shard(
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
     model, tokenizer = load_target(str(target_path), dtype, device())
+    samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards,
+                                                 hidden_cfg.max_length)
+    counts = {"shard": shard, "num_shards": num_shards, "truncated": truncated, "skipped": skipped}
+    return write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg, drafter_cfg,
+                        desc=f"hidden shard {shard}/{num_shards}", counts=counts, manifest=manifest)
+
+
+def write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg: HiddenConfig,
+                 drafter_cfg: DrafterConfig, desc: str, counts: dict, manifest=None) -> dict:
+    """Forward `samples` [(id, input_ids, loss_mask)] through the loaded target and write the drafter's
+    features to the shard `out_arrow` and its manifest (which adds `counts`); returns the manifest."""
     layer_ids = feature_layer_ids(model.config, drafter_cfg)
     hidden_size = model.config.hidden_size
-    max_length = hidden_cfg.max_length
-    samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards, max_length)
     lengths = [len(s[1]) for s in samples]
     preflight(sum(lengths), hidden_cfg.dtype, len(layer_ids) * hidden_size, Path(out_arrow).parent,
               hidden_cfg.disk_margin)
@@ -266,11 +275,9 @@ def precompute_shard(
 
     meta = ShardMeta(target=str(target_path), target_layer_ids=layer_ids, hidden_size=hidden_size,
                      dtype=hidden_cfg.dtype)
-    writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id,
-                         desc=f"hidden shard {shard}/{num_shards}")
+    writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id, desc=desc)
     t = writer.timing
-    log(f"hidden shard {shard}: {writer.tokens} tokens in {t['seconds']:.1f} s "
+    log(f"{desc}: {writer.tokens} tokens in {t['seconds']:.1f} s "
         f"({writer.tokens / max(t['seconds'], 1e-9):.0f} tok/s); the forward waited "
         f"{t['waited_on_writer_s']:.1f} s on the writer thread, which was busy {t['writer_busy_s']:.1f} s")
-    counts = {"shard": shard, "num_shards": num_shards, "truncated": truncated, "skipped": skipped}
     return write_manifest(manifest or manifest_path(out_arrow), writer, **counts)

@@ -36,7 +36,7 @@ from .batches import (
     step_batches,
     steps_left,
 )
-from .checkpoint import Checkpointer, run_key
+from .checkpoint import Checkpointer, chunk_resume_point, prune_chunk, run_key
 from .compile_cache import cache_counters, cache_key, compile_phases, load_compile_cache, set_compile_workers
 from .config import DrafterConfig, TrainConfig
 from .distributed import (
@@ -53,10 +53,12 @@ from .distributed import (
     stop_signals_caught,
     teardown_dist,
 )
+from .errors import UserError
 from .hidden import HiddenStore
 from .io import process_age
 from .metrics import MetricsLogger
 from .model import DrafterSpec, export_drafter
+from .stream import Chunk, Plan, planned_store
 from .train_step import Step, anchors_for, batch_normalizer, build_step, forward_backward, load_spec
 
 
@@ -88,19 +90,30 @@ class Run:
 
 
 def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, checkpoints: Path,
-          compile_cache) -> tuple[Run, int, dict]:
+          compile_cache, plan: Plan | None = None, chunk: Chunk | None = None) -> tuple[Run, int, dict]:
     """The run, its step count and its state: a fresh one, or the latest checkpoint's (resume: model,
-    optimizer, schedule, data position, logged rows and the open metrics window)."""
+    optimizer, schedule, data position, logged rows and the open metrics window). Stream mode (`plan`):
+    the run's samples are the plan's, `shards` hold the samples of `chunk` (none for the export), and a
+    chunk starts from the checkpoint where the previous chunk ended."""
     spec = load_spec(target_dir, drafter_cfg)
-    store = HiddenStore(shards)
-    if store.layer_ids != spec.target_layer_ids or store.hidden_size != spec.hidden_size:
+    if plan is None:
+        store = HiddenStore(shards)
+        lengths = [store.num_tokens(i) for i in range(len(store))]
+    else:
+        plan.check(cfg, d.world)
+        store = planned_store(plan, chunk, shards) if chunk else None
+        lengths = plan.lengths
+    mismatch = store is not None and (store.layer_ids, store.hidden_size) != (spec.target_layer_ids,
+                                                                               spec.hidden_size)
+    if mismatch:
         raise ValueError(
             f"hidden shards hold layers {store.layer_ids} (H={store.hidden_size}) but the drafter wants "
             f"{spec.target_layer_ids} (H={spec.hidden_size}); recompute the hidden states"
         )
-    lengths = [store.num_tokens(i) for i in range(len(store))]
-    run_dir = checkpoints / run_key(cfg, drafter_cfg, shards)
-    log(d, f"train: {len(store)} samples, {sum(lengths)} tokens, {d.world} process(es) on {d.device}")
+    run_dir = checkpoints / run_key(cfg, drafter_cfg, shards, plan.fingerprint if plan else None)
+    where = f", {chunk.name} (steps {chunk.start_step}..{chunk.end_step})" if chunk else ""
+    log(d, f"train: {len(lengths)} samples, {sum(lengths)} tokens{where}, {d.world} process(es) on "
+           f"{d.device}")
 
     warm = cfg.compile and load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
     step_fn = build_step(cfg, spec, target_dir, d.device)
@@ -125,6 +138,10 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     run = Run(d, cfg, spec, store, lengths, step_fn, drafter, sharded, optimizer, scheduler, ckpt, g)
 
     state = {"step": 0, "epoch": 0, "cursor": 0, "rows": [], "window": None}
+    if chunk is not None:
+        if d.main:  # leaves the chunk's starting point as the latest checkpoint
+            chunk_resume_point(run_dir, chunk.start_step, chunk.end_step)
+        barrier(d)
     latest = ckpt.latest()
     if latest:
         state = ckpt.resume(latest)
@@ -182,36 +199,46 @@ def log_first_steps(run: Run, buckets: list[int], t_step: float) -> None:
 
 
 def train(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list[str], checkpoints,
-          metrics_path, out_dir, compile_cache=None, stop_at: int | None = None) -> dict:
+          metrics_path, out_dir, compile_cache=None, stop_at: int | None = None, plan=None,
+          chunk: str | None = None) -> dict:
     """Train (or resume) and export; returns a summary. `stop_at`: save a checkpoint after that step and
     return without exporting (a deliberate preemption). SIGTERM or Ctrl-C stops at the next log step
-    with a checkpoint."""
+    with a checkpoint. Stream mode: `plan` (the data plan's directory) and `chunk` (its index in the run)
+    train that chunk's steps from `shards` and save; `plan` without `chunk` exports the trained run."""
     d = setup_dist()
     try:
         with stop_signals_caught():
             return _train(d, cfg, drafter_cfg, target_dir, shards, Path(checkpoints), metrics_path, out_dir,
-                          compile_cache, stop_at)
+                          compile_cache, stop_at, plan, chunk)
     finally:
         teardown_dist(d)
 
 
 def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoints: Path, metrics_path,
-           out_dir, compile_cache, stop_at):
+           out_dir, compile_cache, stop_at, plan_dir, chunk_name):
     log(d, f"started {d.world} process(es); rank 0 on {d.device}")
-    run, total, state = setup(d, cfg, drafter_cfg, target_dir, shards, checkpoints, compile_cache)
+    plan = Plan(plan_dir) if plan_dir else None
+    chunk = plan.named(chunk_name) if plan and chunk_name else None
+    run, total, state = setup(d, cfg, drafter_cfg, target_dir, shards, checkpoints, compile_cache, plan,
+                              chunk)
     step, epoch, cursor, g = state["step"], state["epoch"], state["cursor"], run.g
+    stop = min(total, chunk.end_step) if chunk else total  # this job's last step
+    if plan and not chunk and step < total:
+        raise UserError(f"the run is trained to step {step} of {total}: train every chunk of the plan "
+                        f"{plan_dir} first (the train_chunk jobs)")
     metrics = MetricsLogger(run.checkpointer.run_dir, d, run.spec.block_size, step, total, state["rows"],
                             state["window"])
     collate = Collate(cfg.buckets, cfg.batch_tokens, run.step_fn.amp_dtype or torch.float32)
     seen: set[int] = set()
+    first_step_done = None
     run.drafter.train()
     try:
-        while step < total:
+        while step < stop:
             batches = epoch_batches(run.lengths, cfg, epoch)
             if len(batches) < g:
                 raise ValueError(f"{len(batches)} micro-batches per epoch, fewer than one global batch "
                                  f"({g}): lower train.batch_tokens or train.global_batch_tokens, or add data")
-            share = rank_share(cursor, min((len(batches) - cursor) // g, total - step), g, d.rank, d.world)
+            share = rank_share(cursor, min((len(batches) - cursor) // g, stop - step), g, d.rank, d.world)
             for ks, micro in step_batches(run.store, batches, share, collate, d.device):
                 anchors = [anchors_for(run.step_fn, b["loss_mask"],
                                        seeds=anchor_seeds(cfg.seed, epoch, batches[k], len(b["loss_mask"])))
@@ -229,12 +256,13 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                 step, cursor = step + 1, cursor + g
                 metrics.bar.update(1)
                 log_first_steps(run, firsts, t_step)
+                first_step_done = first_step_done or process_age()
 
                 if step % cfg.log_every == 0 or step == total:
                     metrics.log(step, round(epoch + cursor / len(batches), 4), lr, float(grad_norm))
                 signalled = stop_signal(d) if step % cfg.log_every == 0 and step < total else 0
                 stopping = bool(signalled) or (stop_at is not None and step >= stop_at)
-                if step % cfg.checkpoint_every == 0 or step == total or stopping:
+                if step % cfg.checkpoint_every == 0 or step == stop or stopping:
                     run.checkpointer.save({"step": step, "epoch": epoch, "cursor": cursor, "world": d.world,
                                            "rows": metrics.rows, "window": metrics.window_state(),
                                            "spec": asdict(run.spec)})
@@ -244,11 +272,19 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                            f"resume from {run.checkpointer.run_dir}")
                     return {"step": step, "stopped": True, "signal": signalled,
                             "run_dir": str(run.checkpointer.run_dir), "rows": metrics.rows}
-            if step < total:
+            if (len(batches) - cursor) // g == 0 and step < total:  # the epoch's last whole step is done
                 epoch, cursor = epoch + 1, 0
     finally:
         metrics.close()
 
+    if chunk:
+        if d.main:
+            prune_chunk(run.checkpointer.run_dir, chunk.start_step, chunk.end_step)
+        barrier(d)
+        log(d, f"trained {chunk.name}: steps {chunk.start_step}..{step} of {total}")
+        return {"step": step, "stopped": False, "run_dir": str(run.checkpointer.run_dir),
+                "rows": metrics.rows, "compile_cache": cache_counters(), "chunk": asdict(chunk),
+                "first_step_done_s": first_step_done, "seconds": process_age()}
     model = run.checkpointer.model_state()
     if d.main:
         export_drafter(run.drafter, run.spec, out_dir, dtype=run.step_fn.amp_dtype, state=model)

@@ -11,7 +11,7 @@ from snakemake.utils import validate
 REPO = Path(workflow.basedir).parent
 sys.path.insert(0, str(REPO / "src"))
 
-from flashdraft.config import WARMUP_TRAIN_KEYS, Config, check, from_dict  # noqa: E402
+from flashdraft.config import STREAM_RING, WARMUP_TRAIN_KEYS, Config, check, from_dict  # noqa: E402
 from flashdraft.errors import UserError  # noqa: E402
 from flashdraft.gpu import visible_gpus  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
@@ -152,6 +152,66 @@ def regenerate_gpus():
     return {"openai": 0, "server": CFG.regenerate.server_gpus}.get(CFG.regenerate.backend, target_gpus())
 
 
+STREAM = CFG.hidden.mode == "stream"
+PLAN = f"{RESULTS}/plan"  # stream mode's data plan (a checkpoint rule's directory)
+CHUNKS = f"{RESULTS}/hidden/stream"  # a chunk's hidden parts: CHUNKS/epoch-EEE/chunk-CCCCC/part-PPPPP.arrow
+CHUNK_RE = r"epoch-\d{3}/chunk-\d{5}"
+# The train keys the data plan depends on (flashdraft.stream.PLAN_TRAIN_KEYS; not imported: it needs torch)
+PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets")
+
+
+def tokens_files():
+    """Stream mode: the tokenized hidden shards, in shard order (the samples' numbering)."""
+    return [f"{RESULTS}/tokens/shard-{s}.parquet" for s in shard_ids()]
+
+
+def planned_chunks():
+    """Stream mode: the data plan's chunk names (epoch-EEE/chunk-CCCCC) in training order; known once the
+    data_plan checkpoint has run."""
+    plan = Path(checkpoints.data_plan.get().output[0]) / "plan.json"
+    return [f"epoch-{c['epoch']:03d}/chunk-{c['chunk']:05d}" for c in json.loads(plan.read_text())["chunks"]]
+
+
+def chunk_parts():
+    """Hidden-state jobs per chunk: one per target GPU (one on the CPU)."""
+    return max(1, CFG.gpus.target)
+
+
+def chunk_part_files(ext):
+    def f(wildcards):
+        return [f"{CHUNKS}/{wildcards.chunk}/part-{p:05d}.{ext}" for p in range(chunk_parts())]
+
+    return f
+
+
+def chunk_done(name):
+    return f"{RESULTS}/train/chunks/{name}.json"
+
+
+def previous_chunk(wildcards):
+    """A chunk trains from where the chunk before it ended."""
+    chunks = planned_chunks()
+    i = chunks.index(wildcards.chunk)
+    return [chunk_done(chunks[i - 1])] if i else []
+
+
+def ring_wait(wildcards):
+    """A chunk's hidden parts wait for the training of the chunk STREAM_RING places before it, whose own
+    parts are deleted then: no more than STREAM_RING chunks are on disk at once."""
+    chunks = planned_chunks()
+    i = chunks.index(wildcards.chunk)
+    return [chunk_done(chunks[i - STREAM_RING])] if i >= STREAM_RING else []
+
+
+def last_chunk(wildcards):
+    return chunk_done(planned_chunks()[-1])
+
+
+def hidden_manifests():
+    """What the warmup and the report read of the hidden states: store mode's shard manifests."""
+    return [] if STREAM else shard_files("json")
+
+
 def shard_ids():
     return [f"{i:05d}" for i in range(CFG.hidden.shards)]
 
@@ -186,7 +246,7 @@ def eval_shard_files():
 
 def all_outputs():
     return [
-        f"{RESULTS}/hidden/verify.json",
+        *([] if STREAM else [f"{RESULTS}/hidden/verify.json"]),
         f"{RESULTS}/drafter/config.json",
         f"{RESULTS}/eval/summary.json",
         f"{RESULTS}/report.html",

@@ -3,7 +3,7 @@ rule report:
         summary=f"{RESULTS}/eval/summary.json",
         metrics=f"{RESULTS}/train/metrics.csv",
         stats=f"{RESULTS}/prompts/stats.json",
-        manifests=shard_files("json"),
+        manifests=hidden_manifests(),
         regenerated=regenerated(),
     output:
         html=report(f"{RESULTS}/report.html", caption="../report/report.rst", category="Summary"),
@@ -16,7 +16,7 @@ rule report:
     params:
         eval_dir=parent("input"),
         bench_dir=BENCH,
-        hidden_dir=parent("input", "manifests"),
+        hidden_dir="" if STREAM else f"--hidden-dir {RESULTS}/hidden",
         cmd=stage("report.py"),
     conda:
         CONDA_ENV
@@ -27,5 +27,5 @@ rule report:
     shell:
         "{params.cmd} --out {output.html:q} --plots-dir {output.plots:q} --eval-dir {params.eval_dir:q}"
         " --metrics {input.metrics:q} --prompt-stats {input.stats:q} --benchmarks-dir {params.bench_dir:q}"
-        " --hidden-dir {params.hidden_dir:q} --regenerated {input.regenerated:q}"
+        " {params.hidden_dir} --regenerated {input.regenerated:q}"
         " > {log:q} 2>&1"

@@ -1,7 +1,7 @@
 rule train:
     input:
-        arrows=shard_files("arrow"),
-        verified=f"{RESULTS}/hidden/verify.json",
+        **({"last_chunk": last_chunk, "plan": PLAN} if STREAM else
+           {"arrows": shard_files("arrow"), "verified": f"{RESULTS}/hidden/verify.json"}),
         cache=f"{RESULTS}/compile_cache/meta.json",
         target=target_dir(),
     output:
@@ -14,6 +14,9 @@ rule train:
         cache_dir=parent("input", "cache"),
         drafter_dir=parent("output"),
         checkpoints=f"{RESULTS}/checkpoints",  # not an output: Snakemake never deletes it
+        # stream mode: every chunk has trained (train_chunk); this job exports the run's last checkpoint
+        data=lambda wildcards, input: f"--plan {shlex.quote(input.plan)}" if STREAM else
+        " ".join(shlex.quote(a) for a in input.arrows),
         cmd=stage("train.py", gpus=CFG.gpus.drafter, nproc=max(1, CFG.gpus.drafter),
                   nodes=CFG.gpus.drafter_nodes),
     resources:
@@ -29,4 +32,4 @@ rule train:
         "{params.cmd} --cfg {params.cfg:q}"
         " --drafter-cfg {params.drafter:q} --target {input.target:q} --compile-cache {params.cache_dir:q}"
         " --checkpoints {params.checkpoints:q} --metrics {output.metrics:q} --out {params.drafter_dir:q}"
-        " {input.arrows:q} > {log:q} 2>&1"
+        " {params.data} > {log:q} 2>&1"

@@ -1,6 +1,6 @@
 rule warmup:
     input:
-        manifests=shard_files("json"),
+        manifests=hidden_manifests(),
         target=target_dir(),
     output:
         artifacts=f"{RESULTS}/compile_cache/artifacts.bin",
@@ -10,7 +10,7 @@ rule warmup:
         cfg=section("train", WARMUP_TRAIN_KEYS),
         drafter=section("drafter"),
         out_dir=parent("output"),
-        arrows=shard_files("arrow"),
+        arrows=[] if STREAM else shard_files("arrow"),
         world=train_world(),  # with train.parallel, whether training shards the drafter (then: nothing to do)
         cmd=stage("warmup.py", gpus=min(1, CFG.gpus.drafter)),
     resources:

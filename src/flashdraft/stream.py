@@ -1,0 +1,360 @@
+"""Stream mode (`hidden.mode: stream`): each epoch's training data cut into chunks of whole optimizer
+steps, whose hidden states exist on disk only while the chunk waits for or is in training.
+
+- `hidden_tokens`: one job per hidden shard tokenizes its samples, in the order a store-mode shard holds
+  them, so both modes number the run's samples alike (results/tokens/shard-NNNNN.parquet).
+- `data_plan`: the run's plan, from the samples' lengths alone: every epoch's micro-batches
+  (batches.epoch_batches, as store-mode training makes them) cut greedily into chunks of whole steps
+  whose hidden-state tokens fit hidden.chunk_tokens (or half of hidden.disk_budget: one chunk trains while
+  the next one is written). results/plan/plan.json, samples.parquet, epoch-EEE/chunk-CCCCC.parquet.
+- `hidden_chunk`: one part of a chunk's samples through the target, into an ordinary hidden shard.
+
+Training then runs one job per chunk (train.py --plan --chunk), each resuming from the previous one's
+checkpoint; Plan is what those jobs read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .batches import epoch_batches, micro_per_step, steps_left
+from .config import STREAM_RING as RING
+from .config import DrafterConfig, HiddenConfig, TrainConfig, feature_layers, stream_chunk_tokens
+from .errors import UserError
+from .io import bytes_per_token, human_bytes, log, write_json, write_parquet
+
+FORMAT = "flashdraft.plan/1"
+# The train keys the plan depends on: a change in any of them needs a new plan.
+PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets")
+
+
+def chunk_name(epoch: int, chunk: int) -> str:
+    return f"epoch-{epoch:03d}/chunk-{chunk:05d}"
+
+
+# ------------------------------------------------------------------------------------------- tokenize
+
+
+def hidden_tokens(target_path, data_parquet, shard: int, num_shards: int, hidden_cfg: HiddenConfig,
+                  out) -> dict:
+    """Tokenize hidden shard `shard`'s samples into `out` (parquet: id, input_ids, loss_mask, num_tokens),
+    in the row order precompute gives a store-mode shard."""
+    from transformers import AutoTokenizer
+
+    from .precompute import token_batches, tokenize_shard
+    from .target import read_target_config
+
+    read_target_config(target_path)  # refuses remote code before transformers sees the directory
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards,
+                                                 hidden_cfg.max_length)
+    order = [i for b in token_batches([len(s[1]) for s in samples], hidden_cfg.batch_tokens) for i in b]
+    write_tokens([samples[i] for i in order], out, {"shard": shard, "num_shards": num_shards,
+                                                    "truncated": truncated, "skipped": skipped})
+    stats = {"shard": shard, "samples": len(order), "tokens": sum(len(samples[i][1]) for i in order),
+             "truncated": truncated, "skipped": skipped}
+    log(f"tokens shard {shard}: {stats}")
+    return stats
+
+
+def write_tokens(samples, out, meta: dict) -> None:
+    import pyarrow as pa
+
+    table = pa.table({
+        "id": pa.array([s[0] for s in samples], pa.string()),
+        "input_ids": pa.array([list(s[1]) for s in samples], pa.list_(pa.int32())),
+        "loss_mask": pa.array([list(s[2]) for s in samples], pa.list_(pa.int8())),
+        "num_tokens": pa.array([len(s[1]) for s in samples], pa.int32()),
+    }).replace_schema_metadata({"flashdraft.tokens": json.dumps(meta)})
+    write_parquet(table, out)
+
+
+def read_samples(tokens_files, columns=("id", "num_tokens")):
+    """The run's samples in store order (shard after shard) as one pyarrow Table of `columns`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return pa.concat_tables([pq.read_table(f, columns=list(columns)) for f in tokens_files])
+
+
+# ----------------------------------------------------------------------------------------------- plan
+
+
+@dataclass
+class Chunk:
+    epoch: int
+    chunk: int  # within its epoch
+    index: int  # in the run, over all epochs
+    start_step: int  # optimizer steps of the run: [start_step, end_step)
+    end_step: int
+    samples: int
+    tokens: int  # hidden-state tokens the chunk's shards hold
+    bytes: int
+
+    @property
+    def name(self) -> str:
+        return chunk_name(self.epoch, self.chunk)
+
+
+def cut_chunks(step_tokens: list[int], chunk_tokens: int) -> list[tuple[int, int]]:
+    """Greedy cut of one epoch's steps (tokens each) into runs [a, b) of whole steps within chunk_tokens."""
+    cuts, start, used = [], 0, 0
+    for s, t in enumerate(step_tokens):
+        if used and used + t > chunk_tokens:
+            cuts.append((start, s))
+            start, used = s, 0
+        used += t
+    if start < len(step_tokens):
+        cuts.append((start, len(step_tokens)))
+    return cuts
+
+
+def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig,
+              train_cfg: TrainConfig, world: int, out_dir) -> dict:
+    """Write the run's plan into `out_dir`; returns plan.json's content."""
+    from .target import read_target_config, target_num_layers
+
+    target = read_target_config(target_path)
+    layer_ids = feature_layers(target_num_layers(target), drafter_cfg)
+    width = len(layer_ids) * (target.get("hidden_size") or target["text_config"]["hidden_size"])
+    per_token = bytes_per_token(hidden_cfg.dtype, width)
+    chunk_tokens = stream_chunk_tokens(hidden_cfg, width)
+    key = "hidden.chunk_tokens" if hidden_cfg.chunk_tokens else "hidden.disk_budget"
+
+    table = read_samples(tokens_files, ("id", "num_tokens"))
+    ids, lengths = table.column("id").to_pylist(), table.column("num_tokens").to_pylist()
+    shard_of_row = [s for s, f in enumerate(tokens_files) for _ in range(_rows(f))]
+    g = micro_per_step(train_cfg, world)
+    total = train_cfg.max_steps or steps_left(lengths, train_cfg, world)
+
+    out = Path(out_dir)
+    chunks, step = [], 0
+    for epoch in range(train_cfg.epochs):
+        if step >= total:
+            break
+        batches = epoch_batches(lengths, train_cfg, epoch)
+        if len(batches) < g:
+            raise UserError(f"{len(batches)} micro-batches per epoch, fewer than one global batch ({g}): "
+                            "lower train.batch_tokens or train.global_batch_tokens, or add data")
+        steps = min(len(batches) // g, total - step)
+        step_tokens = [sum(lengths[i] for b in batches[s * g:(s + 1) * g] for i in b) for s in range(steps)]
+        if max(step_tokens) > chunk_tokens:
+            need = max(step_tokens)
+            raise UserError(
+                f"config key {key}: a chunk of {chunk_tokens} hidden-state tokens cannot hold one optimizer "
+                f"step of epoch {epoch} ({need} tokens); "
+                + (f"set hidden.chunk_tokens >= {need}" if key == "hidden.chunk_tokens" else
+                   f"set hidden.disk_budget >= {human_bytes(RING * need * per_token)} "
+                   f"({RING * need * per_token} bytes: {RING} chunks of one step)"))
+        for c, (a, b) in enumerate(cut_chunks(step_tokens, chunk_tokens)):
+            rows = [(s, k, i) for s in range(a, b) for k in range(s * g, (s + 1) * g) for i in batches[k]]
+            tokens = sum(step_tokens[a:b])
+            chunks.append(Chunk(epoch, c, len(chunks), step + a, step + b, len(rows), tokens,
+                                tokens * per_token))
+            write_parquet(_chunk_table(rows, step, ids, lengths), out / f"{chunk_name(epoch, c)}.parquet")
+        step += steps
+
+    import pyarrow as pa
+
+    write_parquet(pa.table({"index": pa.array(range(len(ids)), pa.int64()), "id": pa.array(ids, pa.string()),
+                            "num_tokens": pa.array(lengths, pa.int32()),
+                            "tokens_shard": pa.array(shard_of_row, pa.int32())}), out / "samples.parquet")
+    train = {k: getattr(train_cfg, k) for k in PLAN_TRAIN_KEYS}
+    plan = {
+        "format": FORMAT, "world": world, "micro_per_step": g, "total_steps": total, "train": train,
+        "samples": len(ids), "tokens": sum(lengths), "target_layer_ids": layer_ids, "width": width,
+        "dtype": hidden_cfg.dtype, "bytes_per_token": per_token, "chunk_tokens": chunk_tokens,
+        "chunk_tokens_from": key, "disk_budget": hidden_cfg.disk_budget, "ring": RING,
+        "peak_bytes": _peak_bytes(chunks), "tokens_files": [str(f) for f in tokens_files],
+        "fingerprint": fingerprint(ids, lengths, train, world, chunk_tokens),
+        "chunks": [asdict(c) for c in chunks],
+    }
+    write_json(out / "plan.json", plan)
+    per_epoch = [sum(c.epoch == e for c in chunks) for e in range(train_cfg.epochs)]
+    log(f"plan: {len(ids)} samples, {sum(lengths)} tokens, {total} steps; chunks of <= {chunk_tokens} tokens "
+        f"(from {key}), {len(chunks)} chunks ({per_epoch} per epoch); hidden states on disk at most "
+        f"{human_bytes(plan['peak_bytes'])} ({RING} chunks)")
+    return plan
+
+
+def _rows(parquet_file) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(parquet_file).metadata.num_rows
+
+
+def _chunk_table(rows, epoch_start_step: int, ids, lengths):
+    import pyarrow as pa
+
+    return pa.table({
+        "step": pa.array([epoch_start_step + s for s, _, _ in rows], pa.int64()),  # the run's step
+        "micro_batch": pa.array([k for _, k, _ in rows], pa.int32()),  # in the epoch's plan
+        "sample": pa.array([i for _, _, i in rows], pa.int64()),  # the run's sample index
+        "id": pa.array([ids[i] for _, _, i in rows], pa.string()),
+        "num_tokens": pa.array([lengths[i] for _, _, i in rows], pa.int32()),
+    })
+
+
+def _peak_bytes(chunks: list[Chunk]) -> int:
+    """The most hidden-state bytes on disk at once: any RING consecutive chunks of the run."""
+    sizes = [c.bytes for c in chunks]
+    return max((sum(sizes[i:i + RING]) for i in range(len(sizes))), default=0)
+
+
+def fingerprint(ids, lengths, train: dict, world: int, chunk_tokens: int) -> str:
+    h = hashlib.sha256(json.dumps([train, world, chunk_tokens], sort_keys=True).encode())
+    for i, n in zip(ids, lengths, strict=True):
+        h.update(f"{i}\0{n}\0".encode())
+    return h.hexdigest()[:16]
+
+
+class Plan:
+    """plan.json and the samples' numbering, as a training job reads them."""
+
+    def __init__(self, plan_dir):
+        self.dir = Path(plan_dir)
+        path = self.dir / "plan.json"
+        try:
+            self.meta = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path}: not a readable data plan ({e}); rerun the data_plan rule") from e
+        if self.meta.get("format") != FORMAT:
+            raise UserError(f"{path}: not a {FORMAT} plan; rerun the data_plan rule")
+        self.chunks = [Chunk(**c) for c in self.meta["chunks"]]
+        self._samples = None
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["fingerprint"]
+
+    def _load_samples(self):
+        if self._samples is None:
+            import pyarrow.parquet as pq
+
+            t = pq.read_table(self.dir / "samples.parquet", columns=["id", "num_tokens"])
+            self._samples = t.column("id").to_pylist(), t.column("num_tokens").to_pylist()
+        return self._samples
+
+    @property
+    def lengths(self) -> list[int]:
+        return self._load_samples()[1]
+
+    def index_of(self) -> dict[str, int]:
+        return {sid: i for i, sid in enumerate(self._load_samples()[0])}
+
+    def named(self, name: str) -> Chunk:
+        for c in self.chunks:
+            if c.name == name:
+                return c
+        raise UserError(f"{self.dir}/plan.json has no chunk {name} (it has {self.chunks[0].name}.."
+                        f"{self.chunks[-1].name})")
+
+    def find(self, epoch: int, chunk: int) -> Chunk:
+        return self.named(chunk_name(epoch, chunk))
+
+    def chunk_samples(self, c: Chunk) -> list[int]:
+        """The run's sample indices the chunk trains on, in plan order (an epoch sees a sample once)."""
+        import pyarrow.parquet as pq
+
+        return pq.read_table(self.dir / f"{c.name}.parquet", columns=["sample"]).column("sample").to_pylist()
+
+    def check(self, cfg: TrainConfig, world: int) -> None:
+        """One line naming the key when the plan was made for another training than this one."""
+        planned = self.meta["train"]
+        for k in PLAN_TRAIN_KEYS:
+            if planned[k] != getattr(cfg, k):
+                raise UserError(
+                    f"config key train.{k}: {getattr(cfg, k)!r}, but the data plan {self.dir}/plan.json was "
+                    f"made for {planned[k]!r}; rerun the plan (snakemake --forcerun data_plan): nothing "
+                    "trained is lost")
+        if micro_per_step(cfg, world) != self.meta["micro_per_step"]:  # one micro-batch per process
+            raise UserError(f"the data plan {self.dir}/plan.json was made for {self.meta['world']} training "
+                            f"process(es), this run has {world}: rerun the plan "
+                            "(snakemake --forcerun data_plan)")
+
+
+class ChunkStore:
+    """A chunk's shards indexed by the run's sample numbers (what the epoch plan holds), for the loader."""
+
+    def __init__(self, store, local: dict[int, int]):
+        self.store, self.local = store, local
+
+    def __getitem__(self, i: int) -> dict:
+        return self.store[self.local[i]]
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    def __getattr__(self, name):  # the shards' metadata: layer_ids, hidden_size, dtype, ...
+        if name in ("store", "local"):  # not yet set (unpickling)
+            raise AttributeError(name)
+        return getattr(self.store, name)
+
+
+def planned_store(plan: Plan, c: Chunk, shards) -> ChunkStore:
+    """The chunk's shards, checked to hold exactly the chunk's samples at the planned lengths."""
+    from .hidden import HiddenStore
+
+    if not shards:
+        raise UserError(f"no hidden shards given for {c.name}")
+    store = HiddenStore(shards)
+    index = plan.index_of()
+    local, unknown = {}, []
+    for j, sid in enumerate(store.ids()):
+        i = index.get(sid)
+        if i is None or plan.lengths[i] != store.num_tokens(j):
+            unknown.append(sid)
+        else:
+            local[i] = j
+    missing = set(plan.chunk_samples(c)) - set(local)
+    if unknown or missing:
+        raise UserError(
+            f"the hidden shards of {c.name} ({shards[0]}, ...) do not match the data plan {plan.dir}: "
+            f"{len(unknown)} sample(s) not in the plan or of another length, {len(missing)} of the chunk's "
+            "missing; rerun the chunk's hidden_chunk jobs (after a data change: snakemake --forcerun "
+            "data_plan)")
+    return ChunkStore(store, local)
+
+
+# --------------------------------------------------------------------------------------- chunk shards
+
+
+def part_samples(samples: list[int], part: int, parts: int) -> list[int]:
+    """Part `part` of `parts` of a chunk's samples: every parts-th of them in sorted order (the epoch's
+    permutation already mixes lengths, so the parts' tokens come out even)."""
+    return sorted(set(samples))[part::parts]
+
+
+def hidden_chunk(target_path, dtype: str, plan_dir, epoch: int, chunk: int, part: int, parts: int,
+                 hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig, out_arrow) -> dict:
+    """Forward part `part` of `parts` of a chunk's samples through the target into the shard `out_arrow`
+    (and its manifest); returns the manifest."""
+    import pyarrow as pa
+
+    from .hidden import storage_dtype
+    from .io import device
+    from .precompute import write_hidden
+    from .target import load_target
+
+    storage_dtype(hidden_cfg.dtype)  # fail before loading the model
+    plan = Plan(plan_dir)
+    c = plan.find(epoch, chunk)
+    mine = part_samples(plan.chunk_samples(c), part, parts)
+    files = plan.meta["tokens_files"]
+    starts = [0]
+    for f in files:
+        starts.append(starts[-1] + _rows(f))
+    samples = []
+    for s, f in enumerate(files):
+        rows = [i - starts[s] for i in mine if starts[s] <= i < starts[s + 1]]
+        if rows:
+            t = read_samples([f], ("id", "input_ids", "loss_mask")).take(pa.array(rows, pa.int64()))
+            samples += zip(t.column("id").to_pylist(), t.column("input_ids").to_pylist(),
+                           t.column("loss_mask").to_pylist(), strict=True)
+    model, tokenizer = load_target(str(target_path), dtype, device())
+    return write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg, drafter_cfg,
+                        desc=f"hidden {c.name} part {part}/{parts}",
+                        counts={"epoch": epoch, "chunk": chunk, "part": part, "parts": parts})
