@@ -480,6 +480,10 @@ def test_load_target_head_reads_sharded_and_tied_checkpoints(tmp_path, tied):
     assert torch.equal(embed, model.get_input_embeddings().weight.detach())
     assert torch.equal(head, model.get_output_embeddings().weight.detach())
     assert torch.equal(embed, head) == tied
+    if torch.cuda.is_available():  # read straight onto the GPU, as training does: the same tensors
+        on_gpu = load_target_head(tmp_path, torch.device("cuda", 0))
+        assert all(t.is_cuda for t in on_gpu)
+        assert torch.equal(on_gpu[0].cpu(), embed) and torch.equal(on_gpu[1].cpu(), head)
 
 
 @pytest.mark.gpu

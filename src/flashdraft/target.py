@@ -189,9 +189,10 @@ def mask_token_id(tokenizer, target_config, drafter: DrafterConfig) -> int:
     return mid
 
 
-def load_target_head(target_dir):
-    """(embed_weight, lm_head_weight) read straight from the target's safetensors, without building the
-    target. Handles sharded checkpoints (model.safetensors.index.json) and tied embeddings."""
+def load_target_head(target_dir, device="cpu"):
+    """(embed_weight, lm_head_weight) read straight from the target's safetensors onto `device`, without
+    building the target (nor a host copy of them first). Handles sharded checkpoints
+    (model.safetensors.index.json) and tied embeddings."""
     from safetensors import safe_open  # here, not at the top: appended to this module
 
     target_dir = Path(target_dir)
@@ -207,7 +208,7 @@ def load_target_head(target_dir):
         for suffix in suffixes:
             for key in sorted(weight_map):
                 if key.endswith(suffix):
-                    with safe_open(target_dir / weight_map[key], framework="pt") as f:
+                    with safe_open(target_dir / weight_map[key], framework="pt", device=str(device)) as f:
                         return f.get_tensor(key)
         return None
 

@@ -58,7 +58,7 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
         # one graph per length bucket: dynamic=False keeps shapes static, buckets bound the recompiles
         drafter.compile(dynamic=False)
     amp = torch_dtype(cfg.dtype) if device.type == "cuda" and cfg.dtype != "float32" else None
-    embed, head = load_target_head(target_dir)
+    embed, head = load_target_head(target_dir, device)
     embed, head = (t.to(device, amp or torch.float32) for t in (embed, head))
     gamma, attention = cfg.loss_gamma(spec.block_size), resolve_attention(cfg.attention, device)
     return Step(drafter, spec, embed, head, gamma, cfg.loss, cfg.dpace_alpha, attention, cfg.max_anchors,
