@@ -3,9 +3,9 @@ cold compile cache against a warm one. Every number comes from the real trainer 
 scripts/warmup.py, then scripts/train.py under `python -m torch.distributed.run`.
 
 Setup (in --work, reused while its parameters match): a target directory with a Qwen3 config.json of the
-preset's shape, the toy tokenizer (load_spec needs one; the MASK id is set explicitly, so its length does
-not matter) and a model.safetensors holding only the random bf16 `model.embed_tokens.weight` and
-`lm_head.weight` (all the trainer reads of a target); and one real hidden-state shard of random bf16
+preset's shape, the toy tokenizer (the MASK id is set explicitly, so load_spec never reads it: the trainer
+imports no transformers) and a model.safetensors holding only the random bf16 `model.embed_tokens.weight`
+and `lm_head.weight` (all the trainer reads of a target); and one real hidden-state shard of random bf16
 features `[S, K*H]` for a few samples of exactly S tokens with full loss masks. The shard is listed many
 times on the command line, so one epoch holds more micro-batches than the measured steps use: no epoch
 boundary (a new DataLoader) falls inside the measurement, and no more disk is needed.
