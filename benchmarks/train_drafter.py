@@ -3,9 +3,9 @@ cold compile cache against a warm one. Every number comes from the real trainer 
 scripts/warmup.py, then scripts/train.py under `python -m torch.distributed.run`.
 
 Setup (in --work, reused while its parameters match): a target directory with a Qwen3 config.json of the
-preset's shape, the toy tokenizer (load_spec needs one; the MASK id is set explicitly, so its length does
-not matter) and a model.safetensors holding only the random bf16 `model.embed_tokens.weight` and
-`lm_head.weight` (all the trainer reads of a target); and one real hidden-state shard of random bf16
+preset's shape, the toy tokenizer (the MASK id is set explicitly, so load_spec never reads it: the trainer
+imports no transformers) and a model.safetensors holding only the random bf16 `model.embed_tokens.weight`
+and `lm_head.weight` (all the trainer reads of a target); and one real hidden-state shard of random bf16
 features `[S, K*H]` for a few samples of exactly S tokens with full loss masks. The shard is listed many
 times on the command line, so one epoch holds more micro-batches than the measured steps use: no epoch
 boundary (a new DataLoader) falls inside the measurement, and no more disk is needed.
@@ -96,10 +96,15 @@ PRESETS = {
         timeout=900,
     ),
 }
+AGE = re.compile(r"^\[\s*([\d.]+) s\] ")  # io.log's stamp: the logging process's age
 FIRST_STEP = re.compile(r"bucket (\d+): first step ([\d.]+) s \((?:compiled, caches (\{.*\})|eager)\)")
-# the trainer's log lines, in order, and what is done by the time each appears (seconds since launch)
+# the trainer's log lines, in order, and what is done by the time each appears (seconds since launch);
+# worker_started_s (torchrun's share: launch to the worker process's start) comes from the process age
+# the first of them carries
 MILESTONES = {
-    "train: ": "data_opened_s",  # imports, process group, load_spec, HiddenStore
+    "imports done": "imports_done_s",  # + scripts/train.py's imports
+    "started ": "dist_ready_s",  # + the process group (NCCL/gloo) up
+    "train: ": "data_opened_s",  # + load_spec, HiddenStore
     "compile cache: ": "cache_loaded_s",  # + the warmup's artifacts loaded (or none)
     "new run in ": "model_built_s",  # + drafter built and on the device, target head, DDP, optimizer
     ": first step ": "first_step_done_s",  # + the first batch and the first step (compile or cache hits)
@@ -244,6 +249,9 @@ class Proc:
                 f.flush()
                 if "compile cache: loaded" in line:
                     self.cache_loaded = True
+                age = AGE.match(line)
+                if age and "worker_started_s" not in self.milestones:
+                    self.milestones["worker_started_s"] = max(0.0, round(t - float(age[1]), 2))
                 for prefix, key in MILESTONES.items():
                     if prefix in line and key not in self.milestones:
                         self.milestones[key] = round(t, 2)
@@ -416,6 +424,19 @@ def since_data(run: dict) -> float:
     return run["launch_to_first_step_s"] - run["milestones"]["data_opened_s"]
 
 
+def startup_spans(run: dict | None) -> dict | None:
+    """Seconds each start-up stage took, by the milestone that ends it, each from the one before (from
+    launch for the first): worker_started is torchrun's share, imports_done the worker's imports, ..."""
+    if not run or "milestones" not in run:
+        return None
+    spans, before = {}, 0.0
+    for key in ("worker_started_s", *MILESTONES.values()):
+        if key in run["milestones"]:
+            spans[key.removesuffix("_s")] = round(run["milestones"][key] - before, 2)
+            before = run["milestones"][key]
+    return spans
+
+
 def goal(value, target: float, higher: bool = True) -> dict:
     ok = None if value is None else (value >= target if higher else value <= target)
     return {"value": value, "goal": (">= " if higher else "<= ") + str(target), "pass": ok}
@@ -548,7 +569,8 @@ def score(result: dict) -> None:
     result["scaling"] = {"measured": ratio is not None, "tokens_per_s_2_over_1": ratio,
                          "note": None if ratio is not None else "needs world sizes 1 and 2"}
     first.pop("warm_over_cold", None)  # the launch-based ratio, under its name before the three spans
-    first |= {"first_step_warm_over_cold": step_ratio,
+    first |= {"warm_startup_spans_s": startup_spans(warm), "cold_startup_spans_s": startup_spans(cold),
+              "first_step_warm_over_cold": step_ratio,
               "data_opened_to_first_step_warm_over_cold": setup_ratio,
               "launch_to_first_step_warm_over_cold": launch_ratio}
     result["goals"] = {
@@ -580,6 +602,11 @@ def print_table(result: dict, out: Path) -> None:
               f"{t.get('first_step_s', float('nan')):>11.1f}")
     if cold:
         print(f"{'cold':>5}{'':>63}{cold['launch_to_first_step_s']:>13.1f}{cold['first_step_s']:>11.1f}")
+    for which in ("warm", "cold"):
+        spans = result["first_step"].get(f"{which}_startup_spans_s")
+        if spans:
+            print(f"{which} start-up (s, each stage from the one before): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in spans.items()))
     for g, v in result["goals"].items():
         val = v["value"]
         shown = f"{val:.3f}" if isinstance(val, float) else str(val)

@@ -17,12 +17,14 @@ import sys
 
 from flashdraft.config import DrafterConfig, TrainConfig, load_section
 from flashdraft.errors import cli
-from flashdraft.io import write_json
+from flashdraft.io import log, write_json
 from flashdraft.train import train
 
 
 @cli
 def main(argv=None):
+    if int(os.environ.get("RANK", 0)) == 0:
+        log("imports done")  # by the process's age: what the imports cost before any work starts
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", default="{}", help="the `train` config section as JSON")
     p.add_argument("--drafter-cfg", default="{}", help="the `drafter` config section as JSON")

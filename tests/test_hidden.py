@@ -24,6 +24,7 @@ from flashdraft.hidden import (
     HiddenStore,
     ShardMeta,
     ShardWriter,
+    int_values,
     manifest_path,
     open_shard,
     quantize_fp8,
@@ -583,3 +584,24 @@ def test_forward_runs_only_the_layers_the_features_need(toy_target):
     assert len(model.model.layers) == 6
     for h in hooks:
         h.remove()
+
+
+def test_int_values_are_to_numpys_and_a_store_reads_without_pandas(tmp_path):
+    """HiddenStore reads its integer columns through int_values: to_numpy's values and dtype, for slices
+    (a list row's values) and empty rows too, and without importing pandas (seconds of every training
+    start; pyarrow's to_numpy and pa.array import it)."""
+    lists = pa.array([[1, -2], [], [3, 4, 127]], pa.list_(pa.int8()))
+    for arr in [*(lists[i].values for i in range(3)), pa.array(range(10), pa.int64()).slice(3, 4),
+                pa.array([1, 2, 65535], pa.uint16()), pa.array([7], pa.int32())]:
+        got, want = int_values(arr), arr.to_numpy(zero_copy_only=False)
+        assert got.tolist() == want.tolist() and got.dtype == want.dtype
+    with pytest.raises(TypeError):
+        int_values(pa.array([1, None]))
+    path = tmp_path / "shard.arrow"
+    with open_shard(path, ShardMeta(target="t", target_layer_ids=[1], hidden_size=4, dtype="bfloat16")) as w:
+        w.write("a", [5, 6, 7], [0, 1, 1], torch.zeros(3, 4, dtype=torch.bfloat16))
+    code = ("import sys; from flashdraft.hidden import HiddenStore; s = HiddenStore([sys.argv[1]]); "
+            "print(s.lengths.tolist(), s[0]['input_ids'].tolist(), s[0]['loss_mask'].tolist(), "
+            "'pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[3] [5, 6, 7] [0, 1, 1] False"

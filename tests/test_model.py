@@ -480,6 +480,10 @@ def test_load_target_head_reads_sharded_and_tied_checkpoints(tmp_path, tied):
     assert torch.equal(embed, model.get_input_embeddings().weight.detach())
     assert torch.equal(head, model.get_output_embeddings().weight.detach())
     assert torch.equal(embed, head) == tied
+    if torch.cuda.is_available():  # read straight onto the GPU, as training does: the same tensors
+        on_gpu = load_target_head(tmp_path, torch.device("cuda", 0))
+        assert all(t.is_cuda for t in on_gpu)
+        assert torch.equal(on_gpu[0].cpu(), embed) and torch.equal(on_gpu[1].cpu(), head)
 
 
 @pytest.mark.gpu
@@ -503,3 +507,49 @@ def test_flex_and_sdpa_agree_on_gpu_in_loss_and_gradients():
         results.append((loss.item(), torch.cat([p.grad.flatten() for p in d.parameters()])))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-4)
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=1e-3)
+
+
+# the spec-relevant keys of real config.json files (transformers 4's format)
+QWEN3_8B_JSON = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-06,
+                     rope_scaling=None, rope_theta=1000000, max_position_embeddings=40960, vocab_size=151936,
+                     tie_word_embeddings=False, sliding_window=None)
+LLAMA31_8B_JSON = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-05,
+                       rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                       rope_theta=500000.0, max_position_embeddings=131072, vocab_size=128256)
+QWEN25_7B_JSON = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                      num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-06, rope_theta=1000000.0,
+                      max_position_embeddings=32768, vocab_size=152064, sliding_window=131072,
+                      use_sliding_window=False)
+MISTRAL_JSON = dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-05,
+                    rope_theta=1000000.0, max_position_embeddings=32768, vocab_size=32768)
+NO_HEAD_DIM = {k: v for k, v in QWEN3_8B_JSON.items() if k != "head_dim"} | {"hidden_size": 2048}
+
+
+@pytest.mark.parametrize("raw", [QWEN3_8B_JSON, LLAMA31_8B_JSON, MISTRAL_JSON, "transformers 5",
+                                 QWEN25_7B_JSON, NO_HEAD_DIM, {**QWEN3_8B_JSON, "model_type": "gemma3_text"}],
+                         ids=["qwen3", "llama", "mistral", "transformers 5", "qwen2 no head_dim",
+                              "qwen3 no head_dim", "other type"])
+def test_config_json_gives_the_spec_autoconfig_gives_or_none(raw, tmp_path):
+    """load_spec reads config.json without transformers where plain_target_config says that is exact; a
+    missing key takes its config class's default (Qwen3's head_dim 128, not hidden_size / heads)."""
+    from transformers import AutoConfig
+
+    from flashdraft.target import plain_target_config
+
+    if raw == "transformers 5":  # rope_parameters, written by this transformers
+        Qwen3Config(**{k: v for k, v in QWEN3_8B_JSON.items() if k != "model_type"}).save_pretrained(tmp_path)
+    else:
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    plain, cfg = plain_target_config(raw), DrafterConfig()
+    spec = DrafterSpec.from_target(AutoConfig.from_pretrained(tmp_path), 1000, cfg)
+    if "head_dim" in raw and raw["model_type"] != "gemma3_text":
+        assert plain is not None and DrafterSpec.from_target(plain, 1000, cfg) == spec
+    else:
+        assert plain is None
+    if raw.get("hidden_size") == 2048:
+        assert spec.head_dim == 128 != 2048 // 32

@@ -15,7 +15,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from .config import DrafterConfig, TrainConfig, to_json
 from .distributed import Dist, barrier
@@ -80,6 +79,8 @@ def full_state(drafter, optimizer, sharded: bool) -> tuple[dict, dict]:
     empty dicts). So checkpoints and exports do not depend on the world size or on DDP vs FSDP."""
     if not sharded:
         return drafter.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # FSDP's alone
+
     model, optim = get_state_dict(drafter, optimizer,
                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     index = {name: i for i, (name, _) in enumerate(drafter.named_parameters())}  # names -> torch's ids
@@ -98,6 +99,8 @@ def load_full_state(drafter, optimizer, model: dict, optim: dict, sharded: bool)
         drafter.load_state_dict(model)
         optimizer.load_state_dict(optim)
         return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
     names = dict(enumerate(name for name, _ in drafter.named_parameters()))  # torch's ids -> names
     set_state_dict(drafter, optimizer, model_state_dict=model, optim_state_dict=_rekey(optim, names),
                    options=StateDictOptions(full_state_dict=True))

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
 from . import io
 
@@ -137,6 +136,8 @@ def parallelize(drafter: torch.nn.Module, mode: str, device: torch.device) -> to
         ids = [device.index] if device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(drafter, device_ids=ids)
     if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard  # here: its import takes seconds without Dynamo
+
         for layer in drafter.layers:  # one all-gather per layer, freed after its forward and backward
             fully_shard(layer)
         fully_shard(drafter)  # the rest: fc and the norms

@@ -382,6 +382,17 @@ def write_manifest(path, writer: ShardWriter, **extra) -> dict:
 # ---------------------------------------------------------------------------------------------- reading
 
 
+def int_values(arr: pa.Array) -> np.ndarray:
+    """A null-free integer array's values as a read-only view of its buffer, as to_numpy() gives them:
+    pyarrow's to_numpy imports pandas, a few tenths of a second of every training process's start."""
+    if not pa.types.is_integer(arr.type) or arr.null_count:
+        raise TypeError(f"int_values: {arr.type} with {arr.null_count} nulls")
+    dtype = np.dtype(f"{'i' if pa.types.is_signed_integer(arr.type) else 'u'}{arr.type.bit_width // 8}")
+    if len(arr) == 0:
+        return np.zeros(0, dtype)
+    return np.frombuffer(arr.buffers()[1], dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+
+
 class HiddenStore:
     """Memory-mapped, zero-copy view over shards; item i is one sample (global index across shards).
 
@@ -410,7 +421,7 @@ class HiddenStore:
                 raise ValueError(f"shard {path} has {got} but {self.paths[0]} has {want}: shards differ")
             batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
             for b, batch in enumerate(batches):
-                n = batch.column("num_tokens").to_numpy()
+                n = int_values(batch.column("num_tokens"))
                 lengths.append(n)
                 locs += [(s, b, r) for r in range(len(n))]
             self._maps.append((mapped, base.address))
@@ -450,8 +461,8 @@ class HiddenStore:
             hidden = dequantize_fp8(hidden, self._column(s, batch, r, "scale", torch.float32))
         return {
             "id": batch.column("id")[r].as_py(),
-            "input_ids": torch.tensor(batch.column("input_ids")[r].values.to_numpy(), dtype=torch.long),
-            "loss_mask": torch.tensor(batch.column("loss_mask")[r].values.to_numpy(), dtype=torch.long),
+            "input_ids": torch.tensor(int_values(batch.column("input_ids")[r].values), dtype=torch.long),
+            "loss_mask": torch.tensor(int_values(batch.column("loss_mask")[r].values), dtype=torch.long),
             "hidden": hidden,
         }
 

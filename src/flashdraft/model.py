@@ -54,7 +54,8 @@ class DrafterSpec:
 
     @classmethod
     def from_target(cls, target_config, tokenizer, drafter_cfg: DrafterConfig) -> DrafterSpec:
-        """Shapes from the target's HF config; `tokenizer` (or its length) places the MASK row."""
+        """Shapes from the target's HF config; `tokenizer` (or its length) places the MASK row (None
+        where drafter_cfg.mask_token_id sets it)."""
         c = target_config
         if isinstance(tokenizer, int):
             tokenizer = range(tokenizer)  # mask_token_id only needs len(tokenizer)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import types
 from pathlib import Path
 
 from .chat import render
@@ -41,6 +42,32 @@ def _transformers_ships(model_type) -> bool:
     if not isinstance(model_type, str) or spec is None or spec.origin is None:
         return False
     return (Path(spec.origin).parent / "models" / model_type.replace("-", "_")).is_dir()
+
+
+# Model types whose transformers config class keeps the keys SPEC_KEYS of config.json as they are (and
+# reads RoPE's base from rope_theta or rope_parameters as the spec does): with all of them in the file,
+# its JSON gives the spec exactly what AutoConfig would, without importing transformers (tests/test_model.py
+# compares both on these types' real configs).
+PLAIN_CONFIG_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+SPEC_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "rms_norm_eps", "vocab_size", "max_position_embeddings", "num_hidden_layers")
+
+
+def plain_target_config(cfg: dict):
+    """A config.json dict as an object with its keys as attributes, where it stands for the target's
+    AutoConfig exactly (see PLAIN_CONFIG_TYPES); None where only AutoConfig knows the values (a missing
+    key takes its config class's default, other model types may map or derive keys)."""
+    rope = cfg.get("rope_parameters")
+    if rope is None:  # transformers 4's file
+        theta = cfg.get("rope_theta")
+    elif isinstance(rope, dict) and "rope_theta" not in cfg:  # transformers 5's
+        theta = rope.get("rope_theta")
+    else:  # both, or one per layer type: how they combine is the config class's business
+        theta = None
+    if (cfg.get("model_type") not in PLAIN_CONFIG_TYPES or not isinstance(theta, (int, float))
+            or any(cfg.get(k) is None for k in SPEC_KEYS)):
+        return None
+    return types.SimpleNamespace(**cfg)
 
 
 def target_num_layers(cfg: dict) -> int | None:
@@ -162,9 +189,10 @@ def mask_token_id(tokenizer, target_config, drafter: DrafterConfig) -> int:
     return mid
 
 
-def load_target_head(target_dir):
-    """(embed_weight, lm_head_weight) read straight from the target's safetensors, without building the
-    target. Handles sharded checkpoints (model.safetensors.index.json) and tied embeddings."""
+def load_target_head(target_dir, device="cpu"):
+    """(embed_weight, lm_head_weight) read straight from the target's safetensors onto `device`, without
+    building the target (nor a host copy of them first). Handles sharded checkpoints
+    (model.safetensors.index.json) and tied embeddings."""
     from safetensors import safe_open  # here, not at the top: appended to this module
 
     target_dir = Path(target_dir)
@@ -180,7 +208,7 @@ def load_target_head(target_dir):
         for suffix in suffixes:
             for key in sorted(weight_map):
                 if key.endswith(suffix):
-                    with safe_open(target_dir / weight_map[key], framework="pt") as f:
+                    with safe_open(target_dir / weight_map[key], framework="pt", device=str(device)) as f:
                         return f.get_tensor(key)
         return None
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
 
 from .config import DrafterConfig, TrainConfig
 from .io import torch_dtype
 from .loss import block_labels, dflash_loss, loss_normalizer, resolve_attention, sample_anchors
 from .model import DFlashDrafter, DrafterSpec
-from .target import load_target_head, read_target_config
+from .target import load_target_head, plain_target_config, read_target_config
 
 
 @dataclass
@@ -33,9 +32,21 @@ class Step:
 
 
 def load_spec(target_dir, drafter_cfg: DrafterConfig) -> DrafterSpec:
-    read_target_config(target_dir)  # refuses remote code before transformers sees the directory
-    config = AutoConfig.from_pretrained(target_dir)
-    return DrafterSpec.from_target(config, AutoTokenizer.from_pretrained(target_dir), drafter_cfg)
+    """The drafter's spec from the target's config and tokenizer. transformers is imported only for what
+    config.json alone cannot give exactly: it costs seconds of every training process's start, and its
+    AutoTokenizer pulls in generation (and scikit-learn)."""
+    raw = read_target_config(target_dir)  # refuses remote code before transformers sees the directory
+    config = plain_target_config(raw)
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(target_dir)
+    tokens = None  # a set drafter.mask_token_id needs no tokenizer; None places MASK at len(tokenizer)
+    if drafter_cfg.mask_token_id is None:
+        from transformers import AutoTokenizer
+
+        tokens = len(AutoTokenizer.from_pretrained(target_dir))
+    return DrafterSpec.from_target(config, tokens, drafter_cfg)
 
 
 def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.device) -> Step:
@@ -47,7 +58,7 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
         # one graph per length bucket: dynamic=False keeps shapes static, buckets bound the recompiles
         drafter.compile(dynamic=False)
     amp = torch_dtype(cfg.dtype) if device.type == "cuda" and cfg.dtype != "float32" else None
-    embed, head = load_target_head(target_dir)
+    embed, head = load_target_head(target_dir, device)
     embed, head = (t.to(device, amp or torch.float32) for t in (embed, head))
     gamma, attention = cfg.loss_gamma(spec.block_size), resolve_attention(cfg.attention, device)
     return Step(drafter, spec, embed, head, gamma, cfg.loss, cfg.dpace_alpha, attention, cfg.max_anchors,
