@@ -55,7 +55,8 @@ def main(argv=None):
     if int(os.environ.get("RANK", 0)) != 0:
         return
     if "chunk" in result:
-        summary = {k: result[k] for k in ("chunk", "step", "first_step_done_s", "seconds", "compile_cache")}
+        keys = ("chunk", "step", "first_step_done_s", "first_step_done_at", "seconds", "compile_cache")
+        summary = {k: result[k] for k in keys}
         if args.done:
             write_json(args.done, summary)
         print(json.dumps(summary))

@@ -9,18 +9,21 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 from conftest import REPO, SMALL, job_counts, snakemake, write_config
 from safetensors.torch import load_file
 
 from flashdraft.batches import epoch_batches, micro_per_step
 from flashdraft.config import DrafterConfig, HiddenConfig, TrainConfig
 from flashdraft.errors import UserError
-from flashdraft.stream import Plan, cut_chunks, data_plan, write_tokens
+from flashdraft.stream import ROW_BYTES, Plan, cut_chunks, data_plan, write_tokens
+from flashdraft.timeline import job_times, latest_log, overlap_s
+
+DRAFT = DrafterConfig(num_layers=2)
 
 # ---- the plan ----
 
@@ -36,8 +39,8 @@ def _tokens(tmp_path, lengths_per_shard, seed=0):
 
     rng, files = random.Random(seed), []
     for s, lengths in enumerate(lengths_per_shard):
-        samples = [(f"s{s}-{i}", [rng.randrange(3, 500) for _ in range(n)], [0] * (n // 2) + [1] * (n - n // 2))
-                   for i, n in enumerate(lengths)]
+        samples = [(f"s{s}-{i}", [rng.randrange(3, 500) for _ in range(n)],
+                    [0] * (n // 2) + [1] * (n - n // 2)) for i, n in enumerate(lengths)]
         files.append(tmp_path / f"tokens-{s}.parquet")
         write_tokens(samples, files[-1], {"shard": s})
     return [str(f) for f in files]
@@ -55,8 +58,8 @@ def test_plan_chunks_every_epoch_into_whole_steps_in_store_order(tmp_path):
     lengths = [[30 + (7 * i) % 90 for i in range(40)], [25 + (11 * i) % 100 for i in range(33)]]
     files = _tokens(tmp_path, lengths)
     train = TrainConfig(epochs=3, batch_tokens=256, global_batch_tokens=512, buckets=[64, 128], seed=3)
-    hidden = HiddenConfig(mode="stream", chunk_tokens=1200)
-    plan = data_plan(_target(tmp_path), files, hidden, DrafterConfig(num_layers=2), train, 1, tmp_path / "plan")
+    hidden = HiddenConfig(mode="stream", chunk_tokens=1600)
+    plan = data_plan(_target(tmp_path), files, hidden, DRAFT, train, 1, tmp_path / "plan")
     flat = [n for shard in lengths for n in shard]
     ids = [f"s{s}-{i}" for s, shard in enumerate(lengths) for i in range(len(shard))]  # shard after shard
     g = micro_per_step(train, 1)
@@ -72,7 +75,9 @@ def test_plan_chunks_every_epoch_into_whole_steps_in_store_order(tmp_path):
             first = (c["start_step"] - chunks[0]["start_step"]) * g
             want = [i for b in batches[first:first + (c["end_step"] - c["start_step"]) * g] for i in b]
             assert table["sample"].tolist() == want  # the epoch's micro-batches, in order
-            assert c["tokens"] == sum(flat[i] for i in want) <= hidden.chunk_tokens
+            assert c["tokens"] == sum(flat[i] for i in want)
+            assert c["bytes"] == c["tokens"] * plan["bytes_per_token"] + len(want) * ROW_BYTES
+            assert c["bytes"] <= hidden.chunk_tokens * plan["bytes_per_token"]
             assert table["id"].tolist() == [ids[i] for i in want]
     assert plan["total_steps"] == steps
     assert plan["peak_bytes"] <= 2 * hidden.chunk_tokens * plan["bytes_per_token"]
@@ -87,15 +92,15 @@ def test_a_chunk_smaller_than_one_step_is_one_line_naming_the_key(tmp_path, hidd
     files = _tokens(tmp_path, [[100] * 20])
     train = TrainConfig(epochs=1, batch_tokens=256, global_batch_tokens=512, buckets=[128])
     with pytest.raises(UserError, match=re.escape(f"config key {key}")) as e:
-        data_plan(_target(tmp_path), files, hidden, DrafterConfig(num_layers=2), train, 1, tmp_path / "plan")
+        data_plan(_target(tmp_path), files, hidden, DRAFT, train, 1, tmp_path / "plan")
     assert "\n" not in str(e.value)
 
 
 def test_a_plan_made_for_another_training_names_the_key(tmp_path):
     files = _tokens(tmp_path, [[60] * 30])
     train = TrainConfig(epochs=2, batch_tokens=256, global_batch_tokens=512, buckets=[64])
-    data_plan(_target(tmp_path), files, HiddenConfig(mode="stream", chunk_tokens=800), DrafterConfig(num_layers=2),
-              train, 1, tmp_path / "plan")
+    data_plan(_target(tmp_path), files, HiddenConfig(mode="stream", chunk_tokens=800), DRAFT, train, 1,
+              tmp_path / "plan")
     plan = Plan(tmp_path / "plan")
     plan.check(train, 1)
     for change, key in (({"epochs": 3}, "train.epochs"), ({"seed": 1}, "train.seed"),
@@ -103,8 +108,191 @@ def test_a_plan_made_for_another_training_names_the_key(tmp_path):
         with pytest.raises(UserError, match=re.escape(f"config key {key}")):
             plan.check(TrainConfig(**{**train.__dict__, **change}), 1)
     one_each = TrainConfig(**{**train.__dict__, "global_batch_tokens": 0})  # a micro-batch per process
-    data_plan(_target(tmp_path), files, HiddenConfig(mode="stream", chunk_tokens=800), DrafterConfig(num_layers=2),
-              one_each, 1, tmp_path / "plan1")
+    data_plan(_target(tmp_path), files, HiddenConfig(mode="stream", chunk_tokens=800), DRAFT, one_each, 1,
+              tmp_path / "plan1")
     Plan(tmp_path / "plan1").check(one_each, 1)
     with pytest.raises(UserError, match="made for 1 training process"):
         Plan(tmp_path / "plan1").check(one_each, 2)
+
+
+# ---- the real DAG: stream mode against store mode, restarts, the disk bound and the overlap ----
+
+# One sample per forward (hidden.batch_tokens: 1) in both modes: a forward's batch composition changes its
+# float reductions, so only then are the two modes' hidden states the same bits (see the README).
+# One training thread in both (set below), so that a chunk's hidden parts can run beside its training.
+STREAM_SMALL = {**SMALL, "train.epochs": 2, "hidden.batch_tokens": 1, "train.checkpoint_every": 1}
+THREADS = ["--set-threads", "train=1", "train_chunk=1", "warmup=1"]
+DRAFTER = "results/drafter/config.json"
+
+
+def _stream_config(work, **hidden):
+    cfg = write_config(work / "config.yaml", STREAM_SMALL)
+    data = yaml.safe_load(cfg.read_text())
+    data["hidden"].update({"mode": "stream", **hidden})
+    cfg.write_text(yaml.safe_dump(data, sort_keys=False))
+    return cfg
+
+
+def _fresh_copy(src, dst):
+    """A copy of a store-mode run up to its regenerated answers (same toy target, prompts, answers)."""
+    shutil.copytree(src, dst, symlinks=True)
+    for d in ("drafter", "train", "checkpoints", "hidden", "compile_cache", "eval"):
+        shutil.rmtree(dst / "results" / d, ignore_errors=True)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def store_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("store")
+    config = write_config(work / "config.yaml", STREAM_SMALL)
+    snakemake(work, "--cores", "2", *THREADS, DRAFTER, config=config)
+    return work
+
+
+class DiskWatch:
+    """Samples the bytes under a directory every few milliseconds while a run goes on."""
+
+    def __init__(self, path):
+        self.path, self.peak, self.samples, self.stop = Path(path), 0, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            total = 0
+            for f in self.path.rglob("*") if self.path.exists() else []:
+                try:
+                    total += f.stat().st_size if f.is_file() else 0
+                except FileNotFoundError:  # deleted between listing and stat
+                    pass
+            self.peak, self.samples = max(self.peak, total), self.samples + 1
+            time.sleep(0.005)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        return self.peak
+
+
+@pytest.fixture(scope="module")
+def stream_run(store_run, tmp_path_factory):
+    work = _fresh_copy(store_run, tmp_path_factory.mktemp("stream") / "run")
+    config = _stream_config(work, disk_budget="1.8MB")
+    watch = DiskWatch(work / "results" / "hidden")
+    proc = snakemake(work, "--cores", "2", *THREADS, DRAFTER, config=config)
+    return work, config, proc, watch.close()
+
+
+def _weights(work):
+    return load_file(work / "results" / "drafter" / "model.safetensors")
+
+
+def _metrics(work):
+    return pd.read_csv(work / "results" / "train" / "metrics.csv").drop(columns=["tokens_per_s"])
+
+
+def test_stream_mode_trains_the_same_samples_steps_and_weights_as_store_mode(store_run, stream_run):
+    work = stream_run[0]
+    plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
+    assert plan["chunk_tokens_from"] == "hidden.disk_budget"
+    assert all(sum(c["epoch"] == e for c in plan["chunks"]) >= 3 for e in range(2))  # 3+ chunks per epoch
+    pd.testing.assert_frame_equal(_metrics(work), _metrics(store_run))  # every logged step, bit for bit
+    a, b = _weights(work), _weights(store_run)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    # the chunks' hidden states are gone once trained; the plan and the checkpoints stay
+    assert not list((work / "results" / "hidden").rglob("*.arrow"))
+    assert len(list((work / "results" / "train" / "chunks").rglob("*.json"))) == len(plan["chunks"])
+
+
+def test_stream_mode_writes_the_next_chunk_while_one_trains_within_the_disk_budget(stream_run):
+    work, _, _, peak = stream_run
+    plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
+    assert 0 < peak <= plan["disk_budget"] == 1_800_000
+    assert plan["peak_bytes"] <= plan["disk_budget"]
+    jobs = {(j.rule, j.wildcards.get("chunk")): j for j in job_times(latest_log(work))
+            if j.wildcards.get("part", "00000") == "00000"}
+    names = [f"epoch-{c['epoch']:03d}/chunk-{c['chunk']:05d}" for c in plan["chunks"]]
+    # the next chunk's shard job ran while this one trained
+    overlapped = sum(overlap_s(jobs["train_chunk", cur], jobs["hidden_chunk", nxt]) > 0
+                     for cur, nxt in zip(names, names[1:], strict=False))
+    assert overlapped >= len(names) // 2
+
+
+def _wait_for(pattern, proc, timeout=900):
+    """The pid of a process whose command line matches `pattern`, once one runs."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        assert proc.poll() is None, "the run ended before the process to kill started"
+        for d in Path("/proc").iterdir():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except (OSError, ValueError):
+                continue
+            if re.search(pattern, cmd) and "flashdraft.gpu" not in cmd and "torchrun" not in cmd:
+                return int(d.name)
+        time.sleep(0.05)
+    raise AssertionError(f"no process matched {pattern}")
+
+
+def _background(work, config, *args):
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(work),
+           "--configfile", str(config), "--cores", "2", *THREADS, *args, DRAFTER]
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_killed_shard_and_training_jobs_rerun_to_the_same_weights(store_run, stream_run, tmp_path):
+    work = _fresh_copy(store_run, tmp_path / "run")
+    config = _stream_config(work, disk_budget="1.8MB")
+    plan_names = [f"epoch-{c['epoch']:03d}/chunk-{c['chunk']:05d}" for c in
+                  json.loads((stream_run[0] / "results" / "plan" / "plan.json").read_text())["chunks"]]
+    # kill -9 a shard job of the fourth chunk while it writes
+    proc = _background(work, config)
+    epoch, chunk = int(plan_names[3][6:9]), int(plan_names[3][-5:])
+    os.kill(_wait_for(rf"hidden_chunk\.py .*--epoch {epoch} --chunk {chunk} ", proc), signal.SIGKILL)
+    assert proc.wait() != 0
+    # kill -9 the training of the fifth chunk once it has saved a checkpoint inside the chunk
+    proc = _background(work, config)
+    pid = _wait_for(rf"train\.py .*--chunk {plan_names[4]}", proc)
+    ckpts = work / "results" / "checkpoints"
+    start = json.loads((work / "results" / "plan" / "plan.json").read_text())["chunks"][4]["start_step"]
+    while not any(int(p.name[5:]) > start for p in ckpts.glob("*/step-*") if (p / "state.json").exists()):
+        assert proc.poll() is None
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    assert proc.wait() != 0
+    out = snakemake(work, "--cores", "2", *THREADS, DRAFTER, config=config).stdout
+    assert "resumed from" in (work / "results" / "logs" / "train_chunk" / f"{plan_names[4]}.log").read_text()
+    assert job_counts(out)["train_chunk"] == len(plan_names) - 4  # the killed chunk onward
+    a, b = _weights(work), _weights(stream_run[0])
+    assert all(a[k].equal(b[k]) for k in a)
+    pd.testing.assert_frame_equal(_metrics(work), _metrics(stream_run[0]))
+
+
+def test_forcerun_of_one_chunk_recomputes_its_deleted_shards_and_trains_from_there(stream_run, tmp_path):
+    work = tmp_path / "run"
+    shutil.copytree(stream_run[0], work, symlinks=True)
+    plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
+    names = [f"epoch-{c['epoch']:03d}/chunk-{c['chunk']:05d}" for c in plan["chunks"]]
+    again = len(names) - 2
+    forced = f"results/train/chunks/{names[again]}.json"
+    proc = snakemake(work, "--cores", "2", *THREADS, "--forcerun", forced, DRAFTER, config=stream_run[1])
+    counts = job_counts(proc.stdout)
+    assert counts["train_chunk"] == len(names) - again and counts["hidden_chunk"] == len(names) - again
+    assert counts.get("data_plan", 0) == 0 and counts.get("hidden_tokens", 0) == 0
+    a, b = _weights(work), _weights(stream_run[0])
+    assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_a_changed_plan_key_replans_and_keeps_what_was_trained(stream_run, tmp_path):
+    work = tmp_path / "run"
+    shutil.copytree(stream_run[0], work, symlinks=True)
+    before = sorted(p.name for p in (work / "results" / "checkpoints").iterdir())
+    config = _stream_config(work, disk_budget="1.8MB")
+    data = yaml.safe_load(config.read_text())
+    data["train"]["seed"] = 1
+    config.write_text(yaml.safe_dump(data))
+    dry = snakemake(work, "-n", "--cores", "2", DRAFTER, config=config).stdout
+    assert "data_plan" in job_counts(dry)
+    after = sorted(p.name for p in (work / "results" / "checkpoints").iterdir())
+    assert after == before  # the old run's checkpoints stay, under their own run key

@@ -28,6 +28,9 @@ from .io import bytes_per_token, human_bytes, log, write_json, write_parquet
 
 FORMAT = "flashdraft.plan/1"
 # The train keys the plan depends on: a change in any of them needs a new plan.
+# Bytes a shard row takes beyond its tokens' (Arrow offsets, the id, record-batch metadata), counted
+# generously so that chunks sized from hidden.disk_budget stay within it on disk.
+ROW_BYTES = 1024
 PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets")
 
 
@@ -92,23 +95,23 @@ class Chunk:
     end_step: int
     samples: int
     tokens: int  # hidden-state tokens the chunk's shards hold
-    bytes: int
+    bytes: int  # their shards' size on disk at most (tokens x bytes per token + an allowance per row)
 
     @property
     def name(self) -> str:
         return chunk_name(self.epoch, self.chunk)
 
 
-def cut_chunks(step_tokens: list[int], chunk_tokens: int) -> list[tuple[int, int]]:
-    """Greedy cut of one epoch's steps (tokens each) into runs [a, b) of whole steps within chunk_tokens."""
+def cut_chunks(step_sizes: list[int], capacity: int) -> list[tuple[int, int]]:
+    """Greedy cut of one epoch's steps (their sizes) into runs [a, b) of whole steps within `capacity`."""
     cuts, start, used = [], 0, 0
-    for s, t in enumerate(step_tokens):
-        if used and used + t > chunk_tokens:
+    for s, t in enumerate(step_sizes):
+        if used and used + t > capacity:
             cuts.append((start, s))
             start, used = s, 0
         used += t
-    if start < len(step_tokens):
-        cuts.append((start, len(step_tokens)))
+    if start < len(step_sizes):
+        cuts.append((start, len(step_sizes)))
     return cuts
 
 
@@ -140,20 +143,21 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
             raise UserError(f"{len(batches)} micro-batches per epoch, fewer than one global batch ({g}): "
                             "lower train.batch_tokens or train.global_batch_tokens, or add data")
         steps = min(len(batches) // g, total - step)
-        step_tokens = [sum(lengths[i] for b in batches[s * g:(s + 1) * g] for i in b) for s in range(steps)]
-        if max(step_tokens) > chunk_tokens:
-            need = max(step_tokens)
+        step_rows = [[i for b in batches[s * g:(s + 1) * g] for i in b] for s in range(steps)]
+        step_bytes = [sum(lengths[i] for i in r) * per_token + len(r) * ROW_BYTES for r in step_rows]
+        if max(step_bytes) > chunk_tokens * per_token:
+            need = -(-max(step_bytes) // per_token)  # in tokens, with the rows' allowance
             raise UserError(
                 f"config key {key}: a chunk of {chunk_tokens} hidden-state tokens cannot hold one optimizer "
-                f"step of epoch {epoch} ({need} tokens); "
+                f"step of epoch {epoch} ({need} tokens' worth); "
                 + (f"set hidden.chunk_tokens >= {need}" if key == "hidden.chunk_tokens" else
                    f"set hidden.disk_budget >= {human_bytes(RING * need * per_token)} "
                    f"({RING * need * per_token} bytes: {RING} chunks of one step)"))
-        for c, (a, b) in enumerate(cut_chunks(step_tokens, chunk_tokens)):
+        for c, (a, b) in enumerate(cut_chunks(step_bytes, chunk_tokens * per_token)):
             rows = [(s, k, i) for s in range(a, b) for k in range(s * g, (s + 1) * g) for i in batches[k]]
-            tokens = sum(step_tokens[a:b])
+            tokens = sum(lengths[i] for _, _, i in rows)
             chunks.append(Chunk(epoch, c, len(chunks), step + a, step + b, len(rows), tokens,
-                                tokens * per_token))
+                                sum(step_bytes[a:b])))
             write_parquet(_chunk_table(rows, step, ids, lengths), out / f"{chunk_name(epoch, c)}.parquet")
         step += steps
 

@@ -256,7 +256,7 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                 step, cursor = step + 1, cursor + g
                 metrics.bar.update(1)
                 log_first_steps(run, firsts, t_step)
-                first_step_done = first_step_done or process_age()
+                first_step_done = first_step_done or (process_age(), time.time())
 
                 if step % cfg.log_every == 0 or step == total:
                     metrics.log(step, round(epoch + cursor / len(batches), 4), lr, float(grad_norm))
@@ -284,7 +284,8 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
         log(d, f"trained {chunk.name}: steps {chunk.start_step}..{step} of {total}")
         return {"step": step, "stopped": False, "run_dir": str(run.checkpointer.run_dir),
                 "rows": metrics.rows, "compile_cache": cache_counters(), "chunk": asdict(chunk),
-                "first_step_done_s": first_step_done, "seconds": process_age()}
+                "first_step_done_s": first_step_done and first_step_done[0],
+                "first_step_done_at": first_step_done and first_step_done[1], "seconds": process_age()}
     model = run.checkpointer.model_state()
     if d.main:
         export_drafter(run.drafter, run.spec, out_dir, dtype=run.step_fn.amp_dtype, state=model)

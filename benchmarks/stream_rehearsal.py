@@ -1,0 +1,205 @@
+"""Stream mode end to end through Snakemake at the production shape, on the GPUs of one machine.
+
+    python benchmarks/stream_rehearsal.py [--preset qwen3-8b] [--prompts 300] [--gpus-target 1 --gpus-drafter 1]
+
+A random Qwen3-8B-shaped target saved as an HF directory (with the toy's byte-level tokenizer), a
+ShareGPT-shaped source of synthetic prompts, and the whole workflow with `hidden.mode: stream`:
+prompts, regeneration (static engine), tokens, the data plan (hidden.chunk_tokens set so that every
+epoch has `--chunks` chunks), per chunk the fp8 hidden parts, their verify and the chunk's training
+(the production drafter: 5 layers, block 16), the export, evaluation and the report. With one GPU
+(`--resources gpu=1`) the chunks' shard jobs queue behind the training; with gpus.target + gpus.drafter
+GPUs they run beside it.
+
+From Snakemake's log: every job's interval, the fraction of the training chain's wall time during which
+a shard job ran, each chunk job's start-up (launch to its first step done, from the job's start in the
+log and the trainer's own clock) as a fraction of its job's time; the peak bytes under results/hidden
+(sampled). `benchmarks/results/stream_rehearsal_<N>x<gpu>.json`. `--preset tiny` checks the script on
+a CPU (gpus 0).
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from precompute_hidden import saved_target
+
+from flashdraft.timeline import job_times, latest_log, overlap_s
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "qwen3-8b": {"drafter": {"num_layers": 5, "block_size": 16},
+                 "train": {"max_anchors": 512, "batch_tokens": 16384, "global_batch_tokens": 16384,
+                           "buckets": [1024, 2048], "lr": 6e-4}, "max_length": 2048, "hidden_batch": 32768},
+    "tiny": {"drafter": {"num_layers": 2, "block_size": 8},
+             "train": {"max_anchors": 32, "batch_tokens": 1024, "global_batch_tokens": 1024,
+                       "buckets": [128, 256], "lr": 3e-3}, "max_length": 256, "hidden_batch": 4096},
+}
+
+
+def sharegpt_prompts(path: Path, n: int, lo: int, hi: int, seed: int = 0) -> None:
+    """`n` ShareGPT-shaped conversations of random words, lo..hi characters (the byte-level tokenizer
+    gives about a token per character)."""
+    g = np.random.default_rng(seed)
+    words = ["".join(g.choice(list("abcdefghijklmnopqrstuvwxyz"), int(g.integers(2, 9)))) for _ in range(3000)]
+    with open(path, "w") as f:
+        for i in range(n):
+            text, want = "", int(g.integers(lo, hi))
+            while len(text) < want:
+                text += " ".join(g.choice(words, 16)) + ". "
+            f.write(json.dumps({"id": f"p{i}", "conversations": [{"from": "human", "value": text[:want]},
+                                                                 {"from": "gpt", "value": "ok"}]}) + "\n")
+
+
+class DiskWatch:
+    """The most bytes under a directory at once, sampled every 50 ms."""
+
+    def __init__(self, path: Path):
+        self.path, self.peak, self.stop = path, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.wait(0.05):
+            total = 0
+            for f in self.path.rglob("*") if self.path.exists() else []:
+                try:
+                    total += f.stat().st_size if f.is_file() else 0
+                except FileNotFoundError:
+                    pass
+            self.peak = max(self.peak, total)
+
+    def close(self) -> int:
+        self.stop.set()
+        self.thread.join()
+        return self.peak
+
+
+def config(args, target: Path, source: Path, work: Path) -> dict:
+    shape = SHAPES[args.preset]
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg.pop("toy", None)
+    cfg["target"] = {"path": str(target), "build_toy": False, "dtype": "bfloat16"}
+    cfg["prompts"] = {"total": args.prompts + 8, "eval_count": 8, "min_chars": 4, "max_chars": 100000,
+                      "sources": [{"name": "synthetic", "path": str(source), "shape": "sharegpt"}]}
+    cfg["regenerate"] = {"enabled": True, "max_new_tokens": args.new_tokens, "engine": "auto",
+                         "batch_size": 0, "shards": 1}
+    cfg["hidden"] = {"mode": "stream", "shards": 1, "max_length": shape["max_length"], "dtype": "float8_e4m3",
+                     "batch_tokens": shape["hidden_batch"], "chunk_tokens": args.chunk_tokens}
+    cfg["drafter"] = shape["drafter"]
+    cfg["train"] = {**shape["train"], "epochs": args.epochs, "compile": True, "checkpoint_every": 1000,
+                    "log_every": 1, "keep_checkpoints": 2}
+    cfg["eval"] = {"num_prompts": 4, "max_new_tokens": 64}
+    cfg["gpus"] = {"target": args.gpus_target, "drafter": args.gpus_drafter, "lock_dir": str(work / "locks")}
+    return cfg
+
+
+def chunk_tokens_for(args, work: Path) -> int:
+    """hidden.chunk_tokens that cuts every epoch into `--chunks` chunks: one epoch's tokens (the prompts'
+    characters, about a token each, plus the answers) / chunks."""
+    per_epoch = sum(len(json.loads(line)["conversations"][0]["value"]) + args.new_tokens + 16
+                    for line in (work / "sources.jsonl").read_text().splitlines()[: args.prompts])
+    return per_epoch // args.chunks
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument("--prompts", type=int, default=300)
+    p.add_argument("--min-chars", type=int, default=300)
+    p.add_argument("--max-chars", type=int, default=1500)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--chunks", type=int, default=3, help="chunks per epoch")
+    p.add_argument("--gpus-target", type=int, default=None, help="default: 1 with a GPU, else 0")
+    p.add_argument("--gpus-drafter", type=int, default=None, help="default: 1 with a GPU, else 0")
+    p.add_argument("--work", default="/tmp/flashdraft-stream-rehearsal")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    gpus = torch.cuda.device_count()
+    args.gpus_target = min(1, gpus) if args.gpus_target is None else args.gpus_target
+    args.gpus_drafter = min(1, gpus) if args.gpus_drafter is None else args.gpus_drafter
+    work = Path(args.work)
+    run = work / "run"
+    if run.exists():
+        subprocess.run(["rm", "-rf", str(run)], check=True)
+    run.mkdir(parents=True)
+    target = saved_target(args.preset, work)
+    sharegpt_prompts(work / "sources.jsonl", args.prompts + 8, args.min_chars, args.max_chars)
+    args.chunk_tokens = chunk_tokens_for(args, work)
+    cfg = config(args, target, work / "sources.jsonl", work)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(run),
+           "--configfile", str(run / "config.yaml"), "--cores", str(os.cpu_count()),
+           "--resources", f"gpu={max(1, gpus)}"]
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    watch = DiskWatch(run / "results" / "hidden")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    peak = watch.close()
+    (work / "snakemake.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise SystemExit(f"snakemake failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    result = summarize(run, wall, peak, args, gpus)
+    name = f"stream_rehearsal_{max(1, gpus)}x{'h200' if 'H200' in result['device'] else 'cpu'}"
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("jobs", "chunks")}, indent=1))
+
+
+def summarize(run: Path, wall: float, peak: int, args, gpus: int) -> dict:
+    jobs = job_times(latest_log(run))
+    plan = json.loads((run / "results" / "plan" / "plan.json").read_text())
+    trains = [j for j in jobs if j.rule == "train_chunk"]
+    shards = [j for j in jobs if j.rule == "hidden_chunk"]
+    chain = (max(j.end for j in trains) - min(j.start for j in trains)).total_seconds()
+    during = sum(overlap_s(t, s) for t in trains for s in shards)
+    chunks = []
+    for t in trains:
+        done = json.loads((run / "results" / "train" / "chunks" / f"{t.wildcards['chunk']}.json").read_text())
+        start_up = datetime.fromtimestamp(done["first_step_done_at"]) - t.start
+        chunks.append({"chunk": t.wildcards["chunk"], "job_s": t.seconds, "steps": done["step"] -
+                       done["chunk"]["start_step"], "launch_to_first_step_s": start_up.total_seconds(),
+                       "first_step_done_s_worker": done["first_step_done_s"], "tokens": done["chunk"]["tokens"]})
+    start_up = [c["launch_to_first_step_s"] for c in chunks]
+    summary = json.loads((run / "results" / "eval" / "summary.json").read_text())
+    return {
+        "what": "stream mode through Snakemake: prompts -> regenerate -> tokens -> plan -> per chunk hidden "
+                "parts (fp8), verify, training -> export -> evaluate -> report",
+        "device": torch.cuda.get_device_name() if gpus else "cpu", "gpus": gpus, "torch": torch.__version__,
+        "python": platform.python_version(), "preset": args.preset, "prompts": args.prompts,
+        "new_tokens": args.new_tokens, "epochs": args.epochs, "gpus_target": args.gpus_target,
+        "gpus_drafter": args.gpus_drafter, "chunk_tokens": plan["chunk_tokens"],
+        "chunks_per_epoch": [sum(c["epoch"] == e for c in plan["chunks"]) for e in range(args.epochs)],
+        "total_steps": plan["total_steps"], "samples": plan["samples"], "tokens_per_epoch": plan["tokens"],
+        "wall_s": wall, "all_jobs_passed": True,
+        "rules": sorted({j.rule for j in jobs}),
+        "train_chain_s": chain,
+        "shard_jobs_during_training_s": during,
+        "fraction_of_chain_with_a_shard_job": during / chain if chain else 0.0,
+        "queued_on_one_gpu": gpus <= 1,
+        "launch_to_first_step_s": {"median": float(np.median(start_up)), "max": max(start_up)},
+        "chain_overhead_fraction_of_job": float(np.median([c["launch_to_first_step_s"] / c["job_s"]
+                                                           for c in chunks])),
+        "peak_hidden_bytes_sampled": peak, "peak_hidden_bytes_planned": plan["peak_bytes"],
+        "eval_tau_pooled": {k: v.get("tau_pooled") for k, v in summary.get("decoders", summary).items()
+                            if isinstance(v, dict)},
+        "chunks": chunks,
+        "jobs": [{"rule": j.rule, "wildcards": j.wildcards, "start": j.start.isoformat(), "s": j.seconds}
+                 for j in jobs],
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""When each job of a Snakemake run started and ended, read from Snakemake's own log of the run
+(.snakemake/log/*.snakemake.log): what overlapped what, for the stream-mode tests and benchmarks."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+_STAMP = re.compile(r"\[(\w{3} \w{3}\s+\d+ [\d:]+ \d{4})\]")
+
+
+@dataclass
+class Job:
+    rule: str
+    wildcards: dict[str, str]
+    start: datetime
+    end: datetime
+
+    @property
+    def seconds(self) -> float:
+        return (self.end - self.start).total_seconds()
+
+
+def latest_log(workdir) -> Path:
+    logs = sorted((Path(workdir) / ".snakemake" / "log").glob("*.snakemake.log"))
+    if not logs:
+        raise FileNotFoundError(f"no Snakemake log under {workdir}/.snakemake/log")
+    return logs[-1]
+
+
+def job_times(log_file) -> list[Job]:
+    """Every job that finished, with its rule, wildcards and start and end (to the second, as the log
+    stamps them), in the order they finished."""
+    stamp, started, done, current = None, {}, [], None
+    for line in Path(log_file).read_text().splitlines():
+        if m := _STAMP.fullmatch(line.strip()):
+            stamp = datetime.strptime(" ".join(m.group(1).split()), "%a %b %d %H:%M:%S %Y")
+        elif m := re.match(r"(?:local)?rule (\w+):", line):
+            current = {"rule": m.group(1), "wildcards": {}, "start": stamp}
+        elif current is not None and (m := re.match(r"\s+jobid: (\d+)", line)):
+            started[m.group(1)] = current
+        elif current is not None and (m := re.match(r"\s+wildcards: (.*)", line)):
+            current["wildcards"] = dict(kv.split("=", 1) for kv in m.group(1).split(", "))
+        elif m := re.match(r"Finished jobid: (\d+)", line.strip()):
+            job = started.pop(m.group(1), None)
+            if job is not None:
+                done.append(Job(job["rule"], job["wildcards"], job["start"], stamp))
+    return done
+
+
+def overlap_s(a: Job, b: Job) -> float:
+    """Seconds during which both jobs ran."""
+    return max(0.0, (min(a.end, b.end) - max(a.start, b.start)).total_seconds())
