@@ -1,6 +1,6 @@
 """Stream mode end to end through Snakemake at the production shape, on the GPUs of one machine.
 
-    python benchmarks/stream_rehearsal.py [--preset qwen3-8b] [--prompts 300] [--gpus-target 1 --gpus-drafter 1]
+    python benchmarks/stream_rehearsal.py [--preset qwen3-8b] [--prompts 300] [--gpus-target 1]
 
 A random Qwen3-8B-shaped target saved as an HF directory (with the toy's byte-level tokenizer), a
 ShareGPT-shaped source of synthetic prompts, and the whole workflow with `hidden.mode: stream`:
@@ -50,7 +50,8 @@ def sharegpt_prompts(path: Path, n: int, lo: int, hi: int, seed: int = 0) -> Non
     """`n` ShareGPT-shaped conversations of random words, lo..hi characters (the byte-level tokenizer
     gives about a token per character)."""
     g = np.random.default_rng(seed)
-    words = ["".join(g.choice(list("abcdefghijklmnopqrstuvwxyz"), int(g.integers(2, 9)))) for _ in range(3000)]
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    words = ["".join(g.choice(letters, int(g.integers(2, 9)))) for _ in range(3000)]
     with open(path, "w") as f:
         for i in range(n):
             text, want = "", int(g.integers(lo, hi))
@@ -169,9 +170,10 @@ def summarize(run: Path, wall: float, peak: int, args, gpus: int) -> dict:
     for t in trains:
         done = json.loads((run / "results" / "train" / "chunks" / f"{t.wildcards['chunk']}.json").read_text())
         start_up = datetime.fromtimestamp(done["first_step_done_at"]) - t.start
-        chunks.append({"chunk": t.wildcards["chunk"], "job_s": t.seconds, "steps": done["step"] -
-                       done["chunk"]["start_step"], "launch_to_first_step_s": start_up.total_seconds(),
-                       "first_step_done_s_worker": done["first_step_done_s"], "tokens": done["chunk"]["tokens"]})
+        chunks.append({"chunk": t.wildcards["chunk"], "job_s": t.seconds,
+                       "steps": done["step"] - done["chunk"]["start_step"], "tokens": done["chunk"]["tokens"],
+                       "launch_to_first_step_s": start_up.total_seconds(),
+                       "first_step_done_s_worker": done["first_step_done_s"]})
     start_up = [c["launch_to_first_step_s"] for c in chunks]
     summary = json.loads((run / "results" / "eval" / "summary.json").read_text())
     return {
