@@ -39,10 +39,12 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPES = {
     "qwen3-8b": {"drafter": {"num_layers": 5, "block_size": 16},
                  "train": {"max_anchors": 512, "batch_tokens": 16384, "global_batch_tokens": 16384,
-                           "buckets": [1024, 2048], "lr": 6e-4}, "max_length": 2048, "hidden_batch": 32768},
+                           "buckets": [1024, 2048], "lr": 6e-4}, "max_length": 2048, "hidden_batch": 32768,
+                 "chars": (300, 1500)},
     "tiny": {"drafter": {"num_layers": 2, "block_size": 8},
              "train": {"max_anchors": 32, "batch_tokens": 1024, "global_batch_tokens": 1024,
-                       "buckets": [128, 256], "lr": 3e-3}, "max_length": 256, "hidden_batch": 4096},
+                       "buckets": [128, 256], "lr": 3e-3}, "max_length": 256, "hidden_batch": 4096,
+             "chars": (40, 160)},
 }
 
 
@@ -116,8 +118,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(SHAPES), default="qwen3-8b")
     p.add_argument("--prompts", type=int, default=300)
-    p.add_argument("--min-chars", type=int, default=300)
-    p.add_argument("--max-chars", type=int, default=1500)
+    p.add_argument("--chars", type=int, nargs=2, default=None, help="prompt lengths (default: the preset's)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--chunks", type=int, default=3, help="chunks per epoch")
@@ -135,7 +136,7 @@ def main():
         subprocess.run(["rm", "-rf", str(run)], check=True)
     run.mkdir(parents=True)
     target = saved_target(args.preset, work)
-    sharegpt_prompts(work / "sources.jsonl", args.prompts + 8, args.min_chars, args.max_chars)
+    sharegpt_prompts(work / "sources.jsonl", args.prompts + 8, *(args.chars or SHAPES[args.preset]["chars"]))
     args.chunk_tokens = chunk_tokens_for(args, work)
     cfg = config(args, target, work / "sources.jsonl", work)
     (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -130,6 +130,9 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
     table = read_samples(tokens_files, ("id", "num_tokens"))
     ids, lengths = table.column("id").to_pylist(), table.column("num_tokens").to_pylist()
     shard_of_row = [s for s, f in enumerate(tokens_files) for _ in range(_rows(f))]
+    if not ids:
+        raise UserError(f"no training samples in {', '.join(map(str, tokens_files))}: every sample was "
+                        "skipped (no answer token within hidden.max_length); see the hidden_tokens logs")
     g = micro_per_step(train_cfg, world)
     total = train_cfg.max_steps or steps_left(lengths, train_cfg, world)
 
