@@ -246,7 +246,7 @@ def _wait_for(pattern, proc, timeout=900):
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except (OSError, ValueError):
                 continue
-            if re.search(pattern, cmd) and "flashdraft.gpu" not in cmd and "torchrun" not in cmd:
+            if re.search(pattern, cmd) and not re.search(r"flashdraft\.gpu|torch\.distributed\.run|torchrun", cmd):
                 return int(d.name)
         time.sleep(0.05)
     raise AssertionError(f"no process matched {pattern}")
