@@ -78,18 +78,49 @@ def test_disk_preflight_refusal(tmp_path):
     assert not out.exists()
 
 
-def test_disk_full_names_the_file(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mnt)],
+def small_disk(path, size="16k"):
+    """A tmpfs of `size` mounted at `path` (root only); unmount it with umount."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                                            capture_output=True).returncode != 0:
         pytest.skip("needs root and tmpfs to fill a disk")
+    return path
+
+
+def test_disk_full_names_the_file(tmp_path):
+    mnt = small_disk(tmp_path / "small")
     try:
         proc = run_script("toy_sources.py", "--cfg", json.dumps({"source_rows": 200}), "--out-dir", mnt)
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
     line = one_line_error(proc)
     assert f"{mnt}/sharegpt.jsonl: no space left on device" in line
+
+
+def test_disk_full_in_the_hidden_writer_thread(tmp_path):
+    """The hidden-state rows are written by a background thread: its ENOSPC is still one line."""
+    from flashdraft.config import ToyConfig
+    from flashdraft.toy import build_toy_target
+
+    build_toy_target(ToyConfig(steps=0, num_docs=200), str(tmp_path / "target"))
+    messages = [{"role": "user", "content": "Hi " * 200}, {"role": "assistant", "content": "Hello " * 200}]
+    rows = [{"id": f"r{i}", "messages": messages} for i in range(8)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
+    mnt = small_disk(tmp_path / "small", "256k")
+    try:
+        # a negative margin lets the preflight pass: the rows themselves fill the disk
+        proc = run_script(
+            "precompute_hidden.py", "--cfg", json.dumps({"disk_margin": -0.99, "batch_tokens": 256}),
+            "--target", tmp_path / "target", "--dtype", "float32", "--data", tmp_path / "data.parquet",
+            "--shard", 0, "--num-shards", 1, "--out", mnt / "shard-00000.arrow",
+        )
+        left = sorted(p.name for p in mnt.iterdir())
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    line = one_line_error(proc)
+    assert line == (f"precompute_hidden: error: {mnt}/shard-00000.arrow: no space left on device; free space "
+                    "there (or move results/) and rerun")
+    assert "shard-00000.arrow" not in left
 
 
 def test_target_that_needs_remote_code(tmp_path):

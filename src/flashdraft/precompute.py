@@ -21,7 +21,7 @@ import torch
 
 from .chat import tokenize_conversation
 from .config import DrafterConfig, HiddenConfig
-from .errors import UserError
+from .errors import UserError, disk_full, disk_full_error
 from .hidden import (
     FP8,
     ShardMeta,
@@ -266,8 +266,13 @@ def precompute_shard(
 
     meta = ShardMeta(target=str(target_path), target_layer_ids=layer_ids, hidden_size=hidden_size,
                      dtype=hidden_cfg.dtype)
-    writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id,
-                         desc=f"hidden shard {shard}/{num_shards}")
+    try:
+        writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id,
+                             desc=f"hidden shard {shard}/{num_shards}")
+    except RuntimeError as e:  # the writer thread's error, re-raised here: name the shard it was writing
+        if not disk_full(e.__cause__):
+            raise
+        raise disk_full_error(out_arrow) from e
     t = writer.timing
     log(f"hidden shard {shard}: {writer.tokens} tokens in {t['seconds']:.1f} s "
         f"({writer.tokens / max(t['seconds'], 1e-9):.0f} tok/s); the forward waited "
