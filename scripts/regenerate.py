@@ -6,12 +6,10 @@ exit status 128 + the signal's number; a second one stops it at once.
 
 import argparse
 import signal
-import sys
 import time
 
 from flashdraft.config import RegenerateConfig, load_section
 from flashdraft.errors import cli
-from flashdraft.managed_server import ServerError
 from flashdraft.regenerate import regenerate
 
 
@@ -39,11 +37,8 @@ def main(argv=None):
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop)
     t0 = time.time()
-    try:
-        s = regenerate(cfg, args.target, args.dtype, args.prompts, args.out, args.work_dir, args.shard,
-                       args.num_shards, args.errors)
-    except ServerError as e:  # a bad server command, port or server: the message says which
-        sys.exit(f"regenerate: {e}")
+    s = regenerate(cfg, args.target, args.dtype, args.prompts, args.out, args.work_dir, args.shard,
+                   args.num_shards, args.errors)
     rate = f", {s['new_tokens'] / s['generate_s']:.0f} new tokens/s" if s.get("generate_s") else ""
     print(
         f"regenerate: {s['rows']} rows ({s['stop']} stop, {s['length']} length), {s['errors']} errors "

@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,16 +19,6 @@ def run_script(script, *args):
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [sys.executable, str(REPO / "scripts" / script), *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-
-
-def one_line_error(proc) -> str:
-    """The one line a user error prints, last on stderr (after any progress lines); asserts the exit
-    status and that no traceback was printed."""
-    assert proc.returncode == 1, proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert [line for line in lines if ": error: " in line] == lines[-1:], proc.stderr
-    return lines[-1]
 
 
 def expand(tmp_path, path, *extra):

@@ -88,6 +88,9 @@ class RegenerateConfig:
     thinking: bool = False
     part_rows: int = 256  # rows per atomically committed parquet part
     max_error_fraction: float = 0.05  # fail the stage when more rows than this fail
+    # a rerun answers again the rows that failed for the server's reason (an error, a malformed answer);
+    # true: every failed row, also those that failed for their own (a prompt the template cannot render)
+    retry_failed: bool = False
     # backend openai: the server, and how hard to try it
     base_url: str = ""  # e.g. http://127.0.0.1:8000/v1
     model: str | None = None  # model name sent in requests; None: the target path
