@@ -234,7 +234,9 @@ def _dataclass_type(tp) -> type | None:
 def check(cfg: Config) -> list[str]:
     """What needs only the config and the target's config.json, checked before any job runs: raises a
     UserError naming the key; returns warnings."""
-    from .target import read_target_config, target_num_layers  # target imports this module
+    from .managed_server import server_argv
+    from .target import read_target_config, target_max_positions, target_num_layers  # they import this
+    from .toy import TOY_MAX_POSITIONS
 
     p = cfg.prompts
     if p.min_chars > p.max_chars:
@@ -243,9 +245,25 @@ def check(cfg: Config) -> list[str]:
             "every prompt; make min_chars <= max_chars"
         )
     # the toy target is built later, from toy.num_layers
-    n = cfg.toy.num_layers if cfg.target.build_toy else target_num_layers(read_target_config(cfg.target.path))
+    target = None if cfg.target.build_toy else read_target_config(cfg.target.path)
+    n = cfg.toy.num_layers if target is None else target_num_layers(target)
     if n:
         feature_layers(n, cfg.drafter)
+    limit = TOY_MAX_POSITIONS if target is None else target_max_positions(target)
+    if limit:  # an answer needs one prompt token at least
+        lengths = {"hidden.max_length": (cfg.hidden.max_length, limit),
+                   "eval.max_new_tokens": (cfg.eval.max_new_tokens, limit - 1)}
+        if cfg.regenerate.enabled:
+            lengths["regenerate.max_new_tokens"] = (cfg.regenerate.max_new_tokens, limit - 1)
+        for key, (value, most) in lengths.items():
+            if value > most:
+                raise UserError(
+                    f"config key {key} ({value}) does not fit the target's max_position_embeddings "
+                    f"({limit}); use at most {most}"
+                )
+    r = cfg.regenerate
+    if r.enabled and r.backend == "server":
+        server_argv(r.server_cmd, "target", 1, r.server_gpus)  # the template's mistakes, before any job
     t, world = cfg.train, max(1, cfg.gpus.drafter) * cfg.gpus.drafter_nodes
     g = t.global_batch_tokens
     if g and (g % t.batch_tokens or g < world * t.batch_tokens):

@@ -48,6 +48,11 @@ def target_num_layers(cfg: dict) -> int | None:
     return cfg.get("num_hidden_layers") or (cfg.get("text_config") or {}).get("num_hidden_layers")
 
 
+def target_max_positions(cfg: dict) -> int | None:
+    """The longest sequence the target takes, from a config.json dict (None when it does not say)."""
+    return cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
+
+
 def load_target(path: str, dtype: str = "bfloat16", dev=None):
     """Load a target exactly as any HF causal LM: AutoModelForCausalLM + AutoTokenizer, eval mode."""
     import torch
