@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -89,6 +90,19 @@ def log(msg: str) -> None:
     """A line on stderr stamped with the process's age: a stage's log shows where its time goes. (stdout
     holds what a script reports as its result.)"""
     print(f"[{process_age():7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def exit_on_stop_signals() -> None:
+    """SIGTERM or Ctrl-C raise SystemExit(128 + the signal's number), as training exits: the stage
+    unwinds through its cleanup (finally blocks, temporary files, a managed server); a second signal
+    ends it at once."""
+
+    def stop(signum, frame):
+        signal.signal(signum, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 def torch_dtype(name: str, allowed: tuple[str, ...] = DTYPES, key: str = "dtype"):
