@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,7 @@ def test_disk_preflight_refusal(tmp_path):
         "--out", out,
     )
     line = one_line_error(proc)
-    assert "not enough disk space in" in line and str(out.parent) in line and "GiB" in line
+    assert "not enough disk space in" in line and str(out.parent) in line and " bytes) are free" in line
     assert not out.exists()
 
 
@@ -88,8 +89,8 @@ def test_disk_full_names_the_file(tmp_path):
     assert f"{mnt}/sharegpt.jsonl: no space left on device" in line
 
 
-def test_disk_full_in_the_hidden_writer_thread(tmp_path):
-    """The hidden-state rows are written by a background thread: its ENOSPC is still one line."""
+def precompute(tmp_path, out, cfg: dict):
+    """scripts/precompute_hidden.py on 8 conversations of about 450 tokens, with a random toy target."""
     from flashdraft.config import ToyConfig
     from flashdraft.toy import build_toy_target
 
@@ -97,14 +98,30 @@ def test_disk_full_in_the_hidden_writer_thread(tmp_path):
     messages = [{"role": "user", "content": "Hi " * 200}, {"role": "assistant", "content": "Hello " * 200}]
     rows = [{"id": f"r{i}", "messages": messages} for i in range(8)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
+    return run_script(
+        "precompute_hidden.py", "--cfg", json.dumps(cfg), "--target", tmp_path / "target",
+        "--dtype", "float32", "--data", tmp_path / "data.parquet", "--shard", 0, "--num-shards", 1,
+        "--out", out,
+    )
+
+
+def test_disk_preflight_says_small_sizes_in_a_fitting_unit(tmp_path):
+    mnt = small_disk(tmp_path / "small", "64k")
+    try:
+        proc = precompute(tmp_path, mnt / "shard-00000.arrow", {})
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    line = one_line_error(proc)
+    assert re.search(r"hidden states need about \d+\.\d\d MiB \(\d+ bytes", line), line
+    assert "but only 64.00 KiB (65536 bytes) are free" in line
+
+
+def test_disk_full_in_the_hidden_writer_thread(tmp_path):
+    """The hidden-state rows are written by a background thread: its ENOSPC is still one line."""
     mnt = small_disk(tmp_path / "small", "256k")
     try:
         # a negative margin lets the preflight pass: the rows themselves fill the disk
-        proc = run_script(
-            "precompute_hidden.py", "--cfg", json.dumps({"disk_margin": -0.99, "batch_tokens": 256}),
-            "--target", tmp_path / "target", "--dtype", "float32", "--data", tmp_path / "data.parquet",
-            "--shard", 0, "--num-shards", 1, "--out", mnt / "shard-00000.arrow",
-        )
+        proc = precompute(tmp_path, mnt / "shard-00000.arrow", {"disk_margin": -0.99, "batch_tokens": 256})
         left = sorted(p.name for p in mnt.iterdir())
     finally:
         subprocess.run(["umount", str(mnt)], check=True)

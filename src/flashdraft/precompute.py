@@ -34,7 +34,7 @@ from .hidden import (
     storage_dtype,
     write_manifest,
 )
-from .io import device, log, progress
+from .io import device, human_bytes, log, progress
 from .shards import shard_of
 from .target import decoder_prefix, feature_layer_ids, layers_needed, load_target, select_features
 
@@ -48,10 +48,10 @@ def preflight(tokens: int, dtype: str, width: int, out_dir, margin: float = 0.1)
     free = shutil.disk_usage(d).free
     if need > free:
         raise UserError(
-            f"not enough disk space in {out_dir}: hidden states need about {need / 2**30:.2f} GiB "
+            f"not enough disk space in {out_dir}: hidden states need about {human_bytes(need)} "
             f"({need} bytes: {tokens} tokens x {bytes_per_token(dtype, width)} bytes/token "
             f"+ {margin:.0%} margin) "
-            f"but only {free / 2**30:.2f} GiB ({free} bytes) are free; free space there, or lower "
+            f"but only {human_bytes(free)} ({free} bytes) are free; free space there, or lower "
             "hidden.max_length or hidden.dtype (float8_e4m3 halves it)"
         )
     return need
