@@ -68,6 +68,22 @@ def test_remote_code_target_fails_before_any_job(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+def test_a_model_type_of_transformers_in_a_package_of_another_name_is_not_remote_code(tmp_path):
+    """gemma3_text's classes live in transformers' gemma3 package: it ships, though an auto_map is there."""
+    model = tmp_path / "models" / "gemma"
+    model.mkdir(parents=True)
+    auto_map = {"AutoModelForCausalLM": "modeling_gemma.Gemma3ForCausalLM"}
+    (model / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 8,
+                                                   "auto_map": auto_map}))
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    overrides = {"target": {"path": "models/gemma", "build_toy": False},
+                 "prompts.sources": [{"name": "p", "path": "prompts.jsonl"}]}
+    config = write_config(tmp_path / "config.yaml", overrides)
+    proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "needs remote code" not in proc.stdout + proc.stderr
+
+
 def test_more_hidden_shards_than_prompts_warns(tmp_path):
     config = write_config(tmp_path / "config.yaml", {"hidden.shards": 8, "prompts.total": 4})
     proc = snakemake(tmp_path, "-n", "--cores", "1", config=config)

@@ -4,7 +4,6 @@ for each of these facts."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 from pathlib import Path
 
@@ -36,11 +35,13 @@ def read_target_config(path) -> dict:
 
 
 def _transformers_ships(model_type) -> bool:
-    """Whether transformers has a models/<model_type> package, found without importing it (nor torch)."""
-    spec = importlib.util.find_spec("transformers")
-    if not isinstance(model_type, str) or spec is None or spec.origin is None:
-        return False
-    return (Path(spec.origin).parent / "models" / model_type.replace("-", "_")).is_dir()
+    """Whether transformers has a config class for `model_type` (its auto mapping; the package may have
+    another name, as gemma3_text's is gemma3)."""
+    try:
+        from transformers.models.auto.auto_mappings import CONFIG_MAPPING_NAMES  # without torch
+    except ImportError:  # releases before that module (importing torch)
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    return model_type in CONFIG_MAPPING_NAMES
 
 
 def target_num_layers(cfg: dict) -> int | None:
