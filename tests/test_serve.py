@@ -104,14 +104,22 @@ def _post(srv, body: bytes, length=None, send_body=True):
     ({"temperature": -0.5}, "`temperature` must be a number >= 0"),
     ({"temperature": "0.5"}, "`temperature` must be a number >= 0"),
     ({"chat_template_kwargs": ["x"]}, "`chat_template_kwargs` must be an object"),
+    ({"messages": [{"role": "user", "content": 5}]}, "`messages[0].content` must be a string, got a number"),
+    ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": [{"text": "hi"}]}]},
+     "`messages[1].content` must be a string, got an array"),
+    ({"messages": [{"content": "hi"}]}, "`messages[0].role` must be a string, got none"),
+    ({"messages": ["hi"]},
+     "`messages[0]` must be an object with a string `role` and `content`, got a string"),
 ], ids=["list", "string", "max-tokens-0", "max-tokens-negative", "max-completion-tokens-0",
         "max-tokens-string", "max-tokens-float", "max-tokens-over-limit", "temperature-negative",
-        "temperature-string", "template-kwargs-list"])
+        "temperature-string", "template-kwargs-list", "content-number", "content-array", "no-role",
+        "message-string"])
 def test_bad_fields_are_400(server, body, words):
     if isinstance(body, dict):
         body = {"messages": MESSAGES, **body}
     code, message = _post(server, json.dumps(body).encode())
     assert code == 400 and words in message
+    assert "Error" not in message and "object is not" not in message  # no Python exception text
 
 
 def test_max_tokens_limit_is_a_server_option(server):
