@@ -45,6 +45,23 @@ def test_unreadable_source(tmp_path, name, content, expected):
     assert expected in line
 
 
+@pytest.mark.parametrize("path, split, expected", [
+    ("no-such-user/no-such-dataset", "train", "Couldn't reach 'no-such-user/no-such-dataset' on the Hub"),
+    ("EMPTY", "train", "doesn't contain any data files"),
+    ("DATA", "nope", "Bad split: nope. Available splits: ['train']"),
+], ids=["unknown-hub-id", "folder-without-data-files", "unknown-split"])
+def test_hf_dataset_that_cannot_be_loaded(tmp_path, monkeypatch, path, split, expected):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network: the hub answers nothing
+    (tmp_path / "EMPTY").mkdir()
+    (tmp_path / "DATA").mkdir()
+    (tmp_path / "DATA" / "train.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    path = str(tmp_path / path) if path.isupper() else path
+    cfg = json.dumps({"sources": [{"name": "mine", "path": path, "format": "hf", "split": split}]})
+    line = one_line_error(run_script("expand_prompts.py", "--cfg", cfg, "--out-dir", tmp_path / "out"))
+    assert line.startswith(f"expand_prompts: error: source 'mine': cannot read the HF dataset {path!r}")
+    assert expected in line
+
+
 def test_verbose_shows_the_traceback(tmp_path):
     path = tmp_path / "empty.json"
     path.write_bytes(b"")
