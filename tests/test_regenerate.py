@@ -108,8 +108,11 @@ def test_a_rerun_retries_failed_rows_by_their_cause(data, reference, tmp_path):
     assert pq.read_table(tmp_path / "errors.parquet").to_pylist() == [
         {"id": prompts[1]["id"], "source": prompts[1]["source"], "reason": "TemplateError: x"}]
     assert table.to_pylist() == [r for r in reference[1].to_pylist() if r["id"] != prompts[1]["id"]]
+    before = sorted((tmp_path / "parts").glob("part-*.parquet"))
     _, table = _run(data, tmp_path, dataclasses.replace(CFG, retry_failed=True))
     assert table.equals(reference[1])
+    after = sorted((tmp_path / "parts").glob("part-*.parquet"))  # the parts kept, one more: the retried row
+    assert after[:-1] == before and pq.read_table(after[-1]).column("id").to_pylist() == [prompts[1]["id"]]
 
 
 def test_disabled_copies_answers_and_counts_missing(data, tmp_path):

@@ -43,7 +43,7 @@ FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash 
 TRANSPORT_KEYS = ("base_url", "api_key_env", "concurrency", "max_retries", "timeout_s", "backoff_s",
                   "server_cmd", "server_gpus", "server_port", "server_timeout_s")
 # settings of how the answers are computed and committed, not of what they are: they keep committed parts
-ENGINE_KEYS = ("engine", "batch_size", "shards", "part_rows")
+ENGINE_KEYS = ("engine", "batch_size", "shards", "part_rows", "retry_failed")
 
 
 def _schema(error: bool):
