@@ -218,6 +218,8 @@ class ManagedServer:
             if time.monotonic() > deadline:
                 _signal_group(pgid, signal.SIGKILL)
                 self.proc.wait()
+                while _group_alive(pgid):  # the workers die of it too, but not at the same instant
+                    time.sleep(0.05)
                 break
             time.sleep(0.05)
         self.proc = None
