@@ -5,19 +5,12 @@ exit status 128 + the signal's number; a second one stops it at once.
 """
 
 import argparse
-import signal
-import sys
 import time
 
 from flashdraft.config import RegenerateConfig, load_section
 from flashdraft.errors import cli
-from flashdraft.managed_server import ServerError
+from flashdraft.io import exit_on_stop_signals
 from flashdraft.regenerate import regenerate
-
-
-def _stop(signum, frame):
-    signal.signal(signum, signal.SIG_DFL)  # a second signal ends the job at once
-    raise SystemExit(128 + signum)  # unwinds through every finally: parts flushed, server stopped
 
 
 @cli
@@ -36,14 +29,10 @@ def main(argv=None):
     if not 0 <= args.shard < args.num_shards:
         ap.error(f"--shard {args.shard} is not in 0..{args.num_shards - 1}")
     cfg = load_section(RegenerateConfig, args.cfg, "regenerate")
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop)
+    exit_on_stop_signals()  # unwinds through every finally: parts flushed, server stopped
     t0 = time.time()
-    try:
-        s = regenerate(cfg, args.target, args.dtype, args.prompts, args.out, args.work_dir, args.shard,
-                       args.num_shards, args.errors)
-    except ServerError as e:  # a bad server command, port or server: the message says which
-        sys.exit(f"regenerate: {e}")
+    s = regenerate(cfg, args.target, args.dtype, args.prompts, args.out, args.work_dir, args.shard,
+                   args.num_shards, args.errors)
     rate = f", {s['new_tokens'] / s['generate_s']:.0f} new tokens/s" if s.get("generate_s") else ""
     print(
         f"regenerate: {s['rows']} rows ({s['stop']} stop, {s['length']} length), {s['errors']} errors "

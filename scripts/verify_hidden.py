@@ -7,15 +7,11 @@ python scripts/verify_hidden.py --out results/hidden/verify.json results/hidden/
 """
 
 import argparse
-import os
 import sys
 
-from flashdraft.errors import cli
+from flashdraft.errors import RERUN_ENV, cli, rerun_command
 from flashdraft.hidden import manifest_path, move_aside, verify_shard
 from flashdraft.io import write_json
-
-# Set by the workflow (workflow/rules/hidden.smk) to the command that reruns it.
-RERUN_ENV = "FLASHDRAFT_RERUN"
 
 
 @cli
@@ -25,7 +21,7 @@ def main(argv=None):
     p.add_argument("--bad-dir", default=None,
                    help="where bad shards are moved (default: bad/ next to each shard)")
     p.add_argument("--keep-bad", action="store_true", help="leave bad shards where they are")
-    p.add_argument("--rerun", default=os.environ.get(RERUN_ENV, "snakemake --cores all"),
+    p.add_argument("--rerun", default=rerun_command(),
                    help=f"the command the error message names to rebuild bad shards (default: ${RERUN_ENV})")
     p.add_argument("shards", nargs="+", help="shard .arrow files (manifest: the same name with .json)")
     args = p.parse_args(argv)

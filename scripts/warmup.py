@@ -5,7 +5,8 @@ python scripts/warmup.py --cfg '{"buckets": [128, 256]}' --drafter-cfg '{}' --ta
 
 One process, main thread (torch.compile is not thread-safe). Writes <out-dir>/artifacts.bin (the
 Mega-Cache blob; empty with compile: false), <out-dir>/inductor.tar (the files of the fresh Inductor
-cache dir it compiled into) and <out-dir>/meta.json (the cache key and counters).
+cache dir it compiled into) and <out-dir>/meta.json (the cache key and counters). SIGTERM or Ctrl-C
+stops it with exit status 128 + the signal's number (143, 130), as training, keeping none of the three.
 """
 
 import argparse
@@ -14,6 +15,7 @@ import json
 from flashdraft.compile_cache import warmup
 from flashdraft.config import DrafterConfig, TrainConfig, load_section
 from flashdraft.errors import cli
+from flashdraft.io import exit_on_stop_signals
 
 
 @cli
@@ -27,6 +29,7 @@ def main(argv=None):
                    help="processes the training will run (train.parallel may shard the drafter over them)")
     p.add_argument("shards", nargs="*", help="hidden-state shards (.arrow); their manifests give K*H")
     args = p.parse_args(argv)
+    exit_on_stop_signals()
     cfg = load_section(TrainConfig, args.cfg, "train")
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
     meta = warmup(cfg, drafter_cfg, args.target, args.shards, args.out_dir, world=args.world)

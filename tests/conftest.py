@@ -25,6 +25,16 @@ def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None, s
     return proc
 
 
+def one_line_error(proc) -> str:
+    """The one line a user error prints, last on stderr (after any progress lines); asserts the exit
+    status and that no traceback was printed."""
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert [line for line in lines if ": error: " in line] == lines[-1:], proc.stderr
+    return lines[-1]
+
+
 def job_counts(output: str) -> dict[str, int]:
     """Parse the 'Job stats' table of a Snakemake (dry) run into {rule: count}."""
     counts, inside = {}, False

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 from conftest import toy_prompt_set
 
 from flashdraft.config import RegenerateConfig, to_json
+from flashdraft.errors import UserError
 from flashdraft.regenerate import regenerate
 from flashdraft.shards import shard_of
 
@@ -88,6 +90,31 @@ def test_stale_parts_are_cleared(data, tmp_path):
     assert max(table.column("response_tokens").to_pylist()) <= 2
 
 
+def test_a_rerun_retries_failed_rows_by_their_cause(data, reference, tmp_path):
+    """Committed failed rows: one the server failed (`answer`) is answered again by every rerun, one that
+    failed for its own reason (`prompt`) only with retry_failed: true."""
+    import pyarrow as pa
+
+    from flashdraft.io import write_parquet
+    from flashdraft.regenerate import _error, _schema
+
+    _run(data, tmp_path)
+    prompts = pq.read_table(data / "prompts/train.parquet").to_pylist()
+    failed = [_error(prompts[0], "HTTP 400: bad", "answer"), _error(prompts[1], "TemplateError: x", "prompt")]
+    part = tmp_path / "parts/part-00100.parquet"
+    write_parquet(pa.Table.from_pylist(failed, schema=_schema(error=True)), part)
+    stats, table = _run(data, tmp_path)
+    assert stats["errors"] == 1 and table.num_rows == 39
+    assert pq.read_table(tmp_path / "errors.parquet").to_pylist() == [
+        {"id": prompts[1]["id"], "source": prompts[1]["source"], "reason": "TemplateError: x"}]
+    assert table.to_pylist() == [r for r in reference[1].to_pylist() if r["id"] != prompts[1]["id"]]
+    before = sorted((tmp_path / "parts").glob("part-*.parquet"))
+    _, table = _run(data, tmp_path, dataclasses.replace(CFG, retry_failed=True))
+    assert table.equals(reference[1])
+    after = sorted((tmp_path / "parts").glob("part-*.parquet"))  # the parts kept, one more: the retried row
+    assert after[:-1] == before and pq.read_table(after[-1]).column("id").to_pylist() == [prompts[1]["id"]]
+
+
 def test_disabled_copies_answers_and_counts_missing(data, tmp_path):
     import pyarrow as pa
 
@@ -106,7 +133,7 @@ def test_disabled_copies_answers_and_counts_missing(data, tmp_path):
             stats, table = _run(data, out, off, tmp_path / f"cut{n_missing}.parquet")
             assert stats == {"rows": 39, "errors": 1, "stop": 39, "length": 0} and table.num_rows == 39
         else:
-            with pytest.raises(RuntimeError, match="3 of 40 rows failed"):
+            with pytest.raises(UserError, match="3 of 40 rows failed"):
                 _run(data, out, off, tmp_path / f"cut{n_missing}.parquet")
             assert not (out / "train.parquet").exists()
         errors = pq.read_table(out / "errors.parquet").to_pylist()

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import toy_prompt_set
+from conftest import one_line_error, toy_prompt_set
 
 from flashdraft.config import RegenerateConfig, to_json
+from flashdraft.errors import UserError
 from flashdraft.regenerate import regenerate
 from flashdraft.serve import Server
 
@@ -103,14 +104,22 @@ def _post(srv, body: bytes, length=None, send_body=True):
     ({"temperature": -0.5}, "`temperature` must be a number >= 0"),
     ({"temperature": "0.5"}, "`temperature` must be a number >= 0"),
     ({"chat_template_kwargs": ["x"]}, "`chat_template_kwargs` must be an object"),
+    ({"messages": [{"role": "user", "content": 5}]}, "`messages[0].content` must be a string, got a number"),
+    ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": [{"text": "hi"}]}]},
+     "`messages[1].content` must be a string, got an array"),
+    ({"messages": [{"content": "hi"}]}, "`messages[0].role` must be a string, got none"),
+    ({"messages": ["hi"]},
+     "`messages[0]` must be an object with a string `role` and `content`, got a string"),
 ], ids=["list", "string", "max-tokens-0", "max-tokens-negative", "max-completion-tokens-0",
         "max-tokens-string", "max-tokens-float", "max-tokens-over-limit", "temperature-negative",
-        "temperature-string", "template-kwargs-list"])
+        "temperature-string", "template-kwargs-list", "content-number", "content-array", "no-role",
+        "message-string"])
 def test_bad_fields_are_400(server, body, words):
     if isinstance(body, dict):
         body = {"messages": MESSAGES, **body}
     code, message = _post(server, json.dumps(body).encode())
     assert code == 400 and words in message
+    assert "Error" not in message and "object is not" not in message  # no Python exception text
 
 
 def test_max_tokens_limit_is_a_server_option(server):
@@ -170,7 +179,7 @@ def test_retries_recover_injected_503(data, server, hf_reference, tmp_path):
 
 def test_client_errors_are_not_retried(data, server, tmp_path):
     before = server.requests
-    with pytest.raises(RuntimeError, match="HTTP 404: The model `nope` does not exist"):
+    with pytest.raises(UserError, match="HTTP 404: The model `nope` does not exist"):
         _run(data, tmp_path, _openai(_url(server), model="nope", concurrency=1))
     # stopped once 3 of 40 (> 5%) failed, each tried once; one request in flight, none sent after
     assert server.requests - before == 3
@@ -182,7 +191,7 @@ def test_unreachable_server_fails_clearly_then_resumes(data, server, hf_referenc
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(RuntimeError, match=r"rows failed.*127\.0\.0\.1:\d+/v1/chat/completions.*refused"):
+    with pytest.raises(UserError, match=r"rows failed.*127\.0\.0\.1:\d+/v1/chat/completions.*refused"):
         _run(data, tmp_path, _openai(f"http://127.0.0.1:{port}/v1", max_retries=1))
     assert not (tmp_path / "train.parquet").exists()
     assert pq.read_table(tmp_path / "errors.parquet").num_rows > 2
@@ -212,3 +221,56 @@ def test_kill_and_rerun_script(data, server, hf_reference, tmp_path):
     table = pq.read_table(out)
     assert sorted(table.column("id").to_pylist()) == sorted(set(table.column("id").to_pylist()))
     assert table.equals(hf_reference)
+
+
+def _script(data, out_dir, cfg, **env):
+    """scripts/regenerate.py as the workflow runs it (`env`: extra variables)."""
+    cmd = [sys.executable, str(ROOT / "scripts/regenerate.py"), "--cfg", to_json(cfg),
+           "--target", str(data / "target"), "--dtype", "float32",
+           "--prompts", str(data / "prompts/train.parquet"), "--out", str(out_dir / "train.parquet"),
+           "--work-dir", str(out_dir / "parts")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+
+def _listens(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_closed_port_is_one_line(data, tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    line = one_line_error(_script(data, tmp_path, _openai(f"http://127.0.0.1:{port}/v1", max_retries=0)))
+    assert line.startswith("regenerate: error: ") and "rows failed" in line
+    assert f"127.0.0.1:{port}/v1/chat/completions: URLError: [Errno 111] Connection refused" in line
+
+
+def test_a_bad_server_then_a_fixed_one_recovers(data, server, hf_reference, tmp_path):
+    """A server that answers HTML with status 200: the failed rows are committed with their cause and
+    the stage stops in one line naming the parts and the rerun; the rerun, with the server fixed (here:
+    the real one), answers them and gives the clean run's rows."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stub = subprocess.Popen([sys.executable, str(ROOT / "tests/stub_server.py"), "garbage", str(port)])
+    try:
+        while stub.poll() is None and not _listens(port):
+            time.sleep(0.05)
+        rerun = "snakemake --configfile my config.yaml --cores all"
+        bad = _script(data, tmp_path, _openai(f"http://127.0.0.1:{port}/v1", concurrency=1),
+                      FLASHDRAFT_RERUN=rerun)
+    finally:
+        stub.terminate()
+        stub.wait()
+    line = one_line_error(bad)
+    assert line.startswith("regenerate: error: 3 of 40 rows failed")
+    assert "answered b'<html>it works!</html>', not JSON: is regenerate.base_url an OpenAI" in line
+    assert f"kept in {tmp_path / 'parts'}/" in line and f"rerun ({rerun})" in line
+    parts = sorted((tmp_path / "parts").glob("part-*.parquet"))
+    committed = [r for part in parts for r in pq.read_table(part).to_pylist()]
+    assert len(committed) == 3 and {r["cause"] for r in committed} == {"answer"}
+    good = _script(data, tmp_path, _openai(_url(server)))
+    assert good.returncode == 0, good.stderr
+    assert "40 rows" in good.stdout and pq.read_table(tmp_path / "train.parquet").equals(hf_reference)

@@ -499,6 +499,29 @@ def warmup_cmd(root, shards, cfg, cache, drafter=DRAFTER, world=1):
             "--world", str(world), *shards]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_signal_stops_the_warmup_as_training_keeping_no_cache(data, tmp_path, sig):
+    root, shards = data
+    cfg, cache, tmp = {**TRAIN, "compile": True}, tmp_path / "cache", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(warmup_cmd(root, shards, cfg, cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:  # signalled once Inductor writes its first file: compiling the first of two buckets
+        while proc.poll() is None and not any(p.is_file() for p in tmp.glob("flashdraft-inductor-*/**/*")):
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert not cache.exists() or not list(cache.iterdir())
+    assert not list(tmp.glob("flashdraft-inductor-*"))  # its Inductor dir removed on the way out
+
+
 @pytest.mark.slow
 def test_warmup_cache_gives_hits_in_a_fresh_training_process(data, tmp_path):
     """Compile once in the warmup, then a fresh process (its own empty Inductor cache dir) loads the blob

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,16 +20,6 @@ def run_script(script, *args):
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [sys.executable, str(REPO / "scripts" / script), *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-
-
-def one_line_error(proc) -> str:
-    """The one line a user error prints, last on stderr (after any progress lines); asserts the exit
-    status and that no traceback was printed."""
-    assert proc.returncode == 1, proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert [line for line in lines if ": error: " in line] == lines[-1:], proc.stderr
-    return lines[-1]
 
 
 def expand(tmp_path, path, *extra):
@@ -53,6 +45,23 @@ def test_unreadable_source(tmp_path, name, content, expected):
     assert expected in line
 
 
+@pytest.mark.parametrize("path, split, expected", [
+    ("no-such-user/no-such-dataset", "train", "Couldn't reach 'no-such-user/no-such-dataset' on the Hub"),
+    ("EMPTY", "train", "doesn't contain any data files"),
+    ("DATA", "nope", "Bad split: nope. Available splits: ['train']"),
+], ids=["unknown-hub-id", "folder-without-data-files", "unknown-split"])
+def test_hf_dataset_that_cannot_be_loaded(tmp_path, monkeypatch, path, split, expected):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network: the hub answers nothing
+    (tmp_path / "EMPTY").mkdir()
+    (tmp_path / "DATA").mkdir()
+    (tmp_path / "DATA" / "train.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    path = str(tmp_path / path) if path.isupper() else path
+    cfg = json.dumps({"sources": [{"name": "mine", "path": path, "format": "hf", "split": split}]})
+    line = one_line_error(run_script("expand_prompts.py", "--cfg", cfg, "--out-dir", tmp_path / "out"))
+    assert line.startswith(f"expand_prompts: error: source 'mine': cannot read the HF dataset {path!r}")
+    assert expected in line
+
+
 def test_verbose_shows_the_traceback(tmp_path):
     path = tmp_path / "empty.json"
     path.write_bytes(b"")
@@ -74,22 +83,69 @@ def test_disk_preflight_refusal(tmp_path):
         "--out", out,
     )
     line = one_line_error(proc)
-    assert "not enough disk space in" in line and str(out.parent) in line and "GiB" in line
+    assert "not enough disk space in" in line and str(out.parent) in line and " bytes) are free" in line
     assert not out.exists()
 
 
-def test_disk_full_names_the_file(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mnt)],
+def small_disk(path, size="16k"):
+    """A tmpfs of `size` mounted at `path` (root only); unmount it with umount."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                                            capture_output=True).returncode != 0:
         pytest.skip("needs root and tmpfs to fill a disk")
+    return path
+
+
+def test_disk_full_names_the_file(tmp_path):
+    mnt = small_disk(tmp_path / "small")
     try:
         proc = run_script("toy_sources.py", "--cfg", json.dumps({"source_rows": 200}), "--out-dir", mnt)
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
     line = one_line_error(proc)
     assert f"{mnt}/sharegpt.jsonl: no space left on device" in line
+
+
+def precompute(tmp_path, out, cfg: dict):
+    """scripts/precompute_hidden.py on 8 conversations of about 450 tokens, with a random toy target."""
+    from flashdraft.config import ToyConfig
+    from flashdraft.toy import build_toy_target
+
+    build_toy_target(ToyConfig(steps=0, num_docs=200), str(tmp_path / "target"))
+    messages = [{"role": "user", "content": "Hi " * 200}, {"role": "assistant", "content": "Hello " * 200}]
+    rows = [{"id": f"r{i}", "messages": messages} for i in range(8)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
+    return run_script(
+        "precompute_hidden.py", "--cfg", json.dumps(cfg), "--target", tmp_path / "target",
+        "--dtype", "float32", "--data", tmp_path / "data.parquet", "--shard", 0, "--num-shards", 1,
+        "--out", out,
+    )
+
+
+def test_disk_preflight_says_small_sizes_in_a_fitting_unit(tmp_path):
+    mnt = small_disk(tmp_path / "small", "64k")
+    try:
+        proc = precompute(tmp_path, mnt / "shard-00000.arrow", {})
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    line = one_line_error(proc)
+    assert re.search(r"hidden states need about \d+\.\d\d MiB \(\d+ bytes", line), line
+    assert "but only 64.00 KiB (65536 bytes) are free" in line
+
+
+def test_disk_full_in_the_hidden_writer_thread(tmp_path):
+    """The hidden-state rows are written by a background thread: its ENOSPC is still one line."""
+    mnt = small_disk(tmp_path / "small", "256k")
+    try:
+        # a negative margin lets the preflight pass: the rows themselves fill the disk
+        proc = precompute(tmp_path, mnt / "shard-00000.arrow", {"disk_margin": -0.99, "batch_tokens": 256})
+        left = sorted(p.name for p in mnt.iterdir())
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    line = one_line_error(proc)
+    assert line == (f"precompute_hidden: error: {mnt}/shard-00000.arrow: no space left on device; free space "
+                    "there (or move results/) and rerun")
+    assert "shard-00000.arrow" not in left
 
 
 def test_target_that_needs_remote_code(tmp_path):

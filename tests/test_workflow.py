@@ -28,9 +28,23 @@ pytestmark = pytest.mark.slow
         ({"regenerate.backend": "server", "regenerate.server_gpus": 64}, "regenerate.server_gpus"),
         ({"drafter.target_layer_ids": [1, 9]}, "drafter.target_layer_ids: [9] out of range"),
         ({"prompts.min_chars": 50, "prompts.max_chars": 10}, "prompts.min_chars (50) > prompts.max_chars"),
+        ({"regenerate.max_new_tokens": 10**9}, "1000000000 is greater than the maximum of 1048576"),
+        ({"regenerate.max_new_tokens": 4096}, "config key regenerate.max_new_tokens (4096) does not fit the "
+                                              "target's max_position_embeddings (4096); use at most 4095"),
+        ({"eval.max_new_tokens": 5000}, "config key eval.max_new_tokens (5000) does not fit"),
+        ({"hidden.max_length": 4097}, "config key hidden.max_length (4097) does not fit the target's "
+                                      "max_position_embeddings (4096); use at most 4096"),
+        ({"regenerate.backend": "server", "regenerate.server_gpus": 0,
+          "regenerate.server_cmd": "vllm serve {model} --port {port}"}, "unknown placeholder(s) ['model']"),
+        ({"regenerate.backend": "server", "regenerate.server_gpus": 0, "regenerate.server_cmd": " "},
+         "regenerate.server_cmd is empty"),
+        ({"prompts.sources": [{"name": "here", "path": "."}]},
+         "config key prompts.sources[here].path: '.' is a directory; point it at a file"),
     ],
     ids=["unknown-key", "wrong-type", "missing-model", "too-many-gpus", "too-many-server-gpus",
-         "layer-beyond-target", "min-over-max-chars"],
+         "layer-beyond-target", "min-over-max-chars", "schema-max-new-tokens", "regenerate-over-positions",
+         "eval-over-positions", "max-length-over-positions", "server-cmd-placeholder", "server-cmd-empty",
+         "source-is-a-directory"],
 )
 def test_bad_config_fails_before_any_job(tmp_path, overrides, expected):
     config = write_config(tmp_path / "config.yaml", overrides)
@@ -52,6 +66,22 @@ def test_remote_code_target_fails_before_any_job(tmp_path):
     out = proc.stdout + proc.stderr
     assert "target.path" in out and "needs remote code" in out and "modeling_mine" in out
     assert not (tmp_path / "results").exists()
+
+
+def test_a_model_type_of_transformers_in_a_package_of_another_name_is_not_remote_code(tmp_path):
+    """gemma3_text's classes live in transformers' gemma3 package: it ships, though an auto_map is there."""
+    model = tmp_path / "models" / "gemma"
+    model.mkdir(parents=True)
+    auto_map = {"AutoModelForCausalLM": "modeling_gemma.Gemma3ForCausalLM"}
+    (model / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 8,
+                                                   "auto_map": auto_map}))
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    overrides = {"target": {"path": "models/gemma", "build_toy": False},
+                 "prompts.sources": [{"name": "p", "path": "prompts.jsonl"}]}
+    config = write_config(tmp_path / "config.yaml", overrides)
+    proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "needs remote code" not in proc.stdout + proc.stderr
 
 
 def test_more_hidden_shards_than_prompts_warns(tmp_path):

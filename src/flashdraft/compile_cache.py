@@ -246,11 +246,16 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
         _say(f"saved {len(blob)} bytes of compile caches")
     elif not cfg.compile:
         _say(f"compile is false; nothing to compile, writing an empty {ARTIFACTS}")
-    with atomic_path(out / ARTIFACTS) as tmp:
-        tmp.write_bytes(blob)
-    files = pack_inductor_dir(inductor, out / INDUCTOR_FILES)  # empty when nothing was compiled
-    meta = {"key": key, "compile": cfg.compile, "fsdp": sharded, "seconds": seconds,
-            "counters": cache_counters(), "artifact_bytes": len(blob), "inductor_files": files,
-            "inductor_bytes": (out / INDUCTOR_FILES).stat().st_size}
-    write_json(out / META, meta)
+    try:
+        with atomic_path(out / ARTIFACTS) as tmp:
+            tmp.write_bytes(blob)
+        files = pack_inductor_dir(inductor, out / INDUCTOR_FILES)  # empty when nothing was compiled
+        meta = {"key": key, "compile": cfg.compile, "fsdp": sharded, "seconds": seconds,
+                "counters": cache_counters(), "artifact_bytes": len(blob), "inductor_files": files,
+                "inductor_bytes": (out / INDUCTOR_FILES).stat().st_size}
+        write_json(out / META, meta)
+    except BaseException:  # stopped or failed between the files: none of them, rather than a mix
+        for name in (ARTIFACTS, INDUCTOR_FILES, META):
+            (out / name).unlink(missing_ok=True)
+        raise
     return meta

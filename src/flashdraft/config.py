@@ -89,6 +89,9 @@ class RegenerateConfig:
     thinking: bool = False
     part_rows: int = 256  # rows per atomically committed parquet part
     max_error_fraction: float = 0.05  # fail the stage when more rows than this fail
+    # a rerun answers again the rows that failed for the server's reason (an error, a malformed answer);
+    # true: every failed row, also those that failed for their own (a prompt the template cannot render)
+    retry_failed: bool = False
     # backend openai: the server, and how hard to try it
     base_url: str = ""  # e.g. http://127.0.0.1:8000/v1
     model: str | None = None  # model name sent in requests; None: the target path
@@ -239,7 +242,9 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
     """What needs only the config and the target's config.json (`target`: that file's contents, when it
     is not at target.path yet), checked before any job runs: raises a UserError naming the key; returns
     warnings."""
-    from .target import read_target_config, target_num_layers  # target imports this module
+    from .managed_server import server_argv
+    from .target import read_target_config, target_max_positions, target_num_layers  # they import this
+    from .toy import TOY_MAX_POSITIONS
 
     p = cfg.prompts
     if p.min_chars > p.max_chars:
@@ -249,11 +254,27 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
         )
     # the toy target is built later, from toy.num_layers
     if cfg.target.build_toy:
-        n = cfg.toy.num_layers
-    else:
-        n = target_num_layers(target if target is not None else read_target_config(cfg.target.path))
+        target = None
+    elif target is None:
+        target = read_target_config(cfg.target.path)
+    n = cfg.toy.num_layers if target is None else target_num_layers(target)
     if n:
         feature_layers(n, cfg.drafter)
+    limit = TOY_MAX_POSITIONS if target is None else target_max_positions(target)
+    if limit:  # an answer needs one prompt token at least
+        lengths = {"hidden.max_length": (cfg.hidden.max_length, limit),
+                   "eval.max_new_tokens": (cfg.eval.max_new_tokens, limit - 1)}
+        if cfg.regenerate.enabled:
+            lengths["regenerate.max_new_tokens"] = (cfg.regenerate.max_new_tokens, limit - 1)
+        for key, (value, most) in lengths.items():
+            if value > most:
+                raise UserError(
+                    f"config key {key} ({value}) does not fit the target's max_position_embeddings "
+                    f"({limit}); use at most {most}"
+                )
+    r = cfg.regenerate
+    if r.enabled and r.backend == "server":
+        server_argv(r.server_cmd, "target", 1, r.server_gpus)  # the template's mistakes, before any job
     t, world = cfg.train, max(1, cfg.gpus.drafter) * cfg.gpus.drafter_nodes
     g = t.global_batch_tokens
     if g and (g % t.batch_tokens or g < world * t.batch_tokens):

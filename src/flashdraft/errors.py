@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +24,15 @@ def disk_full(e: BaseException) -> bool:
 
 def disk_full_error(path) -> UserError:
     return UserError(f"{path}: no space left on device; free space there (or move results/) and rerun")
+
+
+# Set by the workflow (workflow/rules/common.smk) to the snakemake command that reruns it as started.
+RERUN_ENV = "FLASHDRAFT_RERUN"
+
+
+def rerun_command() -> str:
+    """The command a message tells the user to rerun after fixing what it names."""
+    return os.environ.get(RERUN_ENV, "snakemake --cores all")
 
 
 def cli(main):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -129,6 +130,29 @@ def log(msg: str) -> None:
     """A line on stderr stamped with the process's age: a stage's log shows where its time goes. (stdout
     holds what a script reports as its result.)"""
     print(f"[{process_age():7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def human_bytes(n: float) -> str:
+    """A size in the unit that keeps it under 1024: 65536 -> '64.00 KiB'."""
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.2f} {unit}"
+
+
+def exit_on_stop_signals() -> None:
+    """SIGTERM or Ctrl-C raise SystemExit(128 + the signal's number), as training exits: the stage
+    unwinds through its cleanup (finally blocks, temporary files, a managed server); a second signal
+    ends it at once."""
+
+    def stop(signum, frame):
+        signal.signal(signum, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 def torch_dtype(name: str, allowed: tuple[str, ...] = DTYPES, key: str = "dtype"):

@@ -26,6 +26,8 @@ from collections import deque
 from http.client import HTTPException
 from pathlib import Path
 
+from .errors import UserError
+
 PLACEHOLDERS = ("target", "port", "gpus")
 TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
@@ -34,7 +36,7 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("lin
 _direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class ServerError(RuntimeError):
+class ServerError(UserError):
     """The managed server could not be started or did not answer; the message says why."""
 
 
@@ -193,8 +195,9 @@ class ManagedServer:
                               f"answers on port {self.port}")
 
     def _error(self, problem: str) -> ServerError:
-        """The problem on one line, then the server's last log lines (why it failed, usually)."""
-        return ServerError(f"{problem}\n  last lines of {self.log_path}:\n{self.log_tail()}")
+        """The problem, after the server's last log lines (why it failed, usually) on stderr."""
+        print(f"regenerate: last lines of {self.log_path}:\n{self.log_tail()}", file=sys.stderr, flush=True)
+        return ServerError(f"{problem} (the server's last log lines are above, all of it in {self.log_path})")
 
     def log_tail(self, n: int = TAIL_LINES) -> str:
         try:
@@ -215,6 +218,8 @@ class ManagedServer:
             if time.monotonic() > deadline:
                 _signal_group(pgid, signal.SIGKILL)
                 self.proc.wait()
+                while _group_alive(pgid):  # the workers die of it too, but not at the same instant
+                    time.sleep(0.05)
                 break
             time.sleep(0.05)
         self.proc = None

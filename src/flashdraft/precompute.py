@@ -21,7 +21,7 @@ import torch
 
 from .chat import tokenize_conversation
 from .config import DrafterConfig, HiddenConfig
-from .errors import UserError
+from .errors import UserError, disk_full, disk_full_error
 from .hidden import (
     FP8,
     ShardMeta,
@@ -34,7 +34,7 @@ from .hidden import (
     storage_dtype,
     write_manifest,
 )
-from .io import device, log, progress
+from .io import device, human_bytes, log, progress
 from .shards import shard_of
 from .target import decoder_prefix, feature_layer_ids, layers_needed, load_target, select_features
 
@@ -48,10 +48,10 @@ def preflight(tokens: int, dtype: str, width: int, out_dir, margin: float = 0.1)
     free = shutil.disk_usage(d).free
     if need > free:
         raise UserError(
-            f"not enough disk space in {out_dir}: hidden states need about {need / 2**30:.2f} GiB "
+            f"not enough disk space in {out_dir}: hidden states need about {human_bytes(need)} "
             f"({need} bytes: {tokens} tokens x {bytes_per_token(dtype, width)} bytes/token "
             f"+ {margin:.0%} margin) "
-            f"but only {free / 2**30:.2f} GiB ({free} bytes) are free; free space there, or lower "
+            f"but only {human_bytes(free)} ({free} bytes) are free; free space there, or lower "
             "hidden.max_length or hidden.dtype (float8_e4m3 halves it)"
         )
     return need
@@ -275,7 +275,12 @@ def write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg: 
 
     meta = ShardMeta(target=str(target_path), target_layer_ids=layer_ids, hidden_size=hidden_size,
                      dtype=hidden_cfg.dtype)
-    writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id, desc=desc)
+    try:
+        writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id, desc=desc)
+    except RuntimeError as e:  # the writer thread's error, re-raised here: name the shard it was writing
+        if not disk_full(e.__cause__):
+            raise
+        raise disk_full_error(out_arrow) from e
     t = writer.timing
     log(f"{desc}: {writer.tokens} tokens in {t['seconds']:.1f} s "
         f"({writer.tokens / max(t['seconds'], 1e-9):.0f} tok/s); the forward waited "

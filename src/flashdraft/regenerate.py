@@ -5,7 +5,9 @@ The drafter must learn the target's own distribution, not the dataset's answers.
 requests to any OpenAI-compatible server) and `server` (the same requests to a server this job starts
 and stops itself, see managed_server.py). All commit results as atomic parquet parts in a work dir; a
 restart reads the ids already there and skips them, so a killed run loses at most the part in progress.
-The final file is the parts in prompt order.
+A failed row is committed with its cause: `answer` (the server's error or a malformed answer) is retried
+by every rerun, `prompt` (the row itself: a chat template that cannot render it, a generate that fails on
+it alone) only with `regenerate.retry_failed: true`. The final file is the parts in prompt order.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import pyarrow.parquet as pq
 
 from .chat import prompt_messages, render
 from .config import RegenerateConfig, to_json
+from .errors import UserError, rerun_command
 from .io import log, progress, write_json, write_parquet
 from .managed_server import ManagedServer
 from .shards import shard_of
@@ -40,7 +43,7 @@ FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash 
 TRANSPORT_KEYS = ("base_url", "api_key_env", "concurrency", "max_retries", "timeout_s", "backoff_s",
                   "server_cmd", "server_gpus", "server_port", "server_timeout_s")
 # settings of how the answers are computed and committed, not of what they are: they keep committed parts
-ENGINE_KEYS = ("engine", "batch_size", "shards", "part_rows")
+ENGINE_KEYS = ("engine", "batch_size", "shards", "part_rows", "retry_failed")
 
 
 def _schema(error: bool):
@@ -51,7 +54,7 @@ def _schema(error: bool):
         ("response_tokens", pa.int32()),
         ("finish_reason", pa.string()),
     ]
-    return pa.schema(fields + ([("error", pa.string())] if error else []))
+    return pa.schema(fields + ([("error", pa.string()), ("cause", pa.string())] if error else []))
 
 
 def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig, eos: list[int]) -> list[dict]:
@@ -72,10 +75,12 @@ def _result(row, prompt, answer: str, n_tokens: int, finish: str) -> dict:
         "response_tokens": n_tokens,
         "finish_reason": finish,
         "error": None,
+        "cause": None,
     }
 
 
-def _error(row, reason: str) -> dict:
+def _error(row, reason: str, cause: str) -> dict:
+    """A failed row; `cause` is `answer` (the server or its answer: retried by a rerun) or `prompt`."""
     return {
         "id": row["id"],
         "source": row["source"],
@@ -83,6 +88,7 @@ def _error(row, reason: str) -> dict:
         "response_tokens": 0,
         "finish_reason": "error",
         "error": reason,
+        "cause": cause,
     }
 
 
@@ -97,7 +103,7 @@ def _safe_batch(model, tokenizer, rows, cfg, eos) -> list[dict]:
         try:
             out += generate_batch(model, tokenizer, [row], cfg, eos)
         except Exception as e:  # recorded, and the run fails later if there are too many
-            out.append(_error(row, f"{type(e).__name__}: {e}"))
+            out.append(_error(row, f"{type(e).__name__}: {e}", "prompt"))
     return out
 
 
@@ -109,7 +115,7 @@ def _run_hf(cfg, target, dtype, pending, order, parts, bar, clock: dict) -> list
     if why is None:
         return _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock)
     if cfg.engine == "static":
-        raise ValueError(f"regenerate.engine 'static' cannot run {target}: {why}; use 'auto' or 'generate'")
+        raise UserError(f"regenerate.engine 'static' cannot run {target}: {why}; use 'auto' or 'generate'")
     log(f"regenerate: HF generate, in fixed batches ({why})")
     batch = cfg.batch_size or 16
     # batches are fixed over the whole sorted prompt list (longest first, so memory errors show early),
@@ -142,7 +148,7 @@ def _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock: dict) ->
             text = render(tokenizer, prompt, add_generation_prompt=True, thinking=cfg.thinking)
             ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         except Exception as e:  # a row the chat template cannot render: recorded, the others go on
-            parts.add([_error(r, f"{type(e).__name__}: {e}")])
+            parts.add([_error(r, f"{type(e).__name__}: {e}", "prompt")])
             bar.update(1)
             continue
         rows.append(r)
@@ -190,7 +196,12 @@ def _post(url: str, body: dict, headers: dict, cfg: RegenerateConfig) -> dict:
         try:
             req = urllib.request.Request(url, data=data, headers=headers, method="POST")
             with urllib.request.urlopen(req, timeout=cfg.timeout_s) as r:
-                return json.loads(r.read())
+                answer = r.read()
+            try:
+                return json.loads(answer)
+            except ValueError:
+                raise ValueError(f"{url} answered {answer[:100]!r}, not JSON: is regenerate.base_url an "
+                                 "OpenAI-compatible server?") from None
         except urllib.error.HTTPError as e:
             reason = f"HTTP {e.code}: {_server_message(e)}"
             if e.code != 429 and e.code < 500:
@@ -216,8 +227,12 @@ def _ask(row, url, headers, cfg, model, count) -> tuple[dict, bool]:
     }
     try:
         resp = _post(url, body, headers, cfg)
-        choice = resp["choices"][0]
-        answer, finish = choice["message"].get("content") or "", choice["finish_reason"]
+        try:
+            choice = resp["choices"][0]
+            answer, finish = choice["message"].get("content") or "", choice["finish_reason"]
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise ValueError(f"{url} answered {json.dumps(resp)[:100]}, not a chat completion "
+                             "(choices[0].message)") from None
         if finish not in ("stop", "length"):
             raise ValueError(f"finish_reason {finish!r}")
         n = (resp.get("usage") or {}).get("completion_tokens")
@@ -225,9 +240,9 @@ def _ask(row, url, headers, cfg, model, count) -> tuple[dict, bool]:
         n = count(answer.strip()) if n is None else n - (finish == "stop")
         return _result(row, prompt, answer, n, finish), True
     except _GiveUp as e:
-        return _error(row, str(e)), False
-    except Exception as e:  # a bad request or answer: recorded like a failed hf row
-        return _error(row, f"{type(e).__name__}: {e}"), True
+        return _error(row, str(e), "answer"), False
+    except Exception as e:  # a bad request or answer: committed, and retried by a rerun
+        return _error(row, f"{type(e).__name__}: {e}", "answer"), True
 
 
 def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float) -> list[dict]:
@@ -236,7 +251,7 @@ def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float
     from transformers import AutoTokenizer
 
     if not cfg.base_url:
-        raise ValueError("regenerate.backend 'openai' needs regenerate.base_url, e.g. http://127.0.0.1:8000/v1")
+        raise UserError("regenerate.backend 'openai' needs regenerate.base_url, e.g. http://127.0.0.1:8000/v1")
     tokenizer, lock = AutoTokenizer.from_pretrained(target), threading.Lock()
 
     def count(text):  # fast tokenizers are not thread-safe
@@ -284,12 +299,16 @@ def _managed_server(cfg: RegenerateConfig, target: str, work: Path):
                          work / "server.log")
 
 
+def _part_number(path: Path) -> int:
+    return int(path.stem.split("-")[1])
+
+
 class _Parts:
     """The committed parts of a work dir: rows are buffered and written as one atomic part file."""
 
     def __init__(self, work: Path, rows_per_part: int):
         self.work, self.rows_per_part, self.flush_s = work, rows_per_part, None
-        self.next = 1 + max((int(p.stem.split("-")[1]) for p in work.glob("part-*.parquet")), default=-1)
+        self.next = 1 + max(map(_part_number, work.glob("part-*.parquet")), default=-1)
         self.buf, self.rows, self.t = [], [], time.monotonic()
 
     def add(self, rows: list[dict]):
@@ -307,10 +326,19 @@ class _Parts:
 
 
 def _read_parts(work: Path, wanted: set[str]) -> list[dict]:
-    rows = []
-    for part in sorted(work.glob("part-*.parquet")):  # atomic writes: every such file is complete
-        rows += [r for r in pq.read_table(part).to_pylist() if r["id"] in wanted]
-    return rows
+    """The committed rows of `wanted` ids; a row retried later is in a later part, which wins."""
+    rows = {}
+    for part in sorted(work.glob("part-*.parquet"), key=_part_number):  # atomic writes: each is complete
+        for r in pq.read_table(part).to_pylist():
+            if r["id"] in wanted:
+                rows[r["id"]] = r
+    return list(rows.values())
+
+
+def _retried(row: dict, retry_failed: bool) -> bool:
+    """Whether a committed row is answered again: a failed one whose cause may have gone (the server's
+    answer; parts from before causes were recorded have none), or any failed one with retry_failed."""
+    return row["error"] is not None and (retry_failed or row.get("cause") != "prompt")
 
 
 def _prepare_work_dir(work: Path, key: dict) -> None:
@@ -325,16 +353,19 @@ def _prepare_work_dir(work: Path, key: dict) -> None:
 
 
 def _finish(rows: list[dict], errors: list[dict], out: str, max_fraction: float,
-            total: int | None = None, err_path=None) -> dict:
+            total: int | None = None, err_path=None, work: Path | None = None) -> dict:
     err_path = err_path or Path(out).parent / "errors.parquet"
     err_schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("reason", pa.string())])
     write_parquet(pa.Table.from_pylist(errors, schema=err_schema), err_path)
     total = total or len(rows) + len(errors)
     if errors and len(errors) > max_fraction * total:
-        raise RuntimeError(
-            f"regenerate: {len(errors)} of {total} rows failed "
-            f"(> {max_fraction:.0%}, regenerate.max_error_fraction); "
-            f"reasons in {err_path}, first: {errors[0]['reason']}"
+        again = "" if work is None else (
+            f"; the answers so far are kept in {work}/: fix the cause and rerun ({rerun_command()}), which "
+            "retries the rows the server failed (regenerate.retry_failed: true retries every failed row)"
+        )
+        raise UserError(
+            f"{len(errors)} of {total} rows failed (> {max_fraction:.0%}, regenerate.max_error_fraction); "
+            f"reasons in {err_path}, first: {errors[0]['reason']}{again}"
         )
     write_parquet(pa.Table.from_pylist(rows, schema=_schema(error=False)), out)
     stop = sum(r["finish_reason"] == "stop" for r in rows)
@@ -403,7 +434,7 @@ def regenerate(
             "prompts": str(Path(prompts_path).resolve()),
         },
     )
-    done = _read_parts(work, set(order))  # failed rows are committed too: a rerun does not retry them
+    done = [r for r in _read_parts(work, set(order)) if not _retried(r, cfg.retry_failed)]
     done_ids = {r["id"] for r in done}
     pending = [r for r in prompt_rows if r["id"] not in done_ids]
     gave_up, clock, generated = [], {"start": time.monotonic()}, {}  # backends restart the clock once loaded
@@ -436,8 +467,8 @@ def regenerate(
 
     done += gave_up
     done.sort(key=lambda r: order[r["id"]])
-    rows = [{k: v for k, v in r.items() if k != "error"} for r in done if r["error"] is None]
+    rows = [{k: v for k, v in r.items() if k not in ("error", "cause")} for r in done if r["error"] is None]
     errors = [
         {"id": r["id"], "source": r["source"], "reason": r["error"]} for r in done if r["error"] is not None
     ]
-    return _finish(rows, errors, out, cfg.max_error_fraction, len(prompt_rows), errors_path) | generated
+    return _finish(rows, errors, out, cfg.max_error_fraction, len(prompt_rows), errors_path, work) | generated

@@ -36,6 +36,13 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _json_type(value) -> str:
+    """What a client sent, in JSON's words."""
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
 class Server(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -56,6 +63,14 @@ class Server(ThreadingHTTPServer):
         messages = req.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("`messages` must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise ValueError(f"`messages[{i}]` must be an object with a string `role` and `content`, "
+                                 f"got {_json_type(m)}")
+            for key in ("role", "content"):
+                if not isinstance(m.get(key), str):
+                    got = _json_type(m[key]) if key in m else "none"
+                    raise ValueError(f"`messages[{i}].{key}` must be a string, got {got}")
         max_tokens = self._max_tokens(req)
         temperature = req.get("temperature")
         temperature = 1.0 if temperature is None else temperature

@@ -73,7 +73,14 @@ def load_source(src: SourceConfig):
     if fmt == "hf":  # a hub id (cached or online) or a local folder of data files, streamed row by row
         import datasets
 
-        yield from enumerate(datasets.load_dataset(src.path, split=src.split, streaming=True))
+        try:
+            yield from enumerate(datasets.load_dataset(src.path, split=src.split, streaming=True))
+        except Exception as e:  # no such dataset, split or data files, offline, a file it cannot parse
+            raise UserError(
+                f"source {src.name!r}: cannot read the HF dataset {src.path!r} (split {src.split!r}): "
+                f"{type(e).__name__}: {e}; fix prompts.sources[{src.name}].path or split (a hub id, or a "
+                "folder of data files), or its network access"
+            ) from e
         return
     if not Path(src.path).is_file():
         raise UserError(f"source {src.name!r}: no file at {src.path!r}; fix prompts.sources[{src.name}].path")

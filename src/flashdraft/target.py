@@ -4,7 +4,6 @@ for each of these facts."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import types
 from pathlib import Path
@@ -37,11 +36,13 @@ def read_target_config(path) -> dict:
 
 
 def _transformers_ships(model_type) -> bool:
-    """Whether transformers has a models/<model_type> package, found without importing it (nor torch)."""
-    spec = importlib.util.find_spec("transformers")
-    if not isinstance(model_type, str) or spec is None or spec.origin is None:
-        return False
-    return (Path(spec.origin).parent / "models" / model_type.replace("-", "_")).is_dir()
+    """Whether transformers has a config class for `model_type` (its auto mapping; the package may have
+    another name, as gemma3_text's is gemma3)."""
+    try:
+        from transformers.models.auto.auto_mappings import CONFIG_MAPPING_NAMES  # without torch
+    except ImportError:  # releases before that module (importing torch)
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    return model_type in CONFIG_MAPPING_NAMES
 
 
 # Model types whose transformers config class keeps the keys SPEC_KEYS of config.json as they are (and
@@ -73,6 +74,11 @@ def plain_target_config(cfg: dict):
 def target_num_layers(cfg: dict) -> int | None:
     """Decoder layers from a config.json dict (multimodal configs keep them in text_config)."""
     return cfg.get("num_hidden_layers") or (cfg.get("text_config") or {}).get("num_hidden_layers")
+
+
+def target_max_positions(cfg: dict) -> int | None:
+    """The longest sequence the target takes, from a config.json dict (None when it does not say)."""
+    return cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
 
 
 def load_target(path: str, dtype: str = "bfloat16", dev=None):

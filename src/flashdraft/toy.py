@@ -14,6 +14,7 @@ from pathlib import Path
 from .config import ToyConfig
 from .io import atomic_path, progress, write_parquet
 
+TOY_MAX_POSITIONS = 4096  # the toy target's max_position_embeddings
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # ChatML as Qwen renders it; `enable_thinking` is accepted and ignored (the toy has no thinking mode).
@@ -150,7 +151,7 @@ def make_target(tokenizer, cfg: ToyConfig):
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        max_position_embeddings=4096,
+        max_position_embeddings=TOY_MAX_POSITIONS,
         tie_word_embeddings=False,
         bos_token_id=pad,
         eos_token_id=eos,

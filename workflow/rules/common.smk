@@ -42,6 +42,11 @@ def check_config():
     for s in CFG.prompts.sources:
         if s.format != "hf" and not Path(s.path).exists() and not s.path.startswith(f"{RESULTS}/toy/"):
             raise WorkflowError(f"config key prompts.sources[{s.name}].path: {s.path!r} does not exist")
+        if s.format != "hf" and Path(s.path).is_dir():
+            raise WorkflowError(
+                f"config key prompts.sources[{s.name}].path: {s.path!r} is a directory; point it at a file "
+                "(jsonl, json, parquet, arrow), or set format: hf to read a folder of data files"
+            )
     if CFG.gpus.check_visible:
         n = len(visible_gpus())
         for key in ("target", "drafter"):
