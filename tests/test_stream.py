@@ -246,7 +246,8 @@ def _wait_for(pattern, proc, timeout=900):
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except (OSError, ValueError):
                 continue
-            if re.search(pattern, cmd) and not re.search(r"flashdraft\.gpu|torch\.distributed\.run|torchrun", cmd):
+            launcher = re.search(r"flashdraft\.gpu|torch\.distributed\.run|torchrun", cmd)
+            if re.search(pattern, cmd) and not launcher:
                 return int(d.name)
         time.sleep(0.05)
     raise AssertionError(f"no process matched {pattern}")

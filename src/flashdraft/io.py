@@ -132,16 +132,6 @@ def log(msg: str) -> None:
     print(f"[{process_age():7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
-def human_bytes(n: float) -> str:
-    """A size in the unit that keeps it under 1024: 65536 -> '64.00 KiB'."""
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        n /= 1024
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.2f} {unit}"
-
-
 def exit_on_stop_signals() -> None:
     """SIGTERM or Ctrl-C raise SystemExit(128 + the signal's number), as training exits: the stage
     unwinds through its cleanup (finally blocks, temporary files, a managed server); a second signal
