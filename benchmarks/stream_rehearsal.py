@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPES = {
     "qwen3-8b": {"drafter": {"num_layers": 5, "block_size": 16},
                  "train": {"max_anchors": 512, "batch_tokens": 16384, "global_batch_tokens": 16384,
-                           "buckets": [1024, 2048], "lr": 6e-4}, "max_length": 2048, "hidden_batch": 32768,
+                           "buckets": [2048], "lr": 6e-4}, "max_length": 2048, "hidden_batch": 32768,
                  "chars": (300, 1500)},
     "tiny": {"drafter": {"num_layers": 2, "block_size": 8},
              "train": {"max_anchors": 32, "batch_tokens": 1024, "global_batch_tokens": 1024,
@@ -101,7 +101,7 @@ def config(args, target: Path, source: Path, work: Path) -> dict:
     cfg["drafter"] = shape["drafter"]
     cfg["train"] = {**shape["train"], "epochs": args.epochs, "compile": True, "checkpoint_every": 1000,
                     "log_every": 1, "keep_checkpoints": 2}
-    cfg["eval"] = {"num_prompts": 4, "max_new_tokens": 64}
+    cfg["eval"] = {"num_prompts": args.eval_prompts, "max_new_tokens": args.new_tokens}
     cfg["gpus"] = {"target": args.gpus_target, "drafter": args.gpus_drafter, "lock_dir": str(work / "locks")}
     return cfg
 
@@ -121,6 +121,7 @@ def main():
     p.add_argument("--chars", type=int, nargs=2, default=None, help="prompt lengths (default: the preset's)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--eval-prompts", type=int, default=4)
     p.add_argument("--chunks", type=int, default=3, help="chunks per epoch")
     p.add_argument("--gpus-target", type=int, default=None, help="default: 1 with a GPU, else 0")
     p.add_argument("--gpus-drafter", type=int, default=None, help="default: 1 with a GPU, else 0")
@@ -136,6 +137,7 @@ def main():
         subprocess.run(["rm", "-rf", str(run)], check=True)
     run.mkdir(parents=True)
     target = saved_target(args.preset, work)
+    torch.cuda.empty_cache()  # the target was built here: leave its memory to the workflow's jobs
     sharegpt_prompts(work / "sources.jsonl", args.prompts + 8, *(args.chars or SHAPES[args.preset]["chars"]))
     args.chunk_tokens = chunk_tokens_for(args, work)
     cfg = config(args, target, work / "sources.jsonl", work)
