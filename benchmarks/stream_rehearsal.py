@@ -126,8 +126,20 @@ def main():
     p.add_argument("--gpus-target", type=int, default=None, help="default: 1 with a GPU, else 0")
     p.add_argument("--gpus-drafter", type=int, default=None, help="default: 1 with a GPU, else 0")
     p.add_argument("--work", default="/tmp/flashdraft-stream-rehearsal")
+    p.add_argument("--device", default="unknown", help="with --summarize: the machine the run was made on")
     p.add_argument("--out", default=None)
+    p.add_argument("--summarize", nargs=2, metavar=("RESULTS", "SNAKEMAKE_LOG"), default=None,
+                   help="only summarize a run's results/ tree and Snakemake log (one cut short, say)")
     args = p.parse_args()
+    if args.summarize:
+        results, log = map(Path, args.summarize)
+        args.gpus_target = 1 if args.gpus_target is None else args.gpus_target
+        args.gpus_drafter = 1 if args.gpus_drafter is None else args.gpus_drafter
+        gpus = max(args.gpus_target, args.gpus_drafter)
+        result = summarize(results, log, None, None, args, gpus, args.device)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in result.items() if k not in ("jobs", "chunks")}, indent=1))
+        return
     gpus = torch.cuda.device_count()
     args.gpus_target = min(1, gpus) if args.gpus_target is None else args.gpus_target
     args.gpus_drafter = min(1, gpus) if args.gpus_drafter is None else args.gpus_drafter
@@ -155,40 +167,46 @@ def main():
     (work / "snakemake.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode:
         raise SystemExit(f"snakemake failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
-    result = summarize(run, wall, peak, args, gpus)
+    device = f"{torch.cuda.get_device_name() if gpus else 'cpu'}, torch {torch.__version__}"
+    result = summarize(run / "results", latest_log(run), wall, peak, args, gpus, device)
     name = f"stream_rehearsal_{max(1, gpus)}x{'h200' if 'H200' in result['device'] else 'cpu'}"
     out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("jobs", "chunks")}, indent=1))
 
 
-def summarize(run: Path, wall: float, peak: int, args, gpus: int) -> dict:
-    jobs = job_times(latest_log(run))
-    plan = json.loads((run / "results" / "plan" / "plan.json").read_text())
+def summarize(results: Path, log: Path, wall, peak, args, gpus: int, device: str) -> dict:
+    """The run's figures from its results/ tree and Snakemake's log; a run cut short gives what it did."""
+    jobs = job_times(log)
+    plan = json.loads((results / "plan" / "plan.json").read_text())
     trains = [j for j in jobs if j.rule == "train_chunk"]
     shards = [j for j in jobs if j.rule == "hidden_chunk"]
-    chain = (max(j.end for j in trains) - min(j.start for j in trains)).total_seconds()
+    chain = (max(j.end for j in trains) - min(j.start for j in trains)).total_seconds() if trains else 0.0
     during = sum(overlap_s(t, s) for t in trains for s in shards)
     chunks = []
     for t in trains:
-        done = json.loads((run / "results" / "train" / "chunks" / f"{t.wildcards['chunk']}.json").read_text())
+        done = json.loads((results / "train" / "chunks" / f"{t.wildcards['chunk']}.json").read_text())
         start_up = datetime.fromtimestamp(done["first_step_done_at"]) - t.start
         chunks.append({"chunk": t.wildcards["chunk"], "job_s": t.seconds,
                        "steps": done["step"] - done["chunk"]["start_step"], "tokens": done["chunk"]["tokens"],
                        "launch_to_first_step_s": start_up.total_seconds(),
                        "first_step_done_s_worker": done["first_step_done_s"]})
-    start_up = [c["launch_to_first_step_s"] for c in chunks]
-    summary = json.loads((run / "results" / "eval" / "summary.json").read_text())
+    start_up = [c["launch_to_first_step_s"] for c in chunks] or [float("nan")]
+    summary_file = results / "eval" / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    complete = summary_file.exists() and len(trains) == len(plan["chunks"])
     return {
         "what": "stream mode through Snakemake: prompts -> regenerate -> tokens -> plan -> per chunk hidden "
                 "parts (fp8), verify, training -> export -> evaluate -> report",
-        "device": torch.cuda.get_device_name() if gpus else "cpu", "gpus": gpus, "torch": torch.__version__,
-        "python": platform.python_version(), "preset": args.preset, "prompts": args.prompts,
+        "complete": complete, "chunks_trained": len(trains), "chunks_planned": len(plan["chunks"]),
+        "device": device, "gpus": gpus,
+        "python": platform.python_version() if wall is not None else None, "preset": args.preset,
+        "prompts": args.prompts,
         "new_tokens": args.new_tokens, "epochs": args.epochs, "gpus_target": args.gpus_target,
         "gpus_drafter": args.gpus_drafter, "chunk_tokens": plan["chunk_tokens"],
         "chunks_per_epoch": [sum(c["epoch"] == e for c in plan["chunks"]) for e in range(args.epochs)],
         "total_steps": plan["total_steps"], "samples": plan["samples"], "tokens_per_epoch": plan["tokens"],
-        "wall_s": wall, "all_jobs_passed": True,
+        "wall_s": wall, "all_jobs_passed": complete,
         "rules": sorted({j.rule for j in jobs}),
         "train_chain_s": chain,
         "shard_jobs_during_training_s": during,
@@ -196,7 +214,7 @@ def summarize(run: Path, wall: float, peak: int, args, gpus: int) -> dict:
         "queued_on_one_gpu": gpus <= 1,
         "launch_to_first_step_s": {"median": float(np.median(start_up)), "max": max(start_up)},
         "chain_overhead_fraction_of_job": float(np.median([c["launch_to_first_step_s"] / c["job_s"]
-                                                           for c in chunks])),
+                                                           for c in chunks])) if chunks else None,
         "peak_hidden_bytes_sampled": peak, "peak_hidden_bytes_planned": plan["peak_bytes"],
         "eval_tau_pooled": {k: v.get("tau_pooled") for k, v in summary.get("decoders", summary).items()
                             if isinstance(v, dict)},

@@ -72,7 +72,8 @@ RATES = {
     "eval_target_only": Rate(160.41, "eval_decode_qwen3-8b.json", "modes.target_only.tokens_per_s",
                              "new tokens/s"),
     # each speculative decoder (dflash, dflash_untrained, ngram), as measured at tau 1 (random weights)
-    "eval_speculative": Rate(117.85, "eval_decode_qwen3-8b.json", "modes.dflash.tokens_per_s", "new tokens/s"),
+    "eval_speculative": Rate(117.85, "eval_decode_qwen3-8b.json", "modes.dflash.tokens_per_s",
+                             "new tokens/s"),
     # a training job's start-up, warm compile cache, production drafter shape: torchrun, imports, data
     # open, cache load, drafter built, first step (stream mode pays it once per chunk)
     "train_launch": Rate(30.92, "train_drafter_qwen3-8b.json", "first_step.warm.launch_to_first_step_s", "s",

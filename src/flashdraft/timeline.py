@@ -37,7 +37,7 @@ def job_times(log_file) -> list[Job]:
     for line in Path(log_file).read_text().splitlines():
         if m := _STAMP.fullmatch(line.strip()):
             stamp = datetime.strptime(" ".join(m.group(1).split()), "%a %b %d %H:%M:%S %Y")
-        elif m := re.match(r"(?:local)?rule (\w+):", line):
+        elif m := re.match(r"(?:local)?(?:rule|checkpoint) (\w+):", line):
             current = {"rule": m.group(1), "wildcards": {}, "start": stamp}
         elif current is not None and (m := re.match(r"\s+jobid: (\d+)", line)):
             started[m.group(1)] = current
