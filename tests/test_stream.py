@@ -133,6 +133,39 @@ def test_a_chunk_store_reads_the_run_s_sample_numbers_and_pickles_for_loader_wor
     assert store.ids() == [store[j]["id"] for j in range(len(store))]
 
 
+def _checkpoints(run_dir, steps):
+    for step in steps:
+        (run_dir / f"step-{step:08d}").mkdir(parents=True)
+        (run_dir / f"step-{step:08d}" / "state.json").write_text(json.dumps({"step": step}))
+
+
+def _steps(run_dir):
+    from flashdraft.checkpoint import checkpoint_dirs, checkpoint_step
+
+    return [checkpoint_step(p) for p in checkpoint_dirs(run_dir)]
+
+
+def test_a_chunk_resumes_a_killed_attempt_or_starts_where_the_previous_chunk_ended(tmp_path):
+    from flashdraft.checkpoint import chunk_resume_point, prune_chunk
+
+    run = tmp_path / "killed"
+    _checkpoints(run, [10, 12, 14])  # chunk [10, 20) was killed after step 14
+    assert chunk_resume_point(run, 10, 20).name == "step-00000014" and _steps(run) == [10, 12, 14]
+    prune_chunk(run, 10, 20)  # once it has finished, a chunk keeps its start and its end only
+    assert _steps(run) == [10]
+
+    run = tmp_path / "redone"
+    _checkpoints(run, [10, 20, 25, 30])  # chunks [10, 20) and [20, 30) done, then [10, 20) forced again
+    assert chunk_resume_point(run, 10, 20).name == "step-00000010" and _steps(run) == [10]
+    assert chunk_resume_point(tmp_path / "fresh", 0, 10) is None  # the first chunk starts from scratch
+
+    run = tmp_path / "pruned"
+    _checkpoints(run, [30, 40])
+    with pytest.raises(UserError, match="no checkpoint at step 20 .*train.keep_checkpoints"):
+        chunk_resume_point(run, 20, 30)
+    assert _steps(run) == [30, 40]  # nothing is removed when the chunk cannot start
+
+
 # ---- the real DAG: stream mode against store mode, restarts, the disk bound and the overlap ----
 
 # One sample per forward (hidden.batch_tokens: 1) in both modes: a forward's batch composition changes its
@@ -163,7 +196,7 @@ def _fresh_copy(src, dst):
 def store_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("store")
     config = write_config(work / "config.yaml", STREAM_SMALL)
-    snakemake(work, "--cores", "2", *THREADS, DRAFTER, config=config)
+    snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config)
     return work
 
 
@@ -195,9 +228,9 @@ class DiskWatch:
 @pytest.fixture(scope="module")
 def stream_run(store_run, tmp_path_factory):
     work = _fresh_copy(store_run, tmp_path_factory.mktemp("stream") / "run")
-    config = _stream_config(work, disk_budget="1.8MB")
+    config = _stream_config(work, disk_budget="1.2MB")
     watch = DiskWatch(work / "results" / "hidden")
-    proc = snakemake(work, "--cores", "2", *THREADS, DRAFTER, config=config)
+    proc = snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config)
     return work, config, proc, watch.close()
 
 
@@ -225,7 +258,7 @@ def test_stream_mode_trains_the_same_samples_steps_and_weights_as_store_mode(sto
 def test_stream_mode_writes_the_next_chunk_while_one_trains_within_the_disk_budget(stream_run):
     work, _, _, peak = stream_run
     plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
-    assert 0 < peak <= plan["disk_budget"] == 1_800_000
+    assert 0 < peak <= plan["disk_budget"] == 1_200_000
     assert plan["peak_bytes"] <= plan["disk_budget"]
     jobs = {(j.rule, j.wildcards.get("chunk")): j for j in job_times(latest_log(work))
             if j.wildcards.get("part", "00000") == "00000"}
@@ -255,14 +288,14 @@ def _wait_for(pattern, proc, timeout=900):
 
 def _background(work, config, *args):
     cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(work),
-           "--configfile", str(config), "--cores", "2", *THREADS, *args, DRAFTER]
+           "--configfile", str(config), "--cores", "2", DRAFTER, *args, *THREADS]
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def test_killed_shard_and_training_jobs_rerun_to_the_same_weights(store_run, stream_run, tmp_path):
     work = _fresh_copy(store_run, tmp_path / "run")
-    config = _stream_config(work, disk_budget="1.8MB")
+    config = _stream_config(work, disk_budget="1.2MB")
     plan_names = [f"epoch-{c['epoch']:03d}/chunk-{c['chunk']:05d}" for c in
                   json.loads((stream_run[0] / "results" / "plan" / "plan.json").read_text())["chunks"]]
     # kill -9 a shard job of the fourth chunk while it writes
@@ -280,7 +313,7 @@ def test_killed_shard_and_training_jobs_rerun_to_the_same_weights(store_run, str
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     assert proc.wait() != 0
-    out = snakemake(work, "--cores", "2", *THREADS, DRAFTER, config=config).stdout
+    out = snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config).stdout
     assert "resumed from" in (work / "results" / "logs" / "train_chunk" / f"{plan_names[4]}.log").read_text()
     assert job_counts(out)["train_chunk"] == len(plan_names) - 4  # the killed chunk onward
     a, b = _weights(work), _weights(stream_run[0])
@@ -295,7 +328,7 @@ def test_forcerun_of_one_chunk_recomputes_its_deleted_shards_and_trains_from_the
     names = [f"epoch-{c['epoch']:03d}/chunk-{c['chunk']:05d}" for c in plan["chunks"]]
     again = len(names) - 2
     forced = f"results/train/chunks/{names[again]}.json"
-    proc = snakemake(work, "--cores", "2", *THREADS, "--forcerun", forced, DRAFTER, config=stream_run[1])
+    proc = snakemake(work, "--cores", "2", DRAFTER, "--forcerun", forced, *THREADS, config=stream_run[1])
     counts = job_counts(proc.stdout)
     assert counts["train_chunk"] == len(names) - again and counts["hidden_chunk"] == len(names) - again
     assert counts.get("data_plan", 0) == 0 and counts.get("hidden_tokens", 0) == 0
@@ -307,7 +340,7 @@ def test_a_changed_plan_key_replans_and_keeps_what_was_trained(stream_run, tmp_p
     work = tmp_path / "run"
     shutil.copytree(stream_run[0], work, symlinks=True)
     before = sorted(p.name for p in (work / "results" / "checkpoints").iterdir())
-    config = _stream_config(work, disk_budget="1.8MB")
+    config = _stream_config(work, disk_budget="1.2MB")
     data = yaml.safe_load(config.read_text())
     data["train"]["seed"] = 1
     config.write_text(yaml.safe_dump(data))
