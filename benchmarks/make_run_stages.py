@@ -13,6 +13,18 @@ from pathlib import Path
 import pandas as pd
 
 
+def this_machine() -> str:
+    """CPU count, model and the kernels torch picks on it: the toy's float results depend on them."""
+    import torch
+
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    names = [x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")]
+    model = names[0] if names else platform.processor()
+    return (f"{os.cpu_count()} CPUs ({model}; torch {torch.__version__}, CPU kernels "
+            f"{torch.backends.cpu.get_cpu_capability()}), {platform.platform()}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--results", default="results")
@@ -35,7 +47,7 @@ def main():
                                                                     max_rss_mb=("max_rss_mb", "max"))
     result = {
         "what": args.what,
-        "machine": args.machine or f"{os.cpu_count()} CPUs, {platform.platform()}",
+        "machine": args.machine or this_machine(),
         "wall_s_make_run": args.wall,
         "sum_of_jobs_s": round(float(stages.s.sum()), 1),
         "stages": {k: {"jobs": int(v.jobs), "s": round(float(v.s), 1), "max_rss_mb": v.max_rss_mb}
