@@ -203,8 +203,9 @@ def train(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list
           chunk: str | None = None) -> dict:
     """Train (or resume) and export; returns a summary. `stop_at`: save a checkpoint after that step and
     return without exporting (a deliberate preemption). SIGTERM or Ctrl-C stops at the next log step
-    with a checkpoint. Stream mode: `plan` (the data plan's directory) and `chunk` (its index in the run)
-    train that chunk's steps from `shards` and save; `plan` without `chunk` exports the trained run."""
+    with a checkpoint. Stream mode: `plan` (the data plan's directory) and `chunk` (a chunk's name in it,
+    epoch-EEE/chunk-CCCCC) train that chunk's steps from `shards` and save; `plan` without `chunk`
+    exports the trained run."""
     d = setup_dist()
     try:
         with stop_signals_caught():
