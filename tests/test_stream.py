@@ -151,8 +151,12 @@ def test_a_chunk_resumes_a_killed_attempt_or_starts_where_the_previous_chunk_end
     run = tmp_path / "killed"
     _checkpoints(run, [10, 12, 14])  # chunk [10, 20) was killed after step 14
     assert chunk_resume_point(run, 10, 20).name == "step-00000014" and _steps(run) == [10, 12, 14]
+    _checkpoints(run, [20])
     prune_chunk(run, 10, 20)  # once it has finished, a chunk keeps its start and its end only
-    assert _steps(run) == [10]
+    assert _steps(run) == [10, 20]
+    _checkpoints(tmp_path / "ends", [0, 5, 10, 15, 20])
+    prune_chunk(tmp_path / "ends", 15, 20, keep=3)  # of the chunks' ends, the last train.keep_checkpoints
+    assert _steps(tmp_path / "ends") == [10, 15, 20]
 
     run = tmp_path / "redone"
     _checkpoints(run, [10, 20, 25, 30])  # chunks [10, 20) and [20, 30) done, then [10, 20) forced again

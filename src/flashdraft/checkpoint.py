@@ -65,12 +65,15 @@ def chunk_resume_point(run_dir: Path, start: int, end: int) -> Path | None:
     return at
 
 
-def prune_chunk(run_dir: Path, start: int, end: int) -> None:
+def prune_chunk(run_dir: Path, start: int, end: int, keep: int = 0) -> None:
     """A finished chunk keeps its end only: the next chunk starts there, and chunk_resume_point reads a
-    checkpoint inside a chunk as an attempt of that chunk that did not finish."""
+    checkpoint inside a chunk as an attempt of that chunk that did not finish. Of the chunks' ends, the
+    last `keep` stay (0: all): a rerun can start from any of them."""
     for p in checkpoint_dirs(run_dir):
         if start < checkpoint_step(p) < end:
             shutil.rmtree(p, ignore_errors=True)
+    for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def full_state(drafter, optimizer, sharded: bool) -> tuple[dict, dict]:
@@ -106,8 +109,10 @@ def load_full_state(drafter, optimizer, model: dict, optim: dict, sharded: bool)
                    options=StateDictOptions(full_state_dict=True))
 
 
-def save_checkpoint(run_dir: Path, model: dict, optim: dict, scheduler, state: dict, keep: int) -> Path:
-    """model/optim: full_state's dicts."""
+def save_checkpoint(run_dir: Path, model: dict, optim: dict, scheduler, state: dict, keep: int,
+                    protect=frozenset()) -> Path:
+    """model/optim: full_state's dicts. The last `keep` checkpoints stay, and those at the steps in
+    `protect` (stream mode's chunk boundaries, which prune_chunk thins out)."""
     path = run_dir / f"step-{state['step']:08d}"
     with atomic_path(path) as tmp:
         tmp.mkdir(parents=True)
@@ -115,7 +120,8 @@ def save_checkpoint(run_dir: Path, model: dict, optim: dict, scheduler, state: d
         opt = {"optimizer": optim, "scheduler": scheduler.state_dict()}
         torch.save(opt, tmp / "optim.pt")
         (tmp / "state.json").write_text(json.dumps(state))
-    for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
+    unprotected = [p for p in checkpoint_dirs(run_dir) if checkpoint_step(p) not in protect]
+    for old in unprotected[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return path
 
@@ -134,8 +140,9 @@ class Checkpointer:
     """Saves and resumes one run's state under its run dir: every rank joins the gather (FSDP), rank 0
     writes, all wait for it."""
 
-    def __init__(self, run_dir: Path, d: Dist, drafter, optimizer, scheduler, sharded: bool, keep: int):
-        self.run_dir, self.d, self.keep, self.sharded = run_dir, d, keep, sharded
+    def __init__(self, run_dir: Path, d: Dist, drafter, optimizer, scheduler, sharded: bool, keep: int,
+                 protect=frozenset()):
+        self.run_dir, self.d, self.keep, self.sharded, self.protect = run_dir, d, keep, sharded, protect
         self.drafter, self.optimizer, self.scheduler = drafter, optimizer, scheduler
 
     def latest(self) -> Path | None:
@@ -150,7 +157,7 @@ class Checkpointer:
     def save(self, state: dict) -> None:
         model, optim = full_state(self.drafter, self.optimizer, self.sharded)
         if self.d.main:
-            save_checkpoint(self.run_dir, model, optim, self.scheduler, state, self.keep)
+            save_checkpoint(self.run_dir, model, optim, self.scheduler, state, self.keep, self.protect)
         barrier(self.d)
 
     def model_state(self) -> dict:

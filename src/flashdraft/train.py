@@ -134,7 +134,8 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     g = micro_per_step(cfg, d.world)
     total = cfg.max_steps or steps_left(lengths, cfg, d.world)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
-    ckpt = Checkpointer(run_dir, d, drafter, optimizer, scheduler, sharded, cfg.keep_checkpoints)
+    ends = frozenset(c.end_step for c in plan.chunks) if plan else frozenset()  # where chunks start again
+    ckpt = Checkpointer(run_dir, d, drafter, optimizer, scheduler, sharded, cfg.keep_checkpoints, ends)
     run = Run(d, cfg, spec, store, lengths, step_fn, drafter, sharded, optimizer, scheduler, ckpt, g)
 
     state = {"step": 0, "epoch": 0, "cursor": 0, "rows": [], "window": None}
@@ -280,7 +281,7 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
 
     if chunk:
         if d.main:
-            prune_chunk(run.checkpointer.run_dir, chunk.start_step, chunk.end_step)
+            prune_chunk(run.checkpointer.run_dir, chunk.start_step, chunk.end_step, cfg.keep_checkpoints)
         barrier(d)
         log(d, f"trained {chunk.name}: steps {chunk.start_step}..{step} of {total}")
         return {"step": step, "stopped": False, "run_dir": str(run.checkpointer.run_dir),
