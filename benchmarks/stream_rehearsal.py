@@ -23,7 +23,6 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 import yaml
 from precompute_hidden import saved_target
 
-from flashdraft.timeline import job_times, latest_log, overlap_s
+from flashdraft.timeline import DiskWatch, job_times, latest_log, overlap_s
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -61,30 +60,6 @@ def sharegpt_prompts(path: Path, n: int, lo: int, hi: int, seed: int = 0) -> Non
                 text += " ".join(g.choice(words, 16)) + ". "
             f.write(json.dumps({"id": f"p{i}", "conversations": [{"from": "human", "value": text[:want]},
                                                                  {"from": "gpt", "value": "ok"}]}) + "\n")
-
-
-class DiskWatch:
-    """The most bytes under a directory at once, sampled every 50 ms."""
-
-    def __init__(self, path: Path):
-        self.path, self.peak, self.stop = path, 0, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while not self.stop.wait(0.05):
-            total = 0
-            for f in self.path.rglob("*") if self.path.exists() else []:
-                try:
-                    total += f.stat().st_size if f.is_file() else 0
-                except FileNotFoundError:
-                    pass
-            self.peak = max(self.peak, total)
-
-    def close(self) -> int:
-        self.stop.set()
-        self.thread.join()
-        return self.peak
 
 
 def config(args, target: Path, source: Path, work: Path) -> dict:
@@ -159,7 +134,7 @@ def main():
            "--configfile", str(run / "config.yaml"), "--cores", str(os.cpu_count()),
            "--resources", f"gpu={max(1, gpus)}"]
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    watch = DiskWatch(run / "results" / "hidden")
+    watch = DiskWatch(run / "results" / "hidden", every_s=0.05)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0

@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from flashdraft.batches import epoch_batches, micro_per_step
 from flashdraft.config import DrafterConfig, HiddenConfig, TrainConfig
 from flashdraft.errors import UserError
 from flashdraft.stream import ROW_BYTES, Plan, cut_chunks, data_plan, write_tokens
-from flashdraft.timeline import job_times, latest_log, overlap_s
+from flashdraft.timeline import DiskWatch, job_times, latest_log, overlap_s
 
 DRAFT = DrafterConfig(num_layers=2)
 
@@ -170,6 +169,25 @@ def test_a_chunk_resumes_a_killed_attempt_or_starts_where_the_previous_chunk_end
     assert _steps(run) == [30, 40]  # nothing is removed when the chunk cannot start
 
 
+def test_disk_watch_keeps_the_peak_while_files_and_folders_come_and_go(tmp_path):
+    watch = DiskWatch(tmp_path / "hidden", every_s=0.001)
+    (tmp_path / "hidden" / "a").mkdir(parents=True)
+    (tmp_path / "hidden" / "a" / "x.arrow").write_bytes(b"0" * 5000)
+
+    def sampled_thrice():
+        start = watch.samples
+        for _ in range(10_000):
+            if watch.samples >= start + 3:
+                return True
+            time.sleep(0.001)
+        return False
+
+    assert sampled_thrice()  # with the file there
+    shutil.rmtree(tmp_path / "hidden")
+    assert sampled_thrice()  # and after its folder is gone: the sampler lives on
+    assert watch.close() == 5000
+
+
 # ---- the real DAG: stream mode against store mode, restarts, the disk bound and the overlap ----
 
 # One sample per forward (hidden.batch_tokens: 1) in both modes: a forward's batch composition changes its
@@ -202,31 +220,6 @@ def store_run(tmp_path_factory):
     config = write_config(work / "config.yaml", STREAM_SMALL)
     snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config)
     return work
-
-
-class DiskWatch:
-    """Samples the bytes under a directory every few milliseconds while a run goes on."""
-
-    def __init__(self, path):
-        self.path, self.peak, self.samples, self.stop = Path(path), 0, 0, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while not self.stop.is_set():
-            total = 0
-            for f in self.path.rglob("*") if self.path.exists() else []:
-                try:
-                    total += f.stat().st_size if f.is_file() else 0
-                except FileNotFoundError:  # deleted between listing and stat
-                    pass
-            self.peak, self.samples = max(self.peak, total), self.samples + 1
-            time.sleep(0.005)
-
-    def close(self):
-        self.stop.set()
-        self.thread.join()
-        return self.peak
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,12 @@
 """When each job of a Snakemake run started and ended, read from Snakemake's own log of the run
-(.snakemake/log/*.snakemake.log): what overlapped what, for the stream-mode tests and benchmarks."""
+(.snakemake/log/*.snakemake.log), and the most bytes a directory held meanwhile: what overlapped what
+and how much disk it took, for the stream-mode tests and benchmarks."""
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -53,3 +56,33 @@ def job_times(log_file) -> list[Job]:
 def overlap_s(a: Job, b: Job) -> float:
     """Seconds during which both jobs ran."""
     return max(0.0, (min(a.end, b.end) - max(a.start, b.start)).total_seconds())
+
+
+class DiskWatch:
+    """The most bytes under a directory at any moment of a run, sampled from a thread every `every_s`."""
+
+    def __init__(self, path, every_s: float = 0.005):
+        self.path, self.every_s, self.peak, self.samples = Path(path), every_s, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _size(self) -> int:
+        total = 0
+        for root, _, files in os.walk(self.path):  # a directory removed while walked is skipped
+            for name in files:
+                try:
+                    total += os.stat(os.path.join(root, name)).st_size
+                except FileNotFoundError:  # removed between listing and stat
+                    pass
+        return total
+
+    def _run(self):
+        while not self._stop.wait(self.every_s):
+            self.peak, self.samples = max(self.peak, self._size()), self.samples + 1
+
+    def close(self) -> int:
+        """Stop sampling; the peak in bytes."""
+        self._stop.set()
+        self._thread.join()
+        return self.peak
