@@ -233,7 +233,7 @@ def test_verify_cli_names_bad_shard(tmp_path):
 
 def test_preflight_and_storage_dtype(tmp_path):
     assert preflight(1000, "float32", 10, tmp_path / "not" / "yet") == 1000 * 45 * 11 // 10
-    with pytest.raises(UserError, match=r"need about [\d.]+ [KMGTP]iB .*but only [\d.]+ [KMGTP]iB") as e:
+    with pytest.raises(UserError, match=r"need about [\d.]+ [kMGTP]B .*but only [\d.]+ [kMGTP]B") as e:
         preflight(10**15, "bfloat16", 4, tmp_path)
     assert f"({int(10**15 * 13 * 1.1)} bytes" in str(e.value) and "x 13 bytes/token" in str(e.value)
     with pytest.raises(ValueError, match=r"'float8_e4m3fn' is not supported; use one of .*'float8_e4m3'"):
