@@ -105,7 +105,7 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
     counts = job_counts(proc.stdout)
     assert counts["hidden_shard"] == 40 and counts["regenerate"] == 40
     assert counts["train"] == 1 and "toy_target" not in counts
-    assert counts["evaluate"] == 5 and counts["evaluate_merge"] == 1  # eval.shards: one per gpus.target
+    assert counts["evaluate"] == 8 and counts["evaluate_merge"] == 1  # eval.shards: 8, every GPU of the node
     assert "nproc_per_node 3 --virtual-local-rank" in proc.stdout
     assert "--gpus 3" in proc.stdout and "--gpus 1" in proc.stdout
 
