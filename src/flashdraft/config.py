@@ -172,6 +172,8 @@ class TrainConfig:
 # live here, not in compile_cache.py, so the workflow reads them without importing torch.
 COMPILED_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "attention", "dtype")
 WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
+# The train keys stream mode's data plan depends on (flashdraft.stream): a change in one needs a new plan.
+PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets")
 
 
 @dataclass

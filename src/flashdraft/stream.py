@@ -21,17 +21,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .batches import epoch_batches, micro_per_step, steps_left
+from .config import (
+    PLAN_TRAIN_KEYS,
+    DrafterConfig,
+    HiddenConfig,
+    TrainConfig,
+    feature_layers,
+    stream_chunk_tokens,
+)
 from .config import STREAM_RING as RING
-from .config import DrafterConfig, HiddenConfig, TrainConfig, feature_layers, stream_chunk_tokens
 from .errors import UserError
 from .io import bytes_per_token, human_bytes, log, write_json, write_parquet
 
 FORMAT = "flashdraft.plan/1"
-# The train keys the plan depends on: a change in any of them needs a new plan.
 # Bytes a shard row takes beyond its tokens' (Arrow offsets, the id, record-batch metadata), counted
 # generously so that chunks sized from hidden.disk_budget stay within it on disk.
 ROW_BYTES = 1024
-PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets")
 
 
 def chunk_name(epoch: int, chunk: int) -> str:

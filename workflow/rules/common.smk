@@ -11,7 +11,14 @@ from snakemake.utils import validate
 REPO = Path(workflow.basedir).parent
 sys.path.insert(0, str(REPO / "src"))
 
-from flashdraft.config import STREAM_RING, WARMUP_TRAIN_KEYS, Config, check, from_dict  # noqa: E402
+from flashdraft.config import (  # noqa: E402
+    PLAN_TRAIN_KEYS,
+    STREAM_RING,
+    WARMUP_TRAIN_KEYS,
+    Config,
+    check,
+    from_dict,
+)
 from flashdraft.errors import UserError  # noqa: E402
 from flashdraft.gpu import visible_gpus  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
@@ -161,8 +168,6 @@ STREAM = CFG.hidden.mode == "stream"
 PLAN = f"{RESULTS}/plan"  # stream mode's data plan (a checkpoint rule's directory)
 CHUNKS = f"{RESULTS}/hidden/stream"  # a chunk's hidden parts: CHUNKS/epoch-EEE/chunk-CCCCC/part-PPPPP.arrow
 CHUNK_RE = r"epoch-\d{3}/chunk-\d{5}"
-# The train keys the data plan depends on (flashdraft.stream.PLAN_TRAIN_KEYS; not imported: it needs torch)
-PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets")
 
 
 def tokens_files():
