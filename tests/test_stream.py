@@ -252,6 +252,22 @@ def test_stream_mode_trains_the_same_samples_steps_and_weights_as_store_mode(sto
     assert len(list((work / "results" / "train" / "chunks").rglob("*.json"))) == len(plan["chunks"])
 
 
+def test_the_plan_keeps_the_tokenizer_s_length_so_training_never_imports_transformers(stream_run):
+    work = stream_run[0]
+    target = work / "results" / "toy" / "target"
+    plan = Plan(work / "results" / "plan")
+    check = (
+        "import sys, json; from flashdraft.config import DrafterConfig;"
+        "from flashdraft.train_step import load_spec;"
+        f"spec = load_spec({str(target)!r}, DrafterConfig(num_layers=2), {plan.tokenizer_length});"
+        "print(json.dumps([spec.mask_token_id, 'transformers' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout
+    from transformers import AutoTokenizer
+
+    assert plan.tokenizer_length == len(AutoTokenizer.from_pretrained(target))
+    assert json.loads(out) == [plan.tokenizer_length, False]  # MASK where the tokenizer puts it, no import
+
+
 def test_stream_mode_writes_the_next_chunk_while_one_trains_within_the_disk_budget(stream_run):
     work, _, _, peak = stream_run
     plan = json.loads((work / "results" / "plan" / "plan.json").read_text())

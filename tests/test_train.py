@@ -151,7 +151,7 @@ def test_checkpoints_load_weights_only(tmp_path, monkeypatch):
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
     scheduler.step()
-    state = (model.state_dict(), optimizer.state_dict(), scheduler)
+    state = (model.state_dict(), optimizer.state_dict(), scheduler.state_dict())
     path = save_checkpoint(tmp_path, *state, {"step": 1}, keep=1)
 
     # a real checkpoint (AdamW and LambdaLR state included) loads under weights_only, unchanged

@@ -4,14 +4,25 @@ Checkpoints hold the full state dicts in torch's one-process formats, so they de
 world size nor the parallel mode. The data position (epoch, cursor) is all the RNG state a resume needs:
 data order and anchors are functions of (seed, epoch, index) (see batches.py), and the model has no
 dropout.
+
+Tensors go to safetensors files, written straight from host memory and read straight into it. A save
+copies the GPU's state into pinned host buffers that the process keeps (allocating host memory is what
+makes a copy from the GPU slow) and writes them from a background thread while training goes on; the
+next save, the end of the job and a stop wait for it. A resume starts reading its checkpoint into pinned
+memory in the background at the job's start, and those tensors become the buffers of the saves.
+benchmarks/checkpoint_io.py measures both against torch.save and torch.load of the GPU's tensors.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import shutil
-from dataclasses import asdict
+import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -109,56 +120,229 @@ def load_full_state(drafter, optimizer, model: dict, optim: dict, sharded: bool)
                    options=StateDictOptions(full_state_dict=True))
 
 
-def save_checkpoint(run_dir: Path, model: dict, optim: dict, scheduler, state: dict, keep: int,
-                    protect=frozenset()) -> Path:
-    """model/optim: full_state's dicts. The last `keep` checkpoints stay, and those at the steps in
-    `protect` (stream mode's chunk boundaries, which prune_chunk thins out)."""
-    path = run_dir / f"step-{state['step']:08d}"
+# ---------------------------------------------------------------------------------------------------------
+# the files: model.safetensors (the model's state dict), optim.safetensors (the optimizer's tensors, named
+# <param>.<key>) and optim.pt (the rest of the optimizer's state dict and the schedule), state.json
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                      torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
+_FROM_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def _bytes(t: torch.Tensor):
+    """The tensor's memory as a flat uint8 numpy array (no copy; host and contiguous)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Host tensors into a safetensors file, written straight from their memory (no serialized copy)."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for t in tensors.values():
+            f.write(memoryview(_bytes(t.contiguous())))
+
+
+def read_safetensors(path: Path, pin: bool = False) -> dict[str, torch.Tensor]:
+    """A safetensors file read into fresh host tensors (pinned: one fast copy each to the GPU after)."""
+    with open(path, "rb", buffering=0) as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        out = {}
+        for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            t = torch.empty(h["shape"], dtype=_FROM_NAME[h["dtype"]], pin_memory=pin)
+            view, a, b = memoryview(_bytes(t)), *h["data_offsets"]
+            f.seek(8 + n + a)
+            got = 0
+            while got < b - a:
+                k = f.readinto(view[got:])
+                if not k:
+                    raise ValueError(f"{path}: ends inside tensor {name}")
+                got += k
+            out[name] = t
+    return out
+
+
+def split_optim(optim: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An optimizer state dict as (its skeleton: every tensor None, its tensors named <param>.<key>)."""
+    tensors = {f"{p}.{k}": v for p, s in optim["state"].items() for k, v in s.items()
+               if isinstance(v, torch.Tensor)}
+    state = {p: {k: None if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for p, s in optim["state"].items()}
+    return {"state": state, "param_groups": optim["param_groups"]}, tensors
+
+
+def join_optim(skeleton: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    state = {p: {k: tensors[f"{p}.{k}"] if v is None else v for k, v in s.items()}
+             for p, s in skeleton["state"].items()}
+    return {"state": state, "param_groups": skeleton["param_groups"]}
+
+
+@dataclass
+class Snapshot:
+    """A checkpoint's content in host memory."""
+    model: dict[str, torch.Tensor]
+    optim: dict[str, torch.Tensor]  # split_optim's tensors
+    skeleton: dict  # split_optim's skeleton
+    scheduler: dict
+    state: str  # state.json's text
+
+
+def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int, protect=frozenset()) -> Path:
+    """`snap` as run_dir/step-NNNNNNNN, atomically. The last `keep` checkpoints stay, and those at the
+    steps in `protect` (stream mode's chunk boundaries, which prune_chunk thins out)."""
+    path = run_dir / f"step-{json.loads(snap.state)['step']:08d}"
     with atomic_path(path) as tmp:
         tmp.mkdir(parents=True)
-        torch.save(model, tmp / "model.pt")
-        opt = {"optimizer": optim, "scheduler": scheduler.state_dict()}
-        torch.save(opt, tmp / "optim.pt")
-        (tmp / "state.json").write_text(json.dumps(state))
+        write_safetensors(tmp / "model.safetensors", snap.model)
+        write_safetensors(tmp / "optim.safetensors", snap.optim)
+        torch.save({"optimizer": snap.skeleton, "scheduler": snap.scheduler}, tmp / "optim.pt")
+        (tmp / "state.json").write_text(snap.state)
     unprotected = [p for p in checkpoint_dirs(run_dir) if checkpoint_step(p) not in protect]
     for old in unprotected[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return path
 
 
-def load_checkpoint(path: Path, drafter, optimizer, scheduler, device, sharded: bool) -> dict:
+def read_checkpoint(path: Path, pin: bool = False) -> Snapshot:
+    """A checkpoint directory into host memory (also one written by torch.save alone, model.pt)."""
     # weights_only: tensors and plain Python values only, so a checkpoint cannot run code when loaded
     # (explicit: the default depends on the torch version and on TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD)
-    opt = torch.load(path / "optim.pt", map_location=device, weights_only=True)
-    model = torch.load(path / "model.pt", map_location=device, weights_only=True)
-    load_full_state(drafter, optimizer, model, opt["optimizer"], sharded)
-    scheduler.load_state_dict(opt["scheduler"])
-    return json.loads((path / "state.json").read_text())
+    opt = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
+    if (path / "model.safetensors").exists():
+        model, tensors = read_safetensors(path / "model.safetensors", pin), read_safetensors(
+            path / "optim.safetensors", pin)
+        skeleton = opt["optimizer"]
+    else:
+        model = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+        skeleton, tensors = split_optim(opt["optimizer"])
+    return Snapshot(model, tensors, skeleton, opt["scheduler"], (path / "state.json").read_text())
+
+
+def save_checkpoint(run_dir: Path, model: dict, optim: dict, scheduler: dict, state: dict, keep: int,
+                    protect=frozenset()) -> Path:
+    """model/optim: full_state's dicts (on the host), scheduler: its state dict, state: state.json's."""
+    skeleton, tensors = split_optim(optim)
+    return write_checkpoint(run_dir, Snapshot(model, tensors, skeleton, scheduler, json.dumps(state)), keep,
+                            protect)
+
+
+def apply_snapshot(snap: Snapshot, drafter, optimizer, scheduler, sharded: bool) -> dict:
+    """Load a snapshot into the model, optimizer and schedule; returns its state.json."""
+    load_full_state(drafter, optimizer, snap.model, join_optim(snap.skeleton, snap.optim), sharded)
+    scheduler.load_state_dict(snap.scheduler)
+    return json.loads(snap.state)
+
+
+def load_checkpoint(path: Path, drafter, optimizer, scheduler, device, sharded: bool) -> dict:
+    """Model, optimizer and schedule from `path`; returns its state.json."""
+    snap = read_checkpoint(path, pin=torch.device(device).type == "cuda")
+    return apply_snapshot(snap, drafter, optimizer, scheduler, sharded)
+
+
+class HostBuffers:
+    """Pinned host tensors by name that every save of a process copies the GPU's state into (allocating
+    host memory is the slow part of a copy from the GPU, so it is done once); CPU tensors are cloned."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def adopt(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take pinned tensors (a checkpoint just read) as the buffers of their names."""
+        self.buffers.update({k: v for k, v in tensors.items() if v.is_pinned()})
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out, cuda = {}, False
+        for name, t in tensors.items():
+            if t.device.type == "cpu":
+                out[name] = t.detach().clone()
+                continue
+            buf = self.buffers.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = self.buffers[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            out[name] = buf.copy_(t.detach(), non_blocking=True)
+            cuda = True
+        if cuda:
+            torch.cuda.synchronize()
+        return out
+
+
+def start_reading(path: Path | None, device) -> Future | None:
+    """Read the checkpoint at `path` in a background thread (into pinned memory on a GPU), while the
+    process goes on with its start; Checkpointer.resume takes the result."""
+    if path is None:
+        return None
+    pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-reader")
+    future = pool.submit(read_checkpoint, path, torch.device(device).type == "cuda")
+    pool.shutdown(wait=False)
+    return future
 
 
 class Checkpointer:
     """Saves and resumes one run's state under its run dir: every rank joins the gather (FSDP), rank 0
-    writes, all wait for it."""
+    takes a host copy and writes it in the background; `wait` ends that write (and raises its error)."""
 
     def __init__(self, run_dir: Path, d: Dist, drafter, optimizer, scheduler, sharded: bool, keep: int,
                  protect=frozenset()):
         self.run_dir, self.d, self.keep, self.sharded, self.protect = run_dir, d, keep, sharded, protect
         self.drafter, self.optimizer, self.scheduler = drafter, optimizer, scheduler
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._host = HostBuffers()
 
-    def latest(self) -> Path | None:
-        found = checkpoint_dirs(self.run_dir)
-        return found[-1] if found else None
+    def resume(self, path: Path, reading: Future | None = None) -> dict:
+        """Load model, optimizer and schedule from `path` (`reading`: start_reading's, when it read the
+        same path); returns its state.json."""
+        cuda = self.d.device.type == "cuda"
+        snap = reading.result() if reading is not None else read_checkpoint(path, cuda)
+        state = apply_snapshot(snap, self.drafter, self.optimizer, self.scheduler, self.sharded)
+        if self.d.main:  # the pinned tensors read serve as the saves' buffers
+            self._host.adopt({**{f"model.{k}": v for k, v in snap.model.items()},
+                              **{f"optim.{k}": v for k, v in snap.optim.items()}})
+        return state
 
-    def resume(self, path: Path) -> dict:
-        """Load model, optimizer and schedule from `path`; returns its state.json."""
-        return load_checkpoint(path, self.drafter, self.optimizer, self.scheduler, self.d.device,
-                               self.sharded)
-
-    def save(self, state: dict) -> None:
+    def save(self, state: dict, wait: bool = False) -> None:
+        """A checkpoint of this step: the state is copied to the host now and written in the background
+        (`wait`: before returning). state.json's text is made here, so later rows cannot reach it."""
+        self.wait()
         model, optim = full_state(self.drafter, self.optimizer, self.sharded)
         if self.d.main:
-            save_checkpoint(self.run_dir, model, optim, self.scheduler, state, self.keep, self.protect)
+            skeleton, tensors = split_optim(optim)
+            host = self._host.stage({**{f"model.{k}": v for k, v in model.items()},
+                                     **{f"optim.{k}": v for k, v in tensors.items()}})
+            snap = Snapshot({k: host[f"model.{k}"] for k in model}, {k: host[f"optim.{k}"] for k in tensors},
+                            copy.deepcopy(skeleton), copy.deepcopy(self.scheduler.state_dict()),
+                            json.dumps(state))
+            self._writer = threading.Thread(target=self._write, args=(snap,), name="checkpoint-writer",
+                                            daemon=True)
+            self._writer.start()
+            if wait:
+                self.wait()
         barrier(self.d)
+
+    def _write(self, snap: Snapshot) -> None:
+        try:
+            write_checkpoint(self.run_dir, snap, self.keep, self.protect)
+        except BaseException as e:  # raised on the main thread by wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the last save is on disk; its error, if any, is raised here (once)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def model_state(self) -> dict:
         """The full model state dict (a collective under FSDP; rank 0 gets it)."""

@@ -61,7 +61,8 @@ def hidden_tokens(target_path, data_parquet, shard: int, num_shards: int, hidden
                                                  hidden_cfg.max_length)
     order = [i for b in token_batches([len(s[1]) for s in samples], hidden_cfg.batch_tokens) for i in b]
     write_tokens([samples[i] for i in order], out, {"shard": shard, "num_shards": num_shards,
-                                                    "truncated": truncated, "skipped": skipped})
+                                                    "truncated": truncated, "skipped": skipped,
+                                                    "tokenizer_length": len(tokenizer)})
     stats = {"shard": shard, "samples": len(order), "tokens": sum(len(samples[i][1]) for i in order),
              "truncated": truncated, "skipped": skipped}
     log(f"tokens shard {shard}: {stats}")
@@ -181,6 +182,7 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
         "dtype": hidden_cfg.dtype, "bytes_per_token": per_token, "chunk_tokens": chunk_tokens,
         "chunk_tokens_from": key, "disk_budget": hidden_cfg.disk_budget, "ring": RING,
         "peak_bytes": _peak_bytes(chunks), "tokens_files": [str(f) for f in tokens_files],
+        "tokenizer_length": tokenizer_length(tokens_files[0]),
         "fingerprint": fingerprint(ids, lengths, train, world, chunk_tokens),
         "chunks": [asdict(c) for c in chunks],
     }
@@ -196,6 +198,15 @@ def _rows(parquet_file) -> int:
     import pyarrow.parquet as pq
 
     return pq.ParquetFile(parquet_file).metadata.num_rows
+
+
+def tokenizer_length(tokens_file) -> int | None:
+    """len(tokenizer) as hidden_tokens found it: where the MASK row goes unless drafter.mask_token_id sets
+    it. Kept in the plan so that no training job loads the tokenizer (and imports transformers)."""
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(tokens_file).metadata or {}
+    return json.loads(meta.get(b"flashdraft.tokens", b"{}")).get("tokenizer_length")
 
 
 def _chunk_table(rows, epoch_start_step: int, ids, lengths):
@@ -241,6 +252,11 @@ class Plan:
     @property
     def fingerprint(self) -> str:
         return self.meta["fingerprint"]
+
+    @property
+    def tokenizer_length(self) -> int | None:
+        """len(tokenizer) of the target (None in a plan written before it was kept)."""
+        return self.meta.get("tokenizer_length")
 
     def _load_samples(self):
         if self._samples is None:

@@ -36,7 +36,7 @@ from .batches import (
     step_batches,
     steps_left,
 )
-from .checkpoint import Checkpointer, chunk_resume_point, prune_chunk, run_key
+from .checkpoint import Checkpointer, checkpoint_dirs, chunk_resume_point, prune_chunk, run_key, start_reading
 from .compile_cache import cache_counters, cache_key, compile_phases, load_compile_cache, set_compile_workers
 from .config import DrafterConfig, TrainConfig
 from .distributed import (
@@ -95,7 +95,7 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     optimizer, schedule, data position, logged rows and the open metrics window). Stream mode (`plan`):
     the run's samples are the plan's, `shards` hold the samples of `chunk` (none for the export), and a
     chunk starts from the checkpoint where the previous chunk ended."""
-    spec = load_spec(target_dir, drafter_cfg)
+    spec = load_spec(target_dir, drafter_cfg, plan.tokenizer_length if plan else None)
     if plan is None:
         store = HiddenStore(shards)
         lengths = [store.num_tokens(i) for i in range(len(store))]
@@ -114,6 +114,13 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     where = f", {chunk.name} (steps {chunk.start_step}..{chunk.end_step})" if chunk else ""
     log(d, f"train: {len(lengths)} samples, {sum(lengths)} tokens{where}, {d.world} process(es) on "
            f"{d.device}")
+    if chunk is not None:
+        if d.main:  # leaves the chunk's starting point as the latest checkpoint
+            chunk_resume_point(run_dir, chunk.start_step, chunk.end_step)
+        barrier(d)
+    found = checkpoint_dirs(run_dir)
+    latest = found[-1] if found else None
+    reading = start_reading(latest, d.device)  # read while the step compiles and the drafter is built
 
     warm = cfg.compile and load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
     step_fn = build_step(cfg, spec, target_dir, d.device)
@@ -139,13 +146,8 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     run = Run(d, cfg, spec, store, lengths, step_fn, drafter, sharded, optimizer, scheduler, ckpt, g)
 
     state = {"step": 0, "epoch": 0, "cursor": 0, "rows": [], "window": None}
-    if chunk is not None:
-        if d.main:  # leaves the chunk's starting point as the latest checkpoint
-            chunk_resume_point(run_dir, chunk.start_step, chunk.end_step)
-        barrier(d)
-    latest = ckpt.latest()
     if latest:
-        state = ckpt.resume(latest)
+        state = ckpt.resume(latest, reading)
         if not cfg.max_steps and state["world"] != d.world and not cfg.global_batch_tokens:
             # one micro-batch per process: another process count changes the global batch
             total = state["step"] + steps_left(lengths, cfg, d.world, state["epoch"], state["cursor"])
@@ -267,7 +269,7 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                 if step % cfg.checkpoint_every == 0 or step == stop or stopping:
                     run.checkpointer.save({"step": step, "epoch": epoch, "cursor": cursor, "world": d.world,
                                            "rows": metrics.rows, "window": metrics.window_state(),
-                                           "spec": asdict(run.spec)})
+                                           "spec": asdict(run.spec)}, wait=stopping)
                 if stopping:
                     why = f"on {signal.Signals(signalled).name}" if signalled else "as asked (--stop-at)"
                     log(d, f"stopped {why} after step {step}, checkpoint saved; rerun the same command to "
@@ -278,6 +280,7 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                 epoch, cursor = epoch + 1, 0
     finally:
         metrics.close()
+        run.checkpointer.wait()  # the last save reaches the disk, even when the loop failed
 
     if chunk:
         if d.main:

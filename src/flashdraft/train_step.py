@@ -31,18 +31,19 @@ class Step:
     amp_dtype: torch.dtype | None  # autocast dtype (GPU), None: plain float32 (CPU)
 
 
-def load_spec(target_dir, drafter_cfg: DrafterConfig) -> DrafterSpec:
-    """The drafter's spec from the target's config and tokenizer. transformers is imported only for what
-    config.json alone cannot give exactly: it costs seconds of every training process's start, and its
-    AutoTokenizer pulls in generation (and scikit-learn)."""
+def load_spec(target_dir, drafter_cfg: DrafterConfig, tokenizer_length: int | None = None) -> DrafterSpec:
+    """The drafter's spec from the target's config and tokenizer (`tokenizer_length`: its length, where an
+    earlier stage has read it). transformers is imported only for what config.json alone cannot give
+    exactly: it costs seconds of every training process's start, and its AutoTokenizer pulls in
+    generation (and scikit-learn)."""
     raw = read_target_config(target_dir)  # refuses remote code before transformers sees the directory
     config = plain_target_config(raw)
     if config is None:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(target_dir)
-    tokens = None  # a set drafter.mask_token_id needs no tokenizer; None places MASK at len(tokenizer)
-    if drafter_cfg.mask_token_id is None:
+    tokens = tokenizer_length  # a set drafter.mask_token_id needs no tokenizer; else MASK at len(tokenizer)
+    if drafter_cfg.mask_token_id is None and tokens is None:
         from transformers import AutoTokenizer
 
         tokens = len(AutoTokenizer.from_pretrained(target_dir))
