@@ -1,6 +1,7 @@
 """Drafter training: tokens/s and MFU per GPU, 2 GPUs against 1, and the time to the first step with a
 cold compile cache against a warm one. Every number comes from the real trainer processes:
-scripts/warmup.py, then scripts/train.py under `python -m torch.distributed.run`.
+scripts/warmup.py, then scripts/train.py launched as the workflow launches it (launch.launch_argv: the
+script itself for one process, `python -m torch.distributed.run` for several).
 
 Setup (in --work, reused while its parameters match): a target directory with a Qwen3 config.json of the
 preset's shape, the toy tokenizer (the MASK id is set explicitly, so load_spec never reads it: the trainer
@@ -11,7 +12,7 @@ times on the command line, so one epoch holds more micro-batches than the measur
 boundary (a new DataLoader) falls inside the measurement, and no more disk is needed.
 
 1. One warmup (fresh TORCHINDUCTOR_CACHE_DIR) compiles the step and writes artifacts.bin.
-2. Throughput, per world size (`--gpus 1,2`): torchrun, --compile-cache from step 1, a fresh empty
+2. Throughput, per world size (`--gpus 1,2`): the launch line, --compile-cache from step 1, a fresh empty
    Inductor cache dir per run, `--steps` steps logged every `--log-every`. tokens/s is the trainer's own
    (metrics CSV, all ranks summed) over the windows after the first (which holds the first step's
    tracing). The run is ended once its last row is logged, before the final checkpoint and export.
@@ -20,7 +21,7 @@ boundary (a new DataLoader) falls inside the measurement, and no more disk is ne
    - launch (just before Popen) to the moment the trainer logs `bucket S: first step N s`: everything;
    - from its `train: ...` line (data opened) to that moment: the compile cache loaded, the drafter
      built, DDP, the first batch and the step; left out is the fixed startup no cache changes
-     (torchrun, imports, NCCL, the target's config and tokenizer, opening the shards);
+     (the launcher, imports, NCCL, the target's config and tokenizer, opening the shards);
    - the step alone as the trainer logs it (N).
    The warm one is the throughput run of that world size: after its first step it runs every later step
    under fail_on_recompile (a recompile would end it), and its first-step line holds the cache counters
@@ -73,7 +74,7 @@ from transformers import Qwen3Config
 
 from flashdraft.config import DrafterConfig
 from flashdraft.hidden import ShardMeta, manifest_path, open_shard, write_manifest
-from flashdraft.launch import torchrun_argv
+from flashdraft.launch import launch_argv
 from flashdraft.loss import num_anchor_slots, sample_anchors
 from flashdraft.toy import build_tokenizer, task_conversations
 from flashdraft.train_step import load_spec
@@ -99,7 +100,7 @@ PRESETS = {
 AGE = re.compile(r"^\[\s*([\d.]+) s\] ")  # io.log's stamp: the logging process's age
 FIRST_STEP = re.compile(r"bucket (\d+): first step ([\d.]+) s \((?:compiled, caches (\{.*\})|eager)\)")
 # the trainer's log lines, in order, and what is done by the time each appears (seconds since launch);
-# worker_started_s (torchrun's share: launch to the worker process's start) comes from the process age
+# worker_started_s (the launcher's share: launch to the worker process's start) comes from the process age
 # the first of them carries
 MILESTONES = {
     "imports done": "imports_done_s",  # + scripts/train.py's imports
@@ -303,9 +304,9 @@ def base_env(preset: dict, inductor: Path) -> dict:
     return env
 
 
-def torchrun(preset: dict, world: int, cfg: dict, work: Path, run: str, shards: list[str], extra=()) -> list:
+def launch(preset: dict, world: int, cfg: dict, work: Path, run: str, shards: list[str], extra=()) -> list:
     cuda = preset["device"] == "cuda"  # virtual: each rank sees its GPU as cuda:0, as the cache keys need
-    cmd = torchrun_argv(sys.executable, REPO / "scripts" / "train.py", world, virtual=cuda)
+    cmd = launch_argv(sys.executable, REPO / "scripts" / "train.py", world, virtual=cuda)  # as the workflow
     out = work / "runs" / run
     shutil.rmtree(out, ignore_errors=True)
     return cmd + ["--cfg", json.dumps(cfg),
@@ -365,10 +366,10 @@ def run_warmup(preset, cfg, work: Path, shard: str, timeout: float) -> dict:
 
 
 def run_throughput(preset, cfg, work: Path, world: int, shards: list[str], fl: dict, peak, timeout) -> dict:
-    """One torchrun with the warmup's artifacts and a fresh Inductor dir, ended after its last row."""
+    """One launch with the warmup's artifacts and a fresh Inductor dir, ended after its last row."""
     name = f"train-{world}"
     env = base_env(preset, work / "inductor" / name)
-    cmd = torchrun(preset, world, cfg, work, name, shards, ["--compile-cache", str(work / "compile_cache")])
+    cmd = launch(preset, world, cfg, work, name, shards, ["--compile-cache", str(work / "compile_cache")])
     p = Proc(name, cmd, env, work / "logs")
     steps, run_dir = cfg["max_steps"], work / "runs" / name
     try:
@@ -408,7 +409,7 @@ def run_cold(preset, cfg, work: Path, world: int, shards: list[str], timeout) ->
     """A process tree with no artifacts and an empty Inductor dir, ended right after its first step."""
     name = f"cold-{world}"
     env = base_env(preset, work / "inductor" / name)
-    p = Proc(name, torchrun(preset, world, cfg, work, name, shards), env, work / "logs")
+    p = Proc(name, launch(preset, world, cfg, work, name, shards), env, work / "logs")
     try:
         check(p, p.wait_for(lambda: p.first is not None, timeout), "no first-step line")
     finally:
@@ -426,7 +427,7 @@ def since_data(run: dict) -> float:
 
 def startup_spans(run: dict | None) -> dict | None:
     """Seconds each start-up stage took, by the milestone that ends it, each from the one before (from
-    launch for the first): worker_started is torchrun's share, imports_done the worker's imports, ..."""
+    launch for the first): worker_started is the launcher's share, imports_done the worker's imports, ..."""
     if not run or "milestones" not in run:
         return None
     spans, before = {}, 0.0
@@ -451,6 +452,8 @@ def main():
     p.add_argument("--log-every", type=int, default=None, help="steps per metrics window")
     p.add_argument("--work", default=None, help="work dir (default: <tmp>/flashdraft-train-bench-<preset>)")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help="after the measurements, profile one warm process's start to its first step here")
     p.add_argument("--rescore", default=None, metavar="JSON",
                    help="derive the ratios and goals of a saved result again from its raw measurements")
     args = p.parse_args()
@@ -484,6 +487,26 @@ def main():
             p.stop()
 
 
+def run_profiled(preset, cfg, work: Path, shards: list[str], timeout, path: Path) -> None:
+    """One more warm run of one process under cProfile, stopped after its first step (--stop-at 1, so the
+    profile is written): where its start-up goes, function by function (path, and path.txt the 60 most
+    expensive by cumulative time). Not a timing: the profiler slows Python code down."""
+    name = "profile-1"
+    env = base_env(preset, work / "inductor" / name)
+    cmd = launch(preset, 1, cfg, work, name, shards, ["--compile-cache", str(work / "compile_cache"),
+                                                      "--stop-at", "1"])
+    p = Proc(name, [cmd[0], "-m", "cProfile", "-o", str(path), *cmd[1:]], env, work / "logs")
+    try:
+        check(p, p.wait_for(lambda: p.proc.poll() is not None, timeout), "did not stop after step 1")
+    finally:
+        p.stop()
+    import pstats
+
+    with open(f"{path}.txt", "w") as f:
+        pstats.Stats(str(path), stream=f).sort_stats("cumulative").print_stats(60)
+    print(f"{name}: profile in {path}.txt", flush=True)
+
+
 def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, work: Path, out: Path):
     cuda, timeout = preset["device"] == "cuda", preset["timeout"]
     t_start = time.perf_counter()
@@ -498,7 +521,8 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
 
     result = {
         "what": "drafter training throughput, MFU, scaling over GPUs and first-step time with a cold vs "
-                "warm compile cache; real warmup.py / train.py processes under torchrun, random features",
+                "warm compile cache; real warmup.py / train.py processes as the workflow launches them, "
+                "random features",
         "preset": args.preset,
         "machine": {"torch": torch.__version__, "transformers": transformers.__version__,
                     "python": platform.python_version(), "platform": platform.platform(),
@@ -531,6 +555,11 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
             cold = run_cold(preset, cfg, work, max(sizes), shards, timeout)
         except (Failed, TimeoutError) as e:
             result["errors"].append(str(e))
+        if args.profile:
+            try:
+                run_profiled(preset, cfg, work, shards, timeout, Path(args.profile))
+            except (Failed, TimeoutError) as e:
+                result["errors"].append(str(e))
     except (Failed, TimeoutError) as e:
         result["errors"].append(str(e))
 

@@ -1,4 +1,5 @@
-"""The training launch line: torchrun on one node, or one torchrun per node through srun (SLURM).
+"""The training launch line: the script itself for one process, torchrun on one node, or one torchrun
+per node through srun (SLURM).
 
 Several nodes: the train job's SLURM allocation holds the nodes; `srun` starts one task per node, each
 task one torchrun with a process per GPU, and all of them meet at a c10d rendezvous on the first node
@@ -29,12 +30,21 @@ def torchrun_argv(py, script, nproc: int, nodes: int = 1, virtual: bool = False,
     return argv + [str(script)]
 
 
+def launch_argv(py, script, nproc: int, nodes: int = 1, virtual: bool = False,
+                port: int = 29400) -> list[str]:
+    """`torchrun_argv`, except for one process on one node: then the script itself, which sets up no
+    process group (distributed.setup_dist), and no agent process importing torch before it starts."""
+    if nproc == 1 and nodes == 1:
+        return [str(py), str(script)]
+    return torchrun_argv(py, script, nproc, nodes, virtual, port)
+
+
 def torchrun(py: str, script: str, nproc: int, nodes: int = 1, virtual: bool = False,
              port: int = 29400) -> str:
-    """`torchrun_argv` as a shell line: every word quoted (a checkout path may hold spaces or quotes)
+    """`launch_argv` as a shell line: every word quoted (a checkout path may hold spaces or quotes)
     except the rendezvous words the shell must expand."""
     expand = {f"{RDZV_HOST}:{port}", RDZV_ID}
-    argv = torchrun_argv(py, script, nproc, nodes, virtual, port)
+    argv = launch_argv(py, script, nproc, nodes, virtual, port)
     return " ".join(a if a in expand else quote(a) for a in argv)
 
 
