@@ -500,6 +500,7 @@ def run_profiled(preset, cfg, work: Path, shards: list[str], timeout, path: Path
         check(p, p.wait_for(lambda: p.proc.poll() is not None, timeout), "did not stop after step 1")
     finally:
         p.stop()
+        shutil.rmtree(work / "runs" / name, ignore_errors=True)  # its checkpoint: the drafter's full state
     import pstats
 
     with open(f"{path}.txt", "w") as f:
