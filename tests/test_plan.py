@@ -252,7 +252,8 @@ def test_both_modes_and_the_recommendation_on_production():
                                               + stream.hours["evaluation"])
     # the first chunk job: the measured launch, its last save (waited for) and the saves within it (copies)
     within = c.sizes[0] / c.step_tokens / cfg.train.checkpoint_every
-    assert c.startup_s == pytest.approx(P.RATES["train_launch"].value + p["last_save_s"] + within * p["save_s"])
+    launch = P.RATES["train_launch"].value
+    assert c.startup_s == pytest.approx(launch + p["last_save_s"] + within * p["save_s"])
     assert p["last_save_s"] > p["save_s"] > 0
 
     rec = p["recommendation"]
