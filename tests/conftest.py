@@ -78,8 +78,11 @@ def toy_prompt_set(root, num_docs: int = 200, total: int = 40):
     return root
 
 
-def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24) -> list[str]:
-    """A random toy target (root/target) and real hidden-state shards of learnable token patterns."""
+def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24, seed: int = 0, stride: int = 3,
+                      name: str = "shard") -> list[str]:
+    """A random toy target (root/target) and real hidden-state shards of learnable token patterns (token
+    j of a sample: start + stride * j, modulo 97); another `seed` or `stride` gives other data for the
+    same target."""
     import torch
 
     from flashdraft.config import DrafterConfig, ToyConfig
@@ -87,20 +90,21 @@ def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24) -> l
     from flashdraft.toy import build_toy_target
     from flashdraft.train_step import load_spec
 
-    build_toy_target(ToyConfig(steps=0, num_docs=200), str(root / "target"))
+    if not (root / "target").exists():
+        build_toy_target(ToyConfig(steps=0, num_docs=200), str(root / "target"))
     spec = load_spec(root / "target", DrafterConfig(**drafter))
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     width = spec.num_features * spec.hidden_size
     paths = []
     for s in range(shards):
-        path = root / f"shard-{s:05d}.arrow"
+        path = root / f"{name}-{s:05d}.arrow"
         meta = ShardMeta(target="toy", target_layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
                          dtype="bfloat16")
         with open_shard(path, meta) as w:
             for i in range(rows):
                 n = int(torch.randint(40, 300, (1,), generator=g))  # some longer than the largest bucket
                 start = int(torch.randint(0, 50, (1,), generator=g))
-                ids = [(start + 3 * j) % 97 + 10 for j in range(n)]  # an arithmetic pattern: learnable
+                ids = [(start + stride * j) % 97 + 10 for j in range(n)]  # an arithmetic pattern: learnable
                 mask = [0] * (n // 3) + [1] * (n - n // 3)  # a "prompt" third, then the "answer"
                 w.write(f"s{s}-{i}", ids, mask, torch.randn(n, width, generator=g).to(torch.bfloat16))
         write_manifest(manifest_path(path), w)

@@ -35,7 +35,7 @@ from .hidden import ShardMeta, manifest_path
 from .io import atomic_path, device, write_json
 from .loss import resolve_attention
 from .model import DFlashDrafter, DrafterSpec
-from .train_step import anchors_for, build_step, forward_backward, load_spec
+from .train_step import anchors_for, build_step, forward_backward, initial_weights, load_spec
 
 ARTIFACTS = "artifacts.bin"  # the Mega-Cache blob (empty when nothing was compiled)
 INDUCTOR_FILES = "inductor.tar"  # the warmup's Inductor cache dir
@@ -213,6 +213,7 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
             world: int):
     dev = device()
     spec = load_spec(target_dir, drafter_cfg)
+    initial_weights(drafter_cfg, spec)  # a drafter.init_from that does not fit stops the run here, first
     width = spec.num_features * spec.hidden_size
     stored = feature_width(shards)
     if stored is not None and stored != width:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import UserError
@@ -130,6 +131,7 @@ class DrafterConfig:
     target_layer_ids: list[int] | None = None  # None: round(1 + i*(N-4)/(K-1))
     mask_token_id: int | None = None  # None: len(tokenizer), the first unused embedding row
     sliding_window: int | None = None  # W >= block_size: a block query sees the W positions up to its own
+    init_from: str | None = None  # a drafter export (ours or a released one) that training starts from
 
 
 @dataclass
@@ -240,6 +242,18 @@ def _dataclass_type(tp) -> type | None:
     return None
 
 
+def init_files(path) -> list[Path]:
+    """drafter.init_from's two files (config.json, model.safetensors), or a UserError naming what is
+    missing (torch-free: the workflow checks it before any job)."""
+    path = Path(path)
+    files = [path / "config.json", path / "model.safetensors"]
+    if not all(f.is_file() for f in files):
+        missing = ", ".join(f.name for f in files if not f.is_file())
+        raise UserError(f"config key drafter.init_from: {path} is not a drafter export (it needs config.json "
+                        f"and model.safetensors; missing: {missing})")
+    return files
+
+
 def check(cfg: Config, target: dict | None = None) -> list[str]:
     """What needs only the config and the target's config.json (`target`: that file's contents, when it
     is not at target.path yet), checked before any job runs: raises a UserError naming the key; returns
@@ -248,6 +262,8 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
     from .target import read_target_config, target_max_positions, target_num_layers  # they import this
     from .toy import TOY_MAX_POSITIONS
 
+    if cfg.drafter.init_from:
+        init_files(cfg.drafter.init_from)
     p = cfg.prompts
     if p.min_chars > p.max_chars:
         raise UserError(

@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from .config import DrafterConfig
+from .config import DrafterConfig, init_files
+from .errors import UserError
 from .io import atomic_path
 from .target import feature_layer_ids, mask_token_id, num_layers
 
@@ -441,6 +442,47 @@ def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir, dtype: to
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text(json.dumps(spec.to_config_dict(saved), indent=2) + "\n")
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+
+
+# what a drafter to start from must share with the one being trained: its field, and the key that sets it
+# here (None: the target's config.json sets it, so only a drafter of another target differs)
+INIT_KEYS = {"block_size": "drafter.block_size", "num_layers": "drafter.num_layers",
+             "target_layer_ids": "drafter.target_layer_ids", "mask_token_id": "drafter.mask_token_id",
+             "sliding_window": "drafter.sliding_window", "hidden_size": None, "intermediate_size": None,
+             "num_heads": None, "num_kv_heads": None, "head_dim": None, "vocab_size": None}
+
+
+def init_weights(path, spec: DrafterSpec) -> dict[str, torch.Tensor]:
+    """drafter.init_from: the fp32 weights of the export at `path` for a drafter of `spec`, or a UserError
+    naming what differs (a key and both values) or what is missing."""
+    path, key = Path(path), "config key drafter.init_from"
+    files = init_files(path)
+    try:
+        theirs = DrafterSpec.from_config_dict(json.loads(files[0].read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{key}: {files[0]} is not a DFlash drafter's config ({type(e).__name__}: {e})") \
+            from e
+    for field, setting in INIT_KEYS.items():
+        mine, other = getattr(spec, field), getattr(theirs, field)
+        if mine != other:
+            fix = (f"set {setting}: {other}" if setting else
+                   f"use a drafter of this target (its {field} is {mine})")
+            raise UserError(f"{key}: {path} has {field} {other}, this drafter {mine}; {fix}, or start from "
+                            "another drafter")
+    try:
+        state = load_file(files[1])
+    except Exception as e:  # safetensors raises its own error types for a corrupt file
+        raise UserError(f"{key}: {files[1]} cannot be read ({type(e).__name__}: {e})") from e
+    with torch.device("meta"):
+        want = {k: v.shape for k, v in DFlashDrafter(spec).state_dict().items()}
+    missing, extra = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
+    wrong = [f"{k} {tuple(state[k].shape)} (want {tuple(want[k])})"
+             for k in sorted(want.keys() & state.keys()) if state[k].shape != want[k]]
+    for what, names in (("lacks", missing), ("has tensors this drafter has not", extra), ("has", wrong)):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise UserError(f"{key}: {files[1]} {what}: {', '.join(names[:3])}{more}")
+    return {k: v.float() for k, v in state.items()}
 
 
 def load_drafter(path, device="cpu") -> tuple[DFlashDrafter, DrafterSpec]:

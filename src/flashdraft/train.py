@@ -59,7 +59,15 @@ from .io import process_age
 from .metrics import MetricsLogger
 from .model import DrafterSpec, export_drafter
 from .stream import Chunk, Plan, planned_store
-from .train_step import Step, anchors_for, batch_normalizer, build_step, forward_backward, load_spec
+from .train_step import (
+    Step,
+    anchors_for,
+    batch_normalizer,
+    build_step,
+    forward_backward,
+    initial_weights,
+    load_spec,
+)
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
@@ -123,7 +131,7 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     reading = start_reading(latest, d.device)  # read while the step compiles and the drafter is built
 
     warm = cfg.compile and load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
-    step_fn = build_step(cfg, spec, target_dir, d.device)
+    step_fn = build_step(cfg, spec, target_dir, d.device, initial_weights(drafter_cfg, spec))
     drafter = step_fn.model
     mode = parallel_mode(cfg.parallel, sum(p.numel() for p in drafter.parameters()), d.world,
                          gpu_bytes(d.device))

@@ -10,7 +10,7 @@ import torch
 from .config import DrafterConfig, TrainConfig
 from .io import torch_dtype
 from .loss import block_labels, dflash_loss, loss_normalizer, resolve_attention, sample_anchors
-from .model import DFlashDrafter, DrafterSpec
+from .model import DFlashDrafter, DrafterSpec, init_weights
 from .target import load_target_head, plain_target_config, read_target_config
 
 
@@ -50,11 +50,15 @@ def load_spec(target_dir, drafter_cfg: DrafterConfig, tokenizer_length: int | No
     return DrafterSpec.from_target(config, tokens, drafter_cfg)
 
 
-def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.device) -> Step:
-    """A seeded fp32 drafter on `device` (compiled in place when cfg.compile) and the target's frozen head."""
+def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.device,
+               init: dict | None = None) -> Step:
+    """A seeded fp32 drafter on `device` (compiled in place when cfg.compile) and the target's frozen head;
+    `init`: weights to start from (model.init_weights of drafter.init_from)."""
     torch.manual_seed(cfg.seed)
     with torch.device(device):  # initialized where it runs, not on one CPU core and then moved
         drafter = DFlashDrafter(spec)
+    if init is not None:
+        drafter.load_state_dict(init, strict=True)
     if cfg.compile:
         # one graph per length bucket: dynamic=False keeps shapes static, buckets bound the recompiles
         drafter.compile(dynamic=False)
@@ -64,6 +68,11 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
     gamma, attention = cfg.loss_gamma(spec.block_size), resolve_attention(cfg.attention, device)
     return Step(drafter, spec, embed, head, gamma, cfg.loss, cfg.dpace_alpha, attention, cfg.max_anchors,
                 device, amp)
+
+
+def initial_weights(drafter_cfg: DrafterConfig, spec: DrafterSpec) -> dict | None:
+    """drafter.init_from's weights, checked against `spec` (None: a fresh drafter)."""
+    return init_weights(drafter_cfg.init_from, spec) if drafter_cfg.init_from else None
 
 
 def anchors_for(step: Step, loss_mask, generator=None, seeds=None):

@@ -155,6 +155,13 @@ def target_dir():
     return CFG.target.path
 
 
+def init_from():
+    """drafter.init_from's files as inputs of the jobs that read them (none when it is unset): a changed
+    file reruns them."""
+    d = CFG.drafter.init_from
+    return {"init": [f"{d}/config.json", f"{d}/model.safetensors"]} if d else {}
+
+
 def regenerate_gpus():
     """openai: a server answers, this job only sends requests (the target dir gives the tokenizer);
     server: the job leases the GPUs of the server it starts (the lease's CUDA_VISIBLE_DEVICES);

@@ -111,6 +111,7 @@ rule train_chunk:
         plan=PLAN,
         cache=f"{RESULTS}/compile_cache/meta.json",
         target=target_dir(),
+        **init_from(),
     output:
         f"{RESULTS}/train/chunks/{{chunk}}.json",
     wildcard_constraints:

@@ -4,6 +4,7 @@ rule train:
            {"arrows": shard_files("arrow"), "verified": f"{RESULTS}/hidden/verify.json"}),
         cache=f"{RESULTS}/compile_cache/meta.json",
         target=target_dir(),
+        **init_from(),
     output:
         config=f"{RESULTS}/drafter/config.json",
         weights=f"{RESULTS}/drafter/model.safetensors",

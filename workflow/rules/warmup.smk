@@ -2,6 +2,7 @@ rule warmup:
     input:
         manifests=hidden_manifests(),
         target=target_dir(),
+        **init_from(),
     output:
         artifacts=f"{RESULTS}/compile_cache/artifacts.bin",
         inductor=f"{RESULTS}/compile_cache/inductor.tar",
