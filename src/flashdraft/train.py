@@ -131,7 +131,9 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     reading = start_reading(latest, d.device)  # read while the step compiles and the drafter is built
 
     warm = cfg.compile and load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
-    step_fn = build_step(cfg, spec, target_dir, d.device, initial_weights(drafter_cfg, spec))
+    # drafter.init_from starts a run; a resumed one (a later chunk) takes its checkpoint's weights instead
+    init = initial_weights(drafter_cfg, spec) if latest is None else None
+    step_fn = build_step(cfg, spec, target_dir, d.device, init)
     drafter = step_fn.model
     mode = parallel_mode(cfg.parallel, sum(p.numel() for p in drafter.parameters()), d.world,
                          gpu_bytes(d.device))
