@@ -276,6 +276,11 @@ class HostBuffers:
         return out
 
 
+def _named(model: dict, optim: dict) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under one namespace (the host buffers' names)."""
+    return {**{f"model.{k}": v for k, v in model.items()}, **{f"optim.{k}": v for k, v in optim.items()}}
+
+
 def start_reading(path: Path | None, device) -> Future | None:
     """Read the checkpoint at `path` in a background thread (into pinned memory on a GPU), while the
     process goes on with its start; Checkpointer.resume takes the result."""
@@ -306,8 +311,7 @@ class Checkpointer:
         snap = reading.result() if reading is not None else read_checkpoint(path, cuda)
         state = apply_snapshot(snap, self.drafter, self.optimizer, self.scheduler, self.sharded)
         if self.d.main:  # the pinned tensors read serve as the saves' buffers
-            self._host.adopt({**{f"model.{k}": v for k, v in snap.model.items()},
-                              **{f"optim.{k}": v for k, v in snap.optim.items()}})
+            self._host.adopt(_named(snap.model, snap.optim))
         return state
 
     def save(self, state: dict, wait: bool = False) -> None:
@@ -317,8 +321,7 @@ class Checkpointer:
         model, optim = full_state(self.drafter, self.optimizer, self.sharded)
         if self.d.main:
             skeleton, tensors = split_optim(optim)
-            host = self._host.stage({**{f"model.{k}": v for k, v in model.items()},
-                                     **{f"optim.{k}": v for k, v in tensors.items()}})
+            host = self._host.stage(_named(model, tensors))
             snap = Snapshot({k: host[f"model.{k}"] for k in model}, {k: host[f"optim.{k}"] for k in tensors},
                             copy.deepcopy(skeleton), copy.deepcopy(self.scheduler.state_dict()),
                             json.dumps(state))
