@@ -27,6 +27,10 @@ boundary (a new DataLoader) falls inside the measurement, and no more disk is ne
    under fail_on_recompile (a recompile would end it), and its first-step line holds the cache counters
    (no FX graph or AOTAutograd misses).
    The cold one is ended right after its first-step line.
+4. Resumed (one process only): a later stream-mode chunk's start. One process trains two steps and saves
+   (--stop-at 2); the same command then resumes from that checkpoint with the warmup's artifacts and the
+   Inductor dir the first left (chained chunk jobs on one node share it), ended after its first step.
+   Launch to first step, warm and resumed, has the goal <= 10 s.
 
 MFU counts matmul FLOPs (2*m*n*k) of one sample's forward and multiplies by 3 for forward + backward (the
 activation-checkpoint recompute of the chunked LM head is not counted). A sample has context S, A valid
@@ -81,7 +85,7 @@ from flashdraft.train_step import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core FLOP/s per GPU (SXM)
-GOALS = {"mfu": 0.45, "scaling": 1.85, "warm_over_cold": 0.20}
+GOALS = {"mfu": 0.45, "scaling": 1.85, "warm_over_cold": 0.20, "launch_s": 10.0}
 PRESETS = {
     # the toy target's shapes (flashdraft.toy) with the embedded default drafter (K=2, B=8), CPU
     "tiny": dict(
@@ -108,6 +112,7 @@ MILESTONES = {
     "train: ": "data_opened_s",  # + load_spec, HiddenStore
     "compile cache: ": "cache_loaded_s",  # + the warmup's artifacts loaded (or none)
     "new run in ": "model_built_s",  # + drafter built and on the device, target head, DDP, optimizer
+    "resumed from ": "model_built_s",  # the same, and the checkpoint loaded (a resumed run)
     ": first step ": "first_step_done_s",  # + the first batch and the first step (compile or cache hits)
 }
 
@@ -420,6 +425,33 @@ def run_cold(preset, cfg, work: Path, world: int, shards: list[str], timeout) ->
     return {"world": world, "compile_cache_loaded": p.cache_loaded, **p.first, "log": str(p.err_log)}
 
 
+def run_resumed(preset, cfg, work: Path, shards: list[str], timeout) -> dict:
+    """A later stream-mode chunk's start: one process trains two steps and saves (--stop-at 2), then the
+    same command resumes from that checkpoint (read in the background from the job's start) with the
+    warmup's artifacts and the Inductor dir the first process left, as chained chunk jobs on one node
+    share it; ended right after its first step."""
+    name = "resumed-1"
+    env = base_env(preset, work / "inductor" / name)
+    cmd = launch(preset, 1, cfg, work, name, shards, ["--compile-cache", str(work / "compile_cache")])
+    try:
+        saver = Proc(f"{name}-save", [*cmd, "--stop-at", "2"], env, work / "logs")
+        try:
+            check(saver, saver.wait_for(lambda: saver.proc.poll() is not None, timeout), "did not stop")
+        finally:
+            saver.stop()
+        check(saver, saver.proc.returncode == 0, "--stop-at 2")
+        p = Proc(name, cmd, env, work / "logs")
+        try:
+            check(p, p.wait_for(lambda: p.first is not None, timeout), "no first-step line")
+        finally:
+            p.stop()
+    finally:
+        shutil.rmtree(work / "runs" / name, ignore_errors=True)  # the drafter's full state
+    print(f"{name}: first step after {p.first['launch_to_first_step_s']} s {p.first['milestones']}, "
+          f"caches {p.first['counters']}", flush=True)
+    return {"world": 1, "compile_cache_loaded": p.cache_loaded, **p.first, "log": str(p.err_log)}
+
+
 def since_data(run: dict) -> float:
     """Seconds from the trainer's `train: ...` line (data opened) to the end of its first step."""
     return run["launch_to_first_step_s"] - run["milestones"]["data_opened_s"]
@@ -431,7 +463,7 @@ def startup_spans(run: dict | None) -> dict | None:
     if not run or "milestones" not in run:
         return None
     spans, before = {}, 0.0
-    for key in ("worker_started_s", *MILESTONES.values()):
+    for key in ("worker_started_s", *dict.fromkeys(MILESTONES.values())):  # model_built_s: two lines
         if key in run["milestones"]:
             spans[key.removesuffix("_s")] = round(run["milestones"][key] - before, 2)
             before = run["milestones"][key]
@@ -540,7 +572,7 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
         "flops": fl,
         "errors": [],
     }
-    throughput, warmup_meta, cold = {}, None, None
+    throughput, warmup_meta, cold, resumed = {}, None, None, None
     try:
         warmup_meta = run_warmup(preset, cfg, work, shard, timeout)
         name = warmup_meta["key"]["device"]
@@ -556,6 +588,11 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
             cold = run_cold(preset, cfg, work, max(sizes), shards, timeout)
         except (Failed, TimeoutError) as e:
             result["errors"].append(str(e))
+        if max(sizes) == 1:
+            try:
+                resumed = run_resumed(preset, cfg, work, shards, timeout)
+            except (Failed, TimeoutError) as e:
+                result["errors"].append(str(e))
         if args.profile:
             try:
                 run_profiled(preset, cfg, work, shards, timeout, Path(args.profile))
@@ -571,7 +608,8 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
         "first_step": {"world": max(sizes), "cold": cold,
                        "warm": warm and {k: warm.get(k) for k in
                                          ("launch_to_first_step_s", "first_step_s", "milestones", "counters",
-                                          "compile_cache_loaded", "steps_under_fail_on_recompile", "log")}},
+                                          "compile_cache_loaded", "steps_under_fail_on_recompile", "log")},
+                       "resumed": resumed},
     }
     score(result)
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
@@ -599,7 +637,9 @@ def score(result: dict) -> None:
     result["scaling"] = {"measured": ratio is not None, "tokens_per_s_2_over_1": ratio,
                          "note": None if ratio is not None else "needs world sizes 1 and 2"}
     first.pop("warm_over_cold", None)  # the launch-based ratio, under its name before the three spans
+    resumed = first.get("resumed")
     first |= {"warm_startup_spans_s": startup_spans(warm), "cold_startup_spans_s": startup_spans(cold),
+              "resumed_startup_spans_s": startup_spans(resumed),
               "first_step_warm_over_cold": step_ratio,
               "data_opened_to_first_step_warm_over_cold": setup_ratio,
               "launch_to_first_step_warm_over_cold": launch_ratio}
@@ -610,6 +650,10 @@ def score(result: dict) -> None:
         "first_step_warm_over_cold": goal(step_ratio, GOALS["warm_over_cold"], higher=False),
         "data_opened_to_first_step_warm_over_cold": goal(setup_ratio, GOALS["warm_over_cold"], higher=False),
         "launch_to_first_step_warm_over_cold": goal(launch_ratio, GOALS["warm_over_cold"], higher=False),
+        "launch_to_first_step_warm_s": goal(warm and warm.get("launch_to_first_step_s"), GOALS["launch_s"],
+                                            higher=False),
+        "launch_to_first_step_resumed_s": goal(resumed and resumed["launch_to_first_step_s"],
+                                               GOALS["launch_s"], higher=False),
         "warm_cache_misses": {"value": misses, "goal": "== 0 (FX graph and AOTAutograd cache misses in the "
                                                        "warm run)",
                               "pass": None if misses is None else misses == 0},
@@ -632,7 +676,10 @@ def print_table(result: dict, out: Path) -> None:
               f"{t.get('first_step_s', float('nan')):>11.1f}")
     if cold:
         print(f"{'cold':>5}{'':>63}{cold['launch_to_first_step_s']:>13.1f}{cold['first_step_s']:>11.1f}")
-    for which in ("warm", "cold"):
+    resumed = result["first_step"].get("resumed")
+    if resumed:
+        print(f"{'resumed':>7}{'':>61}{resumed['launch_to_first_step_s']:>13.1f}{resumed['first_step_s']:>11.1f}")
+    for which in ("warm", "cold", "resumed"):
         spans = result["first_step"].get(f"{which}_startup_spans_s")
         if spans:
             print(f"{which} start-up (s, each stage from the one before): "

@@ -53,7 +53,7 @@ from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile, record_function
 from train_drafter import PRESETS, drafter_config, drafter_json, flops, peak_flops, setup, train_config
 
-from flashdraft.batches import Collate, anchor_seeds, epoch_batches, rank_share, step_batches
+from flashdraft.batches import anchor_seeds
 from flashdraft.compile_cache import cache_counters
 from flashdraft.config import TrainConfig, from_dict
 from flashdraft.distributed import setup_dist
@@ -116,7 +116,7 @@ def kind_of(name: str, cat: str, cuda: bool) -> str:
 
 def build(preset: dict, work: Path, steps: int):
     """train.setup's run on the preset's target and shard (listed often enough for every step of one
-    epoch), its metrics logger and the epoch's micro-batch plan."""
+    epoch) and its metrics logger."""
     setup(preset, work)
     cfg = from_dict(TrainConfig, train_config(preset, steps, preset["log_every"]), "train")
     shard = str(work / "hidden" / "shard-00000.arrow")
@@ -127,18 +127,15 @@ def build(preset: dict, work: Path, steps: int):
     run, total, _ = train_setup(d, cfg, drafter_config(preset), work / "target", shards, checkpoints, None)
     run.checkpointer.run_dir.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLogger(run.checkpointer.run_dir, d, run.spec.block_size, 0, total, [], None)
-    return run, metrics, epoch_batches(run.lengths, cfg, 0)
+    return run, metrics
 
 
 class Loop:
     """train.py's loop body, step by step, each phase under a record_function of its name."""
 
-    def __init__(self, run, metrics: MetricsLogger, batches: list[list[int]]):
-        self.run, self.metrics, self.batches = run, metrics, batches
-        cfg, d = run.cfg, run.d
-        collate = Collate(cfg.buckets, cfg.batch_tokens, run.step_fn.amp_dtype or torch.float32)
-        share = rank_share(0, len(batches) // run.g, run.g, d.rank, d.world)
-        self.it = step_batches(run.store, batches, share, collate, d.device)
+    def __init__(self, run, metrics: MetricsLogger):
+        self.run, self.metrics = run, metrics
+        self.batches, self.it = run.ahead  # the first epoch, its loader started by train.setup
         self.step, self.seen = 0, set()
         self.data_wait, self.tokens = 0.0, 0
 
@@ -350,8 +347,8 @@ def main():
 
     t0 = time.perf_counter()
     total_steps = args.warmup + 2 * args.steps
-    run, metrics, batches = build(preset, work, total_steps)
-    loop = Loop(run, metrics, batches)
+    run, metrics = build(preset, work, total_steps)
+    loop = Loop(run, metrics)
     try:
         t = time.perf_counter()
         warm = loop.timed(args.warmup)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .config import TrainConfig
-from .distributed import ignore_stop_signals
+from .distributed import Dist, ignore_stop_signals
 
 
 def bucket_for(length: int, buckets: list[int]) -> int:
@@ -123,7 +123,18 @@ def batch_loader(store, batches: list[list[int]], collate: Collate, device: torc
 
 
 def step_batches(store, batches: list[list[int]], share: list[list[int]], collate: Collate, device):
-    """Per optimizer step, this rank's (plan indices, collated micro-batches), read ahead by batch_loader."""
+    """Per optimizer step, this rank's (plan indices, collated micro-batches), read ahead by batch_loader,
+    whose workers start reading at this call, not at the first step."""
     loader = iter(batch_loader(store, [batches[k] for ks in share for k in ks], collate, device))
-    for ks in share:
-        yield ks, [next(loader) for _ in ks]
+    return ((ks, [next(loader) for _ in ks]) for ks in share)
+
+
+def epoch_steps(store, lengths: list[int], cfg: TrainConfig, epoch: int, cursor: int, steps: int,
+                d: Dist, collate: Collate):
+    """`epoch`'s micro-batch plan and step_batches for up to `steps` optimizer steps from `cursor`."""
+    batches, g = epoch_batches(lengths, cfg, epoch), micro_per_step(cfg, d.world)
+    if len(batches) < g:
+        raise ValueError(f"{len(batches)} micro-batches per epoch, fewer than one global batch "
+                         f"({g}): lower train.batch_tokens or train.global_batch_tokens, or add data")
+    share = rank_share(cursor, min((len(batches) - cursor) // g, steps), g, d.rank, d.world)
+    return batches, step_batches(store, batches, share, collate, d.device)

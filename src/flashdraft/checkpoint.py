@@ -21,7 +21,7 @@ import json
 import shutil
 import struct
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from .config import DrafterConfig, TrainConfig, to_json
 from .distributed import Dist, barrier
 from .errors import UserError
 from .hidden import manifest_path
-from .io import atomic_path
+from .io import atomic_path, background
 
 
 def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str], plan: str | None = None) -> str:
@@ -203,8 +203,9 @@ def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int, protect=frozenset
     path = run_dir / f"step-{json.loads(snap.state)['step']:08d}"
     with atomic_path(path) as tmp:
         tmp.mkdir(parents=True)
+        optim = background(write_safetensors, tmp / "optim.safetensors", snap.optim, name="optim-writer")
         write_safetensors(tmp / "model.safetensors", snap.model)
-        write_safetensors(tmp / "optim.safetensors", snap.optim)
+        optim.result()  # both files at once, as they are read
         torch.save({"optimizer": snap.skeleton, "scheduler": snap.scheduler}, tmp / "optim.pt")
         (tmp / "state.json").write_text(snap.state)
     unprotected = [p for p in checkpoint_dirs(run_dir) if checkpoint_step(p) not in protect]
@@ -219,8 +220,8 @@ def read_checkpoint(path: Path, pin: bool = False) -> Snapshot:
     # (explicit: the default depends on the torch version and on TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD)
     opt = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
     if (path / "model.safetensors").exists():
-        model, tensors = read_safetensors(path / "model.safetensors", pin), read_safetensors(
-            path / "optim.safetensors", pin)
+        optim = background(read_safetensors, path / "optim.safetensors", pin, name="optim-reader")
+        model, tensors = read_safetensors(path / "model.safetensors", pin), optim.result()  # both at once
         skeleton = opt["optimizer"]
     else:
         model = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
@@ -286,10 +287,13 @@ def start_reading(path: Path | None, device) -> Future | None:
     process goes on with its start; Checkpointer.resume takes the result."""
     if path is None:
         return None
-    pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-reader")
-    future = pool.submit(read_checkpoint, path, torch.device(device).type == "cuda")
-    pool.shutdown(wait=False)
-    return future
+    return background(read_checkpoint, path, torch.device(device).type == "cuda", name="checkpoint-reader")
+
+
+def saved_position(path: Path) -> dict:
+    """A checkpoint's state.json: its step and data position (epoch, cursor, world), read without its
+    tensors, so the data loader can start before they are loaded."""
+    return json.loads((path / "state.json").read_text())
 
 
 class Checkpointer:

@@ -145,6 +145,16 @@ def exit_on_stop_signals() -> None:
         signal.signal(sig, stop)
 
 
+def background(fn, *args, name: str):
+    """fn(*args) in a thread of its own, started now: its Future (`result()` waits, and raises its error)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return future
+
+
 def torch_dtype(name: str, allowed: tuple[str, ...] = DTYPES, key: str = "dtype"):
     """The torch dtype of a config's dtype name; `allowed`: the names the config key `key` takes."""
     import torch

@@ -23,8 +23,9 @@ steps (as many tokens as half the disk budget holds: two chunks are on disk at o
 states are precomputed on gpus.target GPUs while the previous chunk trains on gpus.drafter GPUs. Its wall
 time is regeneration + the pipeline (the first chunk's precompute, then each chunk as the slower of the
 two sides, the next chunk's shard jobs waiting for the training two chunks back) + evaluation. Each chunk's
-training job pays the measured launch-to-first-step and a checkpoint load and save (the drafter in fp32
-and AdamW's two moments, at the local disk's measured speed).
+training job pays the measured launch-to-first-step (every chunk after the run's first: a resumed job's,
+its checkpoint read and loaded) and its last save (the drafter in fp32 and AdamW's two moments, at the
+local disk's measured speed).
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ RATES = {
                                 "tokens/s"),
     "precompute_float8_e4m3": Rate(31208.6, "precompute_hidden_gpu_qwen3-8b.json",
                                    "float8_e4m3.tokens_per_s", "tokens/s"),
-    "train_1gpu": Rate(19863.2, "train_drafter_qwen3-8b.json", "throughput.1.tokens_per_s_per_gpu",
+    "train_1gpu": Rate(20269.2, "train_drafter_qwen3-8b.json", "throughput.1.tokens_per_s_per_gpu",
                        "tokens/s"),
     # with 2 or more processes (DDP): the per-GPU rate of the 2-GPU run, assumed to hold at any count
-    "train_per_gpu": Rate(18686.2, "train_drafter_qwen3-8b.json", "throughput.2.tokens_per_s_per_gpu",
+    "train_per_gpu": Rate(18686.2, "train_drafter_qwen3-8b_2gpu.json", "throughput.2.tokens_per_s_per_gpu",
                           "tokens/s"),
     "eval_target_only": Rate(160.41, "eval_decode_qwen3-8b.json", "modes.target_only.tokens_per_s",
                              "new tokens/s"),
@@ -77,12 +78,14 @@ RATES = {
                              "new tokens/s"),
     # a training job's start-up, warm compile cache, production drafter shape, one process: imports, data
     # open, cache load, drafter built, first step (stream mode pays it once per chunk; several processes
-    # start through torchrun, which adds its own start)
-    "train_launch": Rate(22.35, "train_drafter_qwen3-8b_1gpu.json", "first_step.warm.launch_to_first_step_s",
+    # start through torchrun, which adds its own start). A resumed job (every chunk after a run's first)
+    # also reads and loads the previous chunk's checkpoint, in part while it starts: measured as a whole.
+    "train_launch": Rate(19.71, "train_drafter_qwen3-8b.json", "first_step.warm.launch_to_first_step_s",
                          "s", scaled=False),
+    "train_launch_resumed": Rate(20.7, "train_drafter_qwen3-8b.json",
+                                 "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
     # checkpoints (flashdraft.checkpoint): a save holds training up for its copy into the host buffers, then
-    # writes in the background; a job's last save is waited for; a resume reads its files (in part while
-    # the job starts: counted whole)
+    # writes in the background; a job's last save is waited for
     "checkpoint_stage": Rate(54.474, "checkpoint_io_qwen3-8b.json", "stage_gb_per_s", "GB/s", scaled=False),
     "checkpoint_write": Rate(1.2366, "checkpoint_io_qwen3-8b.json", "write_gb_per_s", "GB/s", scaled=False),
     "checkpoint_read": Rate(1.0667, "checkpoint_io_qwen3-8b.json", "read_gb_per_s", "GB/s", scaled=False),
@@ -516,7 +519,7 @@ def stream_mode(run: Run, split: Split, budget: int) -> ModePlan:
     step, every = run.step_tokens(split), cfg.train.checkpoint_every
     pre = [n / pre_rate for n in sizes]
     train = [n / train_rate for n in sizes]
-    startup = [rate("train_launch", 1) + (run.load_s() if c else 0.0) + run.last_save_s()
+    startup = [rate("train_launch_resumed" if c else "train_launch", 1) + run.last_save_s()
                + run.save_s() * (n / step / every) for c, n in enumerate(sizes)]  # + the saves within it
     chunk_train = [t + s for t, s in zip(train, startup, strict=True)]
     pipeline = pipeline_seconds(pre, chunk_train) / 3600 if on_gpus else None
@@ -667,8 +670,8 @@ def render(p: dict, configfile) -> str:
               f"checkpoints: {human_bytes(p['checkpoint_bytes'])} (the drafter's "
               f"{_num(p['drafter_parameters'])} parameters in fp32 + AdamW's two moments), "
               f"a save holds training up {p['save_s']:.1f} s (then writes in the background), a job's last "
-              f"save {p['last_save_s']:.1f} s, a resume {p['load_s']:.1f} s to read (an upper estimate: it "
-              "reads while the job starts)"]
+              f"save {p['last_save_s']:.1f} s, a resume {p['load_s']:.1f} s to read (while the job starts: "
+              "a resumed job's measured start-up holds it)"]
     if total is None:
         lines.append("goal (whole DAG <= 36 h): not planned, some stages run without a GPU rate")
     else:

@@ -12,7 +12,9 @@ and ranks before the first forward), so the gradient is the global batch's, what
 resumed run replays exactly what an uninterrupted one would have seen, on any number of processes.
 
 torch.compile is not thread-safe: everything compiled runs on the main thread of this process; data
-loading uses DataLoader worker processes on GPU and the main thread on CPU.
+loading uses DataLoader worker processes on GPU and the main thread on CPU. A process's start-up is on
+the critical path of every stream-mode chunk: setup starts the slow reads (checkpoint, the target's head,
+the first micro-batches) before it imports compile_cache, which brings Dynamo's seconds of imports.
 """
 
 from __future__ import annotations
@@ -27,17 +29,16 @@ from pathlib import Path
 
 import torch
 
-from .batches import (
-    Collate,
-    anchor_seeds,
-    epoch_batches,
-    micro_per_step,
-    rank_share,
-    step_batches,
-    steps_left,
+from .batches import Collate, anchor_seeds, epoch_steps, micro_per_step, steps_left
+from .checkpoint import (
+    Checkpointer,
+    checkpoint_dirs,
+    chunk_resume_point,
+    prune_chunk,
+    run_key,
+    saved_position,
+    start_reading,
 )
-from .checkpoint import Checkpointer, checkpoint_dirs, chunk_resume_point, prune_chunk, run_key, start_reading
-from .compile_cache import cache_counters, cache_key, compile_phases, load_compile_cache, set_compile_workers
 from .config import DrafterConfig, TrainConfig
 from .distributed import (
     Dist,
@@ -55,16 +56,18 @@ from .distributed import (
 )
 from .errors import UserError
 from .hidden import HiddenStore
-from .io import process_age
+from .io import background, process_age
 from .metrics import MetricsLogger
 from .model import DrafterSpec, export_drafter
 from .stream import Chunk, Plan, planned_store
 from .train_step import (
     Step,
+    amp_dtype,
     anchors_for,
     batch_normalizer,
     build_step,
     forward_backward,
+    frozen_head,
     initial_weights,
     load_spec,
 )
@@ -95,6 +98,9 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     checkpointer: Checkpointer
     g: int  # micro-batches per optimizer step, over all ranks
+    collate: Collate
+    stop: int  # this job's last step (a chunk's end in stream mode)
+    ahead: tuple | None  # the first epoch's (micro-batch plan, step_batches), its loader reading since setup
 
 
 def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, checkpoints: Path,
@@ -128,12 +134,27 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
         barrier(d)
     found = checkpoint_dirs(run_dir)
     latest = found[-1] if found else None
-    reading = start_reading(latest, d.device)  # read while the step compiles and the drafter is built
+    # the slow reads start first: the checkpoint, the target's head and the first micro-batches are read
+    # while Dynamo is imported, the compile cache loads and the drafter is built
+    reading = start_reading(latest, d.device)
+    amp = amp_dtype(cfg, d.device)
+    head = background(frozen_head, target_dir, d.device, amp, name="head-reader")
+    g = micro_per_step(cfg, d.world)
+    total = cfg.max_steps or steps_left(lengths, cfg, d.world)
+    at = saved_position(latest) if latest else {"step": 0, "epoch": 0, "cursor": 0, "world": d.world}
+    if latest and not cfg.max_steps and at["world"] != d.world and not cfg.global_batch_tokens:
+        # one micro-batch per process: another process count changes the global batch
+        total = at["step"] + steps_left(lengths, cfg, d.world, at["epoch"], at["cursor"])
+    stop = min(total, chunk.end_step) if chunk else total  # this job's last step
+    collate = Collate(cfg.buckets, cfg.batch_tokens, amp or torch.float32)
+    ahead = epoch_steps(store, lengths, cfg, at["epoch"], at["cursor"], stop - at["step"], d,
+                        collate) if store is not None and at["step"] < stop else None
+    from .compile_cache import cache_key, load_compile_cache, set_compile_workers  # Dynamo: seconds
 
     warm = cfg.compile and load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
     # drafter.init_from starts a run; a resumed one (a later chunk) takes its checkpoint's weights instead
     init = initial_weights(drafter_cfg, spec) if latest is None else None
-    step_fn = build_step(cfg, spec, target_dir, d.device, init)
+    step_fn = build_step(cfg, spec, target_dir, d.device, init, head)
     drafter = step_fn.model
     mode = parallel_mode(cfg.parallel, sum(p.numel() for p in drafter.parameters()), d.world,
                          gpu_bytes(d.device))
@@ -148,19 +169,15 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
                                                              if warm and sharded else ""))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=d.device.type == "cuda")
-    g = micro_per_step(cfg, d.world)
-    total = cfg.max_steps or steps_left(lengths, cfg, d.world)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
     ends = frozenset(c.end_step for c in plan.chunks) if plan else frozenset()  # where chunks start again
     ckpt = Checkpointer(run_dir, d, drafter, optimizer, scheduler, sharded, cfg.keep_checkpoints, ends)
-    run = Run(d, cfg, spec, store, lengths, step_fn, drafter, sharded, optimizer, scheduler, ckpt, g)
+    run = Run(d, cfg, spec, store, lengths, step_fn, drafter, sharded, optimizer, scheduler, ckpt, g, collate,
+              stop, ahead)
 
     state = {"step": 0, "epoch": 0, "cursor": 0, "rows": [], "window": None}
     if latest:
         state = ckpt.resume(latest, reading)
-        if not cfg.max_steps and state["world"] != d.world and not cfg.global_batch_tokens:
-            # one micro-batch per process: another process count changes the global batch
-            total = state["step"] + steps_left(lengths, cfg, d.world, state["epoch"], state["cursor"])
         log(d, f"resumed from {latest}: step {state['step']}/{total}, saved by {state['world']} rank(s)")
     else:
         log(d, f"new run in {run_dir}: {total} steps")
@@ -197,6 +214,8 @@ def accumulate(run: Run, micro: list[dict], anchors: list, norm, metrics: Metric
 
 def log_first_steps(run: Run, buckets: list[int], t_step: float) -> None:
     """A bucket's first step compiles (or loads) its graph: how long it took, and the caches' counters."""
+    from .compile_cache import cache_counters, compile_phases
+
     d = run.d
     for bucket in buckets:
         if d.device.type == "cuda":
@@ -235,25 +254,21 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
     chunk = plan.named(chunk_name) if plan and chunk_name else None
     run, total, state = setup(d, cfg, drafter_cfg, target_dir, shards, checkpoints, compile_cache, plan,
                               chunk)
-    step, epoch, cursor, g = state["step"], state["epoch"], state["cursor"], run.g
-    stop = min(total, chunk.end_step) if chunk else total  # this job's last step
+    step, epoch, cursor, g, stop = state["step"], state["epoch"], state["cursor"], run.g, run.stop
     if plan and not chunk and step < total:
         raise UserError(f"the run is trained to step {step} of {total}: train every chunk of the plan "
                         f"{plan_dir} first (the train_chunk jobs)")
     metrics = MetricsLogger(run.checkpointer.run_dir, d, run.spec.block_size, step, total, state["rows"],
                             state["window"])
-    collate = Collate(cfg.buckets, cfg.batch_tokens, run.step_fn.amp_dtype or torch.float32)
     seen: set[int] = set()
     first_step_done = None
     run.drafter.train()
     try:
         while step < stop:
-            batches = epoch_batches(run.lengths, cfg, epoch)
-            if len(batches) < g:
-                raise ValueError(f"{len(batches)} micro-batches per epoch, fewer than one global batch "
-                                 f"({g}): lower train.batch_tokens or train.global_batch_tokens, or add data")
-            share = rank_share(cursor, min((len(batches) - cursor) // g, stop - step), g, d.rank, d.world)
-            for ks, micro in step_batches(run.store, batches, share, collate, d.device):
+            batches, steps = run.ahead or epoch_steps(run.store, run.lengths, cfg, epoch, cursor,
+                                                      stop - step, d, run.collate)
+            run.ahead = None
+            for ks, micro in steps:
                 anchors = [anchors_for(run.step_fn, b["loss_mask"],
                                        seeds=anchor_seeds(cfg.seed, epoch, batches[k], len(b["loss_mask"])))
                            for k, b in zip(ks, micro, strict=True)]
@@ -291,6 +306,7 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
     finally:
         metrics.close()
         run.checkpointer.wait()  # the last save reaches the disk, even when the loop failed
+    from .compile_cache import cache_counters
 
     if chunk:
         if d.main:

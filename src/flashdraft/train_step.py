@@ -3,6 +3,7 @@ compile the same graphs: the drafter, the target's frozen head, and one forward+
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +51,21 @@ def load_spec(target_dir, drafter_cfg: DrafterConfig, tokenizer_length: int | No
     return DrafterSpec.from_target(config, tokens, drafter_cfg)
 
 
+def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The step's autocast dtype: train.dtype on a GPU, None (plain float32) on the CPU."""
+    return torch_dtype(cfg.dtype) if device.type == "cuda" and cfg.dtype != "float32" else None
+
+
+def frozen_head(target_dir, device: torch.device, dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+    """The target's (embedding, LM head) on `device`, in the step's dtype (float32 without autocast)."""
+    return tuple(t.to(device, dtype or torch.float32) for t in load_target_head(target_dir, device))
+
+
 def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.device,
-               init: dict | None = None) -> Step:
+               init: dict | None = None, head: Future | None = None) -> Step:
     """A seeded fp32 drafter on `device` (compiled in place when cfg.compile) and the target's frozen head;
-    `init`: weights to start from (model.init_weights of drafter.init_from)."""
+    `init`: weights to start from (model.init_weights of drafter.init_from); `head`: frozen_head's, read
+    in the background while the drafter is built (None: read here)."""
     torch.manual_seed(cfg.seed)
     with torch.device(device):  # initialized where it runs, not on one CPU core and then moved
         drafter = DFlashDrafter(spec)
@@ -62,9 +74,8 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
     if cfg.compile:
         # one graph per length bucket: dynamic=False keeps shapes static, buckets bound the recompiles
         drafter.compile(dynamic=False)
-    amp = torch_dtype(cfg.dtype) if device.type == "cuda" and cfg.dtype != "float32" else None
-    embed, head = load_target_head(target_dir, device)
-    embed, head = (t.to(device, amp or torch.float32) for t in (embed, head))
+    amp = amp_dtype(cfg, device)
+    embed, head = head.result() if head is not None else frozen_head(target_dir, device, amp)
     gamma, attention = cfg.loss_gamma(spec.block_size), resolve_attention(cfg.attention, device)
     return Step(drafter, spec, embed, head, gamma, cfg.loss, cfg.dpace_alpha, attention, cfg.max_anchors,
                 device, amp)
