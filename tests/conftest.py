@@ -151,7 +151,8 @@ def small_run(tmp_path_factory):
     """The real DAG, run once to the end on the small config; tests inspect its artifacts."""
     work = tmp_path_factory.mktemp("dag")
     config = write_config(work / "config.yaml", SMALL)
-    proc = snakemake(work, "--cores", "2", config=config)
+    # as in images that forbid bytecode: the jobs keep theirs in the workflow's cache all the same
+    proc = snakemake(work, "--cores", "2", config=config, env={"PYTHONDONTWRITEBYTECODE": "1"})
     return work, config, proc
 
 

@@ -239,6 +239,15 @@ def test_every_stage_artifact(small_run):
 
 # ---- reruns: dry-run job lists on the finished run ----
 
+def test_jobs_keep_their_bytecode_where_the_environment_forbids_writing_it(small_run):
+    """PYTHONDONTWRITEBYTECODE was set for the run: each stage still left its modules' bytecode in the
+    workflow's cache, so the next job (a stream-mode chunk) imports without compiling them again."""
+    work = small_run[0]
+    cached = {p.name.split(".")[0] for p in (work / ".snakemake" / "pycache").rglob("*.pyc")
+              if p.parent.name == "flashdraft"}
+    assert {"train", "hidden", "regenerate", "evaluate", "report"} <= cached
+
+
 def test_complete_run_has_nothing_to_do(small_run):
     work, config, _ = small_run
     proc = snakemake(work, "-n", "--cores", "2", config=config)
