@@ -139,13 +139,13 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
     table = read_samples(tokens_files, ("id", "num_tokens"))
     ids, lengths = table.column("id").to_pylist(), table.column("num_tokens").to_pylist()
     shard_of_row = [s for s, f in enumerate(tokens_files) for _ in range(_rows(f))]
-    rows = list(range(len(ids)))  # each sample's row in the tokens files, shard after shard
+    tokens_rows = list(range(len(ids)))  # each sample's row in the tokens files, shard after shard
     if train_cfg.val_samples and ids:  # the validation samples leave the run's numbering: never trained on
         held = set(val_split(ids, train_cfg.val_samples, train_cfg.seed))
-        val = [r for r in rows if ids[r] in held]
+        val = [r for r in tokens_rows if ids[r] in held]
         _write_rows(out / "val.parquet", val, ids, lengths, shard_of_row)
-        rows = [r for r in rows if ids[r] not in held]
-        ids, lengths, shard_of_row = ([x[r] for r in rows] for x in (ids, lengths, shard_of_row))
+        tokens_rows = [r for r in tokens_rows if ids[r] not in held]
+        ids, lengths, shard_of_row = ([x[r] for r in tokens_rows] for x in (ids, lengths, shard_of_row))
     if not ids:
         raise UserError(f"no training samples in {', '.join(map(str, tokens_files))}: every sample was "
                         "skipped (no answer token within hidden.max_length); see the hidden_tokens logs")
@@ -180,7 +180,7 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
             write_parquet(_chunk_table(rows, step, ids, lengths), out / f"{chunk_name(epoch, c)}.parquet")
         step += steps
 
-    _write_rows(out / "samples.parquet", rows, ids, lengths, shard_of_row, renumber=True)
+    _write_rows(out / "samples.parquet", tokens_rows, ids, lengths, shard_of_row, renumber=True)
     train = {k: getattr(train_cfg, k) for k in PLAN_TRAIN_KEYS}
     plan = {
         "format": FORMAT, "world": world, "micro_per_step": g, "total_steps": total, "train": train,
