@@ -197,3 +197,13 @@ def test_stream_plan_holds_the_validation_samples_out_and_reads_them_back(tmp_pa
     assert max(trained) < 49  # the run's numbering has no validation sample
     with pytest.raises(UserError, match=r"config key train\.val_samples"):
         p.check(TrainConfig(epochs=2, batch_tokens=256, buckets=[64, 128], val_samples=0, seed=3), 1)
+
+
+def test_the_report_shows_the_validation_curve_and_the_exported_step(reference):
+    from flashdraft.report import training_section
+
+    out, _ = reference
+    html = training_section(out / "metrics.csv")
+    exported = json.loads((out / "export.json").read_text())
+    assert 'id="train-val-tau"' in html and "<h3>Validation</h3>" in html
+    assert f"Exported step {exported['step']} of 6" in html and "best validation sim_tau" in html
