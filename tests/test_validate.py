@@ -207,3 +207,22 @@ def test_the_report_shows_the_validation_curve_and_the_exported_step(reference):
     exported = json.loads((out / "export.json").read_text())
     assert 'id="train-val-tau"' in html and "<h3>Validation</h3>" in html
     assert f"Exported step {exported['step']} of 6" in html and "best validation sim_tau" in html
+
+
+def test_two_processes_validate_to_the_same_numbers_as_one(data, tmp_path):
+    from flashdraft.launch import torchrun_argv
+
+    root, shards = data
+    cfg = {**TRAIN, "global_batch_tokens": 1024}  # the same global batch on 1 and 2 processes
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(root, shards, one, cfg=cfg)
+    script = str(REPO / "scripts" / "train.py")
+    cmd = torchrun_argv(sys.executable, script, 2) + [
+        "--cfg", json.dumps(cfg), "--drafter-cfg", json.dumps(DRAFTER), "--target", str(root / "target"),
+        "--checkpoints", str(two / "checkpoints"), "--metrics", str(two / "metrics.csv"),
+        "--out", str(two / "drafter"), *shards]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    pd.testing.assert_frame_equal(val_rows(one)[1], val_rows(two)[1])
+    assert json.loads((one / "export.json").read_text()) == json.loads((two / "export.json").read_text())
