@@ -40,7 +40,7 @@ def main(argv=None):
     p.add_argument("--chunk", default=None,
                    help="stream mode: train this chunk of the plan (epoch-EEE/chunk-CCCCC); without: export")
     p.add_argument("--done", default=None, help="stream mode: the chunk's summary (JSON) once it has trained")
-    p.add_argument("--val", nargs="*", default=None,
+    p.add_argument("--val", action="append", default=None,
                    help="stream mode: the validation shard (train.val_samples; store mode splits the shards)")
     p.add_argument("shards", nargs="*", help="hidden-state shards (.arrow)")
     args = p.parse_args(argv)

@@ -140,10 +140,14 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
     ids, lengths = table.column("id").to_pylist(), table.column("num_tokens").to_pylist()
     shard_of_row = [s for s, f in enumerate(tokens_files) for _ in range(_rows(f))]
     tokens_rows = list(range(len(ids)))  # each sample's row in the tokens files, shard after shard
+    val_bytes = 0
     if train_cfg.val_samples and ids:  # the validation samples leave the run's numbering: never trained on
         held = set(val_split(ids, train_cfg.val_samples, train_cfg.seed))
         val = [r for r in tokens_rows if ids[r] in held]
         _write_rows(out / "val.parquet", val, ids, lengths, shard_of_row)
+        val_bytes = sum(lengths[r] for r in val) * per_token + len(val) * ROW_BYTES
+        if not hidden_cfg.chunk_tokens:  # the validation shard stays on disk beside the ring of chunks
+            chunk_tokens = max(0, hidden_cfg.disk_budget - val_bytes) // (RING * per_token)
         tokens_rows = [r for r in tokens_rows if ids[r] not in held]
         ids, lengths, shard_of_row = ([x[r] for r in tokens_rows] for x in (ids, lengths, shard_of_row))
     if not ids:
@@ -170,8 +174,9 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
                 f"config key {key}: a chunk of {chunk_tokens} hidden-state tokens cannot hold one optimizer "
                 f"step of epoch {epoch} ({need} tokens' worth); "
                 + (f"set hidden.chunk_tokens >= {need}" if key == "hidden.chunk_tokens" else
-                   f"set hidden.disk_budget >= {human_bytes(RING * need * per_token)} "
-                   f"({RING * need * per_token} bytes: {RING} chunks of one step)"))
+                   f"set hidden.disk_budget >= {human_bytes(RING * need * per_token + val_bytes)} "
+                   f"({RING * need * per_token + val_bytes} bytes: {RING} chunks of one step"
+                   + (" and the validation shard)" if val_bytes else ")")))
         for c, (a, b) in enumerate(cut_chunks(step_bytes, chunk_tokens * per_token)):
             rows = [(s, k, i) for s in range(a, b) for k in range(s * g, (s + 1) * g) for i in batches[k]]
             tokens = sum(lengths[i] for _, _, i in rows)
@@ -187,7 +192,8 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
         "samples": len(ids), "tokens": sum(lengths), "target_layer_ids": layer_ids, "width": width,
         "dtype": hidden_cfg.dtype, "bytes_per_token": per_token, "chunk_tokens": chunk_tokens,
         "chunk_tokens_from": key, "disk_budget": hidden_cfg.disk_budget, "ring": RING,
-        "peak_bytes": _peak_bytes(chunks), "tokens_files": [str(f) for f in tokens_files],
+        "peak_bytes": _peak_bytes(chunks) + val_bytes, "val_bytes": val_bytes,
+        "tokens_files": [str(f) for f in tokens_files],
         "tokenizer_length": tokenizer_length(tokens_files[0]),
         "fingerprint": fingerprint(ids, lengths, train, world, chunk_tokens),
         "chunks": [asdict(c) for c in chunks],
