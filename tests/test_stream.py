@@ -249,8 +249,8 @@ def test_stream_mode_trains_the_same_samples_steps_and_weights_as_store_mode(sto
     pd.testing.assert_frame_equal(_metrics(work), _metrics(store_run))  # every logged step, bit for bit
     a, b = _weights(work), _weights(store_run)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-    # the chunks' hidden states are gone once trained; the plan and the checkpoints stay
-    assert not list((work / "results" / "hidden").rglob("*.arrow"))
+    # the chunks' hidden states are gone once trained; the plan, the checkpoints and the validation shard stay
+    assert [p.name for p in (work / "results" / "hidden").rglob("*.arrow")] == ["val.arrow"]
     assert len(list((work / "results" / "train" / "chunks").rglob("*.json"))) == len(plan["chunks"])
 
 
