@@ -40,6 +40,8 @@ def main(argv=None):
     p.add_argument("--chunk", default=None,
                    help="stream mode: train this chunk of the plan (epoch-EEE/chunk-CCCCC); without: export")
     p.add_argument("--done", default=None, help="stream mode: the chunk's summary (JSON) once it has trained")
+    p.add_argument("--val", action="append", default=None,
+                   help="stream mode: the validation shard (train.val_samples; store mode splits the shards)")
     p.add_argument("shards", nargs="*", help="hidden-state shards (.arrow)")
     args = p.parse_args(argv)
     if not args.shards and (args.plan is None or args.chunk is not None):
@@ -49,7 +51,8 @@ def main(argv=None):
     cfg = load_section(TrainConfig, args.cfg, "train")
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
     result = train(cfg, drafter_cfg, args.target, args.shards, args.checkpoints, args.metrics, args.out,
-                   compile_cache=args.compile_cache, stop_at=args.stop_at, plan=args.plan, chunk=args.chunk)
+                   compile_cache=args.compile_cache, stop_at=args.stop_at, plan=args.plan, chunk=args.chunk,
+                   val_shards=args.val)
     if result["stopped"]:
         sys.exit(128 + result["signal"] if result["signal"] else 0)  # stopped by a signal: not finished
     if int(os.environ.get("RANK", 0)) != 0:

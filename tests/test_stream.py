@@ -193,7 +193,9 @@ def test_disk_watch_keeps_the_peak_while_files_and_folders_come_and_go(tmp_path)
 # One sample per forward (hidden.batch_tokens: 1) in both modes: a forward's batch composition changes its
 # float reductions, so only then are the two modes' hidden states the same bits (see the README).
 # One training thread in both (set below), so that a chunk's hidden parts can run beside its training.
-STREAM_SMALL = {**SMALL, "train.epochs": 2, "hidden.batch_tokens": 1, "train.checkpoint_every": 1}
+# 2 validation samples: their shard, kept through the run, fits the disk budget beside the ring of chunks
+STREAM_SMALL = {**SMALL, "train.epochs": 2, "hidden.batch_tokens": 1, "train.checkpoint_every": 1,
+                "train.val_samples": 2, "train.val_every": 2}
 THREADS = ["--set-threads", "train=1", "train_chunk=1", "warmup=1"]
 DRAFTER = "results/drafter/config.json"
 
@@ -247,8 +249,8 @@ def test_stream_mode_trains_the_same_samples_steps_and_weights_as_store_mode(sto
     pd.testing.assert_frame_equal(_metrics(work), _metrics(store_run))  # every logged step, bit for bit
     a, b = _weights(work), _weights(store_run)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-    # the chunks' hidden states are gone once trained; the plan and the checkpoints stay
-    assert not list((work / "results" / "hidden").rglob("*.arrow"))
+    # the chunks' hidden states are gone once trained; the plan, the checkpoints and the validation shard stay
+    assert [p.name for p in (work / "results" / "hidden").rglob("*.arrow")] == ["val.arrow"]
     assert len(list((work / "results" / "train" / "chunks").rglob("*.json"))) == len(plan["chunks"])
 
 

@@ -37,7 +37,10 @@ from .io import atomic_path, background
 def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str], plan: str | None = None) -> str:
     """Short hash of both configs and the data (the shard manifests, or in stream mode the data plan's
     fingerprint): a changed config or data set never resumes an old run."""
-    same_run = {k: v for k, v in asdict(cfg).items() if k != "parallel"}  # DDP and FSDP resume each other
+    # DDP and FSDP resume each other; the export's choice is made after training; without validation its
+    # keys change nothing (and runs keep the keys they had before those keys existed)
+    skip = {"parallel", "export"} | ({"val_samples", "val_every"} if not cfg.val_samples else set())
+    same_run = {k: v for k, v in asdict(cfg).items() if k not in skip}
     h = hashlib.sha256((json.dumps(same_run, sort_keys=True) + to_json(drafter_cfg)).encode())
     if plan is not None:
         h.update(f"plan {plan}".encode())

@@ -161,6 +161,11 @@ class TrainConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     log_every: int = 10
+    # held-out validation: this many training samples (chosen by train.seed) are kept out of training and
+    # evaluated with fixed anchors every val_every steps and at the end; 0: no validation
+    val_samples: int = 0
+    val_every: int = 0  # optimizer steps between validations; 0: every checkpoint_every steps
+    export: str = "last"  # the weights exported (and evaluated): last | best (the best validation sim_tau)
 
     def loss_gamma(self, block_size: int) -> float:
         if self.gamma is not None:
@@ -175,7 +180,9 @@ class TrainConfig:
 COMPILED_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "attention", "dtype")
 WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
 # The train keys stream mode's data plan depends on (flashdraft.stream): a change in one needs a new plan.
-PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets")
+PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets",
+                   "val_samples")
+EXPORTS = ("last", "best")
 
 
 @dataclass
@@ -307,6 +314,7 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
             f"config key drafter.sliding_window ({w}) < drafter.block_size ({bs}): a window must hold a "
             "whole block; use a window of at least the block size, or null for none"
         )
+    check_validation(t, p.total)
     warnings = []
     if cfg.hidden.shards > p.total:
         warnings.append(
@@ -314,6 +322,25 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
             "(prompts.total): some shards will be empty; lower hidden.shards"
         )
     return warnings
+
+
+def check_validation(t: TrainConfig, samples: int | None = None, steps: int | None = None) -> None:
+    """The validation keys against each other and, where known, the data's `samples` and the run's
+    optimizer `steps`: one line naming the key."""
+    if t.export not in EXPORTS:
+        raise UserError(f"config key train.export: {t.export!r}; use one of {', '.join(EXPORTS)}")
+    if t.val_samples < 0 or t.val_every < 0:
+        raise UserError("config keys train.val_samples and train.val_every must be >= 0")
+    if t.export == "best" and not t.val_samples:
+        raise UserError("config key train.export: best needs a validation split; set train.val_samples > 0 "
+                        "or train.export: last")
+    if samples is not None and t.val_samples and t.val_samples >= samples:
+        raise UserError(f"config key train.val_samples ({t.val_samples}) leaves none of the {samples} "
+                        f"samples for training; use fewer (a few percent), or 0 for no validation")
+    steps = steps if steps is not None else t.max_steps or None
+    if steps is not None and t.val_samples and t.val_every > steps:
+        raise UserError(f"config key train.val_every ({t.val_every}) is larger than the run ({steps} "
+                        f"optimizer steps): use at most {steps}, or 0 (every train.checkpoint_every steps)")
 
 
 # Stream mode keeps this many chunks' hidden states on disk at once: one trains while the next is written.

@@ -17,9 +17,11 @@ from .loss import stats_size, summarize
 METRIC_KEYS = ["step", "epoch", "loss", "acc"]
 
 
-def metric_fields(block_size: int) -> list[str]:
+def metric_fields(block_size: int, val: bool = False) -> list[str]:
+    """The CSV's columns; `val` (train.val_samples): the validation's too, empty where it did not run."""
     pos = [f"acc_pos_{k}" for k in range(1, block_size)]
-    return METRIC_KEYS + pos + ["sim_tau", "lr", "grad_norm", "tokens_per_s"]
+    fields = METRIC_KEYS + pos + ["sim_tau", "lr", "grad_norm", "tokens_per_s"]
+    return fields + [f"val_{k}" for k in ["loss", "acc", *pos, "sim_tau"]] if val else fields
 
 
 def tensorboard(log_dir: Path, step: int, d: Dist):
@@ -47,9 +49,9 @@ class MetricsLogger:
     resumed window lives on rank 0: the ranks' sum is what counts). close() ends the bar and TensorBoard."""
 
     def __init__(self, run_dir: Path, d: Dist, block_size: int, step: int, total: int, rows: list[dict],
-                 window: list[float] | None):
+                 window: list[float] | None, val: bool = False):
         self.d, self.block_size, self.rows = d, block_size, rows
-        self.fields = metric_fields(block_size)
+        self.fields = metric_fields(block_size, val)
         width = stats_size(block_size) + 1  # + tokens
         self.window = torch.zeros(width, dtype=torch.float64, device=d.device)
         if window and d.main:
@@ -70,22 +72,25 @@ class MetricsLogger:
         """The open window summed over ranks, for a checkpoint (a collective)."""
         return all_sum(self.window, self.d).tolist()
 
-    def log(self, step: int, epoch: float, lr: float, grad_norm: float) -> dict:
-        """Close the window into a row (a collective): CSV, TensorBoard and the bar on rank 0."""
+    def log(self, step: int, epoch: float, lr: float, grad_norm: float, val: dict | None = None) -> dict:
+        """Close the window into a row (a collective): CSV, TensorBoard and the bar on rank 0. `val`: the
+        validation's metrics at this step (val_*), in the same row."""
         summed = all_sum(self.window, self.d).cpu()
         dt, self.t_window = time.perf_counter() - self.t_window, time.perf_counter()
         row = {"step": step, "epoch": epoch, **summarize(summed[:-1], self.block_size), "lr": lr,
-               "grad_norm": grad_norm, "tokens_per_s": float(summed[-1]) / max(dt, 1e-9)}
+               "grad_norm": grad_norm, "tokens_per_s": float(summed[-1]) / max(dt, 1e-9), **(val or {})}
         self.rows.append(row)
         self.window.zero_()
         if self.d.main:
             with open(self.live_csv, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=self.fields).writerow(row)
-            self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}", refresh=False)
+            extra = {"val_tau": f"{val['val_sim_tau']:.2f}"} if val else {}
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}", **extra,
+                                 refresh=False)
         if self.tb is not None:
             for k, v in row.items():
-                if k != "step":
-                    self.tb.add_scalar(f"train/{k}", v, step)
+                if k != "step":  # val_x goes to val/x, beside train/x
+                    self.tb.add_scalar(f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}", v, step)
             self.tb.flush()
         return row
 

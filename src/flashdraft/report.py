@@ -149,10 +149,25 @@ def training_section(metrics_csv) -> str:
     if df.empty or "step" not in df:
         return "<h2>Training</h2>" + note(f"{path} has no rows")
     out = "<h2>Training</h2>"
+    val = df.dropna(subset=["val_sim_tau"]) if "val_sim_tau" in df else df.iloc[:0]
+    exported = export_info(path.parent / "export.json")
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(df["step"], df["loss"])
-    ax.set(xlabel="step", ylabel="loss", yscale="log" if (df["loss"] > 0).all() else "linear")
+    ax.plot(df["step"], df["loss"], label="training")
+    if len(val):
+        ax.plot(val["step"], val["val_loss"], "o-", label="validation (held-out samples, fixed anchors)")
+        ax.legend()
+    positive = (df["loss"] > 0).all() and (val["val_loss"] > 0).all() if len(val) else (df["loss"] > 0).all()
+    ax.set(xlabel="step", ylabel="loss", yscale="log" if positive else "linear")
     out += img(fig, "train-loss", "training loss per step")
+    if len(val):
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot(df["step"], df["sim_tau"], label="training")
+        ax.plot(val["step"], val["val_sim_tau"], "o-", label="validation")
+        if exported:
+            ax.axvline(exported["step"], color="k", ls=":", label=f"exported: step {exported['step']}")
+        ax.set(xlabel="step", ylabel="simulated acceptance length (sim_tau)")
+        ax.legend()
+        out += img(fig, "train-val-tau", "training and validation sim_tau per step")
     pos = [c for c in df.columns if c.startswith("acc_pos_")]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     if "acc" in df:
@@ -167,7 +182,18 @@ def training_section(metrics_csv) -> str:
     last = [
         df[c].iloc[-1].item() for c in cols
     ]  # per column: a row of mixed dtypes would turn ints to floats
-    return out + "<h3>Last logged step</h3>" + table(cols, [last])
+    out += "<h3>Last logged step</h3>" + table(cols, [last])
+    if len(val):
+        vcols = ["step", "val_loss", "val_acc", "val_sim_tau"]
+        out += "<h3>Validation</h3>" + table(vcols, [[r[c] for c in vcols] for _, r in val.iterrows()])
+    if exported:
+        out += note(f"Exported step {exported['step']} of {exported['last_step']}: {exported['why']}.")
+    return out
+
+
+def export_info(path: Path) -> dict | None:
+    """Which step training exported and why (train.export), when training wrote it."""
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def benchmarks_section(benchmarks_dir) -> str:

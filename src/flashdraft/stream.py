@@ -26,12 +26,14 @@ from .config import (
     DrafterConfig,
     HiddenConfig,
     TrainConfig,
+    check_validation,
     feature_layers,
     stream_chunk_tokens,
 )
 from .config import STREAM_RING as RING
 from .errors import UserError
 from .io import bytes_per_token, human_bytes, log, write_json, write_parquet
+from .validate import val_split
 
 FORMAT = "flashdraft.plan/1"
 # Bytes a shard row takes beyond its tokens' (Arrow offsets, the id, record-batch metadata), counted
@@ -133,16 +135,28 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
     chunk_tokens = stream_chunk_tokens(hidden_cfg, width)
     key = "hidden.chunk_tokens" if hidden_cfg.chunk_tokens else "hidden.disk_budget"
 
+    out = Path(out_dir)
     table = read_samples(tokens_files, ("id", "num_tokens"))
     ids, lengths = table.column("id").to_pylist(), table.column("num_tokens").to_pylist()
     shard_of_row = [s for s, f in enumerate(tokens_files) for _ in range(_rows(f))]
+    tokens_rows = list(range(len(ids)))  # each sample's row in the tokens files, shard after shard
+    val_bytes = 0
+    if train_cfg.val_samples and ids:  # the validation samples leave the run's numbering: never trained on
+        held = set(val_split(ids, train_cfg.val_samples, train_cfg.seed))
+        val = [r for r in tokens_rows if ids[r] in held]
+        _write_rows(out / "val.parquet", val, ids, lengths, shard_of_row)
+        val_bytes = sum(lengths[r] for r in val) * per_token + len(val) * ROW_BYTES
+        if not hidden_cfg.chunk_tokens:  # the validation shard stays on disk beside the ring of chunks
+            chunk_tokens = max(0, hidden_cfg.disk_budget - val_bytes) // (RING * per_token)
+        tokens_rows = [r for r in tokens_rows if ids[r] not in held]
+        ids, lengths, shard_of_row = ([x[r] for r in tokens_rows] for x in (ids, lengths, shard_of_row))
     if not ids:
         raise UserError(f"no training samples in {', '.join(map(str, tokens_files))}: every sample was "
                         "skipped (no answer token within hidden.max_length); see the hidden_tokens logs")
     g = micro_per_step(train_cfg, world)
     total = train_cfg.max_steps or steps_left(lengths, train_cfg, world)
+    check_validation(train_cfg, steps=total)
 
-    out = Path(out_dir)
     chunks, step = [], 0
     for epoch in range(train_cfg.epochs):
         if step >= total:
@@ -160,8 +174,9 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
                 f"config key {key}: a chunk of {chunk_tokens} hidden-state tokens cannot hold one optimizer "
                 f"step of epoch {epoch} ({need} tokens' worth); "
                 + (f"set hidden.chunk_tokens >= {need}" if key == "hidden.chunk_tokens" else
-                   f"set hidden.disk_budget >= {human_bytes(RING * need * per_token)} "
-                   f"({RING * need * per_token} bytes: {RING} chunks of one step)"))
+                   f"set hidden.disk_budget >= {human_bytes(RING * need * per_token + val_bytes)} "
+                   f"({RING * need * per_token + val_bytes} bytes: {RING} chunks of one step"
+                   + (" and the validation shard)" if val_bytes else ")")))
         for c, (a, b) in enumerate(cut_chunks(step_bytes, chunk_tokens * per_token)):
             rows = [(s, k, i) for s in range(a, b) for k in range(s * g, (s + 1) * g) for i in batches[k]]
             tokens = sum(lengths[i] for _, _, i in rows)
@@ -170,18 +185,15 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
             write_parquet(_chunk_table(rows, step, ids, lengths), out / f"{chunk_name(epoch, c)}.parquet")
         step += steps
 
-    import pyarrow as pa
-
-    write_parquet(pa.table({"index": pa.array(range(len(ids)), pa.int64()), "id": pa.array(ids, pa.string()),
-                            "num_tokens": pa.array(lengths, pa.int32()),
-                            "tokens_shard": pa.array(shard_of_row, pa.int32())}), out / "samples.parquet")
+    _write_rows(out / "samples.parquet", tokens_rows, ids, lengths, shard_of_row, renumber=True)
     train = {k: getattr(train_cfg, k) for k in PLAN_TRAIN_KEYS}
     plan = {
         "format": FORMAT, "world": world, "micro_per_step": g, "total_steps": total, "train": train,
         "samples": len(ids), "tokens": sum(lengths), "target_layer_ids": layer_ids, "width": width,
         "dtype": hidden_cfg.dtype, "bytes_per_token": per_token, "chunk_tokens": chunk_tokens,
         "chunk_tokens_from": key, "disk_budget": hidden_cfg.disk_budget, "ring": RING,
-        "peak_bytes": _peak_bytes(chunks), "tokens_files": [str(f) for f in tokens_files],
+        "peak_bytes": _peak_bytes(chunks) + val_bytes, "val_bytes": val_bytes,
+        "tokens_files": [str(f) for f in tokens_files],
         "tokenizer_length": tokenizer_length(tokens_files[0]),
         "fingerprint": fingerprint(ids, lengths, train, world, chunk_tokens),
         "chunks": [asdict(c) for c in chunks],
@@ -192,6 +204,19 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
         f"(from {key}), {len(chunks)} chunks ({per_epoch} per epoch); hidden states on disk at most "
         f"{human_bytes(plan['peak_bytes'])} ({RING} chunks)")
     return plan
+
+
+def _write_rows(path, rows, ids, lengths, shard_of_row, renumber=False) -> None:
+    """samples.parquet (`renumber`: ids etc. are already the run's, index is the run's numbering) or
+    val.parquet: each sample's row in the tokens files (`row`), id, tokens and tokens shard."""
+    import pyarrow as pa
+
+    pick = range(len(rows)) if renumber else rows
+    cols = {"index": pa.array(range(len(rows)), pa.int64())} if renumber else {}
+    write_parquet(pa.table({**cols, "row": pa.array(rows, pa.int64()),
+                            "id": pa.array([ids[i] for i in pick], pa.string()),
+                            "num_tokens": pa.array([lengths[i] for i in pick], pa.int32()),
+                            "tokens_shard": pa.array([shard_of_row[i] for i in pick], pa.int32())}), path)
 
 
 def _rows(parquet_file) -> int:
@@ -273,6 +298,42 @@ class Plan:
     def index_of(self) -> dict[str, int]:
         return {sid: i for i, sid in enumerate(self._load_samples()[0])}
 
+    def tokens_rows(self, samples: list[int]) -> list[int]:
+        """The rows in the tokens files of the run's samples `samples` (the validation split renumbers)."""
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(self.dir / "samples.parquet", columns=["row"]).column("row").to_pylist()
+        return [rows[i] for i in samples]
+
+    def val_samples(self) -> tuple[list[str], list[int], list[int]]:
+        """The validation split (train.val_samples): ids, their tokens rows and lengths."""
+        import pyarrow.parquet as pq
+
+        path = self.dir / "val.parquet"
+        if not path.exists():
+            raise UserError(f"the data plan {self.dir} has no validation split (train.val_samples was 0 when "
+                            "it was made); rerun the plan (snakemake --forcerun data_plan)")
+        t = pq.read_table(path, columns=["id", "row", "num_tokens"])
+        return (t.column("id").to_pylist(), t.column("row").to_pylist(), t.column("num_tokens").to_pylist())
+
+    def val_split(self) -> dict:
+        ids = self.val_samples()[0]
+        return {"val_samples": len(ids), "seed": self.meta["train"]["seed"], "ids": sorted(ids)}
+
+    def val_store(self, shards):
+        """The validation shard(s), checked to hold exactly the plan's validation samples."""
+        from .hidden import HiddenStore
+
+        if not shards:
+            raise UserError("train.val_samples is set but no validation shard was given (--val)")
+        store = HiddenStore(shards)
+        ids, _, lengths = self.val_samples()
+        got = dict(zip(store.ids(), (store.num_tokens(i) for i in range(len(store))), strict=True))
+        if got != dict(zip(ids, lengths, strict=True)):
+            raise UserError(f"the validation shard {shards[0]} does not hold the validation samples of the "
+                            f"data plan {self.dir}; rerun it (snakemake --forcerun hidden_val)")
+        return store
+
     def named(self, name: str) -> Chunk:
         for c in self.chunks:
             if c.name == name:
@@ -293,11 +354,11 @@ class Plan:
         """One line naming the key when the plan was made for another training than this one."""
         planned = self.meta["train"]
         for k in PLAN_TRAIN_KEYS:
-            if planned[k] != getattr(cfg, k):
+            if planned.get(k, 0) != getattr(cfg, k):  # a plan made before a key existed had its default
                 raise UserError(
                     f"config key train.{k}: {getattr(cfg, k)!r}, but the data plan {self.dir}/plan.json was "
-                    f"made for {planned[k]!r}; rerun the plan (snakemake --forcerun data_plan): nothing "
-                    "trained is lost")
+                    f"made for {planned.get(k, 0)!r}; rerun the plan (snakemake --forcerun data_plan): "
+                    "nothing trained is lost")
         if micro_per_step(cfg, world) != self.meta["micro_per_step"]:  # one micro-batch per process
             raise UserError(f"the data plan {self.dir}/plan.json was made for {self.meta['world']} training "
                             f"process(es), this run has {world}: rerun the plan "
@@ -360,7 +421,6 @@ def hidden_chunk(target_path, dtype: str, plan_dir, epoch: int, chunk: int, part
                  hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig, out_arrow) -> dict:
     """Forward part `part` of `parts` of a chunk's samples through the target into the shard `out_arrow`
     (and its manifest); returns the manifest."""
-    import pyarrow as pa
 
     from .hidden import storage_dtype
     from .io import device
@@ -370,19 +430,44 @@ def hidden_chunk(target_path, dtype: str, plan_dir, epoch: int, chunk: int, part
     storage_dtype(hidden_cfg.dtype)  # fail before loading the model
     plan = Plan(plan_dir)
     c = plan.find(epoch, chunk)
-    mine = part_samples(plan.chunk_samples(c), part, parts)
-    files = plan.meta["tokens_files"]
+    samples = token_rows(plan.meta["tokens_files"], plan.tokens_rows(part_samples(plan.chunk_samples(c), part,
+                                                                                    parts)))
+    model, tokenizer = load_target(str(target_path), dtype, device())
+    return write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg, drafter_cfg,
+                        desc=f"hidden {c.name} part {part}/{parts}",
+                        counts={"epoch": epoch, "chunk": chunk, "part": part, "parts": parts})
+
+
+def token_rows(files, rows: list[int]) -> list[tuple]:
+    """(id, input_ids, loss_mask) of rows `rows` of the tokens files (numbered shard after shard)."""
+    import pyarrow as pa
+
     starts = [0]
     for f in files:
         starts.append(starts[-1] + _rows(f))
     samples = []
     for s, f in enumerate(files):
-        rows = [i - starts[s] for i in mine if starts[s] <= i < starts[s + 1]]
-        if rows:
-            t = read_samples([f], ("id", "input_ids", "loss_mask")).take(pa.array(rows, pa.int64()))
+        mine = [i - starts[s] for i in rows if starts[s] <= i < starts[s + 1]]
+        if mine:
+            t = read_samples([f], ("id", "input_ids", "loss_mask")).take(pa.array(mine, pa.int64()))
             samples += zip(t.column("id").to_pylist(), t.column("input_ids").to_pylist(),
                            t.column("loss_mask").to_pylist(), strict=True)
+    return samples
+
+
+def hidden_val(target_path, dtype: str, plan_dir, hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig,
+               out_arrow) -> dict:
+    """The validation samples of the plan (train.val_samples) through the target, into one shard that
+    lives through every chunk; returns its manifest."""
+    from .hidden import storage_dtype
+    from .io import device
+    from .precompute import write_hidden
+    from .target import load_target
+
+    storage_dtype(hidden_cfg.dtype)  # fail before loading the model
+    plan = Plan(plan_dir)
+    ids, rows, _ = plan.val_samples()
+    samples = token_rows(plan.meta["tokens_files"], rows)
     model, tokenizer = load_target(str(target_path), dtype, device())
     return write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg, drafter_cfg,
-                        desc=f"hidden {c.name} part {part}/{parts}",
-                        counts={"epoch": epoch, "chunk": chunk, "part": part, "parts": parts})
+                        desc="hidden validation", counts={"val_samples": len(ids)})

@@ -39,7 +39,7 @@ from .checkpoint import (
     saved_position,
     start_reading,
 )
-from .config import DrafterConfig, TrainConfig
+from .config import DrafterConfig, TrainConfig, check_validation
 from .distributed import (
     Dist,
     all_sum,
@@ -56,7 +56,7 @@ from .distributed import (
 )
 from .errors import UserError
 from .hidden import HiddenStore
-from .io import background, process_age
+from .io import background, process_age, write_json
 from .metrics import MetricsLogger
 from .model import DrafterSpec, export_drafter
 from .stream import Chunk, Plan, planned_store
@@ -71,6 +71,7 @@ from .train_step import (
     initial_weights,
     load_spec,
 )
+from .validate import Best, Validator, due, export_choice, split_store
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
@@ -101,21 +102,25 @@ class Run:
     collate: Collate
     stop: int  # this job's last step (a chunk's end in stream mode)
     ahead: tuple | None  # the first epoch's (micro-batch plan, step_batches), its loader reading since setup
+    val: Validator | None = None  # train.val_samples: the held-out samples (None: no validation)
 
 
 def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, checkpoints: Path,
-          compile_cache, plan: Plan | None = None, chunk: Chunk | None = None) -> tuple[Run, int, dict]:
+          compile_cache, plan: Plan | None = None, chunk: Chunk | None = None,
+          val_shards=None) -> tuple[Run, int, dict]:
     """The run, its step count and its state: a fresh one, or the latest checkpoint's (resume: model,
     optimizer, schedule, data position, logged rows and the open metrics window). Stream mode (`plan`):
     the run's samples are the plan's, `shards` hold the samples of `chunk` (none for the export), and a
-    chunk starts from the checkpoint where the previous chunk ended."""
+    chunk starts from the checkpoint where the previous chunk ended. Validation (train.val_samples): store
+    mode keeps the split out of the shards' samples; stream mode's plan did, `val_shards` hold it."""
     spec = load_spec(target_dir, drafter_cfg, plan.tokenizer_length if plan else None)
     if plan is None:
-        store = HiddenStore(shards)
+        store, val_store = split_store(HiddenStore(shards), cfg)
         lengths = [store.num_tokens(i) for i in range(len(store))]
     else:
         plan.check(cfg, d.world)
         store = planned_store(plan, chunk, shards) if chunk else None
+        val_store = plan.val_store(val_shards) if chunk and cfg.val_samples else None
         lengths = plan.lengths
     mismatch = store is not None and (store.layer_ids, store.hidden_size) != (spec.target_layer_ids,
                                                                                spec.hidden_size)
@@ -145,6 +150,7 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     if latest and not cfg.max_steps and at["world"] != d.world and not cfg.global_batch_tokens:
         # one micro-batch per process: another process count changes the global batch
         total = at["step"] + steps_left(lengths, cfg, d.world, at["epoch"], at["cursor"])
+    check_validation(cfg, steps=total)  # before anything trains
     stop = min(total, chunk.end_step) if chunk else total  # this job's last step
     collate = Collate(cfg.buckets, cfg.batch_tokens, amp or torch.float32)
     ahead = epoch_steps(store, lengths, cfg, at["epoch"], at["cursor"], stop - at["step"], d,
@@ -172,8 +178,9 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
     ends = frozenset(c.end_step for c in plan.chunks) if plan else frozenset()  # where chunks start again
     ckpt = Checkpointer(run_dir, d, drafter, optimizer, scheduler, sharded, cfg.keep_checkpoints, ends)
+    val = Validator(val_store, cfg, d, step_fn.amp_dtype or torch.float32) if val_store is not None else None
     run = Run(d, cfg, spec, store, lengths, step_fn, drafter, sharded, optimizer, scheduler, ckpt, g, collate,
-              stop, ahead)
+              stop, ahead, val)
 
     state = {"step": 0, "epoch": 0, "cursor": 0, "rows": [], "window": None}
     if latest:
@@ -230,36 +237,46 @@ def log_first_steps(run: Run, buckets: list[int], t_step: float) -> None:
             log(d, f"compile phases: {compile_phases()}", every_rank=True)
 
 
+def write_export_info(out: Path, chosen: dict, split: dict | None) -> None:
+    """export.json (which step was exported and why) and, with validation, val_split.json (its samples)
+    beside the metrics."""
+    write_json(out / "export.json", chosen)
+    if split is not None:
+        write_json(out / "val_split.json", split)
+
+
 def train(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list[str], checkpoints,
           metrics_path, out_dir, compile_cache=None, stop_at: int | None = None, plan=None,
-          chunk: str | None = None) -> dict:
+          chunk: str | None = None, val_shards=None) -> dict:
     """Train (or resume) and export; returns a summary. `stop_at`: save a checkpoint after that step and
     return without exporting (a deliberate preemption). SIGTERM or Ctrl-C stops at the next log step
     with a checkpoint. Stream mode: `plan` (the data plan's directory) and `chunk` (a chunk's name in it,
     epoch-EEE/chunk-CCCCC) train that chunk's steps from `shards` and save; `plan` without `chunk`
-    exports the trained run."""
+    exports the trained run. `val_shards`: stream mode's validation shard (train.val_samples)."""
     d = setup_dist()
     try:
         with stop_signals_caught():
             return _train(d, cfg, drafter_cfg, target_dir, shards, Path(checkpoints), metrics_path, out_dir,
-                          compile_cache, stop_at, plan, chunk)
+                          compile_cache, stop_at, plan, chunk, val_shards)
     finally:
         teardown_dist(d)
 
 
 def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoints: Path, metrics_path,
-           out_dir, compile_cache, stop_at, plan_dir, chunk_name):
+           out_dir, compile_cache, stop_at, plan_dir, chunk_name, val_shards=None):
     log(d, f"started {d.world} process(es); rank 0 on {d.device}")
     plan = Plan(plan_dir) if plan_dir else None
     chunk = plan.named(chunk_name) if plan and chunk_name else None
     run, total, state = setup(d, cfg, drafter_cfg, target_dir, shards, checkpoints, compile_cache, plan,
-                              chunk)
+                              chunk, val_shards)
     step, epoch, cursor, g, stop = state["step"], state["epoch"], state["cursor"], run.g, run.stop
     if plan and not chunk and step < total:
         raise UserError(f"the run is trained to step {step} of {total}: train every chunk of the plan "
                         f"{plan_dir} first (the train_chunk jobs)")
     metrics = MetricsLogger(run.checkpointer.run_dir, d, run.spec.block_size, step, total, state["rows"],
-                            state["window"])
+                            state["window"], val=bool(cfg.val_samples))
+    best = (Best(run.checkpointer.run_dir, d, state.get("best"), run.step_fn.amp_dtype) if cfg.val_samples
+            else None)
     seen: set[int] = set()
     first_step_done = None
     run.drafter.train()
@@ -287,14 +304,19 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                 log_first_steps(run, firsts, t_step)
                 first_step_done = first_step_done or (process_age(), time.time())
 
-                if step % cfg.log_every == 0 or step == total:
-                    metrics.log(step, round(epoch + cursor / len(batches), 4), lr, float(grad_norm))
+                val_row = run.val.evaluate(run.step_fn, run.drafter, run.sharded) if (
+                    run.val and due(cfg, step, total)) else None
+                if val_row:
+                    best.update(step, val_row, run.checkpointer.model_state)
+                if step % cfg.log_every == 0 or step == total or val_row:
+                    metrics.log(step, round(epoch + cursor / len(batches), 4), lr, float(grad_norm), val_row)
                 signalled = stop_signal(d) if step % cfg.log_every == 0 and step < total else 0
                 stopping = bool(signalled) or (stop_at is not None and step >= stop_at)
                 if step % cfg.checkpoint_every == 0 or step == stop or stopping:
                     run.checkpointer.save({"step": step, "epoch": epoch, "cursor": cursor, "world": d.world,
                                            "rows": metrics.rows, "window": metrics.window_state(),
-                                           "spec": asdict(run.spec)}, wait=stopping)
+                                           "spec": asdict(run.spec),
+                                           **({"best": best.state()} if best else {})}, wait=stopping)
                 if stopping:
                     why = f"on {signal.Signals(signalled).name}" if signalled else "as asked (--stop-at)"
                     log(d, f"stopped {why} after step {step}, checkpoint saved; rerun the same command to "
@@ -318,10 +340,16 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                 "first_step_done_s": first_step_done and first_step_done[0],
                 "first_step_done_at": first_step_done and first_step_done[1], "seconds": process_age()}
     model = run.checkpointer.model_state()
+    chosen = export_choice(cfg, best, step)
+    if chosen["step"] != step:
+        model = best.weights()
     if d.main:
         export_drafter(run.drafter, run.spec, out_dir, dtype=run.step_fn.amp_dtype, state=model)
         metrics.write(metrics_path)
-        log(d, f"exported {out_dir} after {step} steps; metrics in {metrics_path}")
+        split = run.val.split() if run.val else plan.val_split() if plan and cfg.val_samples else None
+        write_export_info(Path(metrics_path).parent, chosen, split)
+        log(d, f"exported {out_dir}: step {chosen['step']} of {step} ({chosen['why']}); metrics in "
+               f"{metrics_path}")
     barrier(d)
     return {"step": step, "stopped": False, "run_dir": str(run.checkpointer.run_dir), "rows": metrics.rows,
             "compile_cache": cache_counters()}

@@ -2,6 +2,7 @@ rule report:
     input:
         summary=f"{RESULTS}/eval/summary.json",
         metrics=f"{RESULTS}/train/metrics.csv",
+        export=f"{RESULTS}/train/export.json",
         stats=f"{RESULTS}/prompts/stats.json",
         manifests=hidden_manifests(),
         regenerated=regenerated(),

@@ -83,6 +83,33 @@ rule hidden_chunk:
         " --part {wildcards.part} --parts {params.parts} --out {output.arrow:q} > {log:q} 2>&1"
 
 
+rule hidden_val:
+    # train.val_samples: the plan's validation samples, one shard kept (not temp) through every chunk
+    input:
+        plan=PLAN,
+        tokens=tokens_files(),
+        target=target_dir(),
+    output:
+        arrow=VAL_SHARD,
+        manifest=VAL_SHARD.replace(".arrow", ".json"),
+    params:
+        cfg=section("hidden"),
+        drafter=section("drafter", HIDDEN_DRAFTER_KEYS),
+        dtype=CFG.target.dtype,
+        cmd=stage("hidden_val.py", gpus=target_gpus()),
+    resources:
+        gpu=target_gpus(),
+    conda:
+        CONDA_ENV
+    log:
+        f"{LOGS}/hidden_val.log",
+    benchmark:
+        f"{BENCH}/hidden_val.tsv"
+    shell:
+        "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q} --target {input.target:q}"
+        " --dtype {params.dtype} --plan {input.plan:q} --out {output.arrow:q} > {log:q} 2>&1"
+
+
 rule hidden_chunk_verify:
     input:
         arrows=chunk_part_files("arrow"),
@@ -112,6 +139,7 @@ rule train_chunk:
         cache=f"{RESULTS}/compile_cache/meta.json",
         target=target_dir(),
         **init_from(),
+        **val_shard(),
     output:
         f"{RESULTS}/train/chunks/{{chunk}}.json",
     wildcard_constraints:
@@ -121,6 +149,7 @@ rule train_chunk:
         drafter=section("drafter"),
         cache_dir=parent("input", "cache"),
         checkpoints=f"{RESULTS}/checkpoints",  # not an output: Snakemake never deletes it
+        val=f"--val {shlex.quote(VAL_SHARD)}" if CFG.train.val_samples else "",
         cmd=stage("train.py", gpus=CFG.gpus.drafter, nproc=max(1, CFG.gpus.drafter),
                   nodes=CFG.gpus.drafter_nodes),
     resources:
@@ -136,5 +165,5 @@ rule train_chunk:
     shell:
         "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q} --target {input.target:q}"
         " --compile-cache {params.cache_dir:q} --checkpoints {params.checkpoints:q} --plan {input.plan:q}"
-        " --chunk {wildcards.chunk} --done {output:q}"
+        " --chunk {wildcards.chunk} --done {output:q} {params.val}"
         " {input.arrows:q} > {log:q} 2>&1"

@@ -9,6 +9,7 @@ rule train:
         config=f"{RESULTS}/drafter/config.json",
         weights=f"{RESULTS}/drafter/model.safetensors",
         metrics=f"{RESULTS}/train/metrics.csv",
+        export=f"{RESULTS}/train/export.json",  # which step was exported and why (train.export)
     params:
         cfg=section("train"),
         drafter=section("drafter"),
