@@ -86,7 +86,7 @@ def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
     head = [torch.randn(spec.vocab_size, spec.hidden_size, device=dev, dtype=amp or torch.float32) * 0.02
             for _ in range(2)]
     step = Step(drafter, spec, head[0], head[1], 7.0, "decay", 0.5, preset["attention"],
-                preset["max_anchors"], dev, amp)
+                preset["max_anchors"], False, dev, amp)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=dev.type == "cuda")
     g = torch.Generator().manual_seed(0)
     batch = random_batch(preset["seq_len"], preset["rows"], spec.num_features * spec.hidden_size,

@@ -31,6 +31,10 @@ boundary (a new DataLoader) falls inside the measurement, and no more disk is ne
    (--stop-at 2); the same command then resumes from that checkpoint with the warmup's artifacts and the
    Inductor dir the first left (chained chunk jobs on one node share it), ended after its first step.
    Launch to first step, warm and resumed, has the goal <= 10 s.
+5. With `--baseline JSON` (train config overrides, e.g. today's defaults against a `--set` lever): one
+   more warmup and one-process throughput run with them, on the same data; `comparison` holds both rates,
+   `speedup_vs_baseline` (goal >= 1.3) and `mfu_required_grads` (goal >= 0.55, every matmul counted at
+   the bf16 peak, FP8 ones too).
 
 MFU counts matmul FLOPs (2*m*n*k) of one sample's forward and multiplies by 3 for forward + backward (the
 activation-checkpoint recompute of the chunked LM head is not counted). A sample has context S, A valid
@@ -49,6 +53,7 @@ features, frozen head) need no gradient.
 
 Usage: python benchmarks/train_drafter.py --preset tiny|qwen3-8b [--gpus 1,2] [--steps N]
            [--log-every N] [--work DIR] [--out benchmarks/results/train_drafter_<preset>.json]
+           [--set JSON] [--baseline JSON] [--profile PATH]
 """
 
 from __future__ import annotations
@@ -85,7 +90,8 @@ from flashdraft.train_step import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core FLOP/s per GPU (SXM)
-GOALS = {"mfu": 0.45, "scaling": 1.85, "warm_over_cold": 0.20, "launch_s": 10.0}
+GOALS = {"mfu": 0.45, "scaling": 1.85, "warm_over_cold": 0.20, "launch_s": 10.0, "speedup": 1.3,
+         "mfu_required_grads": 0.55}
 PRESETS = {
     # the toy target's shapes (flashdraft.toy) with the embedded default drafter (K=2, B=8), CPU
     "tiny": dict(
@@ -302,7 +308,9 @@ def base_env(preset: dict, inductor: Path) -> dict:
     shutil.rmtree(inductor, ignore_errors=True)
     inductor.mkdir(parents=True)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor),
-           "TRITON_CACHE_DIR": str(inductor / "triton"), "PYTHONUNBUFFERED": "1"}
+           "TRITON_CACHE_DIR": str(inductor / "triton"), "PYTHONUNBUFFERED": "1",
+           "PYTHONPYCACHEPREFIX": str(inductor.parent.parent / "pycache")}  # as the workflow's stages
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     if preset["device"] == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["OMP_NUM_THREADS"] = "1"  # Inductor's CPU kernels (and the cache key) depend on the thread count
@@ -370,9 +378,10 @@ def run_warmup(preset, cfg, work: Path, shard: str, timeout: float) -> dict:
     return {"wall_s": wall, **{k: meta[k] for k in ("seconds", "counters", "artifact_bytes", "key")}}
 
 
-def run_throughput(preset, cfg, work: Path, world: int, shards: list[str], fl: dict, peak, timeout) -> dict:
+def run_throughput(preset, cfg, work: Path, world: int, shards: list[str], fl: dict, peak, timeout,
+                   name: str | None = None) -> dict:
     """One launch with the warmup's artifacts and a fresh Inductor dir, ended after its last row."""
-    name = f"train-{world}"
+    name = name or f"train-{world}"
     env = base_env(preset, work / "inductor" / name)
     cmd = launch(preset, world, cfg, work, name, shards, ["--compile-cache", str(work / "compile_cache")])
     p = Proc(name, cmd, env, work / "logs")
@@ -452,6 +461,24 @@ def run_resumed(preset, cfg, work: Path, shards: list[str], timeout) -> dict:
     return {"world": 1, "compile_cache_loaded": p.cache_loaded, **p.first, "log": str(p.err_log)}
 
 
+def run_baseline(preset, cfg, work: Path, shard: str, shards: list[str], fl: dict, peak, timeout) -> dict:
+    """The same throughput measurement, one process, with the baseline's train config: its own warmup
+    (its compiled step differs), the same data."""
+    run_warmup(preset, cfg, work, shard, timeout)
+    return run_throughput(preset, cfg, work, 1, shards, fl, peak, timeout, name="baseline-1")
+
+
+def compare(new: dict, base: dict, changes: dict, baseline: dict) -> dict:
+    """One process's throughput with `changes` (--set) against the baseline's, measured in one run."""
+    return {"set": changes, "baseline": baseline,
+            "tokens_per_s_per_gpu": new["tokens_per_s_per_gpu"],
+            "baseline_tokens_per_s_per_gpu": base["tokens_per_s_per_gpu"],
+            "speedup_vs_baseline": new["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
+            "mfu_required_grads": new["mfu_required_grads"],
+            "baseline_mfu_required_grads": base["mfu_required_grads"],
+            "mfu_note": "every matmul at the bf16 dense peak (989 TFLOP/s on H100/H200), FP8 ones too"}
+
+
 def since_data(run: dict) -> float:
     """Seconds from the trainer's `train: ...` line (data opened) to the end of its first step."""
     return run["launch_to_first_step_s"] - run["milestones"]["data_opened_s"]
@@ -486,6 +513,11 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, metavar="PATH",
                    help="after the measurements, profile one warm process's start to its first step here")
+    p.add_argument("--set", type=json.loads, default={}, metavar="JSON",
+                   help="train config overrides of every run, e.g. '{\"compile_loss\": true}'")
+    p.add_argument("--baseline", type=json.loads, default=None, metavar="JSON",
+                   help="also measure one process with these overrides on top of --set (e.g. today's "
+                        "default), side by side on the same data: the `comparison` key")
     p.add_argument("--rescore", default=None, metavar="JSON",
                    help="derive the ratios and goals of a saved result again from its raw measurements")
     args = p.parse_args()
@@ -545,7 +577,7 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
     t_start = time.perf_counter()
     setup(preset, work)
     spec = load_spec(work / "target", drafter_config(preset))
-    cfg = train_config(preset, steps, log_every)
+    cfg = train_config(preset, steps, log_every) | args.set
     shard = str(work / "hidden" / "shard-00000.arrow")
     # list the shard often enough that one epoch outlasts the measured steps of the largest world size
     repeat = math.ceil((steps + 1) * max(sizes) * preset["rows"] / preset["samples"])
@@ -572,7 +604,7 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
         "flops": fl,
         "errors": [],
     }
-    throughput, warmup_meta, cold, resumed = {}, None, None, None
+    throughput, warmup_meta, cold, resumed, baseline = {}, None, None, None, None
     try:
         warmup_meta = run_warmup(preset, cfg, work, shard, timeout)
         name = warmup_meta["key"]["device"]
@@ -593,6 +625,11 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
                 resumed = run_resumed(preset, cfg, work, shards, timeout)
             except (Failed, TimeoutError) as e:
                 result["errors"].append(str(e))
+        if args.baseline is not None and "1" in throughput:
+            try:
+                baseline = run_baseline(preset, cfg | args.baseline, work, shard, shards, fl, peak, timeout)
+            except (Failed, TimeoutError) as e:
+                result["errors"].append(str(e))
         if args.profile:
             try:
                 run_profiled(preset, cfg, work, shards, timeout, Path(args.profile))
@@ -611,6 +648,8 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
                                           "compile_cache_loaded", "steps_under_fail_on_recompile", "log")},
                        "resumed": resumed},
     }
+    if baseline is not None:
+        result["comparison"] = compare(throughput["1"], baseline, args.set, args.baseline)
     score(result)
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -654,6 +693,9 @@ def score(result: dict) -> None:
                                             higher=False),
         "launch_to_first_step_resumed_s": goal(resumed and resumed["launch_to_first_step_s"],
                                                GOALS["launch_s"], higher=False),
+        **({"speedup_vs_baseline": goal(result["comparison"]["speedup_vs_baseline"], GOALS["speedup"]),
+            "mfu_required_grads": goal(result["comparison"]["mfu_required_grads"],
+                                       GOALS["mfu_required_grads"])} if "comparison" in result else {}),
         "warm_cache_misses": {"value": misses, "goal": "== 0 (FX graph and AOTAutograd cache misses in the "
                                                        "warm run)",
                               "pass": None if misses is None else misses == 0},
@@ -684,6 +726,10 @@ def print_table(result: dict, out: Path) -> None:
         if spans:
             print(f"{which} start-up (s, each stage from the one before): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in spans.items()))
+    if "comparison" in result:
+        c = result["comparison"]
+        print(f"{json.dumps(c['set'])} against {json.dumps(c['baseline'])}: {c['tokens_per_s_per_gpu']:.0f} "
+              f"against {c['baseline_tokens_per_s_per_gpu']:.0f} tokens/s, {c['speedup_vs_baseline']:.3f}x")
     for g, v in result["goals"].items():
         val = v["value"]
         shown = f"{val:.3f}" if isinstance(val, float) else str(val)

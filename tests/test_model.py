@@ -431,6 +431,27 @@ def test_linear_cross_entropy_equals_autograd_in_value_gradient_and_argmax(head_
     assert head.grad is None
 
 
+@pytest.mark.parametrize("dpace", [None, (5, 0.5)])
+def test_compiled_cross_entropy_chunks_equal_eager_ones(dpace):
+    """train.compile_loss: the full chunks compiled (the last, shorter chunk eager) give the eager value,
+    gradient and argmax hits, with fixed weights and with D-PACE's (blocks of 5 positions)."""
+    g = torch.Generator().manual_seed(1)
+    n, hdim, vocab, chunk = 2 * 10 + 5, 16, 50, 10
+    h = torch.randn(n, hdim, generator=g)
+    head = torch.randn(vocab, hdim, generator=g)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    weights = (torch.rand(n, generator=g) > 0.3).float()
+    out = {}
+    for compiled in (False, True):
+        x = h.clone().requires_grad_(True)
+        total, correct = LinearCrossEntropy.apply(x, head, labels, weights, chunk, dpace, compiled)
+        total.backward()
+        out[compiled] = total.detach(), correct, x.grad
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[True][1], out[False][1])
+    torch.testing.assert_close(out[True][2], out[False][2], rtol=1e-5, atol=1e-6)
+
+
 def test_simulated_tau_and_per_position_metrics():
     hit = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     assert simulated_tau(hit).tolist() == [3.0, 1.0, 5.0]  # accepted prefix + the bonus token

@@ -154,6 +154,8 @@ class TrainConfig:
     global_batch_tokens: int = 0
     buckets: list[int] = field(default_factory=lambda: [1024, 2048, 3072])  # padded lengths
     compile: bool = True
+    # the LM head's chunked cross-entropy compiled too (its softmax and gradient fused); off until measured
+    compile_loss: bool = False
     attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | flex | sdpa
     parallel: str = "auto"  # auto | ddp | fsdp (auto: fsdp when a full copy per GPU would not fit)
     dtype: str = "bfloat16"  # autocast dtype on GPU; CPU trains in float32
@@ -177,7 +179,8 @@ class TrainConfig:
 # compile warmup reads: the seed (its drafter's initialization) and the parallel mode (FSDP: nothing to
 # compile). The workflow reruns the warmup when one of WARMUP_TRAIN_KEYS changes, not on lr etc. They
 # live here, not in compile_cache.py, so the workflow reads them without importing torch.
-COMPILED_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "attention", "dtype")
+COMPILED_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "compile_loss", "attention",
+                       "dtype")
 WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
 # The train keys stream mode's data plan depends on (flashdraft.stream): a change in one needs a new plan.
 PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets",

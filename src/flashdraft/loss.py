@@ -130,6 +130,34 @@ def train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, atte
     return out.view(b, a, bs, -1)
 
 
+def ce_chunk(h, weight, y, w, dpace=None):
+    """One chunk of LinearCrossEntropy: (sum w*CE, whether each row's argmax is its label, the gradient
+    for h). The softmax is made in place in the logits' memory: one `[chunk, V]` float32 buffer."""
+    logits = (h.to(weight.dtype) @ weight.T).float()
+    lse = logits.logsumexp(-1)
+    ce = lse - logits.gather(1, y[:, None]).squeeze(1)
+    if dpace is not None:
+        width, alpha = dpace
+        mask = w.view(-1, width) > 0
+        w = dpace_weights(torch.exp(-ce).view(-1, width), mask, alpha).flatten()
+    correct = logits.argmax(-1) == y
+    grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: d CE / d logits = p - onehot
+    grad[torch.arange(len(y), device=y.device), y] -= 1.0
+    return (ce * w).sum(), correct, (grad.mul_(w[:, None]).to(weight.dtype) @ weight).to(h.dtype)
+
+
+_compiled_ce_chunk = None
+
+
+def compiled_ce_chunk():
+    """ce_chunk compiled (train.compile_loss): the softmax, its gradient and the weighting fuse into a few
+    kernels instead of a pass over the `[chunk, V]` logits each. Full chunks only, so one static shape."""
+    global _compiled_ce_chunk
+    if _compiled_ce_chunk is None:
+        _compiled_ce_chunk = torch.compile(ce_chunk, dynamic=False)
+    return _compiled_ce_chunk
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W.T, y_i) for rows h `[N, H]` of a frozen head W `[V, H]`, `chunk` rows at a
     time, with the gradient for h computed in the forward while each chunk's logits exist: no logits
@@ -139,31 +167,23 @@ class LinearCrossEntropy(torch.autograd.Function):
     dpace: None (the weights `weights` are fixed), or `(width, alpha)`: rows are blocks of `width`
     positions (a chunk holds whole blocks), `weights` is their 0/1 label mask, and each block's weights
     are `dpace_weights` of its own label probabilities, detached, computed from the chunk's logits.
+    compiled: full chunks go through `compiled_ce_chunk` (the last, shorter one eager).
 
     The logits are h @ W.T in W's dtype (bf16 on GPU, as autocast would give), then float32 for the
     softmax; the gradient goes back through the same matmul in W's dtype."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, weights, chunk: int, dpace=None):
+    def forward(ctx, h, weight, labels, weights, chunk: int, dpace=None, compiled: bool = False):
         grad_h = torch.empty_like(h)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(labels.shape, dtype=torch.bool, device=h.device)
+        fused = compiled_ce_chunk() if compiled else ce_chunk
         with torch.autocast(h.device.type, enabled=False):
             for i in range(0, h.shape[0], chunk):
                 j = slice(i, i + chunk)
-                y, w = labels[j], weights[j].float()
-                logits = (h[j].to(weight.dtype) @ weight.T).float()
-                lse = logits.logsumexp(-1)
-                ce = lse - logits.gather(1, y[:, None]).squeeze(1)
-                if dpace is not None:
-                    width, alpha = dpace
-                    mask = w.view(-1, width) > 0
-                    w = dpace_weights(torch.exp(-ce).view(-1, width), mask, alpha).flatten()
-                total += (ce * w).sum()
-                correct[j] = logits.argmax(-1) == y
-                grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: d CE / d logits = p - onehot
-                grad[torch.arange(len(y), device=y.device), y] -= 1.0
-                grad_h[j] = (grad.mul_(w[:, None]).to(weight.dtype) @ weight).to(h.dtype)
+                run = fused if h[j].shape[0] == chunk else ce_chunk
+                ce, correct[j], grad_h[j] = run(h[j], weight, labels[j], weights[j].float(), dpace)
+                total += ce
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(correct)
         return total, correct
@@ -171,7 +191,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_correct):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_total, None, None, None, None, None
+        return grad_h * grad_total, None, None, None, None, None, None
 
 
 LOSSES = ("decay", "dpace")
@@ -210,13 +230,13 @@ def loss_normalizer(weights, valid, objective: str):
 
 def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_weight, lm_head_weight,
                 gamma: float, attention: str = "sdpa", chunk_blocks: int = 128, objective: str = "decay",
-                dpace_alpha: float = 0.5, normalizer=None):
+                dpace_alpha: float = 0.5, normalizer=None, compile_loss: bool = False):
     """Weighted block CE: loss = sum(w*CE) / normalizer. objective decay: w = loss_mask *
     exp(-(k-1)/gamma), normalizer sum(w) (the DFlash recipe); dpace: w = `dpace_weights`, normalizer the
     number of blocks (see `loss_normalizer`). `normalizer`: a given one (a global batch's, summed over
     its micro-batches and ranks) instead of this batch's own. The LM head + CE run `chunk_blocks` blocks
     at a time (LinearCrossEntropy), so full logits `[blocks*(B-1), V]` never exist at once, and the
-    backward needs none.
+    backward needs none; `compile_loss`: its chunks compiled (compiled_ce_chunk).
 
     Returns (loss, stats): stats is one detached float vector of sums, summable across steps and ranks
     (see `summarize`): [sum w*CE, sum normalizer, sum tau, blocks, correct_k (B-1), counted_k (B-1)]."""
@@ -231,7 +251,7 @@ def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_wei
     dpace = (bs - 1, dpace_alpha) if objective == "dpace" else None
     fixed = label_mask.float() if dpace else weights
     ce_sum, correct = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), fixed.flatten(),
-                                               chunk_blocks * (bs - 1), dpace)
+                                               chunk_blocks * (bs - 1), dpace, compile_loss)
     correct = correct.view_as(labels)
     loss = ce_sum / (own if normalizer is None else normalizer).clamp(min=1e-6)
     if isinstance(drafter, torch.nn.parallel.DistributedDataParallel):

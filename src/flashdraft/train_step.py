@@ -28,6 +28,7 @@ class Step:
     dpace_alpha: float
     attention: str  # flex | sdpa
     max_anchors: int
+    compile_loss: bool  # train.compile_loss: the LM head's chunked CE compiled
     device: torch.device
     amp_dtype: torch.dtype | None  # autocast dtype (GPU), None: plain float32 (CPU)
 
@@ -78,7 +79,7 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
     embed, head = head.result() if head is not None else frozen_head(target_dir, device, amp)
     gamma, attention = cfg.loss_gamma(spec.block_size), resolve_attention(cfg.attention, device)
     return Step(drafter, spec, embed, head, gamma, cfg.loss, cfg.dpace_alpha, attention, cfg.max_anchors,
-                device, amp)
+                cfg.compile_loss, device, amp)
 
 
 def initial_weights(drafter_cfg: DrafterConfig, spec: DrafterSpec) -> dict | None:
@@ -106,6 +107,7 @@ def forward_backward(step: Step, batch: dict, anchors, valid, normalizer=None):
     with torch.autocast(dev.type, dtype=step.amp_dtype or torch.bfloat16, enabled=step.amp_dtype is not None):
         loss, stats = dflash_loss(step.model, ids, mask, hidden, anchors, valid, step.embed, step.head,
                                   step.gamma, step.attention, objective=step.objective,
-                                  dpace_alpha=step.dpace_alpha, normalizer=normalizer)
+                                  dpace_alpha=step.dpace_alpha, normalizer=normalizer,
+                                  compile_loss=step.compile_loss)
     loss.backward()
     return loss.detach(), stats
