@@ -24,7 +24,7 @@ from precompute_hidden import build_target
 from regenerate import HBM_BYTES_PER_S
 
 from flashdraft.decode import SlotDecoder
-from flashdraft.step import kv_bytes_per_token
+from flashdraft.hf_config import kv_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def main():
     hbm = next(v for k, v in HBM_BYTES_PER_S.items() if k in dev)
     weights = sum(t.numel() * t.element_size() for n, t in model.named_parameters()
                   if "embed_tokens" not in n)
-    kv = kv_bytes_per_token(model.config, model.dtype)
+    kv = kv_bytes_per_token(model.config, model.dtype.itemsize)
     rows = []
     for b in args.batch:
         for variant in args.variants:

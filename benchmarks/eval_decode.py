@@ -38,9 +38,9 @@ from shapes import QWEN3_8B, TOY
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.config import DrafterConfig
+from flashdraft.hf_config import kv_bytes_per_token
 from flashdraft.model import DFlashDrafter, DrafterSpec
 from flashdraft.speculative import DFlashProposer, make_session, speculative_decode, target_decode
-from flashdraft.step import kv_bytes_per_token
 
 PRESETS = {
     # the toy target's shapes (flashdraft.toy) and the embedded default drafter (K=2, B=8)
@@ -250,7 +250,8 @@ def main():
     context = args.prompt_len + args.new_tokens / 2
     hbm = args.hbm_bytes_per_s or next((v for k, v in HBM_BYTES_PER_S.items()
                                         if dev.type == "cuda" and k in torch.cuda.get_device_name(dev)), None)
-    bound = hbm / (weights + context * kv_bytes_per_token(model.config, model.dtype)) if hbm else None
+    kv = kv_bytes_per_token(model.config, model.dtype.itemsize)
+    bound = hbm / (weights + context * kv) if hbm else None
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     result = {
         "what": "decode tokens/s (after the prefill), target-only greedy vs DFlash speculative decoding, "

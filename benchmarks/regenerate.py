@@ -35,8 +35,8 @@ from precompute_hidden import run_rule, saved_target
 from transformers import AutoConfig, AutoTokenizer
 
 from flashdraft.config import RegenerateConfig
+from flashdraft.hf_config import kv_bytes_per_token
 from flashdraft.regenerate import regenerate
-from flashdraft.step import kv_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # spec sheet, SXM
@@ -110,7 +110,7 @@ def bench_gpu(args) -> dict:
             "prompts": args.prompts, "prompt_tokens": [args.min_len, args.max_len],
             "mean_prompt_tokens": float(np.mean(lengths)), "new_tokens": args.new_tokens,
             "weight_bytes_per_step": weight_bytes_per_step(target),
-            "kv_bytes_per_token": kv_bytes_per_token(config, torch.bfloat16), "hbm_bytes_per_s": hbm,
+            "kv_bytes_per_token": kv_bytes_per_token(config, torch.bfloat16.itemsize), "hbm_bytes_per_s": hbm,
             "peak_flops": next((v for k, v in PEAK_BF16_FLOPS.items() if k in dev), None),
         },
     })

@@ -79,7 +79,7 @@ def test_target_layer_ids_formula():
 
 
 def test_remote_code_target_refused_known_type_with_auto_map_read(tmp_path):
-    from flashdraft.target import read_target_config
+    from flashdraft.hf_config import read_target_config
 
     auto_map = {"AutoModelForCausalLM": "modeling.X"}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3", "auto_map": auto_map}))

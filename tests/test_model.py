@@ -559,7 +559,7 @@ def test_config_json_gives_the_spec_autoconfig_gives_or_none(raw, tmp_path):
     missing key takes its config class's default (Qwen3's head_dim 128, not hidden_size / heads)."""
     from transformers import AutoConfig
 
-    from flashdraft.target import plain_target_config
+    from flashdraft.hf_config import plain_target_config
 
     if raw == "transformers 5":  # rope_parameters, written by this transformers
         Qwen3Config(**{k: v for k, v in QWEN3_8B_JSON.items() if k != "model_type"}).save_pretrained(tmp_path)

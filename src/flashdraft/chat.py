@@ -30,6 +30,12 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids a prompt's conversation gives the target to answer (its last answer left out)."""
+    text = render(tokenizer, prompt_messages(messages), add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def assistant_spans(tokenizer, messages: list[dict],
                     thinking: bool = False) -> tuple[str, list[tuple[int, int]]]:
     """Render a conversation; return the text and the [start, end) character spans of assistant turns."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .hf_config import read_target_config, target_max_positions, target_num_layers
 from .io import bytes_per_token, parse_bytes
 
 
@@ -269,7 +270,6 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
     is not at target.path yet), checked before any job runs: raises a UserError naming the key; returns
     warnings."""
     from .managed_server import server_argv
-    from .target import read_target_config, target_max_positions, target_num_layers  # they import this
     from .toy import TOY_MAX_POSITIONS
 
     if cfg.drafter.init_from:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from .hf_config import kv_bytes_per_token
 from .step import (
     BUCKET,
     KV_BLOCK,
@@ -30,7 +31,6 @@ from .step import (
     SlotCache,
     block_mask,
     capture,
-    kv_bytes_per_token,
     prefill,
     round_len,
     target_step,
@@ -42,7 +42,7 @@ def auto_slots(model, max_len: int, limit: int = 256, reserve: float = 0.1) -> i
     """Slots that fit in the GPU memory left after the weights: KV cache (max_len positions each) plus
     the step's logits, keeping `reserve` of the card and 2 GiB for prefill activations free."""
     free, total = torch.cuda.mem_get_info(model.device)
-    per_slot = max_len * kv_bytes_per_token(model.config, model.dtype) + 8 * model.config.vocab_size
+    per_slot = max_len * kv_bytes_per_token(model.config, model.dtype.itemsize) + 8 * model.config.vocab_size
     budget = free - reserve * total - (2 << 30)
     return max(1, min(limit, int(budget // per_slot)))
 

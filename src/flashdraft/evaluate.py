@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .chat import prompt_messages, render
+from .chat import prompt_ids
 from .config import EvalConfig, layers_out_of_range
 from .io import progress, write_json, write_parquet
 from .session import StaticSession
@@ -88,11 +88,6 @@ def first_mismatch(model, prompt_ids, ref: list[int], out: list[int]) -> tuple[i
 
 # ---------------------------------------------------------------------------------------------------------
 # evaluation over a prompt set
-
-
-def prompt_ids(tokenizer, messages) -> list[int]:
-    text = render(tokenizer, prompt_messages(messages), add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 NO_MISMATCH = (-1, float("nan"), False)

@@ -26,6 +26,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from .config import DrafterConfig, init_files
 from .errors import UserError
+from .hf_config import kv_dims
 from .io import atomic_path
 from .target import feature_layer_ids, mask_token_id, num_layers
 
@@ -155,14 +156,16 @@ def _qwen3_shape(get) -> dict:
     always uses default (unscaled) RoPE: its export says so (`rope_scaling: null`), so it is consistent
     with itself whatever scaling the target uses for long contexts."""
     heads = get("num_attention_heads")
+    kv_heads, head_dim = kv_dims(heads, get("num_key_value_heads", None), get("head_dim", None),
+                                 get("hidden_size"))
     rope = get("rope_parameters", None) or {}
     theta = rope["rope_theta"] if "rope_theta" in rope else get("rope_theta", None) or 10000.0
     return {
         "hidden_size": get("hidden_size"),
         "intermediate_size": get("intermediate_size"),
         "num_heads": heads,
-        "num_kv_heads": get("num_key_value_heads", None) or heads,
-        "head_dim": get("head_dim", None) or get("hidden_size") // heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
         "rms_norm_eps": get("rms_norm_eps", 1e-6),
         "rope_theta": float(theta),
         "vocab_size": get("vocab_size"),

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from .config import Config, check, feature_layers, from_dict, stream_chunk_tokens
 from .errors import UserError, cli
+from .hf_config import attention_shape, read_target_config
 from .io import FP8, bytes_per_token, human_bytes, parse_bytes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,8 +168,6 @@ def read_shapes(source: str) -> dict:
 def target_shapes(cfg: Config, given: dict | None = None) -> dict:
     """The target's config.json (`given`, else from target.path), or the toy's shapes when the workflow
     has not built it yet."""
-    from .target import read_target_config
-
     if given is not None:
         return given.get("text_config", given) if "hidden_size" not in given else given
     if (Path(cfg.target.path) / "config.json").exists() or not cfg.target.build_toy:
@@ -183,8 +182,8 @@ def target_shapes(cfg: Config, given: dict | None = None) -> dict:
 
 def layer_parameters(c: dict) -> int:
     """Parameters of one decoder layer of the target's shapes: attention, MLP, its two norms."""
-    h, n = c["hidden_size"], c["num_attention_heads"]
-    kv, d = c.get("num_key_value_heads") or n, c.get("head_dim") or h // n
+    h = c["hidden_size"]
+    n, kv, d = attention_shape(c)
     return 2 * h * n * d + 2 * h * kv * d + 3 * h * c["intermediate_size"] + 2 * h
 
 
@@ -263,7 +262,7 @@ def token_stats(cfg: Config, results) -> Tokens:
     if train.exists() and (Path(cfg.target.path) / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
 
-        from .evaluate import prompt_ids
+        from .chat import prompt_ids
 
         tok = AutoTokenizer.from_pretrained(cfg.target.path)
         rows = pd.read_parquet(train, columns=["messages"]).head(PROMPT_SAMPLE)["messages"]

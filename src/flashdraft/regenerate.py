@@ -32,11 +32,12 @@ import pyarrow.parquet as pq
 from .chat import prompt_messages, render
 from .config import RegenerateConfig, to_json
 from .errors import UserError, rerun_command
+from .hf_config import read_target_config
 from .io import log, progress, write_json, write_parquet
 from .managed_server import ManagedServer
 from .shards import shard_of
 from .sources import MESSAGES
-from .target import generate, load_for_generate, read_target_config
+from .target import generate, load_for_generate
 
 FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash loses little
 # settings of how to reach the server, not of what it answers: changing them keeps committed parts

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
+from .hf_config import attention_shape
+
 ATTENTION = "flashdraft_slots"
 # Decoder layouts whose layers take (hidden, attention_mask, position_embeddings, past_key_values) and
 # call `past_key_values.update` then the configured attention function; checked against HF generate.
@@ -62,20 +64,12 @@ def round_len(n: int) -> int:
     return -(-n // BUCKET) * BUCKET
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
 class SlotCache:
     """Keys and values of every slot. `update` is what an HF attention layer calls in the prefill: the
     batch rows' keys and values go to their slots at positions 0..S-1."""
 
     def __init__(self, model, slots: int, max_len: int):
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        _, kv_heads, head_dim = attention_shape(model.config)
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.base_model.layers]
         self.v = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.base_model.layers]
@@ -198,10 +192,8 @@ class Layers:
     @classmethod
     def of_target(cls, model, compiled: bool) -> Layers:
         cfg, base = model.config, model.base_model
-        heads = cfg.num_attention_heads
-        return cls(base.layers, eps=cfg.rms_norm_eps, heads=heads,
-                   kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        heads, kv_heads, head_dim = attention_shape(cfg)
+        return cls(base.layers, eps=cfg.rms_norm_eps, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                    act=base.layers[0].mlp.act_fn, scaling=base.layers[0].self_attn.scaling, compiled=compiled)
 
     def run(self, h, cos, sin, write, attend):

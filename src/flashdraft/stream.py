@@ -54,8 +54,8 @@ def hidden_tokens(target_path, data_parquet, shard: int, num_shards: int, hidden
     in the row order precompute gives a store-mode shard."""
     from transformers import AutoTokenizer
 
+    from .hf_config import read_target_config
     from .precompute import token_batches, tokenize_shard
-    from .target import read_target_config
 
     read_target_config(target_path)  # refuses remote code before transformers sees the directory
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
@@ -126,7 +126,7 @@ def cut_chunks(step_sizes: list[int], capacity: int) -> list[tuple[int, int]]:
 def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig,
               train_cfg: TrainConfig, world: int, out_dir) -> dict:
     """Write the run's plan into `out_dir`; returns plan.json's content."""
-    from .target import read_target_config, target_num_layers
+    from .hf_config import read_target_config, target_num_layers
 
     target = read_target_config(target_path)
     layer_ids = feature_layers(target_num_layers(target), drafter_cfg)

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from .config import DrafterConfig, TrainConfig
+from .hf_config import plain_target_config, read_target_config
 from .io import torch_dtype
 from .loss import block_labels, dflash_loss, loss_normalizer, resolve_attention, sample_anchors
 from .model import DFlashDrafter, DrafterSpec, init_weights
-from .target import load_target_head, plain_target_config, read_target_config
+from .target import load_target_head
 
 
 @dataclass
