@@ -1,6 +1,6 @@
 """How far the held-out validation's sim_tau predicts the evaluation's tau on the embedded default.
 
-Usage: nice -n 10 .venv/bin/python benchmarks/val_vs_eval.py [--work DIR] [--seeds 0 1 2] [--variants ...]
+Usage: nice -n 10 .venv/bin/python benchmarks/val_vs_eval.py [--work DIR] [--seeds 0 1 2 3 4] [--variants ...]
 Writes benchmarks/results/val_vs_eval_toy.json and prints a table.
 
 The real workflow runs in `--work` (default /tmp/flashdraft-val-vs-eval) on config/config.yaml with
@@ -97,7 +97,7 @@ def ranks(xs: list[float]) -> list[float]:
 
 def pearson(a: list[float], b: list[float]) -> float:
     ma, mb = statistics.mean(a), statistics.mean(b)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
     va, vb = sum((x - ma) ** 2 for x in a), sum((y - mb) ** 2 for y in b)
     return cov / (va * vb) ** 0.5 if va and vb else float("nan")
 
@@ -109,7 +109,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--work", type=Path, default=Path("/tmp/flashdraft-val-vs-eval"))
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--variants", nargs="+", default=["dpace", "baseline"])
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "val_vs_eval_toy.json")
     args = p.parse_args()
@@ -133,8 +133,9 @@ def main():
 
     def fit(ps: list[dict]) -> dict:
         val, tau = [p["val_sim_tau"] for p in ps], [p["tau_pooled"] for p in ps]
-        gaps = [t - v for v, t in zip(val, tau)]
-        return {"n": len(ps), "spearman": round(spearman(val, tau), 4), "pearson": round(pearson(val, tau), 4),
+        gaps = [t - v for v, t in zip(val, tau, strict=True)]
+        return {"n": len(ps), "spearman": round(spearman(val, tau), 4),
+                "pearson": round(pearson(val, tau), 4),
                 "mean_gap": round(statistics.mean(gaps), 4),
                 "gap_sd": round(statistics.stdev(gaps), 4) if len(gaps) > 1 else 0.0,
                 "mean_abs_gap": round(statistics.mean(abs(g) for g in gaps), 4)}
