@@ -142,8 +142,12 @@ def main():
 
     best_vs_last = {n: {"last_step": r["last_step"], "best_step": r["best_step"],
                         "tau_last": round(r["exports"]["last"]["tau_pooled"], 4),
-                        "tau_best": round(r["exports"]["best"]["tau_pooled"], 4)} for n, r in runs.items()}
+                        "tau_best": round(r["exports"]["best"]["tau_pooled"], 4),
+                        "tau_prompt_mean_last": round(r["exports"]["last"]["tau_prompt_mean"], 4),
+                        "tau_prompt_mean_best": round(r["exports"]["best"]["tau_prompt_mean"], 4)}
+                    for n, r in runs.items()}
     deltas = [b["tau_best"] - b["tau_last"] for b in best_vs_last.values()]
+    deltas_pm = [b["tau_prompt_mean_best"] - b["tau_prompt_mean_last"] for b in best_vs_last.values()]
     result = {
         "what": "validation sim_tau (16 held-out training samples, fixed anchors) against the evaluation's "
                 "tau_pooled of the same exported weights, on the embedded default (config/config.yaml) with "
@@ -158,7 +162,11 @@ def main():
                                                   for b in best_vs_last.values()),
                          "best_higher": sum(d > 0 for d in deltas), "best_lower": sum(d < 0 for d in deltas),
                          "tie": sum(d == 0 for d in deltas),
-                         "mean_delta_tau": round(statistics.mean(deltas), 4)},
+                         "mean_delta_tau": round(statistics.mean(deltas), 4),
+                         "tau_prompt_mean": {"best_higher": sum(d > 0 for d in deltas_pm),
+                                             "best_lower": sum(d < 0 for d in deltas_pm),
+                                             "tie": sum(d == 0 for d in deltas_pm),
+                                             "mean_delta": round(statistics.mean(deltas_pm), 4)}},
         "pairs": pairs, "seeds": args.seeds, "variants": args.variants, "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
