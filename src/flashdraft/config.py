@@ -168,7 +168,9 @@ class TrainConfig:
     # evaluated with fixed anchors every val_every steps and at the end; 0: no validation
     val_samples: int = 0
     val_every: int = 0  # optimizer steps between validations; 0: every checkpoint_every steps
-    export: str = "last"  # the weights exported (and evaluated): last | best (the best validation sim_tau)
+    # the weights exported (and evaluated): last | best (the best validation sim_tau). last: on the toy
+    # best never gave a higher evaluation tau than last (benchmarks/results/val_vs_eval_toy.json)
+    export: str = "last"
 
     def loss_gamma(self, block_size: int) -> float:
         if self.gamma is not None:
