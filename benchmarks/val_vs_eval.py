@@ -153,7 +153,8 @@ def main():
                 "tau_pooled of the same exported weights, on the embedded default (config/config.yaml) with "
                 "train.val_samples 16, train.val_every 10; per seed and loss, the last step's export and, "
                 "where it differs, the best validation step's",
-        "command": "nice -n 10 .venv/bin/python benchmarks/val_vs_eval.py",
+        "command": "nice -n 10 .venv/bin/python benchmarks/val_vs_eval.py --seeds "
+                   + " ".join(map(str, args.seeds)),
         "machine": f"{os.cpu_count()} CPUs (shared), {platform.platform()}",
         "gap": "evaluation tau_pooled - validation sim_tau",
         "all_exports": fit(pairs), "last_exports": fit(last),
