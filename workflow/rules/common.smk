@@ -32,10 +32,13 @@ PY = sys.executable
 SCRIPTS = REPO / "scripts"
 RESULTS = "results"
 LOGS = f"{RESULTS}/logs"
-# Every stage's Python keeps its compiled bytecode here. Images often set PYTHONDONTWRITEBYTECODE (or
-# install read-only): each process then compiles torch's and Dynamo's sources again, seconds of every
-# job's start, paid by every stream-mode chunk.
-PYCACHE = ".snakemake/pycache"
+# Every stage's Python keeps its compiled bytecode in .snakemake/pycache. Images often set
+# PYTHONDONTWRITEBYTECODE (or install read-only): each process then compiles torch's and Dynamo's
+# sources again, seconds of every job's start, paid by every stream-mode chunk. Set in the environment
+# the jobs inherit, not in their command lines, which Snakemake compares to rerun jobs (a moved work
+# dir would rerun everything).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+os.environ.setdefault("PYTHONPYCACHEPREFIX", str(Path(".snakemake/pycache").absolute()))
 BENCH = f"{RESULTS}/benchmarks"
 
 # Hidden states depend on which layers are fused, not on the drafter's block size.
@@ -112,7 +115,6 @@ def stage(script, gpus=None, nproc=None, nodes=1):
                        port=CFG.gpus.rdzv_port)
     if gpus is not None:
         cmd = f"{q(PY)} -m flashdraft.gpu --gpus {gpus} --lock-dir {q(CFG.gpus.lock_dir)} -- {cmd}"
-    cmd = f"env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX={q(str(Path(PYCACHE).absolute()))} {cmd}"
     return on_every_node(cmd, nodes) if nodes > 1 else cmd
 
 
