@@ -421,21 +421,27 @@ def hidden_chunk(target_path, dtype: str, plan_dir, epoch: int, chunk: int, part
                  hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig, out_arrow) -> dict:
     """Forward part `part` of `parts` of a chunk's samples through the target into the shard `out_arrow`
     (and its manifest); returns the manifest."""
+    plan = Plan(plan_dir)
+    c = plan.find(epoch, chunk)
+    rows = plan.tokens_rows(part_samples(plan.chunk_samples(c), part, parts))
+    return precompute_rows(target_path, dtype, plan, rows, hidden_cfg, drafter_cfg, out_arrow,
+                           desc=f"hidden {c.name} part {part}/{parts}",
+                           counts={"epoch": epoch, "chunk": chunk, "part": part, "parts": parts})
 
+
+def precompute_rows(target_path, dtype: str, plan: Plan, rows: list[int], hidden_cfg: HiddenConfig,
+                    drafter_cfg: DrafterConfig, out_arrow, desc: str, counts: dict) -> dict:
+    """Rows `rows` of the plan's tokens files through the target into the shard `out_arrow`."""
     from .hidden import storage_dtype
     from .io import device
     from .precompute import write_hidden
     from .target import load_target
 
     storage_dtype(hidden_cfg.dtype)  # fail before loading the model
-    plan = Plan(plan_dir)
-    c = plan.find(epoch, chunk)
-    samples = token_rows(plan.meta["tokens_files"], plan.tokens_rows(part_samples(plan.chunk_samples(c), part,
-                                                                                    parts)))
+    samples = token_rows(plan.meta["tokens_files"], rows)
     model, tokenizer = load_target(str(target_path), dtype, device())
-    return write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg, drafter_cfg,
-                        desc=f"hidden {c.name} part {part}/{parts}",
-                        counts={"epoch": epoch, "chunk": chunk, "part": part, "parts": parts})
+    return write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg, drafter_cfg, desc=desc,
+                        counts=counts)
 
 
 def token_rows(files, rows: list[int]) -> list[tuple]:
@@ -459,15 +465,7 @@ def hidden_val(target_path, dtype: str, plan_dir, hidden_cfg: HiddenConfig, draf
                out_arrow) -> dict:
     """The validation samples of the plan (train.val_samples) through the target, into one shard that
     lives through every chunk; returns its manifest."""
-    from .hidden import storage_dtype
-    from .io import device
-    from .precompute import write_hidden
-    from .target import load_target
-
-    storage_dtype(hidden_cfg.dtype)  # fail before loading the model
     plan = Plan(plan_dir)
     ids, rows, _ = plan.val_samples()
-    samples = token_rows(plan.meta["tokens_files"], rows)
-    model, tokenizer = load_target(str(target_path), dtype, device())
-    return write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg, drafter_cfg,
-                        desc="hidden validation", counts={"val_samples": len(ids)})
+    return precompute_rows(target_path, dtype, plan, rows, hidden_cfg, drafter_cfg, out_arrow,
+                           desc="hidden validation", counts={"val_samples": len(ids)})
