@@ -409,6 +409,7 @@ def run_throughput(preset, cfg, work: Path, world: int, shards: list[str], fl: d
         "compile_cache_loaded": p.cache_loaded, **(p.first or {}),
         "steps_under_fail_on_recompile": int(rows[-1]["step"]) - 1 if rows else 0,
         "losses_finite": all(math.isfinite(float(r["loss"])) for r in rows),
+        "losses": {r["step"]: float(r["loss"]) for r in rows},  # each window's mean, by its last step
         "log": str(p.err_log),
     }
     mfu = f", MFU {out['mfu']:.1%}" if out["mfu"] is not None else ""
@@ -476,7 +477,20 @@ def compare(new: dict, base: dict, changes: dict, baseline: dict) -> dict:
             "speedup_vs_baseline": new["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
             "mfu_required_grads": new["mfu_required_grads"],
             "baseline_mfu_required_grads": base["mfu_required_grads"],
-            "mfu_note": "every matmul at the bf16 dense peak (989 TFLOP/s on H100/H200), FP8 ones too"}
+            "mfu_note": "every matmul at the bf16 dense peak (989 TFLOP/s on H100/H200), FP8 ones too",
+            **loss_difference(new.get("losses", {}), base.get("losses", {}))}
+
+
+def loss_difference(new: dict, base: dict) -> dict:
+    """The logged losses of both runs (same data, seed and steps), window by window: the largest
+    relative difference, and at which step."""
+    steps = sorted(set(new) & set(base), key=int)
+    if not steps:
+        return {}
+    rel = {s: abs(new[s] - base[s]) / abs(base[s]) for s in steps}
+    worst = max(rel, key=rel.get)
+    return {"loss_steps_compared": len(steps), "loss_max_rel_diff": rel[worst],
+            "loss_max_rel_diff_step": worst}
 
 
 def since_data(run: dict) -> float:

@@ -114,11 +114,11 @@ def kind_of(name: str, cat: str, cuda: bool) -> str:
 # the run
 
 
-def build(preset: dict, work: Path, steps: int):
+def build(preset: dict, work: Path, steps: int, changes: dict):
     """train.setup's run on the preset's target and shard (listed often enough for every step of one
-    epoch) and its metrics logger."""
+    epoch) and its metrics logger; `changes`: train config overrides (--set)."""
     setup(preset, work)
-    cfg = from_dict(TrainConfig, train_config(preset, steps, preset["log_every"]), "train")
+    cfg = from_dict(TrainConfig, train_config(preset, steps, preset["log_every"]) | changes, "train")
     shard = str(work / "hidden" / "shard-00000.arrow")
     shards = [shard] * math.ceil((steps + 1) * preset["rows"] / preset["samples"])
     d = setup_dist()  # no RANK in the environment: one process, cuda:0 or the CPU
@@ -335,6 +335,8 @@ def main():
     p.add_argument("--trace", default=None, help="also write the profiled steps' chrome trace here")
     p.add_argument("--work", default=None, help="work dir (default: <tmp>/flashdraft-train-bench-<preset>, "
                                                 "shared with train_drafter.py)")
+    p.add_argument("--set", type=json.loads, default={}, metavar="JSON",
+                   help="train config overrides, e.g. '{\"fp8\": \"tensorwise\"}' (kept in the run's entry)")
     args = p.parse_args()
     preset = dict(PRESETS[args.preset])
     cuda = preset["device"] == "cuda"
@@ -347,7 +349,7 @@ def main():
 
     t0 = time.perf_counter()
     total_steps = args.warmup + 2 * args.steps
-    run, metrics = build(preset, work, total_steps)
+    run, metrics = build(preset, work, total_steps, args.set)
     loop = Loop(run, metrics)
     try:
         t = time.perf_counter()
@@ -378,7 +380,7 @@ def main():
         "machine": {"torch": torch.__version__, "python": platform.python_version(), "device": name,
                     "cuda": torch.version.cuda, "cpu_cores": os.cpu_count(),
                     "threads": torch.get_num_threads()},
-        "preset": args.preset,
+        "preset": args.preset, "set": args.set,
         "shapes": {"target": preset["target"], "drafter": drafter_json(preset),
                    "target_layer_ids": spec.target_layer_ids, "seq_len": preset["seq_len"],
                    "rows_per_micro_batch": preset["rows"], "micro_batches_per_step": run.g,

@@ -157,6 +157,9 @@ class TrainConfig:
     compile: bool = True
     # the LM head's chunked cross-entropy compiled too (its softmax and gradient fused); off until measured
     compile_loss: bool = False
+    # tensorwise | rowwise: the drafter's linear layers in float8 (torchao's float8 training, the scales
+    # per tensor or per row) on a GPU with FP8 matmuls; the frozen LM head stays in train.dtype. None: off
+    fp8: str | None = None
     attention: str = "auto"  # auto (flex on GPU, sdpa on CPU) | flex | sdpa
     parallel: str = "auto"  # auto | ddp | fsdp (auto: fsdp when a full copy per GPU would not fit)
     dtype: str = "bfloat16"  # autocast dtype on GPU; CPU trains in float32
@@ -182,13 +185,14 @@ class TrainConfig:
 # compile warmup reads: the seed (its drafter's initialization) and the parallel mode (FSDP: nothing to
 # compile). The workflow reruns the warmup when one of WARMUP_TRAIN_KEYS changes, not on lr etc. They
 # live here, not in compile_cache.py, so the workflow reads them without importing torch.
-COMPILED_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "compile_loss", "attention",
-                       "dtype")
+COMPILED_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "compile_loss", "fp8",
+                       "attention", "dtype")
 WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
 # The train keys stream mode's data plan depends on (flashdraft.stream): a change in one needs a new plan.
 PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets",
                    "val_samples")
 EXPORTS = ("last", "best")
+FP8_RECIPES = ("tensorwise", "rowwise")
 
 
 @dataclass
@@ -319,6 +323,8 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
             f"config key drafter.sliding_window ({w}) < drafter.block_size ({bs}): a window must hold a "
             "whole block; use a window of at least the block size, or null for none"
         )
+    if t.fp8 is not None and t.fp8 not in FP8_RECIPES:
+        raise UserError(f"config key train.fp8: {t.fp8!r}; use one of {', '.join(FP8_RECIPES)}, or null")
     check_validation(t, p.total)
     warnings = []
     if cfg.hidden.shards > p.total:

@@ -73,6 +73,8 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
         drafter = DFlashDrafter(spec)
     if init is not None:
         drafter.load_state_dict(init, strict=True)
+    if cfg.fp8:
+        float8_linears(drafter, cfg.fp8, device)
     if cfg.compile:
         # one graph per length bucket: dynamic=False keeps shapes static, buckets bound the recompiles
         drafter.compile(dynamic=False)
@@ -81,6 +83,27 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
     gamma, attention = cfg.loss_gamma(spec.block_size), resolve_attention(cfg.attention, device)
     return Step(drafter, spec, embed, head, gamma, cfg.loss, cfg.dpace_alpha, attention, cfg.max_anchors,
                 cfg.compile_loss, device, amp)
+
+
+def float8_linears(model: torch.nn.Module, recipe: str, device: torch.device) -> int:
+    """train.fp8: the model's linear layers as torchao's Float8Linear (same parameters, so checkpoints
+    and the export are unchanged; the matmuls run in float8 with `recipe`'s scales). Returns how many."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"config key train.fp8 ({recipe}) needs a GPU with FP8 matmuls (compute capability "
+                         f"8.9 or newer), not {device}; set train.fp8: null")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ValueError(f"config key train.fp8 ({recipe}) needs torchao: pip install torchao ({e})") from e
+
+    def fits(module, _name):  # float8 matmuls need both dimensions in multiples of 16
+        return isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 \
+            and module.out_features % 16 == 0
+
+    before = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, module_filter_fn=fits, config=config)
+    return before - sum(type(m) is torch.nn.Linear for m in model.modules())
 
 
 def initial_weights(drafter_cfg: DrafterConfig, spec: DrafterSpec) -> dict | None:
