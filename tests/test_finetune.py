@@ -19,7 +19,7 @@ from flashdraft.train_step import load_spec
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = {"num_layers": 2, "block_size": 8}
 TRAIN = {"lr": 1e-2, "max_anchors": 64, "batch_tokens": 512, "buckets": [128, 256], "compile": False,
-         "checkpoint_every": 1000, "log_every": 1, "warmup_ratio": 0.0, "loss": "decay"}
+         "checkpoint_every": 1000, "log_every": 1, "warmup_ratio": 0.0, "loss": "decay", "val_samples": 0}
 
 
 @pytest.fixture(scope="module")

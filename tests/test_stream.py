@@ -56,7 +56,8 @@ def _target(tmp_path, layers=6, hidden=128):
 def test_plan_chunks_every_epoch_into_whole_steps_in_store_order(tmp_path):
     lengths = [[30 + (7 * i) % 90 for i in range(40)], [25 + (11 * i) % 100 for i in range(33)]]
     files = _tokens(tmp_path, lengths)
-    train = TrainConfig(epochs=3, batch_tokens=256, global_batch_tokens=512, buckets=[64, 128], seed=3)
+    train = TrainConfig(epochs=3, batch_tokens=256, global_batch_tokens=512, buckets=[64, 128], seed=3,
+                        val_samples=0)
     hidden = HiddenConfig(mode="stream", chunk_tokens=1600)
     plan = data_plan(_target(tmp_path), files, hidden, DRAFT, train, 1, tmp_path / "plan")
     flat = [n for shard in lengths for n in shard]
@@ -89,7 +90,7 @@ def test_plan_chunks_every_epoch_into_whole_steps_in_store_order(tmp_path):
 ], ids=["chunk-below-one-step", "budget-below-one-step", "no-budget"])
 def test_a_chunk_smaller_than_one_step_is_one_line_naming_the_key(tmp_path, hidden, key):
     files = _tokens(tmp_path, [[100] * 20])
-    train = TrainConfig(epochs=1, batch_tokens=256, global_batch_tokens=512, buckets=[128])
+    train = TrainConfig(epochs=1, batch_tokens=256, global_batch_tokens=512, buckets=[128], val_samples=0)
     with pytest.raises(UserError, match=re.escape(f"config key {key}")) as e:
         data_plan(_target(tmp_path), files, hidden, DRAFT, train, 1, tmp_path / "plan")
     assert "\n" not in str(e.value)
@@ -97,7 +98,7 @@ def test_a_chunk_smaller_than_one_step_is_one_line_naming_the_key(tmp_path, hidd
 
 def test_a_plan_made_for_another_training_names_the_key(tmp_path):
     files = _tokens(tmp_path, [[60] * 30])
-    train = TrainConfig(epochs=2, batch_tokens=256, global_batch_tokens=512, buckets=[64])
+    train = TrainConfig(epochs=2, batch_tokens=256, global_batch_tokens=512, buckets=[64], val_samples=0)
     data_plan(_target(tmp_path), files, HiddenConfig(mode="stream", chunk_tokens=800), DRAFT, train, 1,
               tmp_path / "plan")
     plan = Plan(tmp_path / "plan")

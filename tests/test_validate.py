@@ -78,7 +78,18 @@ def test_store_mode_keeps_the_validation_samples_out_of_training(data):
     assert not set(val.ids()) & set(train_store.ids())
     assert sorted(val.ids()) == val_split(store.ids(), 8, 0)
     assert train_store[0]["input_ids"].equal(store[train_store.indices[0]]["input_ids"])
-    assert split_store(store, TrainConfig())[1] is None  # val_samples 0: every sample trains
+    assert split_store(store, TrainConfig(val_samples=0))[1] is None  # every sample trains
+
+
+def test_the_default_split_and_the_warning_for_a_large_one():
+    assert TrainConfig().val_samples == 64
+    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    assert cfg.train.val_samples == 0 and check(cfg) == []  # the embedded default: the README's figures
+    cfg.train.val_samples = 36
+    assert check(cfg) == []  # a tenth of the 360 prompts
+    cfg.train.val_samples = 37
+    assert check(cfg) == ["config key train.val_samples: 37 of at most 360 training prompts (prompts.total) "
+                          "are held out of training; use a few percent, or 0 for no validation"]
 
 
 def test_bad_validation_keys_are_one_line_before_any_job():
