@@ -177,6 +177,21 @@ def test_val_every_larger_than_the_run_is_one_line_before_training(data, tmp_pat
     assert not list((tmp_path / "checkpoints").rglob("step-*"))
 
 
+@pytest.mark.parametrize("val_samples", [48, None], ids=["set", "default"])
+def test_a_split_of_every_sample_is_one_line_before_training(data, tmp_path, val_samples):
+    """48 samples in the shards: a split of 48, or the default (64, the key unset), leaves none to train."""
+    root, shards = data
+    cfg = {k: v for k, v in TRAIN.items() if k != "val_samples"}
+    if val_samples is not None:
+        cfg["val_samples"] = val_samples
+    proc = train(root, shards, tmp_path, cfg=cfg, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    n = val_samples or 64
+    assert (f"config key train.val_samples ({n}) leaves none of the 48 samples for training"
+            in proc.stderr.strip().splitlines()[-1])
+    assert not list((tmp_path / "checkpoints").rglob("step-*"))
+
+
 def test_stream_plan_holds_the_validation_samples_out_and_reads_them_back(tmp_path):
     import random
 
