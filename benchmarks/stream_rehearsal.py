@@ -75,7 +75,7 @@ def config(args, target: Path, source: Path, work: Path) -> dict:
                      "batch_tokens": shape["hidden_batch"], "chunk_tokens": args.chunk_tokens}
     cfg["drafter"] = shape["drafter"]
     cfg["train"] = {**shape["train"], "epochs": args.epochs, "compile": True, "checkpoint_every": 1000,
-                    "log_every": 1, "keep_checkpoints": 2}
+                    "log_every": 1, "keep_checkpoints": 2, "val_samples": 0}
     cfg["eval"] = {"num_prompts": args.eval_prompts, "max_new_tokens": args.new_tokens}
     cfg["gpus"] = {"target": args.gpus_target, "drafter": args.gpus_drafter, "lock_dir": str(work / "locks")}
     return cfg

@@ -172,7 +172,7 @@ def train_config(preset: dict, steps: int, log_every: int) -> dict:
     return {"max_steps": steps, "batch_tokens": preset["rows"] * s, "buckets": [s],
             "max_anchors": preset["max_anchors"], "compile": True, "attention": preset["attention"],
             "dtype": preset["dtype"], "checkpoint_every": 10**9, "keep_checkpoints": 1,
-            "log_every": log_every, "lr": 1e-4}
+            "log_every": log_every, "lr": 1e-4, "val_samples": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------

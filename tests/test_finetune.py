@@ -11,7 +11,7 @@ import torch
 from conftest import toy_hidden_shards
 from safetensors.torch import load_file, save_file
 
-from flashdraft.config import DrafterConfig
+from flashdraft.config import DrafterConfig, check, load_config
 from flashdraft.errors import UserError
 from flashdraft.model import DFlashDrafter, export_drafter, init_weights
 from flashdraft.train_step import load_spec
@@ -19,7 +19,7 @@ from flashdraft.train_step import load_spec
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = {"num_layers": 2, "block_size": 8}
 TRAIN = {"lr": 1e-2, "max_anchors": 64, "batch_tokens": 512, "buckets": [128, 256], "compile": False,
-         "checkpoint_every": 1000, "log_every": 1, "warmup_ratio": 0.0, "loss": "decay"}
+         "checkpoint_every": 1000, "log_every": 1, "warmup_ratio": 0.0, "loss": "decay", "val_samples": 0}
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,19 @@ def test_missing_or_broken_files_are_one_line_each(toy, tmp_path):
     (out / "config.json").write_text("{}")
     with pytest.raises(UserError, match="config.json is not a DFlash drafter's config"):
         init_weights(out, spec)
+
+
+def test_a_missing_init_from_is_one_line_before_any_job(tmp_path):
+    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg.drafter.init_from = str(tmp_path / "nowhere")
+    with pytest.raises(UserError, match=r"^config key drafter\.init_from: .*nowhere is not a drafter export "
+                                        r"\(.*missing: config\.json, model\.safetensors\)$"):
+        check(cfg)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    cfg.drafter.init_from = str(tmp_path / "half")
+    with pytest.raises(UserError, match=r"half is not a drafter export .*missing: model\.safetensors\)$"):
+        check(cfg)
 
 
 def test_training_refuses_a_drafter_that_does_not_fit_before_it_trains(toy, tmp_path):

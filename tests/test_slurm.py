@@ -140,7 +140,7 @@ def test_two_nodes_one_rendezvous_train_on_the_cpu(cluster, tmp_path):
     this machine), each a torchrun with 2 processes, all 4 joining one c10d rendezvous."""
     drafter = {"num_layers": 2, "block_size": 8}
     cfg = {"max_steps": 4, "lr": 3e-3, "max_anchors": 16, "batch_tokens": 512, "buckets": [128, 256],
-           "compile": False, "checkpoint_every": 2, "log_every": 1}
+           "compile": False, "checkpoint_every": 2, "log_every": 1, "val_samples": 0}
     shards = toy_hidden_shards(tmp_path, drafter)
     py = sys.executable
     lease = f"{py} -m flashdraft.gpu --gpus 0 --lock-dir {tmp_path / 'locks'} --"

@@ -56,7 +56,8 @@ def _target(tmp_path, layers=6, hidden=128):
 def test_plan_chunks_every_epoch_into_whole_steps_in_store_order(tmp_path):
     lengths = [[30 + (7 * i) % 90 for i in range(40)], [25 + (11 * i) % 100 for i in range(33)]]
     files = _tokens(tmp_path, lengths)
-    train = TrainConfig(epochs=3, batch_tokens=256, global_batch_tokens=512, buckets=[64, 128], seed=3)
+    train = TrainConfig(epochs=3, batch_tokens=256, global_batch_tokens=512, buckets=[64, 128], seed=3,
+                        val_samples=0)
     hidden = HiddenConfig(mode="stream", chunk_tokens=1600)
     plan = data_plan(_target(tmp_path), files, hidden, DRAFT, train, 1, tmp_path / "plan")
     flat = [n for shard in lengths for n in shard]
@@ -89,7 +90,7 @@ def test_plan_chunks_every_epoch_into_whole_steps_in_store_order(tmp_path):
 ], ids=["chunk-below-one-step", "budget-below-one-step", "no-budget"])
 def test_a_chunk_smaller_than_one_step_is_one_line_naming_the_key(tmp_path, hidden, key):
     files = _tokens(tmp_path, [[100] * 20])
-    train = TrainConfig(epochs=1, batch_tokens=256, global_batch_tokens=512, buckets=[128])
+    train = TrainConfig(epochs=1, batch_tokens=256, global_batch_tokens=512, buckets=[128], val_samples=0)
     with pytest.raises(UserError, match=re.escape(f"config key {key}")) as e:
         data_plan(_target(tmp_path), files, hidden, DRAFT, train, 1, tmp_path / "plan")
     assert "\n" not in str(e.value)
@@ -97,7 +98,7 @@ def test_a_chunk_smaller_than_one_step_is_one_line_naming_the_key(tmp_path, hidd
 
 def test_a_plan_made_for_another_training_names_the_key(tmp_path):
     files = _tokens(tmp_path, [[60] * 30])
-    train = TrainConfig(epochs=2, batch_tokens=256, global_batch_tokens=512, buckets=[64])
+    train = TrainConfig(epochs=2, batch_tokens=256, global_batch_tokens=512, buckets=[64], val_samples=0)
     data_plan(_target(tmp_path), files, HiddenConfig(mode="stream", chunk_tokens=800), DRAFT, train, 1,
               tmp_path / "plan")
     plan = Plan(tmp_path / "plan")
@@ -193,11 +194,13 @@ def test_disk_watch_keeps_the_peak_while_files_and_folders_come_and_go(tmp_path)
 # One sample per forward (hidden.batch_tokens: 1) in both modes: a forward's batch composition changes its
 # float reductions, so only then are the two modes' hidden states the same bits (see the README).
 # One training thread in both (set below), so that a chunk's hidden parts can run beside its training.
-# 2 validation samples: their shard, kept through the run, fits the disk budget beside the ring of chunks
+# 2 validation samples: their shard, kept through the run, fits the disk budget beside the ring of chunks.
+# Both modes fine-tune the drafter in init/ (a new one of another seed, exported into the work dir).
 STREAM_SMALL = {**SMALL, "train.epochs": 2, "hidden.batch_tokens": 1, "train.checkpoint_every": 1,
-                "train.val_samples": 2, "train.val_every": 2}
+                "train.val_samples": 2, "train.val_every": 2, "drafter.init_from": "init"}
 THREADS = ["--set-threads", "train=1", "train_chunk=1", "warmup=1"]
 DRAFTER = "results/drafter/config.json"
+INIT_LINE = "drafter: starting from drafter.init_from init"
 
 
 def _stream_config(work, **hidden):
@@ -216,9 +219,25 @@ def _fresh_copy(src, dst):
     return dst
 
 
+def _init_drafter(work):
+    """The toy target, then a new drafter for it (seed 1, not the runs' train.seed) exported into init/."""
+    import torch
+
+    from flashdraft.model import DFlashDrafter, export_drafter
+    from flashdraft.train_step import load_spec
+
+    without = {k: v for k, v in STREAM_SMALL.items() if k != "drafter.init_from"}
+    target = write_config(work / "target.yaml", without)
+    snakemake(work, "--cores", "2", "results/toy/target", config=target)
+    spec = load_spec(work / "results" / "toy" / "target", DrafterConfig(num_layers=2, block_size=8))
+    torch.manual_seed(1)
+    export_drafter(DFlashDrafter(spec), spec, work / "init")
+
+
 @pytest.fixture(scope="module")
 def store_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("store")
+    _init_drafter(work)
     config = write_config(work / "config.yaml", STREAM_SMALL)
     snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config)
     return work
@@ -252,6 +271,43 @@ def test_stream_mode_trains_the_same_samples_steps_and_weights_as_store_mode(sto
     # the chunks' hidden states are gone once trained; the plan, the checkpoints and the validation shard stay
     assert [p.name for p in (work / "results" / "hidden").rglob("*.arrow")] == ["val.arrow"]
     assert len(list((work / "results" / "train" / "chunks").rglob("*.json"))) == len(plan["chunks"])
+
+
+def test_stream_mode_starts_from_init_from_once_and_validates_as_store_mode(store_run, stream_run):
+    """drafter.init_from starts the first chunk; every later chunk resumes from its checkpoint. With the
+    metrics (the first loss too) and weights equal to store mode's above, the chain is store mode's
+    fine-tune; the validation rows come every train.val_every steps and at the end, as in store mode."""
+    work = stream_run[0]
+    plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
+    names = [f"epoch-{c['epoch']:03d}/chunk-{c['chunk']:05d}" for c in plan["chunks"]]
+    logs = [(work / "results" / "logs" / "train_chunk" / f"{n}.log").read_text() for n in names]
+    assert INIT_LINE in logs[0] and "resumed from" not in logs[0]
+    assert all(INIT_LINE not in t and "resumed from" in t for t in logs[1:])
+    assert INIT_LINE in (store_run / "results" / "logs" / "train.log").read_text()
+    assert INIT_LINE not in (work / "results" / "logs" / "train.log").read_text()  # the export job
+    metrics = pd.read_csv(work / "results" / "train" / "metrics.csv")
+    last = plan["total_steps"]
+    val = metrics.dropna(subset=["val_sim_tau"])
+    assert val["step"].tolist() == sorted({*range(2, last + 1, 2), last})
+    assert val[["val_loss", "val_acc", "val_sim_tau"]].notna().all().all()
+    split = [json.loads((w / "results" / "train" / "val_split.json").read_text()) for w in (work, store_run)]
+    assert split[0] == split[1] and split[0]["val_samples"] == 2
+    assert json.loads((work / "results" / "hidden" / "val-verify.json").read_text())["ok"] is True
+
+
+def test_a_corrupt_validation_shard_stops_the_run_before_a_chunk_trains_on_it(stream_run, tmp_path):
+    work = tmp_path / "run"
+    shutil.copytree(stream_run[0], work, symlinks=True)
+    val = work / "results" / "hidden" / "val.arrow"
+    data = bytearray(val.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    val.write_bytes(bytes(data))
+    proc = snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=stream_run[1], check=False)
+    assert proc.returncode != 0
+    log = (work / "results" / "logs" / "hidden_val_verify.log").read_text()
+    assert "1 of 1 hidden shard(s) failed verification" in log and "val.arrow" in log
+    assert not val.exists() and len(list((work / "results" / "hidden" / "bad").glob("val.*.arrow"))) == 1
+    assert "train_chunk" not in {j.rule for j in job_times(latest_log(work))}
 
 
 def test_the_plan_keeps_the_tokenizer_s_length_so_training_never_imports_transformers(stream_run):

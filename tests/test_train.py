@@ -41,7 +41,7 @@ from flashdraft.train_step import load_spec
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = {"num_layers": 2, "block_size": 8}
 TRAIN = {"max_steps": 6, "lr": 3e-3, "max_anchors": 16, "batch_tokens": 512, "buckets": [128, 256],
-         "compile": False, "checkpoint_every": 4, "log_every": 1}
+         "compile": False, "checkpoint_every": 4, "log_every": 1, "val_samples": 0}
 
 
 @pytest.fixture(scope="module")

@@ -78,7 +78,18 @@ def test_store_mode_keeps_the_validation_samples_out_of_training(data):
     assert not set(val.ids()) & set(train_store.ids())
     assert sorted(val.ids()) == val_split(store.ids(), 8, 0)
     assert train_store[0]["input_ids"].equal(store[train_store.indices[0]]["input_ids"])
-    assert split_store(store, TrainConfig())[1] is None  # val_samples 0: every sample trains
+    assert split_store(store, TrainConfig(val_samples=0))[1] is None  # every sample trains
+
+
+def test_the_default_split_and_the_warning_for_a_large_one():
+    assert TrainConfig().val_samples == 64
+    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    assert cfg.train.val_samples == 0 and check(cfg) == []  # the embedded default: the README's figures
+    cfg.train.val_samples = 36
+    assert check(cfg) == []  # a tenth of the 360 prompts
+    cfg.train.val_samples = 37
+    assert check(cfg) == ["config key train.val_samples: 37 of at most 360 training prompts (prompts.total) "
+                          "are held out of training; use a few percent, or 0 for no validation"]
 
 
 def test_bad_validation_keys_are_one_line_before_any_job():
@@ -163,6 +174,21 @@ def test_val_every_larger_than_the_run_is_one_line_before_training(data, tmp_pat
     proc = train(root, shards, tmp_path, cfg={**TRAIN, "val_every": 7}, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "config key train.val_every (7) is larger than the run (6" in proc.stderr.strip().splitlines()[-1]
+    assert not list((tmp_path / "checkpoints").rglob("step-*"))
+
+
+@pytest.mark.parametrize("val_samples", [48, None], ids=["set", "default"])
+def test_a_split_of_every_sample_is_one_line_before_training(data, tmp_path, val_samples):
+    """48 samples in the shards: a split of 48, or the default (64, the key unset), leaves none to train."""
+    root, shards = data
+    cfg = {k: v for k, v in TRAIN.items() if k != "val_samples"}
+    if val_samples is not None:
+        cfg["val_samples"] = val_samples
+    proc = train(root, shards, tmp_path, cfg=cfg, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    n = val_samples or 64
+    assert (f"config key train.val_samples ({n}) leaves none of the 48 samples for training"
+            in proc.stderr.strip().splitlines()[-1])
     assert not list((tmp_path / "checkpoints").rglob("step-*"))
 
 

@@ -40,11 +40,14 @@ pytestmark = pytest.mark.slow
          "regenerate.server_cmd is empty"),
         ({"prompts.sources": [{"name": "here", "path": "."}]},
          "config key prompts.sources[here].path: '.' is a directory; point it at a file"),
+        ({"drafter.init_from": "no/such/drafter"},
+         "config key drafter.init_from: no/such/drafter is not a drafter export"),
+        ({"train.val_samples": 360}, "config key train.val_samples (360) leaves none of the 360 samples"),
     ],
     ids=["unknown-key", "wrong-type", "missing-model", "too-many-gpus", "too-many-server-gpus",
          "layer-beyond-target", "min-over-max-chars", "schema-max-new-tokens", "regenerate-over-positions",
          "eval-over-positions", "max-length-over-positions", "server-cmd-placeholder", "server-cmd-empty",
-         "source-is-a-directory"],
+         "source-is-a-directory", "init-from-missing", "val-split-of-every-prompt"],
 )
 def test_bad_config_fails_before_any_job(tmp_path, overrides, expected):
     config = write_config(tmp_path / "config.yaml", overrides)

@@ -168,8 +168,9 @@ class TrainConfig:
     keep_checkpoints: int = 3
     log_every: int = 10
     # held-out validation: this many training samples (chosen by train.seed) are kept out of training and
-    # evaluated with fixed anchors every val_every steps and at the end; 0: no validation
-    val_samples: int = 0
+    # evaluated with fixed anchors every val_every steps and at the end; 0: no validation.
+    # config/config.yaml sets 0 (the README's toy figures are of runs without a split)
+    val_samples: int = 64
     val_every: int = 0  # optimizer steps between validations; 0: every checkpoint_every steps
     # the weights exported (and evaluated): last | best (the best validation sim_tau). last: on the toy
     # best never gave a higher evaluation tau than last (benchmarks/results/val_vs_eval_toy.json)
@@ -332,7 +333,16 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
             f"config key hidden.shards: {cfg.hidden.shards} shards for at most {p.total} training prompts "
             "(prompts.total): some shards will be empty; lower hidden.shards"
         )
+    if cfg.train.val_samples * VAL_WARN_RATIO > p.total:  # all of them raised above
+        warnings.append(
+            f"config key train.val_samples: {cfg.train.val_samples} of at most {p.total} training prompts "
+            f"(prompts.total) are held out of training; use a few percent, or 0 for no validation"
+        )
     return warnings
+
+
+# check() warns when train.val_samples holds out more than 1 / VAL_WARN_RATIO of the training prompts
+VAL_WARN_RATIO = 10
 
 
 def check_validation(t: TrainConfig, samples: int | None = None, steps: int | None = None) -> None:

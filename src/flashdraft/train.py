@@ -160,6 +160,8 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     warm = cfg.compile and load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
     # drafter.init_from starts a run; a resumed one (a later chunk) takes its checkpoint's weights instead
     init = initial_weights(drafter_cfg, spec) if latest is None else None
+    if init is not None:
+        log(d, f"drafter: starting from drafter.init_from {drafter_cfg.init_from}")
     step_fn = build_step(cfg, spec, target_dir, d.device, init, head)
     drafter = step_fn.model
     mode = parallel_mode(cfg.parallel, sum(p.numel() for p in drafter.parameters()), d.world,

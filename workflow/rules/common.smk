@@ -183,11 +183,13 @@ PLAN = f"{RESULTS}/plan"  # stream mode's data plan (a checkpoint rule's directo
 CHUNKS = f"{RESULTS}/hidden/stream"  # a chunk's hidden parts: CHUNKS/epoch-EEE/chunk-CCCCC/part-PPPPP.arrow
 CHUNK_RE = r"epoch-\d{3}/chunk-\d{5}"
 VAL_SHARD = f"{RESULTS}/hidden/val.arrow"  # stream mode's validation samples (store mode splits its shards)
+VAL_VERIFIED = f"{RESULTS}/hidden/val-verify.json"  # hidden_val_verify's result
 
 
 def val_shard():
-    """Stream mode with train.val_samples: the validation shard, an input of every chunk's training."""
-    return {"val": VAL_SHARD} if STREAM and CFG.train.val_samples else {}
+    """Stream mode with train.val_samples: the validation shard and its verification, inputs of every
+    chunk's training."""
+    return {"val": VAL_SHARD, "val_verified": VAL_VERIFIED} if STREAM and CFG.train.val_samples else {}
 
 
 def tokens_files():

@@ -110,6 +110,25 @@ rule hidden_val:
         " --dtype {params.dtype} --plan {input.plan:q} --out {output.arrow:q} > {log:q} 2>&1"
 
 
+rule hidden_val_verify:
+    # the validation shard against its manifest, as every chunk's parts (a bad one is moved aside)
+    input:
+        arrow=VAL_SHARD,
+        manifest=VAL_SHARD.replace(".arrow", ".json"),
+    output:
+        VAL_VERIFIED,
+    params:
+        cmd=stage("verify_hidden.py"),
+    conda:
+        CONDA_ENV
+    log:
+        f"{LOGS}/hidden_val_verify.log",
+    benchmark:
+        f"{BENCH}/hidden_val_verify.tsv"
+    shell:
+        "{params.cmd} --out {output:q} {input.arrow:q} > {log:q} 2>&1"
+
+
 rule hidden_chunk_verify:
     input:
         arrows=chunk_part_files("arrow"),
