@@ -1,0 +1,79 @@
+"""The drafter's quality with a training lever against without, on the toy target on a GPU: the
+evaluation's tau, two seeds each.
+
+Usage: python benchmarks/train_quality.py [--work DIR] [--seeds 0 1] [--cores N]
+Writes benchmarks/results/train_quality_gpu.json and prints a table.
+
+The real workflow runs in `--work` (default /tmp/flashdraft-train-quality) on config/config.yaml with one
+GPU for the target side and one for training (gpus.target 1, gpus.drafter 1: the toy target in float32,
+training under bf16 autocast), as benchmarks/recipe_ablation.py runs its variants: the first run builds the
+toy target, prompts, answers and hidden states, later runs change only train.seed and the variant's keys.
+A lever's quality holds when its mean tau lies within the seed-to-seed spread of the baseline's (the
+largest minus the smallest tau over the baseline's seeds and the lever's seeds alike).
+tau is the evaluation's `tau_pooled` (emitted tokens per verify step, as `dflash_generate` counts it).
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from recipe_ablation import REPO, run_one, stats
+
+GPU = {"gpus.target": 1, "gpus.drafter": 1}
+VARIANTS = {  # each against bf16: today's training step
+    "bf16": {"train.fp8": None, "train.compile_loss": False},
+    "fp8_compile_loss": {"train.fp8": "tensorwise", "train.compile_loss": True},
+}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--work", type=Path, default=Path("/tmp/flashdraft-train-quality"))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "train_quality_gpu.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("train_quality measures training on a GPU; none is visible")
+    args.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    runs = {}
+    for seed in args.seeds:
+        for v in args.variants:
+            name = f"{v}-seed{seed}"
+            runs[name] = run_one(args.work, name, {"train.seed": seed, **GPU, **VARIANTS[v]})
+            r = runs[name]
+            print(f"{name:24s} tau_pooled {r['tau_pooled']:.3f}  final loss {r['final_train_loss']:.4f}  "
+                  f"{r['wall_s']:.0f} s", flush=True)
+    base = "bf16"
+    taus = {v: [runs[f"{v}-seed{s}"]["tau_pooled"] for s in args.seeds] for v in args.variants}
+    variants = {v: {"overrides": VARIANTS[v], "tau_pooled": stats(taus[v]),
+                    "final_train_loss": stats([runs[f"{v}-seed{s}"]["final_train_loss"] for s in args.seeds]),
+                    "lossless_all": all(runs[f"{v}-seed{s}"]["lossless_all"] for s in args.seeds)}
+                for v in args.variants}
+    for v in args.variants:
+        if v == base:
+            continue
+        spread = max(taus[base]) - min(taus[base])
+        diff = statistics.mean(taus[v]) - statistics.mean(taus[base])
+        variants[v]["vs_bf16"] = {"tau_mean_diff": round(diff, 4), "bf16_seed_spread": round(spread, 4),
+                                  "within_seed_spread": abs(diff) <= spread}
+    result = {
+        "what": "toy drafter trained on one GPU: evaluation tau_pooled per lever, seeds as listed",
+        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__, "python": platform.python_version(), "seeds": args.seeds,
+        "command": "python benchmarks/train_quality.py", "variants": variants, "runs": runs,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for v, r in variants.items():
+        t = r["tau_pooled"]
+        print(f"{v:20s} tau {t['mean']:.3f} +- {t['sd']:.3f}  {r.get('vs_bf16', '')}")
+
+
+if __name__ == "__main__":
+    main()
