@@ -108,3 +108,21 @@ def test_a_global_batch_the_training_processes_cannot_share_is_refused_before_an
     cfg.gpus.drafter, cfg.train.global_batch_tokens = 1, 1500
     with pytest.raises(UserError, match=r"use a multiple of 1024 from 1024 up, or 0"):
         check(cfg)
+
+
+def test_fp8_takes_a_known_recipe_and_a_gpu_with_fp8_matmuls():
+    import torch
+
+    from flashdraft.train_step import float8_linears
+
+    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    assert cfg.train.fp8 is None  # the embedded default trains as it always has
+    cfg.train.fp8 = "rowwise"
+    check(cfg)
+    cfg.train.fp8 = "e5m2"
+    with pytest.raises(UserError, match=r"train\.fp8: 'e5m2'; use one of tensorwise, rowwise, or null"):
+        check(cfg)
+    layer = torch.nn.Linear(32, 16)
+    with pytest.raises(ValueError, match=r"train\.fp8 \(tensorwise\) needs a GPU with FP8 .* not cpu"):
+        float8_linears(layer, "tensorwise", torch.device("cpu"))
+    assert type(layer) is torch.nn.Linear  # left as it was
