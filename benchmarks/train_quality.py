@@ -6,10 +6,10 @@ Writes benchmarks/results/train_quality_gpu.json and prints a table.
 
 The real workflow runs in `--work` (default /tmp/flashdraft-train-quality) on config/config.yaml with one
 GPU for the target side and one for training (gpus.target 1, gpus.drafter 1: the toy target in float32,
-training under bf16 autocast), as benchmarks/recipe_ablation.py runs its variants. Each seed has a work dir
-and GPU lease dir of its own (`--work`/seed-N), and the seeds run at once (the toy uses a sliver of the
-GPU; the numbers do not depend on it): a seed's first run builds the toy target, prompts, answers and
-hidden states, its later runs change only the variant's keys.
+training under bf16 autocast), as benchmarks/recipe_ablation.py runs its variants. Every run (a variant and
+a seed) has a work dir and GPU lease dir of its own (`--work`/NAME) and they all run at once: the toy uses
+a sliver of the GPU, and the numbers do not depend on what runs beside them. Each builds the toy target,
+prompts, answers and hidden states itself (the same, from the same config), so the runs share nothing.
 A lever's quality holds when its mean tau lies within the seed-to-seed spread of the baseline's (the
 largest minus the smallest tau over the baseline's seeds and the lever's seeds alike).
 tau is the evaluation's `tau_pooled` (emitted tokens per verify step, as `dflash_generate` counts it).
@@ -44,22 +44,20 @@ def main():
         raise SystemExit("train_quality measures training on a GPU; none is visible")
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    def seed_runs(seed: int) -> dict:
-        work = args.work / f"seed-{seed}"
+    def one(pair: tuple[str, int]) -> tuple[str, dict]:
+        v, seed = pair
+        name = f"{v}-seed{seed}"
+        work = args.work / name
         work.mkdir(exist_ok=True)
-        out = {}
-        for v in args.variants:
-            name = f"{v}-seed{seed}"
-            keys = {"train.seed": seed, **GPU, "gpus.lock_dir": str(work / "gpu-locks"), **VARIANTS[v]}
-            r = out[name] = run_one(work, name, keys)
-            print(f"{name:24s} tau_pooled {r['tau_pooled']:.3f}  final loss {r['final_train_loss']:.4f}  "
-                  f"{r['wall_s']:.0f} s", flush=True)
-        return out
+        keys = {"train.seed": seed, **GPU, "gpus.lock_dir": str(work / "gpu-locks"), **VARIANTS[v]}
+        r = run_one(work, name, keys)
+        print(f"{name:24s} tau_pooled {r['tau_pooled']:.3f}  final loss {r['final_train_loss']:.4f}  "
+              f"{r['wall_s']:.0f} s", flush=True)
+        return name, r
 
-    runs = {}
-    with ThreadPoolExecutor(len(args.seeds)) as pool:
-        for out in pool.map(seed_runs, args.seeds):
-            runs.update(out)
+    pairs = [(v, s) for s in args.seeds for v in args.variants]
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        runs = dict(pool.map(one, pairs))
     base = "bf16"
     taus = {v: [runs[f"{v}-seed{s}"]["tau_pooled"] for s in args.seeds] for v in args.variants}
     variants = {v: {"overrides": VARIANTS[v], "tau_pooled": stats(taus[v]),
