@@ -478,6 +478,8 @@ def compare(new: dict, base: dict, changes: dict, baseline: dict) -> dict:
             "mfu_required_grads": new["mfu_required_grads"],
             "baseline_mfu_required_grads": base["mfu_required_grads"],
             "mfu_note": "every matmul at the bf16 dense peak (989 TFLOP/s on H100/H200), FP8 ones too",
+            "baseline_start": {k: base.get(k) for k in ("launch_to_first_step_s", "first_step_s",
+                                                        "milestones")},
             **loss_difference(new.get("losses", {}), base.get("losses", {}))}
 
 
