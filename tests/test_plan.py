@@ -267,6 +267,29 @@ def test_both_modes_and_the_recommendation_on_production():
     assert roomy.best.mode == "store" and roomy.best.split == P.Split(8, 8)
 
 
+def test_fp8_training_is_planned_at_its_measured_factor_and_start():
+    base = P.load(PRODUCTION, target=QWEN3_8B)
+    fp8 = P.load(PRODUCTION, target=QWEN3_8B)
+    fp8.train.fp8, fp8.train.compile_loss = "tensorwise", True
+    plans = [P.plan(c, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B) for c in (base, fp8)]
+    (bf16_store, bf16_stream), (fp8_store, fp8_stream) = ((p["modes"]["store"], p["modes"]["stream"])
+                                                          for p in plans)
+    factor = P.RATES["train_fp8_speedup"].value
+    assert factor > 1
+    assert plans[1]["stages"]["training"]["hours"] == pytest.approx(
+        plans[0]["stages"]["training"]["hours"] / factor)
+    assert fp8_stream.hours["training"] == pytest.approx(bf16_stream.hours["training"] / factor)
+    assert fp8_stream.chunks.sizes == bf16_stream.chunks.sizes  # the same chunks, trained faster
+    # the first chunk job starts fresh, every later one from a checkpoint: float8's measured starts
+    c, p = fp8_stream.chunks, plans[1]
+    launches = [P.RATES["train_launch_resumed_fp8" if i else "train_launch_fp8"].value
+                for i in range(len(c.sizes))]
+    saves = [n / c.step_tokens / fp8.train.checkpoint_every * p["save_s"] + p["last_save_s"] for n in c.sizes]
+    assert fp8_stream.hours["start-up and checkpoints"] == pytest.approx((sum(launches) + sum(saves)) / 3600)
+    assert P.RATES["train_launch_resumed_fp8"].value != P.RATES["train_launch_resumed"].value
+    assert fp8_store.wall_hours < bf16_store.wall_hours
+
+
 def test_plan_command_writes_both_modes_and_refuses_a_budget_nothing_fits(tmp_path):
     out = tmp_path / "plan.json"
     proc = plan_cli("--configfile", PRODUCTION, "--gpus", 8, "--target-config", "qwen3-8b", "--json", out,

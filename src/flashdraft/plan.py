@@ -72,6 +72,14 @@ RATES = {
     # with 2 or more processes (DDP): the per-GPU rate of the 2-GPU run, assumed to hold at any count
     "train_per_gpu": Rate(18686.2, "train_drafter_qwen3-8b_2gpu.json", "throughput.2.tokens_per_s_per_gpu",
                           "tokens/s"),
+    # train.fp8 (tensorwise, with train.compile_loss) against bf16 in the same one-GPU run: the factor on
+    # the training rates above, assumed to hold on any GPU count; a float8 job starts slower (Dynamo)
+    "train_fp8_speedup": Rate(1.3762, "train_drafter_qwen3-8b_fp8.json", "comparison.speedup_vs_baseline",
+                              "x", scaled=False),
+    "train_launch_fp8": Rate(27.68, "train_drafter_qwen3-8b_fp8.json",
+                             "first_step.warm.launch_to_first_step_s", "s", scaled=False),
+    "train_launch_resumed_fp8": Rate(33.73, "train_drafter_qwen3-8b_fp8.json",
+                                     "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
     "eval_target_only": Rate(160.41, "eval_decode_qwen3-8b.json", "modes.target_only.tokens_per_s",
                              "new tokens/s"),
     # each speculative decoder (dflash, dflash_untrained, ngram), as measured at tau 1 (random weights)
@@ -333,6 +341,19 @@ class Run:
     def train_key(self, split: Split) -> str:
         return "train_1gpu" if self.world(split) == 1 else "train_per_gpu"
 
+    def train_keys(self, split: Split) -> list[str]:
+        """The rates training is planned with: the per-GPU rate, and train.fp8's measured factor."""
+        return [self.train_key(split)] + (["train_fp8_speedup"] if self.cfg.train.fp8 else [])
+
+    def train_rate(self, split: Split) -> float:
+        """Training tokens/s per GPU."""
+        return math.prod(rate(k, self.scale) for k in self.train_keys(split))
+
+    def launch_s(self, resumed: bool) -> float:
+        """A training job's start to its first step (warm compile cache); `resumed`: from a checkpoint."""
+        key = "train_launch_resumed" if resumed else "train_launch"
+        return rate(key + ("_fp8" if self.cfg.train.fp8 else ""), 1)
+
     def train_tokens(self, split: Split) -> float:
         t = self.cfg.train
         work = t.epochs * self.tok.total
@@ -374,7 +395,7 @@ class Run:
         new_tokens = self.tok.samples * self.tok.answer_tokens if local else 0.0
         seconds = new_tokens / rate("regenerate", self.scale)
         seconds += precompute_tokens / rate(self.precompute_key(), self.scale)
-        seconds += self.train_tokens(split) / rate(self.train_key(split), self.scale)
+        seconds += self.train_tokens(split) / self.train_rate(split)
         seconds += self.tok.eval_prompts * self.eval_prompt_s()
         return seconds / 3600
 
@@ -410,10 +431,10 @@ def stage_table(run: Run, split: Split) -> dict:
     hours = _waves_hours(tok.total, cfg.hidden.shards, g, rate(key, scale)) if g else None
     stage("precompute", tok.total, "tokens", [key], hours, g)
 
-    world, key = run.world(split), run.train_key(split)
+    world = run.world(split)
     work = run.train_tokens(split)
-    hours = work / (rate(key, scale) * world) / 3600 if split.drafter else None
-    stage("training", work, "tokens", [key], hours, split.drafter * cfg.gpus.drafter_nodes)
+    hours = work / (run.train_rate(split) * world) / 3600 if split.drafter else None
+    stage("training", work, "tokens", run.train_keys(split), hours, split.drafter * cfg.gpus.drafter_nodes)
 
     saves = int(work / run.step_tokens(split)) // cfg.train.checkpoint_every
     hours = (saves * run.save_s() + run.last_save_s()) / 3600 if split.drafter else None
@@ -514,11 +535,11 @@ def stream_mode(run: Run, split: Split, budget: int) -> ModePlan:
     cap, source, sizes = chunk_sizes(run, split, budget)
     on_gpus = split.target > 0 and split.drafter > 0 and run.gpus > 0
     pre_rate = rate(run.precompute_key(), run.scale) * max(1, split.target)
-    train_rate = rate(run.train_key(split), run.scale) * run.world(split)
+    train_rate = run.train_rate(split) * run.world(split)
     step, every = run.step_tokens(split), cfg.train.checkpoint_every
     pre = [n / pre_rate for n in sizes]
     train = [n / train_rate for n in sizes]
-    startup = [rate("train_launch_resumed" if c else "train_launch", 1) + run.last_save_s()
+    startup = [run.launch_s(resumed=c > 0) + run.last_save_s()
                + run.save_s() * (n / step / every) for c, n in enumerate(sizes)]  # + the saves within it
     chunk_train = [t + s for t, s in zip(train, startup, strict=True)]
     pipeline = pipeline_seconds(pre, chunk_train) / 3600 if on_gpus else None
@@ -652,7 +673,9 @@ def render(p: dict, configfile) -> str:
               "| stage | work | per-GPU rate | GPUs | hours |", "| --- | --- | --- | --- | --- |"]
     sources = []
     for name, s in p["stages"].items():
-        rates = " + ".join(f"{r:,.4g}" if s["unit"] == "bytes" else f"{r:,.1f}" for r in s["rates"].values())
+        rates = " + ".join(f"{r:,.4g}" if s["unit"] == "bytes" else f"{r:,.1f}"
+                           for k, r in s["rates"].items() if RATES[k].unit != "x")
+        rates += "".join(f" x {r:.3g}" for k, r in s["rates"].items() if RATES[k].unit == "x")  # factors
         unit = "GB" if s["unit"] == "bytes" else s["unit"]
         work = human_bytes(s["work"]) if s["unit"] == "bytes" else f"{_num(s['work'])} {s['unit']}"
         lines.append(f"| {name} | {work} | {rates} {unit}/s | {s['gpus']} | {_hours(s['hours'])} |")
