@@ -22,6 +22,7 @@ import torch
 from train_drafter import PRESETS
 
 from flashdraft.loss import LinearCrossEntropy
+from flashdraft.objectives import DPace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def inputs(preset: dict, device: torch.device, dtype: torch.dtype):
     return h, head, labels, torch.ones(n, device=device), width
 
 
-def run(h, head, labels, mask, chunk: int, dpace, compiled: bool):
+def run(h, head, labels, mask, chunk: int, dpace: DPace, compiled: bool):
     x = h.detach().requires_grad_(True)
     total, correct = LinearCrossEntropy.apply(x, head, labels, mask, chunk, dpace, compiled)
     total.backward()
@@ -74,7 +75,7 @@ def main():
     device = torch.device("cuda:0" if cuda else "cpu")
     dtype = getattr(torch, preset["dtype"]) if cuda else torch.float32
     h, head, labels, mask, width = inputs(preset, device, dtype)
-    chunk, dpace = args.chunk_blocks * width, (width, 0.5)
+    chunk, dpace = args.chunk_blocks * width, DPace(0.5, width + 1)
     result = {"what": __doc__.split("\n\n")[0].replace("\n", " "), "preset": args.preset,
               "machine": {"torch": torch.__version__, "python": platform.python_version(),
                           "device": torch.cuda.get_device_name(device) if cuda else "cpu"},

@@ -20,6 +20,7 @@ from flashdraft.config import (
 )
 from flashdraft.errors import UserError
 from flashdraft.io import DTYPES, STORAGE_DTYPES, torch_dtype
+from flashdraft.objectives import OBJECTIVES
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -50,6 +51,21 @@ def test_schema_dtypes_are_the_ones_torch_dtype_takes():
         enum = props[section]["properties"]["dtype"]["enum"]
         assert sorted(enum) == sorted(names), f"{section}.dtype: schema {enum} vs flashdraft.io {names}"
         assert all(torch_dtype(n, names).itemsize in (1, 2, 4) for n in enum)
+
+
+def test_schema_losses_are_the_registered_objectives():
+    enum = yaml.safe_load(SCHEMA.read_text())["properties"]["train"]["properties"]["loss"]["enum"]
+    assert sorted(enum) == sorted(OBJECTIVES), f"train.loss: schema {enum} vs objectives {list(OBJECTIVES)}"
+
+
+def test_an_unknown_loss_is_one_line_before_any_job():
+    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    for name in OBJECTIVES:
+        cfg.train.loss = name
+        check(cfg)
+    cfg.train.loss = "mean"
+    with pytest.raises(UserError, match=r"^config key train\.loss: 'mean'; use one of decay, dpace$"):
+        check(cfg)
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "production.yaml"])

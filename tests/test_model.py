@@ -9,13 +9,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from flashdraft.config import DrafterConfig
+from flashdraft.config import DrafterConfig, TrainConfig
 from flashdraft.loss import (
     LinearCrossEntropy,
     block_inputs,
     block_labels,
     dflash_loss,
-    dpace_weights,
     num_anchor_slots,
     sample_anchors,
     simulated_tau,
@@ -31,6 +30,7 @@ from flashdraft.model import (
     export_drafter,
     load_drafter,
 )
+from flashdraft.objectives import OBJECTIVES, Decay, DPace, dpace_weights, objective_for
 from flashdraft.target import load_target_head
 
 B = 8  # block size of the tiny drafter
@@ -293,7 +293,7 @@ def test_loss_is_weighted_ce_of_predict_block_logits(setup):
     drafter, ids, loss_mask, hidden, embed, head, anchors, valid = setup
     gamma = 4.0
     with torch.no_grad():
-        loss, stats = dflash_loss(drafter, ids, loss_mask, hidden, anchors, valid, embed, head, gamma,
+        loss, stats = dflash_loss(drafter, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(gamma),
                                   chunk_blocks=2)
     num, den = 0.0, 0.0
     for r in range(2):
@@ -341,7 +341,8 @@ def test_chunked_loss_equals_unchunked_in_value_and_gradient(setup):
     for chunk in (1, 128):
         torch.manual_seed(1)
         d = DFlashDrafter(tiny_spec())
-        loss, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 7.0, chunk_blocks=chunk)
+        loss, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(7.0),
+                              chunk_blocks=chunk)
         loss.backward()
         losses.append(loss.item())
         grads.append(torch.cat([p.grad.flatten() for p in d.parameters()]))
@@ -372,8 +373,8 @@ def test_dpace_loss_is_the_weighted_ce_per_block_with_detached_weights(setup):
     torch.manual_seed(2)
     d = DFlashDrafter(tiny_spec())
     alpha, s = 0.3, ids.shape[1]
-    loss, stats = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0, chunk_blocks=2,
-                              objective="dpace", dpace_alpha=alpha)
+    loss, stats = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, DPace(alpha, B),
+                              chunk_blocks=2)
     loss.backward()
     got = torch.cat([p.grad.flatten() for p in d.parameters()])
     d.zero_grad()
@@ -398,13 +399,29 @@ def test_dpace_loss_is_the_weighted_ce_per_block_with_detached_weights(setup):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
     assert got.abs().sum() > 0
     with torch.no_grad():
-        given, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0,
-                               objective="dpace", dpace_alpha=alpha, normalizer=torch.tensor(10.0))
+        given, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, DPace(alpha, B),
+                               normalizer=torch.tensor(10.0))
     assert given.item() == pytest.approx(num.item() / 10, rel=1e-5)
-    decay, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0)
+    decay, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(4.0))
     assert decay.item() != pytest.approx(loss.item(), rel=1e-3)  # the objective is not ignored
     with pytest.raises(ValueError, match="train.loss"):
-        dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0, objective="mean")
+        objective_for(TrainConfig(loss="mean"), B)
+
+
+def test_train_loss_names_its_objective_with_the_config_keys():
+    """objective_for: the registered class of train.loss, built from train.gamma / train.dpace_alpha and
+    the block size; D-PACE's fixed weights are the label mask (block_labels without a decay)."""
+    assert {name: type(objective_for(TrainConfig(loss=name), B)) for name in OBJECTIVES} == OBJECTIVES
+    assert objective_for(TrainConfig(loss="decay"), 16) == Decay(7.0)  # train.gamma null: by block size
+    assert objective_for(TrainConfig(loss="decay", gamma=3.0), B).decay() == 3.0
+    dpace = objective_for(TrainConfig(loss="dpace", dpace_alpha=0.3), B)
+    assert dpace == DPace(0.3, B) and dpace.decay() is None
+    ids, loss_mask = torch.arange(12)[None], torch.ones(1, 12)
+    loss_mask[0, 6] = 0
+    anchors, valid = torch.tensor([[2, 8, -1]]), torch.tensor([[True, True, False]])
+    _, w, label_mask = block_labels(ids, loss_mask, anchors, valid, B, None)
+    assert torch.equal(w, label_mask.float())
+    assert dpace.normalizer(w, valid).item() == 2.0  # the blocks, not the weights' sum
 
 
 @pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
@@ -431,7 +448,7 @@ def test_linear_cross_entropy_equals_autograd_in_value_gradient_and_argmax(head_
     assert head.grad is None
 
 
-@pytest.mark.parametrize("dpace", [None, (5, 0.5)])
+@pytest.mark.parametrize("dpace", [None, DPace(0.5, 6)])
 def test_compiled_cross_entropy_chunks_equal_eager_ones(dpace):
     """train.compile_loss: the full chunks compiled (the last, shorter chunk eager) give the eager value,
     gradient and argmax hits, with fixed weights and with D-PACE's (blocks of 5 positions)."""
@@ -523,7 +540,7 @@ def test_flex_and_sdpa_agree_on_gpu_in_loss_and_gradients():
     for attention in ("sdpa", "flex"):
         torch.manual_seed(1)
         d = DFlashDrafter(tiny_spec()).to(dev)
-        loss, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, 4.0, attention)
+        loss, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(4.0), attention)
         loss.backward()
         results.append((loss.item(), torch.cat([p.grad.flatten() for p in d.parameters()])))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-4)

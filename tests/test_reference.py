@@ -11,6 +11,7 @@ from flashdraft.config import DrafterConfig, ToyConfig, target_layer_ids
 from flashdraft.evaluate import prompt_ids
 from flashdraft.loss import dflash_loss, sample_anchors
 from flashdraft.model import DFlashDrafter, DraftCache, DrafterSpec, export_drafter
+from flashdraft.objectives import Decay
 from flashdraft.speculative import DFlashProposer, make_session, speculative_decode, target_decode
 from flashdraft.target import eos_ids, load_target, select_features
 from flashdraft.toy import build_toy_target, task_conversations
@@ -51,7 +52,7 @@ def train_briefly(model, spec, sequences, prompt_lens, steps=60):
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         anchors, valid = sample_anchors(loss_mask, 16, B, gen)
-        loss, _ = dflash_loss(drafter, ids, loss_mask, hidden, anchors, valid, embed, head, gamma=4.0)
+        loss, _ = dflash_loss(drafter, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(4.0))
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -18,6 +18,7 @@ from typing import Any
 from .errors import UserError
 from .hf_config import read_target_config, target_max_positions, target_num_layers
 from .io import bytes_per_token, parse_bytes
+from .objectives import OBJECTIVES
 
 
 @dataclass
@@ -145,7 +146,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_anchors: int = 512
     # dpace: D-PACE's position weights from the drafter's own confidence (beat decay on every seed of the
-    # toy ablation, benchmarks/results/recipe_ablation_toy.json) | decay: the paper's exp(-(k-1)/gamma)
+    # toy ablation, benchmarks/results/recipe_ablation_toy.json) | decay: the paper's exp(-(k-1)/gamma);
+    # a key of objectives.OBJECTIVES
     loss: str = "dpace"
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
     dpace_alpha: float = 0.5  # D-PACE confidence smoothing, q~ = (1 - alpha) q + alpha, in [0, 1]
@@ -324,6 +326,8 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
             f"config key drafter.sliding_window ({w}) < drafter.block_size ({bs}): a window must hold a "
             "whole block; use a window of at least the block size, or null for none"
         )
+    if t.loss not in OBJECTIVES:
+        raise UserError(f"config key train.loss: {t.loss!r}; use one of {', '.join(OBJECTIVES)}")
     if t.fp8 is not None and t.fp8 not in FP8_RECIPES:
         raise UserError(f"config key train.fp8: {t.fp8!r}; use one of {', '.join(FP8_RECIPES)}, or null")
     check_validation(t, p.total)

@@ -5,7 +5,7 @@ Per step we sample anchors p (positions with loss_mask[p] and loss_mask[p+1]); e
 block `[token[p], MASK x (B-1)]` at positions p..p+B-1, which sees the context strictly before its
 anchor and its own block (model.dflash_mask_mod). Block position k predicts token[p+k] (same position,
 no shift), k=1..B-1, with loss weight loss_mask[p+k]*exp(-(k-1)/gamma) (`train.loss: decay`) or D-PACE's
-weights from the drafter's own confidence (`train.loss: dpace`).
+weights from the drafter's own confidence (`train.loss: dpace`): the objectives are objectives.py's.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from .model import DrafterSpec, dense_mask, dflash_mask_mod
+from .objectives import Objective
 
 FLEX_MULTIPLE = 128  # flex_attention kernels need Q and KV lengths padded to its block size
 
@@ -91,11 +92,12 @@ def block_inputs(input_ids, anchors, block_size: int, mask_token_id: int):
     return ids.view(b, -1), positions.view(b, -1)
 
 
-def block_labels(input_ids, loss_mask, anchors, valid, block_size: int, gamma: float):
+def block_labels(input_ids, loss_mask, anchors, valid, block_size: int, gamma: float | None):
     """Labels, loss weights and label mask `[b, A, B-1]` for block positions k=1..B-1.
 
     Block position k predicts token[anchor+k] (the same position: no shift). Weight
-    loss_mask[anchor+k] * exp(-(k-1)/gamma); 0 past the sequence end and for padded anchors."""
+    loss_mask[anchor+k] * exp(-(k-1)/gamma); 0 past the sequence end and for padded anchors. gamma None:
+    the label mask as weights (an objective that makes its own, `Objective.decay`)."""
     s = input_ids.shape[1]
     k = torch.arange(1, block_size, device=anchors.device)
     idx = anchors[:, :, None] + k  # [b, A, B-1]
@@ -103,6 +105,8 @@ def block_labels(input_ids, loss_mask, anchors, valid, block_size: int, gamma: f
     idx = idx.clamp(0, s - 1)
     labels = input_ids.gather(1, idx.flatten(1)).view_as(idx)
     label_mask = inside & (loss_mask.gather(1, idx.flatten(1)).view_as(idx) > 0)
+    if gamma is None:
+        return labels, label_mask.float(), label_mask
     decay = torch.exp(-(k - 1).float() / gamma)
     weights = label_mask.float() * decay
     return labels, weights, label_mask
@@ -130,16 +134,14 @@ def train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, atte
     return out.view(b, a, bs, -1)
 
 
-def ce_chunk(h, weight, y, w, dpace=None):
+def ce_chunk(h, weight, y, w, objective: Objective | None = None):
     """One chunk of LinearCrossEntropy: (sum w*CE, whether each row's argmax is its label, the gradient
     for h). The softmax is made in place in the logits' memory: one `[chunk, V]` float32 buffer."""
     logits = (h.to(weight.dtype) @ weight.T).float()
     lse = logits.logsumexp(-1)
     ce = lse - logits.gather(1, y[:, None]).squeeze(1)
-    if dpace is not None:
-        width, alpha = dpace
-        mask = w.view(-1, width) > 0
-        w = dpace_weights(torch.exp(-ce).view(-1, width), mask, alpha).flatten()
+    if objective is not None:
+        w = objective.chunk_weights(ce, w)
     correct = logits.argmax(-1) == y
     grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: d CE / d logits = p - onehot
     grad[torch.arange(len(y), device=y.device), y] -= 1.0
@@ -164,16 +166,18 @@ class LinearCrossEntropy(torch.autograd.Function):
     are kept for the backward and none are recomputed (W gets no gradient). Also returns, without a
     gradient, whether each row's argmax is its label.
 
-    dpace: None (the weights `weights` are fixed), or `(width, alpha)`: rows are blocks of `width`
-    positions (a chunk holds whole blocks), `weights` is their 0/1 label mask, and each block's weights
-    are `dpace_weights` of its own label probabilities, detached, computed from the chunk's logits.
+    objective: None (the weights `weights` are fixed), or an `Objective` whose `chunk_weights` makes each
+    chunk's weights from its rows' CE and `weights` (`DPace`: rows are blocks of B-1 positions, a chunk
+    holds whole blocks, `weights` is their 0/1 label mask, and each block's weights are `dpace_weights`
+    of its own label probabilities, detached, computed from the chunk's logits).
     compiled: full chunks go through `compiled_ce_chunk` (the last, shorter one eager).
 
     The logits are h @ W.T in W's dtype (bf16 on GPU, as autocast would give), then float32 for the
     softmax; the gradient goes back through the same matmul in W's dtype."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, weights, chunk: int, dpace=None, compiled: bool = False):
+    def forward(ctx, h, weight, labels, weights, chunk: int, objective: Objective | None = None,
+                compiled: bool = False):
         grad_h = torch.empty_like(h)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(labels.shape, dtype=torch.bool, device=h.device)
@@ -182,7 +186,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             for i in range(0, h.shape[0], chunk):
                 j = slice(i, i + chunk)
                 run = fused if h[j].shape[0] == chunk else ce_chunk
-                ce, correct[j], grad_h[j] = run(h[j], weight, labels[j], weights[j].float(), dpace)
+                ce, correct[j], grad_h[j] = run(h[j], weight, labels[j], weights[j].float(), objective)
                 total += ce
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(correct)
@@ -194,47 +198,13 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_h * grad_total, None, None, None, None, None, None
 
 
-LOSSES = ("decay", "dpace")
-
-
-def dpace_weights(q, label_mask, alpha: float):
-    """D-PACE position weights `[N, B-1]` from the drafter's probabilities q of the labels at block
-    positions 1..B-1 (D-PACE: Dynamic Position-Aware Cross-Entropy for Parallel Speculative Drafting,
-    Wu et al., arXiv 2605.18810, Eq. 7-8; the authors' code github.com/Lucas-TY/D-PACE,
-    specforge/core/dflash.py `_dpace_weight`):
-
-        q~_i = (1 - alpha) q_i + alpha                 (smoothing, Eq. 7)
-        w_j  = sum_{m >= j} prod_{i <= m} q~_i         (Eq. 8: d E[accepted length] / d log q_j)
-
-    A position without a label (loss mask 0, past the sequence end) is 1 in the products and adds
-    nothing to the sums, and gets weight 0, as in the authors' code. The weights are detached: they set
-    how much each position's CE counts, the gradient flows only through the CE (Eq. 9)."""
-    q = q.detach().float()
-    smooth = torch.where(label_mask, (1.0 - alpha) * q + alpha, torch.ones_like(q))
-    prefix = smooth.cumprod(-1) * label_mask
-    return prefix.flip(-1).cumsum(-1).flip(-1) * label_mask
-
-
-def loss_normalizer(weights, valid, objective: str):
-    """What the summed weighted CE is divided by: the decay weights' sum (the DFlash recipe), or for
-    D-PACE the number of real blocks (anchors), not the weights' sum, which would cancel the
-    expected-length credit the weights carry (the D-PACE author, sgl-project/SpecForge#828; SpecForge
-    #848 normalizes by anchors too). Both are known before the forward and add up over micro-batches
-    and ranks, so a global batch can be normalized once (see train.py)."""
-    if objective == "decay":
-        return weights.sum()
-    if objective == "dpace":
-        return valid.sum().to(weights.dtype)
-    raise ValueError(f"train.loss must be one of {LOSSES}, not {objective!r}")
-
-
 def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_weight, lm_head_weight,
-                gamma: float, attention: str = "sdpa", chunk_blocks: int = 128, objective: str = "decay",
-                dpace_alpha: float = 0.5, normalizer=None, compile_loss: bool = False):
-    """Weighted block CE: loss = sum(w*CE) / normalizer. objective decay: w = loss_mask *
-    exp(-(k-1)/gamma), normalizer sum(w) (the DFlash recipe); dpace: w = `dpace_weights`, normalizer the
-    number of blocks (see `loss_normalizer`). `normalizer`: a given one (a global batch's, summed over
-    its micro-batches and ranks) instead of this batch's own. The LM head + CE run `chunk_blocks` blocks
+                objective: Objective, attention: str = "sdpa", chunk_blocks: int = 128, normalizer=None,
+                compile_loss: bool = False):
+    """Weighted block CE: loss = sum(w*CE) / normalizer, w and the normalizer the objective's (`Decay`:
+    w = loss_mask * exp(-(k-1)/gamma), normalizer sum(w), the DFlash recipe; `DPace`: w = `dpace_weights`,
+    normalizer the number of blocks). `normalizer`: a given one (a global batch's, summed over its
+    micro-batches and ranks) instead of this batch's own. The LM head + CE run `chunk_blocks` blocks
     at a time (LinearCrossEntropy), so full logits `[blocks*(B-1), V]` never exist at once, and the
     backward needs none; `compile_loss`: its chunks compiled (compiled_ce_chunk).
 
@@ -242,16 +212,14 @@ def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_wei
     (see `summarize`): [sum w*CE, sum normalizer, sum tau, blocks, correct_k (B-1), counted_k (B-1)]."""
     bs = _spec(drafter).block_size
     out = train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, attention)
-    labels, weights, label_mask = block_labels(input_ids, loss_mask, anchors, valid, bs, gamma)
-    own = loss_normalizer(weights, valid, objective)
+    labels, weights, label_mask = block_labels(input_ids, loss_mask, anchors, valid, bs, objective.decay())
+    own = objective.normalizer(weights, valid)
     sel = valid.flatten()  # only real blocks go through the LM head
     h = out[:, :, 1:].flatten(0, 1)[sel]
     labels, weights, label_mask = (t.flatten(0, 1)[sel] for t in (labels, weights, label_mask))
     rows = h.flatten(0, 1)  # [blocks*(B-1), H]
-    dpace = (bs - 1, dpace_alpha) if objective == "dpace" else None
-    fixed = label_mask.float() if dpace else weights
-    ce_sum, correct = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), fixed.flatten(),
-                                               chunk_blocks * (bs - 1), dpace, compile_loss)
+    ce_sum, correct = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), weights.flatten(),
+                                               chunk_blocks * (bs - 1), objective, compile_loss)
     correct = correct.view_as(labels)
     loss = ce_sum / (own if normalizer is None else normalizer).clamp(min=1e-6)
     if isinstance(drafter, torch.nn.parallel.DistributedDataParallel):

@@ -11,8 +11,9 @@ import torch
 from .config import DrafterConfig, TrainConfig
 from .hf_config import plain_target_config, read_target_config
 from .io import torch_dtype
-from .loss import block_labels, dflash_loss, loss_normalizer, resolve_attention, sample_anchors
+from .loss import block_labels, dflash_loss, resolve_attention, sample_anchors
 from .model import DFlashDrafter, DrafterSpec, init_weights
+from .objectives import Objective, objective_for
 from .target import load_target_head
 
 
@@ -24,9 +25,7 @@ class Step:
     spec: DrafterSpec
     embed: torch.Tensor  # frozen target embedding [V, H]
     head: torch.Tensor  # frozen target LM head [V, H]
-    gamma: float
-    objective: str  # decay | dpace (train.loss)
-    dpace_alpha: float
+    objective: Objective  # train.loss with its keys (objectives.objective_for)
     attention: str  # flex | sdpa
     max_anchors: int
     compile_loss: bool  # train.compile_loss: the LM head's chunked CE compiled
@@ -80,9 +79,9 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
         drafter.compile(dynamic=False)
     amp = amp_dtype(cfg, device)
     embed, head = head.result() if head is not None else frozen_head(target_dir, device, amp)
-    gamma, attention = cfg.loss_gamma(spec.block_size), resolve_attention(cfg.attention, device)
-    return Step(drafter, spec, embed, head, gamma, cfg.loss, cfg.dpace_alpha, attention, cfg.max_anchors,
-                cfg.compile_loss, device, amp)
+    objective, attention = objective_for(cfg, spec.block_size), resolve_attention(cfg.attention, device)
+    return Step(drafter, spec, embed, head, objective, attention, cfg.max_anchors, cfg.compile_loss, device,
+                amp)
 
 
 def float8_linears(model: torch.nn.Module, recipe: str, device: torch.device) -> int:
@@ -117,21 +116,20 @@ def anchors_for(step: Step, loss_mask, generator=None, seeds=None):
 
 
 def batch_normalizer(step: Step, batch: dict, anchors, valid) -> torch.Tensor:
-    """This micro-batch's share of the loss normalizer (`loss_normalizer`), known before its forward."""
+    """This micro-batch's share of the loss normalizer (`Objective.normalizer`), known before its forward."""
     ids, mask = (batch[k].to(step.device, non_blocking=True) for k in ("input_ids", "loss_mask"))
-    _, weights, _ = block_labels(ids, mask, anchors, valid, step.spec.block_size, step.gamma)
-    return loss_normalizer(weights, valid, step.objective).double()
+    _, weights, _ = block_labels(ids, mask, anchors, valid, step.spec.block_size, step.objective.decay())
+    return step.objective.normalizer(weights, valid).double()
 
 
 def forward_backward(step: Step, batch: dict, anchors, valid, normalizer=None):
     """Loss, backward; returns (detached loss, stats). The optimizer step is the caller's. normalizer:
-    what the summed weighted CE is divided by (None: this batch's own, `loss_normalizer`)."""
+    what the summed weighted CE is divided by (None: this batch's own, `Objective.normalizer`)."""
     dev = step.device
     ids, mask, hidden = (batch[k].to(dev, non_blocking=True) for k in ("input_ids", "loss_mask", "hidden"))
     with torch.autocast(dev.type, dtype=step.amp_dtype or torch.bfloat16, enabled=step.amp_dtype is not None):
         loss, stats = dflash_loss(step.model, ids, mask, hidden, anchors, valid, step.embed, step.head,
-                                  step.gamma, step.attention, objective=step.objective,
-                                  dpace_alpha=step.dpace_alpha, normalizer=normalizer,
+                                  step.objective, step.attention, normalizer=normalizer,
                                   compile_loss=step.compile_loss)
     loss.backward()
     return loss.detach(), stats

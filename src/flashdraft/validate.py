@@ -136,8 +136,7 @@ class Validator:
                     seeds = [anchor_seed(self.ids[i]) for i in rows] + [None] * (len(mask) - len(rows))
                     anchors, valid = anchors_for(step_fn, batch["loss_mask"], seeds=seeds)
                     _, stats = dflash_loss(drafter, ids, mask, hidden, anchors, valid, step_fn.embed,
-                                           step_fn.head, step_fn.gamma, step_fn.attention,
-                                           objective=step_fn.objective, dpace_alpha=step_fn.dpace_alpha)
+                                           step_fn.head, step_fn.objective, step_fn.attention)
                     if per is None:
                         per = torch.zeros(n, len(stats), dtype=torch.float64, device=d.device)
                     if k is not None:
