@@ -8,53 +8,60 @@ from pathlib import Path
 import pandas as pd
 from conftest import headless_dom
 
+from flashdraft.evaluate import NO_MISMATCH, _row, read_rows, write_outputs, write_rows
 from flashdraft.report import build_report
+from flashdraft.speculative import Decoded
 
 REPO = Path(__file__).resolve().parents[1]
 B = 4
 
 
+def decoded(steps: list[tuple[int, int]], seconds: float, changed_at: int | None = None) -> Decoded:
+    """A speculative decode as `speculative_decode` returns it: per verify step (tokens emitted, draft
+    positions verified), the accepted drafts being all emitted tokens but the bonus. Its new tokens are the
+    prefill's first and then the emitted ones: 0, 1, 2, ..., but for a different token at `changed_at`."""
+    emitted = [e for e, _ in steps]
+    tokens = list(range(1 + sum(emitted)))
+    if changed_at is not None:
+        tokens[changed_at] = -1
+    return Decoded(tokens, emitted, [e - 1 for e in emitted], [v for _, v in steps], seconds)
+
+
+def target_only(new_tokens: int, seconds: float) -> Decoded:
+    """A target-only decode as `target_decode` returns it: one step per token after the first."""
+    steps = new_tokens - 1
+    return Decoded(list(range(new_tokens)), [1] * steps, [0] * steps, [0] * steps, seconds)
+
+
+def eval_rows() -> list[dict]:
+    """The evaluate stage's per-prompt rows (`evaluate._row`, as `evaluate.evaluate` builds them) for two
+    greedy prompts: target-only, a lossless DFlash drafter, and an n-gram drafter whose output on prompt a
+    leaves target-only's at new token 7, where the target's two choices are a numerical tie."""
+    tie_at_7 = (7, 0.125, True)  # what evaluate.first_mismatch returns: position, logit gap, numerical tie
+    rows = []
+    for index, (pid, new_tokens, target_s, dflash, dflash_s, ngram, ngram_s, mismatch) in enumerate([
+        # a: 35 tokens after the first; DFlash in 10 steps (tau 3.5), n-gram in 28 (tau 1.25)
+        ("a", 36, 0.35, [(4, 3)] * 5 + [(3, 3)] * 5, 0.14, [(2, 3)] * 7 + [(1, 3)] * 7 + [(1, 0)] * 14, 0.3,
+         tie_at_7),
+        # b: 11 tokens after the first; DFlash in 4 steps (tau 2.75), n-gram in 10 (tau 1.1)
+        ("b", 12, 0.11, [(4, 3), (3, 3), (2, 3), (2, 3)], 0.044, [(2, 3)] + [(1, 0)] * 9, 0.1, None),
+    ]):
+        rows.append(_row(pid, "target_only", target_only(new_tokens, target_s), 20, True, index=index))
+        rows.append(_row(pid, "dflash", decoded(dflash, dflash_s), 20, True, index=index))
+        ng = decoded(ngram, ngram_s, mismatch[0] if mismatch else None)
+        rows.append(_row(pid, "ngram", ng, 20, mismatch is None, mismatch or NO_MISMATCH, index=index))
+    return rows
+
+
 def write_inputs(root: Path) -> dict:
     """Small real input files in the formats the evaluate, train, prompts stages and Snakemake write."""
-    summary = {
-        "target_only": {"tokens_per_s": 100.0},
-        "dflash": {
-            "tau_pooled": 3.21,
-            "tau_prompt_mean": 3.14,
-            "tau_hist": [1, 2, 3, 14],
-            "per_position_acceptance": [0.95, 0.9, 0.7],
-            "tokens_per_s": 250.0,
-            "speedup": 2.5,
-            "lossless_all": True,
-            "prompts": 4,
-        },
-        "ngram": {
-            "tau_pooled": 1.37,
-            "tau_prompt_mean": 1.36,
-            "tau_hist": [12, 3, 1, 0],
-            "per_position_acceptance": [0.25, 0.06, 0.0],
-            "tokens_per_s": 120.0,
-            "speedup": 1.2,
-            "lossless_all": False,
-            "exact_match_rate": 0.75,
-            "mismatches": 1,
-            "numerical_ties": 1,
-            "divergences": [{"id": "a", "position": 7, "numerical_tie": True, "logit_gap": 0.125}],
-            "prompts": 4,
-        },
-    }
-    (root / "eval").mkdir()
-    (root / "eval" / "summary.json").write_text(json.dumps(summary))
-    per_prompt = [
-        ("a", "target_only", 1.0, 30, True),
-        ("a", "dflash", 3.5, 30, True),
-        ("a", "ngram", 1.25, 30, False),
-        ("b", "target_only", 1.0, 12, True),
-        ("b", "dflash", 2.75, 12, True),
-        ("b", "ngram", 1.5, 12, True),
-    ]
-    cols = ["id", "drafter", "tau", "new_tokens", "lossless"]
-    pd.DataFrame(per_prompt, columns=cols).to_parquet(root / "eval" / "per_prompt.parquet")
+    # the evaluate stage writes a shard of rows per job; evaluate_merge joins them into per_prompt.parquet
+    # and summary.json
+    eval_dir, rows = root / "eval", eval_rows()
+    shards = [eval_dir / "shards" / f"shard-{i:05d}.parquet" for i in range(2)]
+    for i, shard in enumerate(shards):
+        write_rows([r for r in rows if r["prompt_index"] == i], shard)
+    write_outputs(read_rows(shards), B, eval_dir)
     steps = list(range(0, 50, 10))
     metrics = {
         "step": steps,
@@ -104,7 +111,7 @@ def write_inputs(root: Path) -> dict:
     for name, s in [("prompts", 1.5), ("train", 421.75), ("hidden_shard/0", 12.0), ("hidden_shard/1", 13.0)]:
         (bench / f"{name}.tsv").write_text(header + f"{s}\t0:00:01\t812.5\t900\t700\t710\t1\t2\t50\t{s}\n")
     return dict(
-        eval_dir=root / "eval",
+        eval_dir=eval_dir,
         metrics_csv=root / "metrics.csv",
         prompt_stats=root / "stats.json",
         benchmarks_dir=bench,
@@ -150,15 +157,15 @@ def test_report_has_plots_tables_and_numbers(tmp_path):
         assert (tmp_path / "plots" / f"{name}.png").read_bytes() == base64.b64decode(data)
     assert "http" not in doc  # self-contained: nothing loaded from elsewhere
     # headline numbers: tau, speedup, losslessness per drafter
-    row = "<td>dflash</td><td>3.21</td><td>3.14</td><td>4</td><td>250.00</td><td>2.50</td><td>yes</td>"
+    row = "<td>dflash</td><td>3.29</td><td>3.12</td><td>2</td><td>250.00</td><td>2.50</td><td>yes</td>"
     assert row in doc
-    assert "<td>ngram</td><td>1.37</td><td>1.36</td>" in doc and "<td>NO</td>" in doc
+    assert "<td>ngram</td><td>1.21</td><td>1.18</td>" in doc and "<td>NO</td>" in doc
     # losslessness in numbers: exact-match rate, differing outputs (numerical ties), where they diverged
-    assert "<td>NO</td><td>0.75</td><td>1 (1)</td>" in doc
+    assert "<td>NO</td><td>0.5</td><td>1 (1)</td>" in doc
     assert "<td>ngram</td><td>a</td><td>7</td><td>0.125</td><td>yes</td>" in doc
     # tau per prompt, one column per drafter; a prompt is lossless only if every drafter was
-    assert "<td>a</td><td>30</td><td>3.50</td><td>1.25</td><td>NO</td>" in doc
-    assert "<td>b</td><td>12</td><td>2.75</td><td>1.50</td><td>yes</td>" in doc
+    assert "<td>a</td><td>36</td><td>3.50</td><td>1.25</td><td>NO</td>" in doc
+    assert "<td>b</td><td>12</td><td>2.75</td><td>1.10</td><td>yes</td>" in doc
     # prompt stats per source: reject total, then one column per reason (0 where a source has none)
     assert "<th>rejected: unparseable</th>" in doc
     assert "<td>sharegpt</td><td>200</td><td>190</td><td>3</td><td>2</td><td>1</td><td>7</td>" in doc
