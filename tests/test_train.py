@@ -599,6 +599,39 @@ def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(d
     assert next(drafter.parameters()).dtype == torch.bfloat16  # exported in the training dtype
 
 
+def _fp8_ready() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_ready(), reason="needs torchao and a GPU with FP8 matmuls")
+def test_gpu_fp8_training_loads_its_warmup_cache_and_tracks_bf16(data, tmp_path):
+    """train.fp8 (with the compiled loss): the warmup compiles the float8 step, training hits its caches
+    and never recompiles, the loss follows the bf16 run on the same data and seed, and the export holds
+    plain weights in the training dtype (float8 lives only in the matmuls)."""
+    root, shards = data
+    base = {**TRAIN, "compile": True, "max_steps": 8, "lr": 1e-3}
+    rows = {}
+    for name, lever in (("bf16", {}), ("fp8", {"fp8": "tensorwise", "compile_loss": True})):
+        cfg, cache, out = {**base, **lever}, tmp_path / f"cache-{name}", tmp_path / name
+        run(warmup_cmd(root, shards, cfg, cache), gpu=True,
+            env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-warmup-{name}")})
+        cmd = train_cmd(root, shards, out, cfg, nproc=1, extra=["--compile-cache", str(cache)], gpu=True)
+        proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}, gpu=True)
+        counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
+        assert counters["fxgraph_cache_hit"] > 0 and cache_misses(counters) == 0, (name, counters)
+        rows[name] = losses(read_rows(out / "metrics.csv"))
+    assert len(rows["fp8"]) == 8 and all(math.isfinite(x) for x in rows["fp8"])
+    assert rows["fp8"] == pytest.approx(rows["bf16"], rel=0.05)
+    drafter, _ = load_drafter(tmp_path / "fp8" / "drafter")
+    assert all(type(m) is torch.nn.Linear for m in drafter.modules() if isinstance(m, torch.nn.Linear))
+    assert next(drafter.parameters()).dtype == torch.bfloat16
+
+
 # Dynamo / FX failures as they print: "torch._dynamo.exc....Error", "FX ... error", "error ... dynamo"
 _COMPILER = r"(dynamo|\bFX\b|torch\.fx)"
 COMPILE_ERROR = re.compile(rf"{_COMPILER}.*(error|exception)|(error|exception).*{_COMPILER}", re.IGNORECASE)
