@@ -32,19 +32,21 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from .io import FP8, STORAGE_DTYPES, atomic_path, bytes_per_token, log, torch_dtype, write_json
+from .io import FP8 as FP8  # the storage dtype names, re-exported for the shard format's users
+from .io import StorageDtype, atomic_path, log, write_json
+from .io import bytes_per_token as bytes_per_token
 
 FORMAT = "flashdraft.hidden/1"
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
-def storage_dtype(name: str) -> torch.dtype:
-    return torch_dtype(name, STORAGE_DTYPES, "hidden.dtype")
+def storage_dtype(name: str | StorageDtype) -> torch.dtype:
+    return StorageDtype.of(name).torch_dtype
 
 
-def hidden_bytes(tokens: int, dtype: str, width: int) -> int:
+def hidden_bytes(tokens: int, dtype: str | StorageDtype, width: int) -> int:
     """The estimate of a shard's bytes (or a whole run's): the precompute preflight's and the plan's."""
-    return tokens * bytes_per_token(dtype, width)
+    return tokens * StorageDtype.of(dtype).bytes_per_token(width)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,16 +72,18 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, rows: int = 64) -> torc
 class ShardMeta:
     """What a shard holds: the target it came from, the decoder layers whose features it concatenates,
     the storage dtype and H. The field names are the keys on disk, in the schema metadata
-    (`flashdraft.<key>`) and in the manifest, which adds `num_features` (K, derived here)."""
+    (`flashdraft.<key>`) and in the manifest, which adds `num_features` (K, derived here). `dtype` is
+    given by its name (or parsed) and held parsed; on disk it is its name."""
 
     target: str
     target_layer_ids: list[int]
-    dtype: str
+    dtype: StorageDtype
     hidden_size: int
 
     def __post_init__(self):
         self.target = str(self.target)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.dtype = StorageDtype.of(self.dtype)
         self.hidden_size = int(self.hidden_size)
 
     @property
@@ -93,7 +97,8 @@ class ShardMeta:
 
     def to_dict(self) -> dict:
         """The manifest's keys for it (and the metadata a reader compares between shards)."""
-        return {**dataclasses.asdict(self), "num_features": self.num_features}
+        return {"target": self.target, "target_layer_ids": list(self.target_layer_ids),
+                "dtype": self.dtype.name, "hidden_size": self.hidden_size, "num_features": self.num_features}
 
     @classmethod
     def from_dict(cls, d: dict) -> ShardMeta:
@@ -116,7 +121,7 @@ class ShardMeta:
         fields = {
             "target": raw["flashdraft.target"],
             "target_layer_ids": json.loads(raw["flashdraft.target_layer_ids"]),
-            "dtype": raw["flashdraft.dtype"],
+            "dtype": StorageDtype.of(raw["flashdraft.dtype"]),
             "hidden_size": int(raw["flashdraft.hidden_size"]),
             "num_features": int(raw["flashdraft.num_features"]),
         }
@@ -139,7 +144,7 @@ def shard_schema(meta: ShardMeta) -> pa.Schema:
         ("num_tokens", pa.int32()),
         ("hidden", pa.large_binary()),
     ]
-    if meta.dtype == FP8:
+    if meta.dtype.quantized:
         fields.append(("scale", pa.large_binary()))
     return pa.schema(fields, metadata=meta.schema_metadata())
 
@@ -151,7 +156,6 @@ def read_meta(schema: pa.Schema, path) -> ShardMeta:
     if not schema.equals(expected, check_metadata=False):
         got, want = schema.remove_metadata(), expected.remove_metadata()
         raise ValueError(f"{path}: schema {got} differs from {want}")
-    storage_dtype(meta.dtype)
     return meta
 
 
@@ -243,7 +247,7 @@ class ShardWriter:
     Use it through `open_shard`, which writes a temporary sibling and renames it only on success."""
 
     def __init__(self, path, meta: ShardMeta, *, max_rows=8, max_bytes=256 << 20):
-        self.torch_dtype = storage_dtype(meta.dtype)
+        self.torch_dtype = meta.dtype.torch_dtype
         self.meta, self.width = meta, meta.width
         self.schema = shard_schema(meta)
         self.sink = _HashingSink(path)
@@ -262,8 +266,7 @@ class ShardWriter:
             )
 
     def _want(self, n: int):
-        fp8 = self.meta.dtype == FP8
-        return (n, self.width), self.torch_dtype, ((n,), torch.float32) if fp8 else None
+        return (n, self.width), self.torch_dtype, ((n,), torch.float32) if self.meta.dtype.quantized else None
 
     def write(self, sample_id: str, input_ids, loss_mask, hidden: torch.Tensor, scale=None) -> None:
         """One row; fp8 shards take the quantized hidden with its float32 scale [n] (see quantize_fp8)."""
@@ -428,7 +431,7 @@ class HiddenStore:
             self._batches.append(batches)
         self.lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
         self._locs = locs
-        self._dtype = storage_dtype(self.meta.dtype)
+        self._dtype = self.meta.dtype.torch_dtype
 
     def __reduce__(self):
         return HiddenStore, (self.paths,)  # DataLoader workers reopen the maps instead of pickling them
@@ -457,7 +460,7 @@ class HiddenStore:
         batch = self._batches[s][b]
         n = int(batch.column("num_tokens")[r].as_py())
         hidden = self._column(s, batch, r, "hidden", self._dtype).view(n, -1)
-        if self.dtype == FP8:
+        if self.meta.dtype.quantized:
             hidden = dequantize_fp8(hidden, self._column(s, batch, r, "scale", torch.float32))
         return {
             "id": batch.column("id")[r].as_py(),
@@ -476,7 +479,7 @@ class HiddenStore:
 
     @property
     def dtype(self) -> str:
-        return self.meta.dtype
+        return self.meta.dtype.name
 
     @property
     def layer_ids(self) -> list[int]:
@@ -540,8 +543,8 @@ def verify_shard(arrow_path, manifest_file=None, max_errors=20) -> dict:
     if int(store.lengths.sum()) != manifest.get("tokens"):
         err(f"{int(store.lengths.sum())} tokens, manifest says {manifest.get('tokens')}")
 
-    fp8 = store.dtype == FP8
-    row_bytes = store.num_features * store.hidden_size * storage_dtype(store.dtype).itemsize
+    fp8 = store.meta.dtype.quantized
+    row_bytes = store.num_features * store.hidden_size * store.meta.dtype.itemsize
     row, bad_rows = 0, 0
     for batch in store._batches[0]:
         ids = batch.column("id")

@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import disk_full, disk_full_error
@@ -26,12 +27,45 @@ FP8 = "float8_e4m3"
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float8_e4m3": 1}  # bytes of one stored value
 
 
-def bytes_per_token(dtype: str, width: int) -> int:
+@dataclass(frozen=True)
+class StorageDtype:
+    """What a hidden-state shard stores (config key hidden.dtype), parsed once from its name."""
+
+    name: str  # the name configs, manifests and shard metadata spell: "bfloat16", "float32", "float8_e4m3"
+    itemsize: int  # bytes of one stored value
+    quantized: bool  # fp8: values x / scale, with one float32 scale per token
+
+    @classmethod
+    def of(cls, dtype: str | StorageDtype) -> StorageDtype:
+        """The storage dtype named `dtype` (one already parsed is returned as is); ValueError otherwise."""
+        if isinstance(dtype, StorageDtype):
+            return dtype
+        if dtype not in STORAGE_DTYPES:
+            raise ValueError(f"hidden.dtype {dtype!r} is not supported; use one of {sorted(STORAGE_DTYPES)}")
+        return _STORAGE[dtype]
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, TORCH_NAMES[self.name])
+
+    def bytes_per_token(self, width: int) -> int:
+        """Bytes one token takes in a shard: K*H = `width` features (+ an fp32 scale when quantized),
+        int32 id, int8 mask."""
+        return width * self.itemsize + (4 if self.quantized else 0) + 5
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_STORAGE = {name: StorageDtype(name, ITEMSIZE[name], name == FP8) for name in STORAGE_DTYPES}
+
+
+def bytes_per_token(dtype: str | StorageDtype, width: int) -> int:
     """Bytes one token takes in a hidden-state shard: K*H features (+ an fp32 scale for fp8), int32 id,
     int8 mask. Without torch, so the config and the plan can size chunks and disks."""
-    if dtype not in STORAGE_DTYPES:
-        raise ValueError(f"hidden.dtype {dtype!r} is not supported; use one of {sorted(STORAGE_DTYPES)}")
-    return width * ITEMSIZE[dtype] + (4 if dtype == FP8 else 0) + 5
+    return StorageDtype.of(dtype).bytes_per_token(width)
 
 
 # "2TB", "500 GB", "1.5TiB", "2e12", "4096": decimal units are powers of 1000, binary (KiB..) of 1024

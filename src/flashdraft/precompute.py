@@ -23,24 +23,22 @@ from .chat import tokenize_conversation
 from .config import DrafterConfig, HiddenConfig
 from .errors import UserError, disk_full, disk_full_error
 from .hidden import (
-    FP8,
     ShardMeta,
     ShardWriter,
-    bytes_per_token,
     hidden_bytes,
     manifest_path,
     open_shard,
     quantize_fp8,
-    storage_dtype,
     write_manifest,
 )
-from .io import device, human_bytes, log, progress
+from .io import StorageDtype, device, human_bytes, log, progress
 from .shards import shard_of
 from .target import decoder_prefix, feature_layer_ids, layers_needed, load_target, select_features
 
 
-def preflight(tokens: int, dtype: str, width: int, out_dir, margin: float = 0.1) -> int:
+def preflight(tokens: int, dtype: str | StorageDtype, width: int, out_dir, margin: float = 0.1) -> int:
     """Refuse to start when the disk under `out_dir` cannot hold the estimated bytes (+ margin)."""
+    dtype = StorageDtype.of(dtype)
     need = int(hidden_bytes(tokens, dtype, width) * (1 + margin))
     d = Path(out_dir).resolve()
     while not d.exists():
@@ -49,7 +47,7 @@ def preflight(tokens: int, dtype: str, width: int, out_dir, margin: float = 0.1)
     if need > free:
         raise UserError(
             f"not enough disk space in {out_dir}: hidden states need about {human_bytes(need)} "
-            f"({need} bytes: {tokens} tokens x {bytes_per_token(dtype, width)} bytes/token "
+            f"({need} bytes: {tokens} tokens x {dtype.bytes_per_token(width)} bytes/token "
             f"+ {margin:.0%} margin) "
             f"but only {human_bytes(free)} ({free} bytes) are free; free space there, or lower "
             "hidden.max_length or hidden.dtype (float8_e4m3 halves it)"
@@ -93,8 +91,8 @@ def token_batches(lengths: list[int], batch_tokens: int, window: int = 1024) -> 
 
 
 @torch.inference_mode()
-def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dtype: str, pad_id: int,
-                     copy_stream=None, host_rows: int | None = None):
+def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dtype: str | StorageDtype,
+                     pad_id: int, copy_stream=None, host_rows: int | None = None):
     """Target features of a batch, packed: [T, K*H] in the storage dtype with the rows' T tokens back to
     back (no padding), their float32 scales [T] for fp8 (else None), and an event that marks the copy
     to the host done (None off CUDA).
@@ -118,7 +116,8 @@ def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dt
         out = model.base_model(input_ids=ids.to(dev), output_hidden_states=True, use_cache=False)
     feats = select_features(out.hidden_states, layer_ids).flatten(0, 1).index_select(0, real.to(dev))
     del out
-    feats, scales = quantize_fp8(feats) if dtype == FP8 else (feats.to(storage_dtype(dtype)), None)
+    dtype = StorageDtype.of(dtype)
+    feats, scales = quantize_fp8(feats) if dtype.quantized else (feats.to(dtype.torch_dtype), None)
     if dev.type != "cuda":
         return feats, scales, None
 
@@ -190,14 +189,14 @@ def _write_rows(writer: ShardWriter, rows, feats, scales, event) -> None:
 PINNED_AHEAD = 4  # host buffers in flight: queued, being written, being hashed
 
 
-def _pin_ahead(rows: int, width: int, dtype: str) -> None:
+def _pin_ahead(rows: int, width: int, dtype: StorageDtype) -> None:
     """Pin PINNED_AHEAD buffers of the size forward_features asks for, and free them: the caching host
     allocator keeps them for reuse, so the loop never stalls on pinning new memory (cudaHostAlloc is slow
     and can wait for the device; `pinned_allocations` in benchmarks/results/precompute_hidden_gpu_*.json
     counts the loop's own)."""
     shape = (rows, width)
-    bufs = [torch.empty(shape, dtype=storage_dtype(dtype), pin_memory=True) for _ in range(PINNED_AHEAD)]
-    if dtype == FP8:
+    bufs = [torch.empty(shape, dtype=dtype.torch_dtype, pin_memory=True) for _ in range(PINNED_AHEAD)]
+    if dtype.quantized:
         bufs += [torch.empty(rows, dtype=torch.float32, pin_memory=True) for _ in range(PINNED_AHEAD)]
     del bufs
 
@@ -251,7 +250,7 @@ def precompute_shard(
     """Forward the target over this shard's samples and store the drafter's features; returns the manifest.
 
     `dtype` is what the target runs in, `hidden_cfg.dtype` what is stored."""
-    storage_dtype(hidden_cfg.dtype)  # fail before loading the model
+    StorageDtype.of(hidden_cfg.dtype)  # fail before loading the model
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
     model, tokenizer = load_target(str(target_path), dtype, device())
@@ -269,12 +268,13 @@ def write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg: 
     layer_ids = feature_layer_ids(model.config, drafter_cfg)
     hidden_size = model.config.hidden_size
     lengths = [len(s[1]) for s in samples]
-    preflight(sum(lengths), hidden_cfg.dtype, len(layer_ids) * hidden_size, Path(out_arrow).parent,
+    storage = StorageDtype.of(hidden_cfg.dtype)
+    preflight(sum(lengths), storage, len(layer_ids) * hidden_size, Path(out_arrow).parent,
               hidden_cfg.disk_margin)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked, right side
 
     meta = ShardMeta(target=str(target_path), target_layer_ids=layer_ids, hidden_size=hidden_size,
-                     dtype=hidden_cfg.dtype)
+                     dtype=storage)
     try:
         writer = write_shard(model, samples, out_arrow, meta, hidden_cfg.batch_tokens, pad_id, desc=desc)
     except RuntimeError as e:  # the writer thread's error, re-raised here: name the shard it was writing

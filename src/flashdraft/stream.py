@@ -32,7 +32,7 @@ from .config import (
 )
 from .config import STREAM_RING as RING
 from .errors import UserError
-from .io import bytes_per_token, human_bytes, log, write_json, write_parquet
+from .io import StorageDtype, bytes_per_token, human_bytes, log, write_json, write_parquet
 from .validate import val_split
 
 FORMAT = "flashdraft.plan/1"
@@ -432,12 +432,11 @@ def hidden_chunk(target_path, dtype: str, plan_dir, epoch: int, chunk: int, part
 def precompute_rows(target_path, dtype: str, plan: Plan, rows: list[int], hidden_cfg: HiddenConfig,
                     drafter_cfg: DrafterConfig, out_arrow, desc: str, counts: dict) -> dict:
     """Rows `rows` of the plan's tokens files through the target into the shard `out_arrow`."""
-    from .hidden import storage_dtype
     from .io import device
     from .precompute import write_hidden
     from .target import load_target
 
-    storage_dtype(hidden_cfg.dtype)  # fail before loading the model
+    StorageDtype.of(hidden_cfg.dtype)  # fail before loading the model
     samples = token_rows(plan.meta["tokens_files"], rows)
     model, tokenizer = load_target(str(target_path), dtype, device())
     return write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg, drafter_cfg, desc=desc,
