@@ -269,8 +269,8 @@ def test_both_modes_and_the_recommendation_on_production():
 
 def test_fp8_training_is_planned_at_its_measured_factor_and_start():
     base = P.load(PRODUCTION, target=QWEN3_8B)
-    fp8 = P.load(PRODUCTION, target=QWEN3_8B)
-    fp8.train.fp8, fp8.train.compile_loss = "tensorwise", True
+    fp8 = P.load([PRODUCTION, PRODUCTION.parent / "fp8.yaml"], target=QWEN3_8B)  # the overlay on top
+    assert (fp8.train.fp8, fp8.train.compile_loss) == ("tensorwise", True) and base.train.fp8 is None
     plans = [P.plan(c, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B) for c in (base, fp8)]
     (bf16_store, bf16_stream), (fp8_store, fp8_stream) = ((p["modes"]["store"], p["modes"]["stream"])
                                                           for p in plans)

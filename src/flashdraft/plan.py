@@ -3,10 +3,10 @@ states take in bf16 and in fp8; then both hidden-state modes (store, stream) sid
 and gpus.target/gpus.drafter split of N GPUs with the shortest wall time whose hidden states fit a disk
 budget.
 
-    python -m flashdraft.plan --configfile my.yaml [--gpus N] [--disk-budget 2TB] [--results results]
-        [--target-config config.json] [--json plan.json]
+    python -m flashdraft.plan --configfile my.yaml [more.yaml ...] [--gpus N] [--disk-budget 2TB]
+        [--results results] [--target-config config.json] [--json plan.json]
 
-The config is read as the workflow reads it (config/config.yaml, then the --configfile on top, checked
+The config is read as the workflow reads it (config/config.yaml, then each --configfile on top, checked
 against workflow/schemas/config.schema.yaml and config.check); a mistake is one line naming the key.
 Token statistics come from what earlier stages left under --results (prompt counts from
 prompts/stats.json, prompt tokens from prompts/train.parquet, answer tokens from regenerated/train/,
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -113,12 +114,15 @@ CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's two fp32 moments (
 
 
 def load(configfile, base=DEFAULT_CONFIG, target: dict | None = None) -> Config:
-    """The config as the workflow sees it, or a UserError naming the file or key (`target`: the target's
-    config.json when it is not at target.path)."""
+    """The config as the workflow sees it, or a UserError naming the file or key (`configfile`: one file or
+    several, each on top of the one before, as Snakemake reads `--configfile a.yaml b.yaml`; `target`: the
+    target's config.json when it is not at target.path)."""
     import yaml
 
+    files = [configfile] if isinstance(configfile, (str, os.PathLike)) else list(configfile)
+    configfile = " + ".join(map(str, files))  # what the errors name
     data = {}
-    for f in ([base] if base else []) + [configfile]:
+    for f in ([base] if base else []) + files:
         try:
             loaded = yaml.safe_load(Path(f).read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
@@ -788,7 +792,8 @@ def render_recommendation(r: Recommendation) -> list[str]:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m flashdraft.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configfile", required=True, help="the config the workflow will run with")
+    ap.add_argument("--configfile", required=True, nargs="+",
+                    help="the config the workflow will run with (several: each on top of the one before)")
     ap.add_argument("--results", default="results", help="results of stages already run (token statistics)")
     ap.add_argument("--gpus", type=int, default=None,
                     help="GPUs the one-GPU jobs (regeneration, precompute, evaluation) share at once, "
@@ -815,7 +820,7 @@ def main(argv=None):
     if a.json == "-":
         print(json.dumps(summary(p), indent=2))
         return
-    print(render(p, a.configfile))
+    print(render(p, " + ".join(a.configfile)))
     if a.json:
         Path(a.json).write_text(json.dumps(summary(p), indent=2) + "\n")
 

@@ -84,9 +84,9 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
                 amp)
 
 
-def float8_linears(model: torch.nn.Module, recipe: str, device: torch.device) -> int:
+def float8_linears(model: torch.nn.Module, recipe: str, device: torch.device) -> None:
     """train.fp8: the model's linear layers as torchao's Float8Linear (same parameters, so checkpoints
-    and the export are unchanged; the matmuls run in float8 with `recipe`'s scales). Returns how many."""
+    and the export are unchanged; the matmuls run in float8 with `recipe`'s scales)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"config key train.fp8 ({recipe}) needs a GPU with FP8 matmuls (compute capability "
                          f"8.9 or newer), not {device}; set train.fp8: null")
@@ -99,10 +99,8 @@ def float8_linears(model: torch.nn.Module, recipe: str, device: torch.device) ->
         return isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 \
             and module.out_features % 16 == 0
 
-    before = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(model, module_filter_fn=fits, config=config)
-    return before - sum(type(m) is torch.nn.Linear for m in model.modules())
 
 
 def initial_weights(drafter_cfg: DrafterConfig, spec: DrafterSpec) -> dict | None:
