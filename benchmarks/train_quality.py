@@ -10,8 +10,9 @@ training under bf16 autocast), as benchmarks/recipe_ablation.py runs its variant
 a seed) has a work dir and GPU lease dir of its own (`--work`/NAME) and they all run at once: the toy uses
 a sliver of the GPU, and the numbers do not depend on what runs beside them. Each builds the toy target,
 prompts, answers and hidden states itself (the same, from the same config), so the runs share nothing.
-A lever's quality holds when its mean tau lies within the seed-to-seed spread of the baseline's (the
-largest minus the smallest tau over the baseline's seeds and the lever's seeds alike).
+A lever's quality holds when its mean tau lies within the seed-to-seed spread: the largest minus the
+smallest tau over one variant's seeds, the larger of the baseline's and the lever's.
+The JSON is rewritten as each run ends (`complete` false until all have), so a stopped call keeps what ran.
 tau is the evaluation's `tau_pooled` (emitted tokens per verify step, as `dflash_generate` counts it).
 """
 
@@ -20,7 +21,7 @@ import json
 import platform
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -50,39 +51,55 @@ def main():
         work = args.work / name
         work.mkdir(exist_ok=True)
         keys = {"train.seed": seed, **GPU, "gpus.lock_dir": str(work / "gpu-locks"), **VARIANTS[v]}
-        r = run_one(work, name, keys)
+        try:
+            r = run_one(work, name, keys)
+        except SystemExit as e:  # a failed run is recorded with its log's end; the others go on
+            logs = sorted((work / "results" / "logs").glob("*.log"), key=lambda f: f.stat().st_mtime)
+            tail = logs[-1].read_text()[-3000:] if logs else ""
+            print(f"{name}: FAILED: {e}\n{tail}", flush=True)
+            return name, {"error": str(e), "last_log": str(logs[-1]) if logs else None, "log_tail": tail}
         print(f"{name:24s} tau_pooled {r['tau_pooled']:.3f}  final loss {r['final_train_loss']:.4f}  "
               f"{r['wall_s']:.0f} s", flush=True)
         return name, r
 
     pairs = [(v, s) for s in args.seeds for v in args.variants]
+    runs = {}
     with ThreadPoolExecutor(len(pairs)) as pool:
-        runs = dict(pool.map(one, pairs))
+        for fut in as_completed([pool.submit(one, pair) for pair in pairs]):
+            name, r = fut.result()
+            runs[name] = r
+            write(args, runs, t0)
+
+
+def write(args, runs: dict, t0: float) -> None:
     base = "bf16"
-    taus = {v: [runs[f"{v}-seed{s}"]["tau_pooled"] for s in args.seeds] for v in args.variants}
+    done = [v for v in args.variants
+            if all("error" not in runs.get(f"{v}-seed{s}", {"error": 1}) for s in args.seeds)]
+    taus = {v: [runs[f"{v}-seed{s}"]["tau_pooled"] for s in args.seeds] for v in done}
     variants = {v: {"overrides": VARIANTS[v], "tau_pooled": stats(taus[v]),
                     "final_train_loss": stats([runs[f"{v}-seed{s}"]["final_train_loss"] for s in args.seeds]),
                     "lossless_all": all(runs[f"{v}-seed{s}"]["lossless_all"] for s in args.seeds)}
-                for v in args.variants}
-    for v in args.variants:
-        if v == base:
+                for v in done}
+    for v in done:
+        if v == base or base not in done:
             continue
-        spread = max(taus[base]) - min(taus[base])
+        spread = max(max(t) - min(t) for t in (taus[base], taus[v]))
         diff = statistics.mean(taus[v]) - statistics.mean(taus[base])
-        variants[v]["vs_bf16"] = {"tau_mean_diff": round(diff, 4), "bf16_seed_spread": round(spread, 4),
+        variants[v]["vs_bf16"] = {"tau_mean_diff": round(diff, 4), "seed_spread": round(spread, 4),
                                   "within_seed_spread": abs(diff) <= spread}
     result = {
         "what": "toy drafter trained on one GPU: evaluation tau_pooled per lever, seeds as listed",
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__, "python": platform.python_version(), "seeds": args.seeds,
-        "command": "python benchmarks/train_quality.py", "variants": variants, "runs": runs,
+        "command": "python benchmarks/train_quality.py", "complete": len(done) == len(args.variants),
+        "variants": variants, "runs": runs,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    for v, r in variants.items():
-        t = r["tau_pooled"]
-        print(f"{v:20s} tau {t['mean']:.3f} +- {t['sd']:.3f}  {r.get('vs_bf16', '')}")
-
+    if result["complete"]:
+        for v, r in variants.items():
+            t = r["tau_pooled"]
+            print(f"{v:20s} tau {t['mean']:.3f} +- {t['sd']:.3f}  {r.get('vs_bf16', '')}")
 
 if __name__ == "__main__":
     main()

@@ -142,3 +142,13 @@ def test_fp8_takes_a_known_recipe_and_a_gpu_with_fp8_matmuls():
     with pytest.raises(ValueError, match=r"train\.fp8 \(tensorwise\) needs a GPU with FP8 .* not cpu"):
         float8_linears(layer, "tensorwise", torch.device("cpu"))
     assert type(layer) is torch.nn.Linear  # left as it was
+
+
+def test_compile_scope_is_model_or_layer():
+    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    assert cfg.train.compile_scope == "model"
+    cfg.train.compile_scope = "layer"
+    check(cfg)
+    cfg.train.compile_scope = "block"
+    with pytest.raises(UserError, match=r"train\.compile_scope: 'block'; use one of model, layer"):
+        check(cfg)

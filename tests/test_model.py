@@ -469,6 +469,33 @@ def test_compiled_cross_entropy_chunks_equal_eager_ones(dpace):
     torch.testing.assert_close(out[True][2], out[False][2], rtol=1e-5, atol=1e-6)
 
 
+def test_layer_scope_compiles_one_layer_graph_at_any_depth_and_matches_eager(setup):
+    """train.compile_scope: layer: a 4-layer drafter compiles the context's graph and a layer's graph
+    (twice: the first layer's input needs no gradient), not one graph per layer, and the forward and the
+    parameters' gradients are the eager drafter's."""
+    from torch._dynamo.utils import counters
+
+    from flashdraft.train_step import compile_drafter
+
+    _, ids, _, hidden, embed, _, anchors, valid = setup
+    torch.manual_seed(0)
+    eager, layered = DFlashDrafter(tiny_spec(num_layers=4)), DFlashDrafter(tiny_spec(num_layers=4))
+    layered.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    counters.clear()
+    compile_drafter(layered, "layer")
+    outs = []
+    for drafter in (eager, layered):
+        out = train_forward(drafter, ids, hidden, anchors, valid, embed, "sdpa")
+        (out.square().mean()).backward()
+        outs.append((out.detach(), {n: p.grad for n, p in drafter.named_parameters()}))
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+    assert list(layered.state_dict()) == list(eager.state_dict())  # checkpoints keep their keys
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
+    for name, grad in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][name], grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
 def test_simulated_tau_and_per_position_metrics():
     hit = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     assert simulated_tau(hit).tolist() == [3.0, 1.0, 5.0]  # accepted prefix + the bonus token

@@ -157,6 +157,9 @@ class TrainConfig:
     global_batch_tokens: int = 0
     buckets: list[int] = field(default_factory=lambda: [1024, 2048, 3072])  # padded lengths
     compile: bool = True
+    # what one compiled graph covers: model (the whole drafter) | layer (one decoder layer's graph, traced
+    # once and run by every layer, and the context projection: the first step traces a fifth as much)
+    compile_scope: str = "model"
     # the LM head's chunked cross-entropy compiled too (its softmax and gradient fused); off until measured
     compile_loss: bool = False
     # tensorwise | rowwise: the drafter's linear layers in float8 (torchao's float8 training, the scales
@@ -188,14 +191,15 @@ class TrainConfig:
 # compile warmup reads: the seed (its drafter's initialization) and the parallel mode (FSDP: nothing to
 # compile). The workflow reruns the warmup when one of WARMUP_TRAIN_KEYS changes, not on lr etc. They
 # live here, not in compile_cache.py, so the workflow reads them without importing torch.
-COMPILED_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "compile_loss", "fp8",
-                       "attention", "dtype")
+COMPILED_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "compile_scope", "compile_loss",
+                       "fp8", "attention", "dtype")
 WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
 # The train keys stream mode's data plan depends on (flashdraft.stream): a change in one needs a new plan.
 PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets",
                    "val_samples")
 EXPORTS = ("last", "best")
 FP8_RECIPES = ("tensorwise", "rowwise")
+COMPILE_SCOPES = ("model", "layer")
 
 
 @dataclass
@@ -328,6 +332,9 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
         )
     if t.loss not in OBJECTIVES:
         raise UserError(f"config key train.loss: {t.loss!r}; use one of {', '.join(OBJECTIVES)}")
+    if t.compile_scope not in COMPILE_SCOPES:
+        raise UserError(f"config key train.compile_scope: {t.compile_scope!r}; use one of "
+                        f"{', '.join(COMPILE_SCOPES)}")
     if t.fp8 is not None and t.fp8 not in FP8_RECIPES:
         raise UserError(f"config key train.fp8: {t.fp8!r}; use one of {', '.join(FP8_RECIPES)}, or null")
     check_validation(t, p.total)

@@ -296,12 +296,16 @@ class DFlashDrafter(nn.Module):
     def forward(self, target_hidden, block_embeds, positions, mask=None):
         """target_hidden `[b, S, K*H]`, block_embeds `[b, Q, H]`, positions `[b, S+Q]` (context then
         block tokens, absolute), mask see `attend`. Returns the normalized block hidden states `[b, Q, H]`."""
-        ctx = self.hidden_norm(self.fc(target_hidden))
+        ctx = self.context(target_hidden)
         cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
         x = block_embeds
         for layer in self.layers:
             x = layer(x, ctx, cos, sin, mask)
         return self.norm(x)
+
+    def context(self, target_hidden):
+        """The fused target features `[b, S, K*H]` as the normalized context `[b, S, H]` every layer reads."""
+        return self.hidden_norm(self.fc(target_hidden))
 
     def _block_mask(self, ctx_len: int, size: int, device):
         """None (everything visible) without a sliding window; with one, the training mask of one block

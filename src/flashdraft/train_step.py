@@ -75,13 +75,24 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
     if cfg.fp8:
         float8_linears(drafter, cfg.fp8, device)
     if cfg.compile:
-        # one graph per length bucket: dynamic=False keeps shapes static, buckets bound the recompiles
-        drafter.compile(dynamic=False)
+        compile_drafter(drafter, cfg.compile_scope)
     amp = amp_dtype(cfg, device)
     embed, head = head.result() if head is not None else frozen_head(target_dir, device, amp)
     objective, attention = objective_for(cfg, spec.block_size), resolve_attention(cfg.attention, device)
     return Step(drafter, spec, embed, head, objective, attention, cfg.max_anchors, cfg.compile_loss, device,
                 amp)
+
+
+def compile_drafter(drafter: DFlashDrafter, scope: str) -> None:
+    """torch.compile the drafter in place, one graph per length bucket (dynamic=False keeps shapes static,
+    the buckets bound the recompiles). scope "layer": the decoder layers share one compiled graph (one
+    code object, the parameters are its inputs), so Dynamo traces one layer instead of all of them."""
+    if scope == "model":
+        drafter.compile(dynamic=False)
+        return
+    for layer in drafter.layers:
+        layer.compile(dynamic=False)
+    drafter.context = torch.compile(drafter.context, dynamic=False)
 
 
 def float8_linears(model: torch.nn.Module, recipe: str, device: torch.device) -> None:
