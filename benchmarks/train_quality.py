@@ -12,6 +12,7 @@ a sliver of the GPU, and the numbers do not depend on what runs beside them. Eac
 prompts, answers and hidden states itself (the same, from the same config), so the runs share nothing.
 A lever's quality holds when its mean tau lies within the seed-to-seed spread: the largest minus the
 smallest tau over one variant's seeds, the larger of the baseline's and the lever's.
+`--runs-from` keeps the finished runs of an earlier JSON (a call that ended before all had run).
 The JSON is rewritten as each run ends (`complete` false until all have), so a stopped call keeps what ran.
 tau is the evaluation's `tau_pooled` (emitted tokens per verify step, as `dflash_generate` counts it).
 """
@@ -39,6 +40,8 @@ def main():
     p.add_argument("--work", type=Path, default=Path("/tmp/flashdraft-train-quality"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--runs-from", type=Path, default=None,
+                   help="an earlier JSON of this benchmark whose finished runs are kept (not run again)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "train_quality_gpu.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -62,8 +65,10 @@ def main():
               f"{r['wall_s']:.0f} s", flush=True)
         return name, r
 
-    pairs = [(v, s) for s in args.seeds for v in args.variants]
     runs = {}
+    if args.runs_from:
+        runs = {k: r for k, r in json.loads(args.runs_from.read_text())["runs"].items() if "error" not in r}
+    pairs = [(v, s) for s in args.seeds for v in args.variants if f"{v}-seed{s}" not in runs]
     with ThreadPoolExecutor(len(pairs)) as pool:
         for fut in as_completed([pool.submit(one, pair) for pair in pairs]):
             name, r = fut.result()
@@ -92,7 +97,7 @@ def write(args, runs: dict, t0: float) -> None:
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__, "python": platform.python_version(), "seeds": args.seeds,
         "command": "python benchmarks/train_quality.py", "complete": len(done) == len(args.variants),
-        "variants": variants, "runs": runs,
+        "variants": variants, "runs": runs, "runs_from": str(args.runs_from) if args.runs_from else None,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -469,6 +469,25 @@ def test_compiled_cross_entropy_chunks_equal_eager_ones(dpace):
     torch.testing.assert_close(out[True][2], out[False][2], rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_cross_entropy_compiles_at_its_first_full_chunk_under_fail_on_recompile():
+    """The first full chunk may come in any step (training's stance is then fail_on_recompile): it compiles
+    there once, and a later call that would compile again still fails."""
+    import flashdraft.loss as loss_module
+
+    g = torch.Generator().manual_seed(2)
+    h, head = torch.randn(20, 16, generator=g), torch.randn(50, 16, generator=g)
+    labels, weights = torch.randint(0, 50, (20,), generator=g), torch.ones(20)
+    loss_module._compiled_ce_chunk = None
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(2):
+            total, _ = LinearCrossEntropy.apply(h, head, labels, weights, 10, None, True)
+        assert loss_module.compiled_ce_chunk().ran
+        with pytest.raises(RuntimeError, match="fail_on_recompile"):  # another chunk size: a recompile
+            LinearCrossEntropy.apply(h, head, labels, weights, 5, None, True)
+    want, _ = LinearCrossEntropy.apply(h, head, labels, weights, 10, None, False)
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
+
+
 def test_layer_scope_compiles_one_layer_graph_at_any_depth_and_matches_eager(setup):
     """train.compile_scope: layer: a 4-layer drafter compiles the context's graph and a layer's graph
     (twice: the first layer's input needs no gradient), not one graph per layer, and the forward and the

@@ -148,15 +148,34 @@ def ce_chunk(h, weight, y, w, objective: Objective | None = None):
     return (ce * w).sum(), correct, (grad.mul_(w[:, None]).to(weight.dtype) @ weight).to(h.dtype)
 
 
-_compiled_ce_chunk = None
-
-
-def compiled_ce_chunk():
+class CompiledCEChunk:
     """ce_chunk compiled (train.compile_loss): the softmax, its gradient and the weighting fuse into a few
-    kernels instead of a pass over the `[chunk, V]` logits each. Full chunks only, so one static shape."""
+    kernels instead of a pass over the `[chunk, V]` logits each. Full chunks only, so one static shape.
+
+    Its one compile comes with the first full chunk, which can be any step's (a bucket whose first
+    micro-batches hold fewer blocks than a chunk), not only a bucket's first: that call runs under the
+    default stance, so training's fail_on_recompile guards every later one."""
+
+    def __init__(self):
+        self.fn = torch.compile(ce_chunk, dynamic=False)
+        self.ran = False
+
+    def __call__(self, *args):
+        if self.ran:
+            return self.fn(*args)
+        with torch.compiler.set_stance("default"):
+            out = self.fn(*args)
+        self.ran = True
+        return out
+
+
+_compiled_ce_chunk: CompiledCEChunk | None = None
+
+
+def compiled_ce_chunk() -> CompiledCEChunk:
     global _compiled_ce_chunk
     if _compiled_ce_chunk is None:
-        _compiled_ce_chunk = torch.compile(ce_chunk, dynamic=False)
+        _compiled_ce_chunk = CompiledCEChunk()
     return _compiled_ce_chunk
 
 
