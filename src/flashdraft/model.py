@@ -345,7 +345,7 @@ class DFlashDrafter(nn.Module):
         n = new_hidden.shape[1]
         if n == 0:
             return
-        ctx = self.hidden_norm(self.fc(new_hidden.to(self.fc.weight.dtype)))
+        ctx = self.context(new_hidden.to(self.fc.weight.dtype))
         positions = torch.arange(cache.length, cache.length + n, device=new_hidden.device)[None]
         cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
         cache.append([layer.self_attn.kv(ctx, cos, sin) for layer in self.layers])

@@ -212,7 +212,7 @@ class DraftSession:
     def _extend_step(self):
         """feats (block rows) -> keys and values at positions len_t.."""
         d = self.drafter
-        ctx = d.hidden_norm(d.fc(self.feats))
+        ctx = d.context(self.feats)
         positions, cos, sin = self._rope(self.block)
         for w, kc, vc in zip(self.layers.weights, self.k, self.v, strict=True):
             k, v = self._kv(ctx, w, cos, sin, **self.kv_kw)
