@@ -68,7 +68,7 @@ def main():
             "eval_count": args.eval_count,
             "sources": [{"name": "synthetic", "path": str(src)}],
         }
-        cmd = [sys.executable, str(ROOT / "scripts/expand_prompts.py"), "--cfg", json.dumps(cfg)]
+        cmd = [sys.executable, str(ROOT / "scripts/prompts.py"), "--cfg", json.dumps(cfg)]
         t0 = time.perf_counter()
         subprocess.run(cmd + ["--out-dir", f"{tmp}/out"], check=True, stderr=subprocess.DEVNULL)
         wall = time.perf_counter() - t0

@@ -19,7 +19,7 @@ def main(argv=None):
     ap.add_argument("--cfg", default="{}", help="JSON of the `regenerate` config section")
     ap.add_argument("--target", required=True, help="HF model directory of the target")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prompts", required=True, help="prompt set parquet (from expand_prompts)")
+    ap.add_argument("--prompts", required=True, help="prompt set parquet (from the prompts rule)")
     ap.add_argument("--out", required=True, help="output parquet")
     ap.add_argument("--errors", default=None, help="failed rows (default: errors.parquet beside --out)")
     ap.add_argument("--work-dir", required=True, help="resumable parts; kept between runs")

@@ -206,3 +206,28 @@ if __name__ == "__main__":
     for m in sorted(layers, key=lambda m: (layers[m], m)):
         top, inner = code_imports(m)
         print(f"| {layers[m]} | `{m}` | {_cell(top)} | {_cell(inner)} |")
+
+
+def rule_scripts() -> dict[str, str]:
+    """Each workflow rule (or checkpoint) and the script its `stage(...)` runs."""
+    out = {}
+    for smk in sorted((REPO / "workflow" / "rules").glob("*.smk")):
+        text = smk.read_text()
+        starts = list(re.finditer(r"^\s*(?:rule|checkpoint) (\w+):", text, re.M))
+        for m, nxt in zip(starts, [*starts[1:], None], strict=False):
+            body = text[m.end(): nxt.start() if nxt else len(text)]
+            script = re.search(r'stage\("(\w+)\.py"', body)
+            if script:
+                out[m.group(1)] = script.group(1)
+    return out
+
+
+def test_each_rule_runs_the_script_of_its_name():
+    """rule X runs scripts/X.py; a rule for a part of a stage (its stream chunks, its validation split)
+    names the stage's script with the part's word: hidden_chunk_verify runs hidden_verify.py."""
+    scripts = rule_scripts()
+    assert {"prompts", "regenerate", "hidden_shard", "hidden_verify", "warmup", "train", "evaluate",
+            "report", "data_plan", "train_chunk"} <= set(scripts), scripts
+    for rule, script in scripts.items():
+        assert (REPO / "scripts" / f"{script}.py").is_file(), (rule, script)
+        assert script in (rule, rule.replace("_chunk", "").replace("_val", "")), (rule, script)

@@ -216,7 +216,7 @@ def test_verify_cli_names_bad_shard(tmp_path):
     write_shard(bad, random_rows(2, torch.bfloat16))
     bad.write_bytes(bad.read_bytes()[:-100])
     out = tmp_path / "verify.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "verify_hidden.py"), "--out", str(out), str(good), str(bad)]
+    cmd = [sys.executable, str(REPO / "scripts" / "hidden_verify.py"), "--out", str(out), str(good), str(bad)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "FLASHDRAFT_RERUN": "redo"})
     assert proc.returncode != 0
     assert f"failed verification: {bad}" in proc.stderr
@@ -451,7 +451,7 @@ def _rows(path):
 def test_precompute_cli_is_deterministic(precomputed, toy_target, train_parquet, tmp_path, capsys):
     shards, manifests = precomputed
     out = tmp_path / "again.arrow"
-    cli = runpy.run_path(str(REPO / "scripts" / "precompute_hidden.py"))  # the script's main(), in-process
+    cli = runpy.run_path(str(REPO / "scripts" / "hidden_shard.py"))  # the script's main(), in-process
     cfg = json.dumps({"max_length": CFG.max_length, "batch_tokens": CFG.batch_tokens})
     args = f"--target {toy_target} --dtype float32 --data {train_parquet} --shard 1 --num-shards 2"
     cli["main"](["--cfg", cfg, "--drafter-cfg", '{"num_layers": 3}', *args.split(), "--out", str(out)])
@@ -500,7 +500,7 @@ def test_killed_shard_leaves_no_file_and_rerun_equals_uninterrupted(toy_target, 
     ref = precompute_shard(toy_target, "float32", data, 0, 1, ref_out, cfg, LAYERS)
 
     out = tmp_path / "run" / "shard-00000.arrow"
-    cmd = [sys.executable, str(REPO / "scripts" / "precompute_hidden.py"), "--cfg", json.dumps(cfg.__dict__),
+    cmd = [sys.executable, str(REPO / "scripts" / "hidden_shard.py"), "--cfg", json.dumps(cfg.__dict__),
            "--drafter-cfg", '{"num_layers": 3}', "--target", str(toy_target), "--dtype", "float32",
            "--data", str(data), "--shard", "0", "--num-shards", "1", "--out", str(out)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}

@@ -286,7 +286,7 @@ def test_quotas_redistribute():
 def test_cli(sources, tmp_path):
     cfg = to_json(_cfg(sources, total=20, eval_count=4))
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/expand_prompts.py"), "--cfg", cfg, "--out-dir", str(tmp_path)],
+        [sys.executable, str(ROOT / "scripts/prompts.py"), "--cfg", cfg, "--out-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         check=True,
@@ -296,7 +296,7 @@ def test_cli(sources, tmp_path):
     bad = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts/expand_prompts.py"),
+            str(ROOT / "scripts/prompts.py"),
             "--cfg",
             '{"totl": 5}',
             "--out-dir",

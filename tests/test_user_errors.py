@@ -24,7 +24,7 @@ def run_script(script, *args):
 
 def expand(tmp_path, path, *extra):
     cfg = json.dumps({"sources": [{"name": "mine", "path": str(path)}]})
-    return run_script("expand_prompts.py", "--cfg", cfg, "--out-dir", tmp_path / "out", *extra)
+    return run_script("prompts.py", "--cfg", cfg, "--out-dir", tmp_path / "out", *extra)
 
 
 @pytest.mark.parametrize(
@@ -41,7 +41,7 @@ def test_unreadable_source(tmp_path, name, content, expected):
     path = tmp_path / name
     path.write_bytes(content)
     line = one_line_error(expand(tmp_path, path))
-    assert line.startswith("expand_prompts: error: source 'mine': ") and str(path) in line
+    assert line.startswith("prompts: error: source 'mine': ") and str(path) in line
     assert expected in line
 
 
@@ -57,8 +57,8 @@ def test_hf_dataset_that_cannot_be_loaded(tmp_path, monkeypatch, path, split, ex
     (tmp_path / "DATA" / "train.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
     path = str(tmp_path / path) if path.isupper() else path
     cfg = json.dumps({"sources": [{"name": "mine", "path": path, "format": "hf", "split": split}]})
-    line = one_line_error(run_script("expand_prompts.py", "--cfg", cfg, "--out-dir", tmp_path / "out"))
-    assert line.startswith(f"expand_prompts: error: source 'mine': cannot read the HF dataset {path!r}")
+    line = one_line_error(run_script("prompts.py", "--cfg", cfg, "--out-dir", tmp_path / "out"))
+    assert line.startswith(f"prompts: error: source 'mine': cannot read the HF dataset {path!r}")
     assert expected in line
 
 
@@ -78,7 +78,7 @@ def test_disk_preflight_refusal(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"id": "a", "messages": messages}]), tmp_path / "data.parquet")
     out = tmp_path / "hidden" / "shard-00000.arrow"
     proc = run_script(
-        "precompute_hidden.py", "--cfg", json.dumps({"disk_margin": 1e18}), "--target", tmp_path / "target",
+        "hidden_shard.py", "--cfg", json.dumps({"disk_margin": 1e18}), "--target", tmp_path / "target",
         "--dtype", "float32", "--data", tmp_path / "data.parquet", "--shard", 0, "--num-shards", 1,
         "--out", out,
     )
@@ -107,7 +107,7 @@ def test_disk_full_names_the_file(tmp_path):
 
 
 def precompute(tmp_path, out, cfg: dict):
-    """scripts/precompute_hidden.py on 8 conversations of about 450 tokens, with a random toy target."""
+    """scripts/hidden_shard.py on 8 conversations of about 450 tokens, with a random toy target."""
     from flashdraft.config import ToyConfig
     from flashdraft.toy import build_toy_target
 
@@ -116,7 +116,7 @@ def precompute(tmp_path, out, cfg: dict):
     rows = [{"id": f"r{i}", "messages": messages} for i in range(8)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
     return run_script(
-        "precompute_hidden.py", "--cfg", json.dumps(cfg), "--target", tmp_path / "target",
+        "hidden_shard.py", "--cfg", json.dumps(cfg), "--target", tmp_path / "target",
         "--dtype", "float32", "--data", tmp_path / "data.parquet", "--shard", 0, "--num-shards", 1,
         "--out", out,
     )
@@ -143,7 +143,7 @@ def test_disk_full_in_the_hidden_writer_thread(tmp_path):
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
     line = one_line_error(proc)
-    assert line == (f"precompute_hidden: error: {mnt}/shard-00000.arrow: no space left on device; free space "
+    assert line == (f"hidden_shard: error: {mnt}/shard-00000.arrow: no space left on device; free space "
                     "there (or move results/) and rerun")
     assert "shard-00000.arrow" not in left
 

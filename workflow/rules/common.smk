@@ -291,7 +291,7 @@ CONDA_ENV = "../../envs/flashdraft.yaml"
 
 def rerun_command():
     """The snakemake command line that reruns this workflow as started (the Snakefile, config files and
-    --config values it was given), for verify_hidden.py's message after it moved bad shards aside
+    --config values it was given), for hidden_verify.py's message after it moved bad shards aside
     (into results/hidden/bad/, its default: bad/ next to the shards)."""
     cmd = ["snakemake"]
     snakefile = Path(workflow.main_snakefile).resolve()

@@ -12,7 +12,7 @@ rule hidden_shard:
         drafter=section("drafter", HIDDEN_DRAFTER_KEYS),
         dtype=CFG.target.dtype,
         num_shards=CFG.hidden.shards,
-        cmd=stage("precompute_hidden.py", gpus=target_gpus()),
+        cmd=stage("hidden_shard.py", gpus=target_gpus()),
     resources:
         gpu=target_gpus(),
     conda:
@@ -34,7 +34,7 @@ rule hidden_verify:
     output:
         f"{RESULTS}/hidden/verify.json",
     params:
-        cmd=stage("verify_hidden.py"),
+        cmd=stage("hidden_verify.py"),
     conda:
         CONDA_ENV
     log:

@@ -10,7 +10,7 @@ rule prompts:
     params:
         cfg=section("prompts"),
         out_dir=parent("output"),
-        cmd=stage("expand_prompts.py"),
+        cmd=stage("prompts.py"),
         # regeneration disabled: training uses the sources' own answers, so keep only rows that have one
         need_answers="" if CFG.regenerate.enabled else "--need-answers",
     conda:

@@ -118,7 +118,7 @@ rule hidden_val_verify:
     output:
         VAL_VERIFIED,
     params:
-        cmd=stage("verify_hidden.py"),
+        cmd=stage("hidden_verify.py"),
     conda:
         CONDA_ENV
     log:
@@ -138,7 +138,7 @@ rule hidden_chunk_verify:
     wildcard_constraints:
         chunk=CHUNK_RE,
     params:
-        cmd=stage("verify_hidden.py"),
+        cmd=stage("hidden_verify.py"),
     conda:
         CONDA_ENV
     log:

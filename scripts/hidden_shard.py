@@ -1,6 +1,6 @@
 """Precompute the target's hidden states for one shard of the training set (one job per target GPU).
 
-python scripts/precompute_hidden.py --cfg '{"dtype": "bfloat16"}' --drafter-cfg '{}' \
+python scripts/hidden_shard.py --cfg '{"dtype": "bfloat16"}' --drafter-cfg '{}' \
     --target results/toy/target --dtype float32 --data results/regenerated/train/shard-00000.parquet \
     --shard 0 --num-shards 2 --out results/hidden/shard-00000.arrow
 """

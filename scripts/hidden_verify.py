@@ -3,7 +3,7 @@
 A bad shard and its manifest are moved into `--bad-dir` (kept for inspection), so that a rerun of the
 workflow rebuilds exactly those shards.
 
-python scripts/verify_hidden.py --out results/hidden/verify.json results/hidden/shard-*.arrow
+python scripts/hidden_verify.py --out results/hidden/verify.json results/hidden/shard-*.arrow
 """
 
 import argparse
