@@ -18,6 +18,7 @@ one sequence at consecutive positions (verify). h is [rows, H]; q [rows, heads, 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -125,48 +126,72 @@ def _rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), -1) * sin
 
 
-def attn_in(h, w, cos, sin, *, eps, heads, kv_heads, head_dim):
+class LayerWeights(NamedTuple):
+    """One decoder layer's tensors as `attn_in`, `attn_out` and `context_kv` read them, detached (plain
+    tensors: the compiled functions take every layer's as inputs of one graph). Biases and QK-norms are
+    None where the model has none."""
+
+    input_norm: torch.Tensor
+    wq: torch.Tensor
+    bq: torch.Tensor | None
+    wk: torch.Tensor
+    bk: torch.Tensor | None
+    wv: torch.Tensor
+    bv: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    post_norm: torch.Tensor
+    wg: torch.Tensor
+    bg: torch.Tensor | None
+    wu: torch.Tensor
+    bu: torch.Tensor | None
+    wd: torch.Tensor
+    bd: torch.Tensor | None
+
+
+def attn_in(h, w: LayerWeights, cos, sin, *, eps, heads, kv_heads, head_dim):
     """Input norm, q/k/v projections, QK-norm (where the model has one), RoPE."""
-    ln, wq, bq, wk, bk, wv, bv, qn, kn = w[:9]
-    x, b = _rms(h, ln, eps), h.shape[0]
-    q = F.linear(x, wq, bq).view(b, heads, head_dim)
-    k = F.linear(x, wk, bk).view(b, kv_heads, head_dim)
-    v = F.linear(x, wv, bv).view(b, kv_heads, 1, head_dim)
-    if qn is not None:
-        q, k = _rms(q, qn, eps), _rms(k, kn, eps)
+    x, b = _rms(h, w.input_norm, eps), h.shape[0]
+    q = F.linear(x, w.wq, w.bq).view(b, heads, head_dim)
+    k = F.linear(x, w.wk, w.bk).view(b, kv_heads, head_dim)
+    v = F.linear(x, w.wv, w.bv).view(b, kv_heads, 1, head_dim)
+    if w.q_norm is not None:
+        q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
     # cos/sin in float32 (the drafter's RoPE) upcast q and k: attention wants v's dtype
     return _rope(q[:, :, None], cos, sin).to(v.dtype), _rope(k[:, :, None], cos, sin).to(v.dtype), v
 
 
-def attn_out(h, attn, w, *, eps, act):
+def attn_out(h, attn, w: LayerWeights, *, eps, act):
     """Output projection and residual, post-attention norm, gated MLP and residual."""
-    wo, bo, ln, wg, bg, wu, bu, wd, bd = w[9:]
-    h = h + F.linear(attn.reshape(h.shape[0], -1), wo, bo)
-    x = _rms(h, ln, eps)
-    return h + F.linear(act(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
+    h = h + F.linear(attn.reshape(h.shape[0], -1), w.wo, w.bo)
+    x = _rms(h, w.post_norm, eps)
+    return h + F.linear(act(F.linear(x, w.wg, w.bg)) * F.linear(x, w.wu, w.bu), w.wd, w.bd)
 
 
-def context_kv(ctx, w, cos, sin, *, eps, kv_heads, head_dim):
+def context_kv(ctx, w: LayerWeights, cos, sin, *, eps, kv_heads, head_dim):
     """A drafter layer's keys (QK-norm, RoPE) and values of its context rows ctx [n, H] (the features
     after fc and hidden_norm: no input norm, as `model.Attention.kv`)."""
-    _, _, _, wk, bk, wv, bv, _, kn = w[:9]
     n = ctx.shape[0]
-    k = F.linear(ctx, wk, bk).view(n, kv_heads, head_dim)
-    v = F.linear(ctx, wv, bv).view(n, kv_heads, 1, head_dim)
-    return _rope(_rms(k, kn, eps)[:, :, None], cos, sin).to(v.dtype), v
+    k = F.linear(ctx, w.wk, w.bk).view(n, kv_heads, head_dim)
+    v = F.linear(ctx, w.wv, w.bv).view(n, kv_heads, 1, head_dim)
+    return _rope(_rms(k, w.k_norm, eps)[:, :, None], cos, sin).to(v.dtype), v
 
 
-def layer_weights(layer) -> tuple:
-    """The tensors `attn_in` and `attn_out` read, detached (plain tensors: the compiled functions take
-    every layer's as inputs of one graph)."""
+def layer_weights(layer) -> LayerWeights:
+    """A decoder layer's LayerWeights (the HF Qwen3 names, which the drafter's layers have too)."""
     a, m = layer.self_attn, layer.mlp
-    mods = (layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj, layer.post_attention_layernorm,
-            m.gate_proj, m.up_proj, m.down_proj)
-    ln1, q, k, v, o, ln2, g, u, d = [(x.weight.detach(), None if getattr(x, "bias", None) is None
-                                      else x.bias.detach()) for x in mods]
+
+    def linear(x):
+        return x.weight.detach(), None if getattr(x, "bias", None) is None else x.bias.detach()
+
     qn, kn = (getattr(a, n, None) for n in ("q_norm", "k_norm"))
     qk = (qn.weight.detach(), kn.weight.detach()) if qn is not None else (None, None)
-    return (ln1[0], *q, *k, *v, *qk, *o, ln2[0], *g, *u, *d)
+    return LayerWeights(layer.input_layernorm.weight.detach(), *linear(a.q_proj), *linear(a.k_proj),
+                        *linear(a.v_proj), *qk, *linear(a.o_proj),
+                        layer.post_attention_layernorm.weight.detach(), *linear(m.gate_proj),
+                        *linear(m.up_proj), *linear(m.down_proj))
 
 
 class Layers:
