@@ -72,6 +72,10 @@ class Timed:
     def reset(self):
         self.inner.reset()
 
+    def static(self, max_len: int):
+        self.inner = self.inner.static(max_len)
+        return self
+
     def propose(self, *args):
         sync(self.dev)
         t0 = time.perf_counter()
@@ -93,6 +97,10 @@ class Oracle:
     def reset(self):  # a new decode: the next prompt, in order
         self.inner.reset()
         self.i += 1
+
+    def static(self, max_len: int):
+        self.inner = self.inner.static(max_len)
+        return self
 
     def propose(self, tokens, new_features, max_draft, temperature, generator):
         self.inner.propose(tokens, new_features, max_draft, temperature, generator)

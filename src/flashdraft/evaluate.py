@@ -131,8 +131,7 @@ def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, 
     plain = make_session(model, cfg.engine, max_len, (), block_size)
     featured = make_session(model, cfg.engine, max_len, layer_ids, block_size)
     if isinstance(featured, StaticSession):  # the drafters' caches static too
-        proposers = {name: p.static(max_len) if isinstance(p, DFlashProposer) else p
-                     for name, p in proposers.items()}
+        proposers = {name: p.static(max_len) for name, p in proposers.items()}
     session = {name: featured if prop.uses_features else plain for name, prop in proposers.items()}
     if encoded:  # warm up every path on the first prompt so the first timed prompt is not a cold start
         warm = min(cfg.max_new_tokens, 2 * block_size)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,25 @@ from .step import unsupported
 
 # ---------------------------------------------------------------------------------------------------------
 # drafters: each proposes draft tokens from the verified tokens (and the target's features of them)
+
+
+class Proposer(Protocol):
+    """What speculative_decode asks of a drafter."""
+
+    uses_features: bool  # reads the target's features (its session then returns them)
+
+    def reset(self) -> None:
+        """A new sequence."""
+
+    def static(self, max_len: int) -> Proposer:
+        """This proposer for a static target session of `max_len` positions: its own state static too
+        where it has any (CUDA-graph steps), else itself."""
+
+    def propose(self, tokens: list[int], new_features, max_draft: int, temperature: float,
+                generator) -> tuple[list[int], torch.Tensor | None]:
+        """At most `max_draft` draft tokens after `tokens`, and their distributions at T > 0 (None: the
+        drafts are certain, as greedy or a lookup gives them). new_features: the target's features of
+        the positions verified since the last call."""
 
 
 class DFlashProposer:
@@ -90,6 +110,9 @@ class NgramProposer:
 
     def reset(self):
         pass  # stateless: it reads the tokens it is given
+
+    def static(self, max_len: int) -> NgramProposer:
+        return self
 
     def propose(self, tokens, new_features, max_draft, temperature, generator):
         num_draft = min(self.num_draft, max_draft)
@@ -168,7 +191,7 @@ def target_decode(session, prompt_ids, max_new_tokens, eos, temperature=0.0, gen
 
 
 @torch.no_grad()
-def speculative_decode(session, proposer, prompt_ids, max_new_tokens, eos, temperature=0.0,
+def speculative_decode(session, proposer: Proposer, prompt_ids, max_new_tokens, eos, temperature=0.0,
                        generator=None) -> Decoded:
     """Draft, verify [last, drafts] in one forward, keep the accepted prefix and the bonus token. The
     session's features are the drafter's input (a session without layer ids suits a proposer that
