@@ -58,6 +58,13 @@ def test_schema_losses_are_the_registered_objectives():
     assert sorted(enum) == sorted(OBJECTIVES), f"train.loss: schema {enum} vs objectives {list(OBJECTIVES)}"
 
 
+def test_schema_backends_are_the_registered_ones():
+    from flashdraft.regenerate import BACKENDS
+
+    enum = yaml.safe_load(SCHEMA.read_text())["properties"]["regenerate"]["properties"]["backend"]["enum"]
+    assert sorted(enum) == sorted(BACKENDS), f"regenerate.backend: schema {enum} vs {list(BACKENDS)}"
+
+
 def test_an_unknown_loss_is_one_line_before_any_job():
     cfg = load_config(str(REPO / "config" / "config.yaml"))
     for name in OBJECTIVES:

@@ -108,17 +108,42 @@ def _safe_batch(model, tokenizer, rows, cfg, eos) -> list[dict]:
     return out
 
 
-def _run_hf(cfg, target, dtype, pending, order, parts, bar, clock: dict) -> list[dict]:
+@dataclasses.dataclass
+class Answered:
+    """What a backend reports once it has answered the pending rows (the answers themselves go into the
+    parts as they come): the rows it gave up on (not committed: a rerun asks again), when decoding began
+    (after loading), the sequences decoded at once, and the one-off setup before that clock."""
+
+    gave_up: list[dict]
+    start: float
+    batch: int | None = None
+    setup_s: float = 0.0
+
+
+@dataclasses.dataclass
+class Pending:
+    """The rows a backend answers, and what it reports into: `parts` (committed answers), `bar`, the
+    errors so far and the most the stage tolerates."""
+
+    rows: list[dict]
+    order: dict[str, int]  # a row's place in the prompt set
+    parts: _Parts
+    bar: object
+    errors: int
+    max_errors: float
+
+
+def _run_hf(cfg, target, dtype, todo: Pending) -> Answered:
     model, tokenizer, eos = load_for_generate(target, dtype)
     from .step import unsupported
 
     why = "regenerate.engine: generate" if cfg.engine == "generate" else unsupported(model)
     if why is None:
-        return _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock)
+        return _run_static(cfg, model, tokenizer, eos, todo)
     if cfg.engine == "static":
         raise UserError(f"regenerate.engine 'static' cannot run {target}: {why}; use 'auto' or 'generate'")
     log(f"regenerate: HF generate, in fixed batches ({why})")
-    batch = cfg.batch_size or 16
+    pending, parts, batch = todo.rows, todo.parts, cfg.batch_size or 16
     # batches are fixed over the whole sorted prompt list (longest first, so memory errors show early),
     # and parts hold whole batches: a resumed run forms exactly the batches an uninterrupted one does
     texts = [render(tokenizer, prompt_messages(r["messages"]), True, cfg.thinking) for r in pending]
@@ -126,22 +151,23 @@ def _run_hf(cfg, target, dtype, pending, order, parts, bar, clock: dict) -> list
         r["id"]: len(ids)
         for r, ids in zip(pending, tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True)
     }
-    pending.sort(key=lambda r: (-lengths[r["id"]], order[r["id"]]))
+    pending.sort(key=lambda r: (-lengths[r["id"]], todo.order[r["id"]]))
     parts.rows_per_part = max(1, cfg.part_rows // batch) * batch
-    clock["start"], clock["batch"] = time.monotonic(), batch
+    answered = Answered([], time.monotonic(), batch)
     for i in range(0, len(pending), batch):
         parts.add(_safe_batch(model, tokenizer, pending[i : i + batch], cfg, eos))
-        bar.update(len(pending[i : i + batch]))
-    return []
+        todo.bar.update(len(pending[i : i + batch]))
+    return answered
 
 
-def _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock: dict) -> list[dict]:
+def _run_static(cfg, model, tokenizer, eos, todo: Pending) -> Answered:
     """The static-cache engine (flashdraft.decode): rows are committed as they finish, in parts of
     `part_rows` (or every FLUSH_S seconds), so a crash loses at most a part's worth of answers."""
     import torch
 
     from .decode import SlotDecoder, auto_slots
 
+    pending, parts, bar = todo.rows, todo.parts, todo.bar
     rows, prompts, ids = [], [], []
     for r in pending:
         try:
@@ -155,7 +181,7 @@ def _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock: dict) ->
         rows.append(r)
         prompts.append(prompt)
     if not rows:
-        return []
+        return Answered([], time.monotonic())
     max_len = max(map(len, ids)) + cfg.max_new_tokens
     slots = cfg.batch_size or (auto_slots(model, max_len) if model.device.type == "cuda" else 32)
     slots = min(slots, len(rows))
@@ -166,14 +192,14 @@ def _run_static(cfg, model, tokenizer, eos, pending, parts, bar, clock: dict) ->
     parts.flush_s = FLUSH_S
     t = time.monotonic()
     decoder.prepare()  # a one-off per job, reported apart from the decode rate
-    clock["start"], clock["batch"], clock["setup_s"] = time.monotonic(), slots, time.monotonic() - t
+    answered = Answered([], time.monotonic(), slots, time.monotonic() - t)
     for i, tokens, finish in decoder.run(ids, cfg.max_new_tokens):
         answer = tokenizer.decode(tokens, skip_special_tokens=True)
         parts.add([_result(rows[i], prompts[i], answer, len(tokens), finish)])
         bar.update(1)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    return []
+    return answered
 
 
 class _GiveUp(Exception):
@@ -246,9 +272,10 @@ def _ask(row, url, headers, cfg, model, count) -> tuple[dict, bool]:
         return _error(row, f"{type(e).__name__}: {e}", "answer"), True
 
 
-def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float) -> list[dict]:
-    """Answer `pending` by concurrent requests; returns the give-ups (errors not committed).
-    Stops early once the errors exceed `max_errors`: the stage fails anyway, so spare the server."""
+def _run_openai(cfg, target, dtype, todo: Pending) -> Answered:
+    """Answer the pending rows by concurrent requests to an OpenAI-compatible server at
+    regenerate.base_url. Stops early once the errors exceed the most the stage tolerates: it fails
+    anyway, so spare the server."""
     from transformers import AutoTokenizer
 
     if not cfg.base_url:
@@ -263,14 +290,15 @@ def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float
     headers = {"Content-Type": "application/json"}
     if os.environ.get(cfg.api_key_env or ""):
         headers["Authorization"] = f"Bearer {os.environ[cfg.api_key_env]}"
-    parts.flush_s, gave_up = FLUSH_S, []
+    parts, bar, errors, max_errors = todo.parts, todo.bar, todo.errors, todo.max_errors
+    parts.flush_s, gave_up, start = FLUSH_S, [], time.monotonic()
     # at most `concurrency` requests in flight, the next sent only once one returns: when the
     # errors pass the limit, nothing more goes out than what is already in flight
-    todo, running = iter(pending), set()
+    queue, running = iter(todo.rows), set()
     ex = ThreadPoolExecutor(cfg.concurrency)
 
     def send(n):
-        for r in itertools.islice(todo, n):
+        for r in itertools.islice(queue, n):
             running.add(ex.submit(_ask, r, url, headers, cfg, cfg.model or target, count))
 
     try:
@@ -292,7 +320,18 @@ def _run_openai(cfg, target, pending, parts, bar, errors: int, max_errors: float
             send(len(done))
     finally:
         ex.shutdown(cancel_futures=True)  # in-flight requests run out
-    return gave_up
+    return Answered(gave_up, start)
+
+
+def _run_server(cfg, target, dtype, todo: Pending) -> Answered:
+    """regenerate.backend server: our own OpenAI-compatible server, started for the job and stopped on
+    the way out whatever happens."""
+    with _managed_server(cfg, target, Path(todo.parts.work)) as srv:
+        return _run_openai(dataclasses.replace(cfg, base_url=srv.base_url), target, dtype, todo)
+
+
+# regenerate.backend -> the function that answers the pending rows
+BACKENDS = {"hf": _run_hf, "openai": _run_openai, "server": _run_server}
 
 
 def _managed_server(cfg: RegenerateConfig, target: str, work: Path):
@@ -420,9 +459,9 @@ def regenerate(
 
         return copy_original(prompt_rows, AutoTokenizer.from_pretrained(target), out, cfg.max_error_fraction,
                              errors_path)
-    if cfg.backend not in ("hf", "openai", "server"):
-        raise ValueError(f"regenerate.backend {cfg.backend!r} is not supported; "
-                         "use 'hf', 'openai' or 'server'")
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"regenerate.backend {cfg.backend!r} is not supported; use one of "
+                         f"{', '.join(map(repr, BACKENDS))}")
 
     work = Path(work_dir)
     key = {k: v for k, v in json.loads(to_json(cfg)).items() if k not in TRANSPORT_KEYS + ENGINE_KEYS}
@@ -438,32 +477,25 @@ def regenerate(
     done = [r for r in _read_parts(work, set(order)) if not _retried(r, cfg.retry_failed)]
     done_ids = {r["id"] for r in done}
     pending = [r for r in prompt_rows if r["id"] not in done_ids]
-    gave_up, clock, generated = [], {"start": time.monotonic()}, {}  # backends restart the clock once loaded
+    gave_up, generated = [], {}
     if pending:
         parts = _Parts(work, cfg.part_rows)
         desc = f"regenerate {shard}/{num_shards}" if num_shards > 1 else "regenerate"
         bar = progress(total=len(prompt_rows), initial=len(done), desc=desc, unit="prompt")
+        todo = Pending(pending, order, parts, bar, sum(r["error"] is not None for r in done),
+                       cfg.max_error_fraction * len(prompt_rows))
         try:
-            if cfg.backend == "hf":
-                gave_up = _run_hf(cfg, target, dtype, pending, order, parts, bar, clock)
-            else:
-                n_err = sum(r["error"] is not None for r in done)
-                max_err = cfg.max_error_fraction * len(prompt_rows)
-                if cfg.backend == "server":  # our own server, stopped on the way out whatever happens
-                    with _managed_server(cfg, target, work) as srv:
-                        srv_cfg = dataclasses.replace(cfg, base_url=srv.base_url)
-                        gave_up = _run_openai(srv_cfg, target, pending, parts, bar, n_err, max_err)
-                else:
-                    gave_up = _run_openai(cfg, target, pending, parts, bar, n_err, max_err)
+            answered = BACKENDS[cfg.backend](cfg, target, dtype, todo)
         finally:
             parts.flush()  # what finished is kept, even when the run fails
             bar.close()
         done += parts.rows
+        gave_up = answered.gave_up
         generated = {
             "new_tokens": sum(r["response_tokens"] for r in parts.rows),
-            "generate_s": time.monotonic() - clock["start"],
-            "batch": clock.get("batch"),  # sequences decoded at once (hf backend)
-            "setup_s": clock.get("setup_s", 0.0),  # static engine's compile and capture, before the clock
+            "generate_s": time.monotonic() - answered.start,
+            "batch": answered.batch,  # sequences decoded at once (hf backend)
+            "setup_s": answered.setup_s,  # static engine's compile and capture, before the clock
         }
 
     done += gave_up
