@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashdraft.config import DrafterConfig, EvalConfig, ToyConfig
-from flashdraft.evaluate import _row, check_drafter, evaluate, first_mismatch, prompt_ids, summarize
+from flashdraft.evaluate import check_drafter, decoded_row, evaluate, first_mismatch, prompt_ids, summarize
 from flashdraft.speculative import (
     Decoded,
     DFlashProposer,
@@ -171,7 +171,7 @@ def test_oracle_drafter_reaches_full_blocks_and_the_cap_cuts_the_last(toy, cache
         # the last block holds only the drafts the cap leaves room for: all emitted, no bonus
         assert d.emitted == [B] * full + [left]
         assert d.accepted == d.verified == [B - 1] * full + [left]
-        s = summarize([_row("p", "oracle", d, len(ids), True)], B)["oracle"]
+        s = summarize([decoded_row("p", "oracle", d, len(ids), True)], B)["oracle"]
         assert s["tau_pooled"] == s["tau_prompt_mean"] == (max_new - 1) / (full + 1) < B
         assert s["tau_hist"] == [int(t == left) + full * (t == B) for t in range(1, B + 1)]
         assert s["per_position_acceptance"] == [1.0] * (B - 1)
@@ -300,10 +300,10 @@ def test_divergence_report_flags_a_numerical_tie(toy):
         steps = len(toks) - 1
         return Decoded(toks, [1] * steps, [0] * steps, [0] * steps, seconds=1.0)
 
-    rows = [_row("p", "target_only", decoded(ref), len(ids), True)]
+    rows = [decoded_row("p", "target_only", decoded(ref), len(ids), True)]
     for pid, toks in (("p", out), ("q", worse), ("r", list(ref))):
         m = first_mismatch(tied, ids, ref, toks)
-        rows.append(_row(pid, "dflash", decoded(toks), len(ids), m[0] < 0, m))
+        rows.append(decoded_row(pid, "dflash", decoded(toks), len(ids), m[0] < 0, m))
     assert [r["numerical_tie"] for r in rows[1:]] == [True, False, False]
     s = summarize(rows, B)["dflash"]
     assert s["exact_match_rate"] == 1 / 3 and s["mismatches"] == 2 and s["numerical_ties"] == 1

@@ -20,7 +20,7 @@ from flashdraft.config import RegenerateConfig, to_json
 from flashdraft.gpu import Lease
 from flashdraft.io import write_parquet
 from flashdraft.managed_server import ManagedServer, ServerError, server_argv
-from flashdraft.regenerate import _schema, regenerate
+from flashdraft.regenerate import parts_schema, regenerate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -245,7 +245,7 @@ def test_bad_server_fails_clearly_keeping_parts(case, data, hf_reference, tmp_pa
     # a part an interrupted run committed before (three answers of the hf run)
     part = work / "part-00000.parquet"
     rows = [dict(r, error=None) for r in hf_reference.slice(0, 3).to_pylist()]
-    write_parquet(pa.Table.from_pylist(rows, schema=_schema(error=True)), part)
+    write_parquet(pa.Table.from_pylist(rows, schema=parts_schema(error=True)), part)
     committed = part.read_bytes()
     with socket.create_server(("127.0.0.1", 0)) as busy:  # listening: its port is in use
         if extra.get("server_port") == "busy":

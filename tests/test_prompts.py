@@ -275,12 +275,12 @@ def test_need_answers_keeps_only_answered_rows(tmp_path):
 
 
 def test_quotas_redistribute():
-    assert prompts._quotas({"a": 100, "b": 5, "c": 100}, {"a": 1, "b": 1, "c": 2}, 60) == {
+    assert prompts.quotas({"a": 100, "b": 5, "c": 100}, {"a": 1, "b": 1, "c": 2}, 60) == {
         "a": 18,
         "b": 5,
         "c": 37,
     }
-    assert sum(prompts._quotas({"a": 3, "b": 4}, {"a": 1, "b": 1}, 100).values()) == 7
+    assert sum(prompts.quotas({"a": 3, "b": 4}, {"a": 1, "b": 1}, 100).values()) == 7
 
 
 def test_cli(sources, tmp_path):

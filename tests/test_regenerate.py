@@ -96,13 +96,14 @@ def test_a_rerun_retries_failed_rows_by_their_cause(data, reference, tmp_path):
     import pyarrow as pa
 
     from flashdraft.io import write_parquet
-    from flashdraft.regenerate import _error, _schema
+    from flashdraft.regenerate import error_row, parts_schema
 
     _run(data, tmp_path)
     prompts = pq.read_table(data / "prompts/train.parquet").to_pylist()
-    failed = [_error(prompts[0], "HTTP 400: bad", "answer"), _error(prompts[1], "TemplateError: x", "prompt")]
+    failed = [error_row(prompts[0], "HTTP 400: bad", "answer"),
+              error_row(prompts[1], "TemplateError: x", "prompt")]
     part = tmp_path / "parts/part-00100.parquet"
-    write_parquet(pa.Table.from_pylist(failed, schema=_schema(error=True)), part)
+    write_parquet(pa.Table.from_pylist(failed, schema=parts_schema(error=True)), part)
     stats, table = _run(data, tmp_path)
     assert stats["errors"] == 1 and table.num_rows == 39
     assert pq.read_table(tmp_path / "errors.parquet").to_pylist() == [

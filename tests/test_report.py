@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 from conftest import headless_dom
 
-from flashdraft.evaluate import NO_MISMATCH, _row, read_rows, write_outputs, write_rows
+from flashdraft.evaluate import NO_MISMATCH, decoded_row, read_rows, write_outputs, write_rows
 from flashdraft.report import build_report
 from flashdraft.speculative import Decoded
 
@@ -34,8 +34,8 @@ def target_only(new_tokens: int, seconds: float) -> Decoded:
 
 
 def eval_rows() -> list[dict]:
-    """The evaluate stage's per-prompt rows (`evaluate._row`, as `evaluate.evaluate` builds them) for two
-    greedy prompts: target-only, a lossless DFlash drafter, and an n-gram drafter whose output on prompt a
+    """The evaluate stage's per-prompt rows (`evaluate.decoded_row`, as `evaluate.evaluate` builds them) for
+    two greedy prompts: target-only, a lossless DFlash drafter, and an n-gram drafter whose output on prompt a
     leaves target-only's at new token 7, where the target's two choices are a numerical tie."""
     tie_at_7 = (7, 0.125, True)  # what evaluate.first_mismatch returns: position, logit gap, numerical tie
     rows = []
@@ -46,10 +46,10 @@ def eval_rows() -> list[dict]:
         # b: 11 tokens after the first; DFlash in 4 steps (tau 2.75), n-gram in 10 (tau 1.1)
         ("b", 12, 0.11, [(4, 3), (3, 3), (2, 3), (2, 3)], 0.044, [(2, 3)] + [(1, 0)] * 9, 0.1, None),
     ]):
-        rows.append(_row(pid, "target_only", target_only(new_tokens, target_s), 20, True, index=index))
-        rows.append(_row(pid, "dflash", decoded(dflash, dflash_s), 20, True, index=index))
+        rows.append(decoded_row(pid, "target_only", target_only(new_tokens, target_s), 20, True, index=index))
+        rows.append(decoded_row(pid, "dflash", decoded(dflash, dflash_s), 20, True, index=index))
         ng = decoded(ngram, ngram_s, mismatch[0] if mismatch else None)
-        rows.append(_row(pid, "ngram", ng, 20, mismatch is None, mismatch or NO_MISMATCH, index=index))
+        rows.append(decoded_row(pid, "ngram", ng, 20, mismatch is None, mismatch or NO_MISMATCH, index=index))
     return rows
 
 

@@ -93,7 +93,7 @@ def first_mismatch(model, prompt_ids, ref: list[int], out: list[int]) -> tuple[i
 NO_MISMATCH = (-1, float("nan"), False)
 
 
-def _row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=NO_MISMATCH, index=0) -> dict:
+def decoded_row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=NO_MISMATCH, index=0) -> dict:
     steps = len(d.emitted)
     return {
         "prompt_index": index,  # position in the evaluated prompt set: the merged shards' order
@@ -142,15 +142,15 @@ def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, 
     for i, pid, ids in progress(encoded, desc="evaluate", unit="prompt"):
         gen.manual_seed(seed + i)
         ref = target_decode(plain, ids, cfg.max_new_tokens, eos, temp, gen)
-        rows.append(_row(pid, "target_only", ref, len(ids), None if temp else True, index=i))
+        rows.append(decoded_row(pid, "target_only", ref, len(ids), None if temp else True, index=i))
         for name, prop in proposers.items():
             gen.manual_seed(seed + i)
             d = speculative_decode(session[name], prop, ids, cfg.max_new_tokens, eos, temp, gen)
             if temp:  # sampled outputs differ by design; losslessness is checked greedily
-                rows.append(_row(pid, name, d, len(ids), None, index=i))
+                rows.append(decoded_row(pid, name, d, len(ids), None, index=i))
             else:
                 mismatch = first_mismatch(model, ids, ref.tokens, d.tokens)
-                rows.append(_row(pid, name, d, len(ids), mismatch[0] < 0, mismatch, index=i))
+                rows.append(decoded_row(pid, name, d, len(ids), mismatch[0] < 0, mismatch, index=i))
     return rows
 
 
@@ -240,7 +240,8 @@ def run_rows(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, dtype="bflo
 def write_rows(rows: list[dict], path) -> None:
     import pandas as pd
 
-    columns = list(_row("", "", Decoded([], [], [], [], 0.0), 0, True))  # a shard without prompts: no rows
+    # a shard without prompts: no rows, the columns all the same
+    columns = list(decoded_row("", "", Decoded([], [], [], [], 0.0), 0, True))
     write_parquet(pd.DataFrame(rows, columns=columns), path)
 
 

@@ -70,7 +70,7 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed & 0xFFFFFFFF, zlib.crc32(name.encode("utf-8"))])
 
 
-def _quotas(sizes: dict[str, int], weights: dict[str, float], n: int) -> dict[str, int]:
+def quotas(sizes: dict[str, int], weights: dict[str, float], n: int) -> dict[str, int]:
     """Split n rows over sources by weight; a source with too few rows gives its share to the others."""
     quota = dict.fromkeys(sizes, 0)
     active = [s for s in sizes if weights[s] > 0 and sizes[s] > 0]
@@ -209,7 +209,7 @@ def _augment(cfg, pool, train_idx, src, seen, templates) -> tuple[np.ndarray, np
     n_tpl = len(templates)
     train_src = src[train_idx]
     bases = {n: train_idx[train_src == si] for si, n in enumerate(names)}
-    quota = _quotas(
+    quota = quotas(
         {n: len(b) * n_tpl for n, b in bases.items()}, {s.name: s.weight for s in cfg.sources}, gap
     )
     out_b, out_t = [], []
@@ -291,7 +291,7 @@ def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False) -> dict
         want = cfg.total + cfg.eval_count
         weights = {s.name: s.weight for s in cfg.sources}
         pools = {n: alive[src[alive] == si] for si, n in enumerate(names)}
-        quota = _quotas({n: len(p) for n, p in pools.items()}, weights, want)
+        quota = quotas({n: len(p) for n, p in pools.items()}, weights, want)
         picked = np.concatenate([_rng(cfg.seed, n).permutation(p)[: quota[n]] for n, p in pools.items()])
         if not len(picked):
             raise UserError(f"no usable prompt in any source; see the reasons in {out_dir}/rejects.parquet")

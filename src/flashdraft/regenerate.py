@@ -47,7 +47,7 @@ TRANSPORT_KEYS = ("base_url", "api_key_env", "concurrency", "max_retries", "time
 ENGINE_KEYS = ("engine", "batch_size", "shards", "part_rows", "retry_failed")
 
 
-def _schema(error: bool):
+def parts_schema(error: bool):
     fields = [
         ("id", pa.string()),
         ("source", pa.string()),
@@ -80,7 +80,7 @@ def _result(row, prompt, answer: str, n_tokens: int, finish: str) -> dict:
     }
 
 
-def _error(row, reason: str, cause: str) -> dict:
+def error_row(row, reason: str, cause: str) -> dict:
     """A failed row; `cause` is `answer` (the server or its answer: retried by a rerun) or `prompt`."""
     return {
         "id": row["id"],
@@ -104,7 +104,7 @@ def _safe_batch(model, tokenizer, rows, cfg, eos) -> list[dict]:
         try:
             out += generate_batch(model, tokenizer, [row], cfg, eos)
         except Exception as e:  # recorded, and the run fails later if there are too many
-            out.append(_error(row, f"{type(e).__name__}: {e}", "prompt"))
+            out.append(error_row(row, f"{type(e).__name__}: {e}", "prompt"))
     return out
 
 
@@ -175,7 +175,7 @@ def _run_static(cfg, model, tokenizer, eos, todo: Pending) -> Answered:
             text = render(tokenizer, prompt, add_generation_prompt=True, thinking=cfg.thinking)
             ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         except Exception as e:  # a row the chat template cannot render: recorded, the others go on
-            parts.add([_error(r, f"{type(e).__name__}: {e}", "prompt")])
+            parts.add([error_row(r, f"{type(e).__name__}: {e}", "prompt")])
             bar.update(1)
             continue
         rows.append(r)
@@ -267,9 +267,9 @@ def _ask(row, url, headers, cfg, model, count) -> tuple[dict, bool]:
         n = count(answer.strip()) if n is None else n - (finish == "stop")
         return _result(row, prompt, answer, n, finish), True
     except _GiveUp as e:
-        return _error(row, str(e), "answer"), False
+        return error_row(row, str(e), "answer"), False
     except Exception as e:  # a bad request or answer: committed, and retried by a rerun
-        return _error(row, f"{type(e).__name__}: {e}", "answer"), True
+        return error_row(row, f"{type(e).__name__}: {e}", "answer"), True
 
 
 def _run_openai(cfg, target, dtype, todo: Pending) -> Answered:
@@ -359,7 +359,7 @@ class _Parts:
 
     def flush(self):
         if self.buf:
-            table = pa.Table.from_pylist(self.buf, schema=_schema(error=True))
+            table = pa.Table.from_pylist(self.buf, schema=parts_schema(error=True))
             write_parquet(table, self.work / f"part-{self.next:05d}.parquet")
             self.rows, self.next, self.buf = self.rows + self.buf, self.next + 1, []
         self.t = time.monotonic()
@@ -407,7 +407,7 @@ def _finish(rows: list[dict], errors: list[dict], out: str, max_fraction: float,
             f"{len(errors)} of {total} rows failed (> {max_fraction:.0%}, regenerate.max_error_fraction); "
             f"reasons in {err_path}, first: {errors[0]['reason']}{again}"
         )
-    write_parquet(pa.Table.from_pylist(rows, schema=_schema(error=False)), out)
+    write_parquet(pa.Table.from_pylist(rows, schema=parts_schema(error=False)), out)
     stop = sum(r["finish_reason"] == "stop" for r in rows)
     return {"rows": len(rows), "errors": len(errors), "stop": stop, "length": len(rows) - stop}
 
