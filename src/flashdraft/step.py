@@ -28,9 +28,6 @@ from transformers import AttentionInterface
 from .hf_config import attention_shape
 
 ATTENTION = "flashdraft_slots"
-# Decoder layouts whose layers take (hidden, attention_mask, position_embeddings, past_key_values) and
-# call `past_key_values.update` then the configured attention function; checked against HF generate.
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 BUCKET = 256  # max_len granularity on CUDA, and the attention length granularity off it
 KV_BLOCK = 128  # FlexAttention's KV block: a query reads the blocks up to its own position
 
@@ -179,8 +176,10 @@ def context_kv(ctx, w: LayerWeights, cos, sin, *, eps, kv_heads, head_dim):
     return _rope(_rms(k, w.k_norm, eps)[:, :, None], cos, sin).to(v.dtype), v
 
 
-def layer_weights(layer) -> LayerWeights:
-    """A decoder layer's LayerWeights (the HF Qwen3 names, which the drafter's layers have too)."""
+def hf_layer_weights(layer) -> LayerWeights:
+    """A decoder layer's LayerWeights by the HF Llama/Qwen names (input_layernorm, self_attn.{q,k,v,o}_proj
+    with optional biases and q_norm/k_norm, post_attention_layernorm, mlp.{gate,up,down}_proj), which the
+    drafter's layers have too."""
     a, m = layer.self_attn, layer.mlp
 
     def linear(x):
@@ -194,18 +193,26 @@ def layer_weights(layer) -> LayerWeights:
                         *linear(m.up_proj), *linear(m.down_proj))
 
 
+# model_type -> the recipe that reads one of its decoder layers as LayerWeights. A layout belongs here when
+# its layers take (hidden, attention_mask, position_embeddings, past_key_values) and call
+# `past_key_values.update` then the configured attention function (the prefill runs them as they are),
+# and `attn_in`/`attn_out` are its math; tests/test_decode.py checks each against HF generate.
+RECIPES = {"llama": hf_layer_weights, "mistral": hf_layer_weights, "qwen2": hf_layer_weights,
+           "qwen3": hf_layer_weights}
+ARCHITECTURES = tuple(RECIPES)
+
+
 class Layers:
     """Decoder layers as a step runs them: each layer's tensors, its two halves (compiled when `compiled`:
     the functions themselves, not wrappers, so each keeps its own compile cache), and the attention over
-    a cache (FlexAttention when compiled, else SDPA over a dense mask). The layers need the HF Qwen3
-    names (input_layernorm, self_attn.{q,k,v,o}_proj and optional q_norm/k_norm, post_attention_layernorm,
-    mlp.{gate,up,down}_proj), which the drafter's layers have too."""
+    a cache (FlexAttention when compiled, else SDPA over a dense mask). `recipe` reads a layer's tensors
+    (RECIPES[model_type] for a target; the drafter's layers have the HF names of hf_layer_weights)."""
 
     def __init__(self, layers, *, eps: float, heads: int, kv_heads: int, head_dim: int, act, scaling: float,
-                 compiled: bool):
+                 compiled: bool, recipe=hf_layer_weights):
         self.heads, self.kv_heads, self.head_dim, self.scaling = heads, kv_heads, head_dim, scaling
         self.compiled = compiled
-        self.weights = [layer_weights(layer) for layer in layers]
+        self.weights = [recipe(layer) for layer in layers]
         self.in_kw = {"eps": eps, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
         self.out_kw = {"eps": eps, "act": act}
         self.attn_in, self.attn_out, self.flex = attn_in, attn_out, None
@@ -219,7 +226,8 @@ class Layers:
         cfg, base = model.config, model.base_model
         heads, kv_heads, head_dim = attention_shape(cfg)
         return cls(base.layers, eps=cfg.rms_norm_eps, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                   act=base.layers[0].mlp.act_fn, scaling=base.layers[0].self_attn.scaling, compiled=compiled)
+                   act=base.layers[0].mlp.act_fn, scaling=base.layers[0].self_attn.scaling, compiled=compiled,
+                   recipe=RECIPES[cfg.model_type])
 
     def run(self, h, cos, sin, write, attend):
         """The layers over rows h [rows, H] with their RoPE cos/sin [rows, 1, 1, d]: `write(layer, k, v)`
