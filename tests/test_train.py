@@ -691,3 +691,26 @@ def test_gpu_fsdp_compiled_flex_training_follows_ddp(data, tmp_path):
         curves[mode] = losses(read_rows(out / "metrics.csv"))
         assert len(curves[mode]) == 6 and all(math.isfinite(x) for x in curves[mode])
     assert curves["fsdp"] == pytest.approx(curves["ddp"], rel=2e-2)
+
+
+def test_dtype_and_attention_are_resolved_once_for_the_step_and_the_cache_key():
+    """The CPU trains in float32 with SDPA whatever train.dtype says; the compile cache's key holds what
+    the step runs with, so a config that runs the same step keys the same cache."""
+    from test_model import tiny_spec
+
+    from flashdraft.compile_cache import cache_key
+    from flashdraft.train_step import resolve
+
+    cpu = torch.device("cpu")
+    for dtype in ("bfloat16", "float32"):
+        cfg = TrainConfig(**{**TRAIN, "dtype": dtype, "attention": "auto"})
+        run = resolve(cfg, cpu)
+        assert (run.amp_dtype, run.attention, run.dtype) == (None, "sdpa", "float32")
+        key = cache_key(cfg, tiny_spec(), cpu)
+        assert (key["dtype"], key["attention"]) == ("float32", "sdpa")
+    gpu = torch.device("cuda")  # only its type is read: no GPU needed
+    assert resolve(TrainConfig(**{**TRAIN, "dtype": "bfloat16", "attention": "auto"}), gpu) == \
+        type(run)(torch.bfloat16, "flex")
+    assert resolve(TrainConfig(**{**TRAIN, "dtype": "float32", "attention": "sdpa"}), gpu).dtype == "float32"
+    with pytest.raises(ValueError, match="attention must be auto, flex or sdpa"):
+        resolve(TrainConfig(**{**TRAIN, "attention": "dense"}), cpu)

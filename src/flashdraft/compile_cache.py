@@ -33,9 +33,8 @@ from .config import COMPILED_TRAIN_KEYS, DrafterConfig, TrainConfig
 from .distributed import Dist, gpu_bytes, log, parallel_mode
 from .hidden import ShardMeta, manifest_path
 from .io import atomic_path, device, write_json
-from .loss import resolve_attention
 from .model import DFlashDrafter, DrafterSpec
-from .train_step import anchors_for, build_step, forward_backward, initial_weights, load_spec
+from .train_step import anchors_for, build_step, forward_backward, initial_weights, load_spec, resolve
 
 ARTIFACTS = "artifacts.bin"  # the Mega-Cache blob (empty when nothing was compiled)
 INDUCTOR_FILES = "inductor.tar"  # the warmup's Inductor cache dir
@@ -47,11 +46,12 @@ def cache_key(cfg: TrainConfig, spec: DrafterSpec, device: torch.device) -> dict
     """What the compiled graphs depend on; the warmup writes it to META and training compares."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     fields = {k: getattr(cfg, k) for k in COMPILED_TRAIN_KEYS}
+    run = resolve(cfg, device)
     return {
         "torch": torch.__version__, "device": name, "spec": asdict(spec), **fields,
         "buckets": sorted(cfg.buckets),
-        "attention": resolve_attention(cfg.attention, device),
-        "dtype": cfg.dtype if device.type == "cuda" else "float32",
+        "attention": run.attention,
+        "dtype": run.dtype,
         # Inductor's CPU kernels are generated for the intra-op thread count
         "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
     }

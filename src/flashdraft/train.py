@@ -62,7 +62,6 @@ from .model import DrafterSpec, export_drafter
 from .stream import Chunk, Plan, planned_store
 from .train_step import (
     Step,
-    amp_dtype,
     anchors_for,
     batch_normalizer,
     build_step,
@@ -70,6 +69,7 @@ from .train_step import (
     frozen_head,
     initial_weights,
     load_spec,
+    resolve,
 )
 from .validate import Best, Validator, due, export_choice, split_store
 
@@ -142,7 +142,7 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     # the slow reads start first: the checkpoint, the target's head and the first micro-batches are read
     # while Dynamo is imported, the compile cache loads and the drafter is built
     reading = start_reading(latest, d.device)
-    amp = amp_dtype(cfg, d.device)
+    amp = resolve(cfg, d.device).amp_dtype
     head = background(frozen_head, target_dir, d.device, amp, name="head-reader")
     g = micro_per_step(cfg, d.world)
     total = cfg.max_steps or steps_left(lengths, cfg, d.world)

@@ -52,9 +52,25 @@ def load_spec(target_dir, drafter_cfg: DrafterConfig, tokenizer_length: int | No
     return DrafterSpec.from_target(config, tokens, drafter_cfg)
 
 
-def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    """The step's autocast dtype: train.dtype on a GPU, None (plain float32) on the CPU."""
-    return torch_dtype(cfg.dtype) if device.type == "cuda" and cfg.dtype != "float32" else None
+@dataclass(frozen=True)
+class Resolved:
+    """train.dtype and train.attention as they apply on one device, decided once: the step, the batches'
+    dtype and the compile cache's key all read them here."""
+
+    amp_dtype: torch.dtype | None  # autocast dtype on a GPU; None: plain float32 (the CPU, or float32)
+    attention: str  # flex | sdpa
+
+    @property
+    def dtype(self) -> str:
+        """The name of the dtype the step computes in."""
+        return "float32" if self.amp_dtype is None else str(self.amp_dtype).removeprefix("torch.")
+
+
+def resolve(cfg: TrainConfig, device: torch.device) -> Resolved:
+    """auto attention is flex on a GPU and SDPA on the CPU (loss.resolve_attention); train.dtype applies
+    on a GPU only: the CPU trains in float32."""
+    amp = torch_dtype(cfg.dtype) if device.type == "cuda" and cfg.dtype != "float32" else None
+    return Resolved(amp, resolve_attention(cfg.attention, device))
 
 
 def frozen_head(target_dir, device: torch.device, dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
@@ -76,11 +92,10 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
         float8_linears(drafter, cfg.fp8, device)
     if cfg.compile:
         compile_drafter(drafter, cfg.compile_scope)
-    amp = amp_dtype(cfg, device)
-    embed, head = head.result() if head is not None else frozen_head(target_dir, device, amp)
-    objective, attention = objective_for(cfg, spec.block_size), resolve_attention(cfg.attention, device)
-    return Step(drafter, spec, embed, head, objective, attention, cfg.max_anchors, cfg.compile_loss, device,
-                amp)
+    run = resolve(cfg, device)
+    embed, head = head.result() if head is not None else frozen_head(target_dir, device, run.amp_dtype)
+    return Step(drafter, spec, embed, head, objective_for(cfg, spec.block_size), run.attention,
+                cfg.max_anchors, cfg.compile_loss, device, run.amp_dtype)
 
 
 def compile_drafter(drafter: DFlashDrafter, scope: str) -> None:
