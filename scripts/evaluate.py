@@ -6,7 +6,7 @@ One job over the whole prompt set (--out-dir: per_prompt.parquet and summary.jso
 
 import argparse
 
-from flashdraft.config import EvalConfig, load_section
+from flashdraft.config import EvalConfig, TargetConfig, load_section
 from flashdraft.errors import cli
 from flashdraft.evaluate import run, run_rows, summary_text, write_rows
 
@@ -16,7 +16,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", default=None, help="the `eval` config section as JSON")
     p.add_argument("--target", required=True, help="HF target model directory")
-    p.add_argument("--dtype", default="bfloat16", help="target dtype: float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default=TargetConfig.dtype, help="target dtype: float32 | bfloat16 | float16")
     p.add_argument("--drafter", required=True, help="DFlash drafter export directory")
     p.add_argument("--prompts", required=True, help="eval prompts parquet (messages column)")
     out = p.add_mutually_exclusive_group(required=True)

@@ -8,7 +8,7 @@ python scripts/hidden_val.py --cfg '{"dtype": "bfloat16"}' --drafter-cfg '{}' --
 import argparse
 import json
 
-from flashdraft.config import DrafterConfig, HiddenConfig, load_section
+from flashdraft.config import DrafterConfig, HiddenConfig, TargetConfig, load_section
 from flashdraft.errors import cli
 from flashdraft.stream import hidden_val
 
@@ -19,7 +19,7 @@ def main(argv=None):
     p.add_argument("--cfg", default="{}", help="the `hidden` config section as JSON")
     p.add_argument("--drafter-cfg", default="{}", help="the `drafter` config section as JSON (layer ids)")
     p.add_argument("--target", required=True, help="HF model directory of the target")
-    p.add_argument("--dtype", default="bfloat16", help="dtype the target runs in (CPU always uses float32)")
+    p.add_argument("--dtype", default=TargetConfig.dtype, help="dtype the target runs in (the CPU: float32)")
     p.add_argument("--plan", required=True, help="the data plan's directory (its val.parquet)")
     p.add_argument("--out", required=True, help="the validation shard (.arrow); its manifest goes next to it")
     args = p.parse_args(argv)

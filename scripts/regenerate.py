@@ -7,7 +7,7 @@ exit status 128 + the signal's number; a second one stops it at once.
 import argparse
 import time
 
-from flashdraft.config import RegenerateConfig, load_section
+from flashdraft.config import RegenerateConfig, TargetConfig, load_section
 from flashdraft.errors import cli
 from flashdraft.io import exit_on_stop_signals
 from flashdraft.regenerate import regenerate
@@ -18,7 +18,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cfg", default="{}", help="JSON of the `regenerate` config section")
     ap.add_argument("--target", required=True, help="HF model directory of the target")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default=TargetConfig.dtype, help="dtype the target runs in")
     ap.add_argument("--prompts", required=True, help="prompt set parquet (from the prompts rule)")
     ap.add_argument("--out", required=True, help="output parquet")
     ap.add_argument("--errors", default=None, help="failed rows (default: errors.parquet beside --out)")

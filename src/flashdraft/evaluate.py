@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .chat import prompt_ids
-from .config import EvalConfig, layers_out_of_range
+from .config import EvalConfig, TargetConfig, layers_out_of_range
 from .io import progress, write_json, write_parquet
 from .session import StaticSession
 from .shards import shard_of
@@ -212,8 +212,8 @@ def shard_prompts(prompts_path, num_prompts: int, shard: int = 0, num_shards: in
     return [i for i, _ in mine], [p for _, p in mine]
 
 
-def run_rows(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, dtype="bfloat16", seed=0, shard=0,
-             num_shards=1) -> tuple[list[dict], int]:
+def run_rows(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, dtype=TargetConfig.dtype, seed=0,
+             shard=0, num_shards=1) -> tuple[list[dict], int]:
     """Trained drafter, untrained drafter and n-gram lookup against target-only on one shard of the
     prompts: its rows and the block size."""
     from .model import DFlashDrafter, load_drafter
@@ -291,7 +291,8 @@ def summary_text(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, out_dir, dtype="bfloat16", seed=0) -> dict:
+def run(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, out_dir, dtype=TargetConfig.dtype,
+        seed=0) -> dict:
     """The whole evaluation in one job: every prompt, then per_prompt.parquet and summary.json."""
     rows, block_size = run_rows(cfg, target_dir, drafter_dir, prompts_path, dtype, seed)
     return write_outputs(rows, block_size, out_dir)

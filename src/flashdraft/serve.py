@@ -23,6 +23,7 @@ import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from .config import TargetConfig
 from .io import log
 from .target import generate, load_for_generate
 
@@ -46,9 +47,10 @@ def _json_type(value) -> str:
 class Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, target: str, host: str = "127.0.0.1", port: int = 8000, dtype: str = "bfloat16",
-                 name: str | None = None, fail_every: int = 0, max_tokens_limit: int = MAX_TOKENS_LIMIT,
-                 max_body: int = MAX_BODY, request_timeout: float = REQUEST_TIMEOUT):
+    def __init__(self, target: str, host: str = "127.0.0.1", port: int = 8000,
+                 dtype: str = TargetConfig.dtype, name: str | None = None, fail_every: int = 0,
+                 max_tokens_limit: int = MAX_TOKENS_LIMIT, max_body: int = MAX_BODY,
+                 request_timeout: float = REQUEST_TIMEOUT):
         self.model, self.tokenizer, self.eos = load_for_generate(target, dtype)
         self.name, self.fail_every = name or target, fail_every
         self.max_tokens_limit, self.max_body = max_tokens_limit, max_body
@@ -184,7 +186,7 @@ def main(argv=None) -> None:
     ap.add_argument("--target", required=True, help="HF model directory")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default=TargetConfig.dtype)
     ap.add_argument("--name", default=None, help="model name clients send (default: --target)")
     ap.add_argument("--fail-every", type=int, default=0, help="answer every N-th request with 503 (tests)")
     ap.add_argument("--max-tokens-limit", type=int, default=MAX_TOKENS_LIMIT,

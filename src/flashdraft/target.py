@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 
 from .chat import render
-from .config import DrafterConfig, feature_layers
+from .config import DrafterConfig, TargetConfig, feature_layers
 from .hf_config import read_target_config
 from .io import device, run_dtype, torch_dtype
 
 
-def load_target(path: str, dtype: str = "bfloat16", dev=None):
+def load_target(path: str, dtype: str = TargetConfig.dtype, dev=None):
     """Load a target exactly as any HF causal LM: AutoModelForCausalLM + AutoTokenizer, eval mode."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
