@@ -31,7 +31,8 @@ from recipe_ablation import REPO, run_one, stats
 GPU = {"gpus.target": 1, "gpus.drafter": 1}
 VARIANTS = {  # each against bf16: today's training step
     "bf16": {"train.fp8": None, "train.compile_loss": False},
-    "fp8": {"train.fp8": "tensorwise", "train.compile_loss": True, "train.compile_scope": "layer"},  # config/fp8.yaml
+    # config/fp8.yaml, as config/production.yaml trains
+    "fp8": {"train.fp8": "tensorwise", "train.compile_loss": True, "train.compile_scope": "layer"},
 }
 
 

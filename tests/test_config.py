@@ -1,6 +1,7 @@
 """Config: the schema documents every key the dataclasses hold, and both shipped configs validate."""
 
 import dataclasses
+import importlib.util
 import json
 import typing
 from pathlib import Path
@@ -140,8 +141,14 @@ def test_fp8_takes_a_known_recipe_and_a_gpu_with_fp8_matmuls():
 
     cfg = load_config(str(REPO / "config" / "config.yaml"))
     assert cfg.train.fp8 is None  # the embedded default trains as it always has
+    assert not [w for w in check(cfg) if "torchao" in w]
     cfg.train.fp8 = "rowwise"
-    check(cfg)
+    warnings = [w for w in check(cfg) if "torchao" in w]
+    if importlib.util.find_spec("torchao") is None:  # said at the workflow's start, not after hours
+        assert warnings == ["config key train.fp8 (rowwise) needs torchao, which this environment lacks: "
+                            "training stops at its start; pip install torchao, or set train.fp8: null"]
+    else:
+        assert warnings == []
     cfg.train.fp8 = "e5m2"
     with pytest.raises(UserError, match=r"train\.fp8: 'e5m2'; use one of tensorwise, rowwise, or null"):
         check(cfg)

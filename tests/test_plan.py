@@ -252,7 +252,7 @@ def test_both_modes_and_the_recommendation_on_production():
                                               + stream.hours["evaluation"])
     # the first chunk job: the measured launch, its last save (waited for) and the saves within it (copies)
     within = c.sizes[0] / c.step_tokens / cfg.train.checkpoint_every
-    launch = P.RATES["train_launch"].value
+    launch = P.RATES["train_launch_fp8" if cfg.train.fp8 else "train_launch"].value
     assert c.startup_s == pytest.approx(launch + p["last_save_s"] + within * p["save_s"])
     assert p["last_save_s"] > p["save_s"] > 0
 
@@ -267,10 +267,14 @@ def test_both_modes_and_the_recommendation_on_production():
     assert roomy.best.mode == "store" and roomy.best.split == P.Split(8, 8)
 
 
-def test_fp8_training_is_planned_at_its_measured_factor_and_start():
-    base = P.load(PRODUCTION, target=QWEN3_8B)
-    fp8 = P.load([PRODUCTION, PRODUCTION.parent / "fp8.yaml"], target=QWEN3_8B)  # the overlay on top
+def test_fp8_training_is_planned_at_its_measured_factor_and_start(tmp_path):
+    bf16 = tmp_path / "bf16.yaml"
+    bf16.write_text("train: {fp8: null, compile_loss: false, compile_scope: model}\n")
+    base = P.load([PRODUCTION, bf16], target=QWEN3_8B)
+    fp8 = P.load(PRODUCTION, target=QWEN3_8B)  # production.yaml trains in float8
+    overlay = P.load([PRODUCTION, bf16, PRODUCTION.parent / "fp8.yaml"], target=QWEN3_8B)
     assert (fp8.train.fp8, fp8.train.compile_loss) == ("tensorwise", True) and base.train.fp8 is None
+    assert overlay.train == fp8.train  # config/fp8.yaml sets what production.yaml does
     plans = [P.plan(c, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B) for c in (base, fp8)]
     (bf16_store, bf16_stream), (fp8_store, fp8_stream) = ((p["modes"]["store"], p["modes"]["stream"])
                                                           for p in plans)

@@ -9,6 +9,7 @@ section as JSON (`--cfg '{...}'`), so Snakemake reruns a stage only when its own
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import typing
 from dataclasses import dataclass, field
@@ -339,6 +340,9 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
         raise UserError(f"config key train.fp8: {t.fp8!r}; use one of {', '.join(FP8_RECIPES)}, or null")
     check_validation(t, p.total)
     warnings = []
+    if t.fp8 is not None and importlib.util.find_spec("torchao") is None:
+        warnings.append(f"config key train.fp8 ({t.fp8}) needs torchao, which this environment lacks: "
+                        "training stops at its start; pip install torchao, or set train.fp8: null")
     if cfg.hidden.shards > p.total:
         warnings.append(
             f"config key hidden.shards: {cfg.hidden.shards} shards for at most {p.total} training prompts "
