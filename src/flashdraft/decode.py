@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +28,10 @@ from .hf_config import kv_bytes_per_token
 from .step import (
     BUCKET,
     KV_BLOCK,
+    Graphs,
     Layers,
     SlotCache,
     block_mask,
-    capture,
     prefill,
     round_len,
     target_step,
@@ -77,7 +78,7 @@ class SlotDecoder:
         self._idle = []  # slots freed since the last step: their `live` and `pos` go to 0 before the next
         self.arange = torch.arange(self.max_len, device=dev)
         self.generator = torch.Generator(dev).manual_seed(seed)
-        self.graphs = {} if (cuda if graphs is None else graphs) else None
+        self.graphs = Graphs(dev, graphs)
         pos = self.pos
         self._mask_mod = lambda b, h, q, kv: kv <= pos[b]
 
@@ -119,14 +120,6 @@ class SlotDecoder:
         self.pos.add_(self.live).clamp_(max=self.max_len - 1)
         return logits, logits.argmax(-1)
 
-    def _capture(self, length: int):
-        """A CUDA graph of `_step(length)`. Captured while no slot holds a sequence: the warm-up runs
-        write only position 0 of each slot, which every prefill overwrites."""
-        pool = next(iter(self.graphs.values()))[0].pool() if self.graphs else None
-        out = capture(lambda: self._step(length), self.model.device, pool)
-        self.pos.zero_()
-        return out
-
     def _lengths(self) -> list[int]:
         """The attention lengths steps are built for: one when FlexAttention reads each row's own blocks,
         else one per BUCKET."""
@@ -142,13 +135,9 @@ class SlotDecoder:
         self._free_idle()
         if self.compiled:
             length = self.max_len
-        elif self.graphs is not None:
+        elif self.graphs.on:
             length = min(self.max_len, -(-length // BUCKET) * BUCKET)
-        if self.graphs is None:
-            logits, greedy = self._step(length)
-        else:
-            graph, (logits, greedy) = self.graphs[length]
-            graph.replay()
+        logits, greedy = self.graphs.run(length, partial(self._step, length))
         nxt = greedy if self.temperature == 0 else self._pick(logits)
         self.tokens.copy_(nxt)
         return nxt.tolist()
@@ -180,10 +169,12 @@ class SlotDecoder:
 
     @torch.inference_mode()
     def prepare(self):
-        """Compile the step and capture its CUDA graphs (once; `run` calls it when not done yet)."""
-        if self.graphs is not None and not self.graphs:
-            for length in self._lengths():
-                self.graphs[length] = self._capture(length)
+        """Compile the step and capture its CUDA graphs (once; `run` calls it when not done yet). Captured
+        while no slot holds a sequence: the warm-up runs write only position 0 of each slot, which every
+        prefill overwrites."""
+        if not self.graphs.ready:
+            self.graphs.capture({length: partial(self._step, length) for length in self._lengths()})
+            self.pos.zero_()
 
     def _loop(self, prompts, max_new_tokens):
         # longest first: similar lengths share a prefill, and a prompt too big for memory fails at once

@@ -338,6 +338,12 @@ class DFlashDrafter(nn.Module):
         out = self(target_hidden.to(self.fc.weight.dtype), embeds, positions, mask=mask)
         return out[0, 1:] @ lm_head_weight.to(out.dtype).T
 
+    def context_kv(self, target_hidden, cos, sin) -> list:
+        """Every layer's keys and values `(k, v)` `[b, kv_heads, S, d]` of the context features
+        `[b, S, K*H]` at the positions of cos/sin `[b, S, d]`: what a cache of the context holds."""
+        ctx = self.context(target_hidden)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
     @torch.no_grad()
     def extend_cache(self, cache: DraftCache, new_hidden) -> None:
         """Project the features `[1, n, K*H]` of context positions cache.length..+n-1 into every layer's
@@ -345,10 +351,9 @@ class DFlashDrafter(nn.Module):
         n = new_hidden.shape[1]
         if n == 0:
             return
-        ctx = self.context(new_hidden.to(self.fc.weight.dtype))
         positions = torch.arange(cache.length, cache.length + n, device=new_hidden.device)[None]
         cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
-        cache.append([layer.self_attn.kv(ctx, cos, sin) for layer in self.layers])
+        cache.append(self.context_kv(new_hidden.to(self.fc.weight.dtype), cos, sin))
 
     @torch.no_grad()
     def predict_block_cached(self, new_hidden, last_token: int, embed_weight, lm_head_weight,

@@ -187,7 +187,7 @@ def _run_static(cfg, model, tokenizer, eos, todo: Pending) -> Answered:
     slots = min(slots, len(rows))
     decoder = SlotDecoder(model, slots, max_len, eos, tokenizer.pad_token_id, cfg.temperature)
     log(f"regenerate: static-cache engine, {slots} slots of {decoder.max_len} positions, "
-        f"CUDA graphs {'on' if decoder.graphs is not None else 'off'}, "
+        f"CUDA graphs {'on' if decoder.graphs.on else 'off'}, "
         f"compiled step {'on' if decoder.compiled else 'off'}")
     parts.flush_s = FLUSH_S
     t = time.monotonic()

@@ -14,17 +14,18 @@ path for models the static engine cannot run, and the reference the tests hold i
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
-from .model import rope_cos_sin
+from .model import dflash_mask_mod, rope_cos_sin
 from .step import (
     KV_BLOCK,
+    Graphs,
     Layers,
     SlotCache,
     block_mask,
-    capture,
-    context_kv,
     prefill,
     round_len,
     target_step,
@@ -43,9 +44,8 @@ class StaticSession:
         if why:
             raise ValueError(f"the static-cache session cannot run this model: {why}")
         dev = model.device
-        cuda = dev.type == "cuda"
         self.model, self.layer_ids, self.block = model, list(layer_ids), block
-        self.compiled = cuda if compiled is None else compiled
+        self.compiled = dev.type == "cuda" if compiled is None else compiled
         self.max_len = round_len(max_len + block)  # a padded block may write `block` past the end
         self.layers = Layers.of_target(model, self.compiled)
         self.head = model.get_output_embeddings()
@@ -54,7 +54,7 @@ class StaticSession:
         self.pos_t = torch.zeros(1, dtype=torch.long, device=dev)  # the position of ids[0], on the device
         self.pos = 0
         self.arange = torch.arange(self.max_len, device=dev)
-        self.graphs = {} if (cuda if graphs is None else graphs) else None
+        self.graphs = Graphs(dev, graphs)
         pos = self.pos_t
         self._mask_mod = lambda b, h, q, kv: kv <= pos[0] + q
 
@@ -86,10 +86,8 @@ class StaticSession:
     @torch.inference_mode()
     def prepare(self):
         """Compile both step shapes and capture their graphs (once; `forward` calls it when not done)."""
-        if self.graphs is not None and not self.graphs:
-            for size in sorted({1, self.block}):
-                pool = next(iter(self.graphs.values()))[0].pool() if self.graphs else None
-                self.graphs[size] = capture(lambda s=size: self._step(s), self.model.device, pool)
+        if not self.graphs.ready:
+            self.graphs.capture({size: partial(self._step, size) for size in sorted({1, self.block})})
             self.pos_t.zero_()
 
     @torch.inference_mode()
@@ -114,11 +112,7 @@ class StaticSession:
         self.prepare()
         self.ids[:n] = torch.tensor(tokens)
         self.pos_t.fill_(self.pos)
-        if self.graphs is None:
-            logits, feats = self._step(size)
-        else:
-            graph, (logits, feats) = self.graphs[size]
-            graph.replay()
+        logits, feats = self.graphs.run(size, partial(self._step, size))
         self.pos += n
         # copies: the graph's outputs are overwritten by its next replay
         return logits[:n].clone(), None if feats is None else feats[None, :n].clone()
@@ -171,16 +165,15 @@ class DraftSession:
     def __init__(self, drafter, embed_weight, lm_head_weight, max_len: int, compiled: bool | None = None,
                  graphs: bool | None = None):
         spec, dev = drafter.spec, drafter.fc.weight.device
-        cuda = dev.type == "cuda"
         self.drafter, self.spec, self.block = drafter, spec, spec.block_size
         self.embed, self.head = embed_weight, lm_head_weight
-        self.compiled = cuda if compiled is None else compiled
+        self.compiled = dev.type == "cuda" if compiled is None else compiled
         self.max_len = round_len(max_len + 2 * self.block)
         self.layers = Layers(drafter.layers, eps=spec.rms_norm_eps, heads=spec.num_heads,
                              kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, act=F.silu,
                              scaling=spec.head_dim ** -0.5, compiled=self.compiled)
-        self.kv_kw = {"eps": spec.rms_norm_eps, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
-        self._kv = torch.compile(context_kv, fullgraph=True, dynamic=False) if self.compiled else context_kv
+        self._kv = torch.compile(drafter.context_kv, fullgraph=True, dynamic=False) if self.compiled \
+            else drafter.context_kv
         dtype = drafter.fc.weight.dtype
         shape = (1, spec.num_kv_heads, self.max_len, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in drafter.layers]
@@ -191,14 +184,13 @@ class DraftSession:
         self.feats = torch.zeros(self.block, spec.num_features * spec.hidden_size, dtype=dtype, device=dev)
         self.ids = torch.full((self.block,), spec.mask_token_id, dtype=torch.long, device=dev)
         self.arange = torch.arange(self.max_len, device=dev)
-        self.graphs = {} if (cuda if graphs is None else graphs) else None
-        length, size, window = self.len_t, self.size_t, getattr(spec, "sliding_window", None)
-
-        def mask_mod(b, h, q, kv):  # the block's own real positions, and the context (its window)
-            seen = kv < length[0] + size[0]
-            return seen if window is None else seen & ((kv >= length[0]) | (kv > length[0] + q - window))
-
-        self._mask_mod = mask_mod
+        self.graphs = Graphs(dev, graphs)
+        # training's mask for one block anchored at the context's end (the block sits right after it),
+        # less the pad keys of a block shorter than `block`
+        length, size = self.len_t, self.size_t
+        every = torch.ones(1, 1, dtype=torch.bool, device=dev)
+        trained = dflash_mask_mod(length.view(1, 1), every, length[0], self.block, spec.sliding_window)
+        self._mask_mod = lambda b, h, q, kv: trained(b, h, q, kv) & (kv < length[0] + size[0])
 
     def reset(self):
         """A new sequence: no context."""
@@ -211,13 +203,11 @@ class DraftSession:
 
     def _extend_step(self):
         """feats (block rows) -> keys and values at positions len_t.."""
-        d = self.drafter
-        ctx = d.context(self.feats)
-        positions, cos, sin = self._rope(self.block)
-        for w, kc, vc in zip(self.layers.weights, self.k, self.v, strict=True):
-            k, v = self._kv(ctx, w, cos, sin, **self.kv_kw)
-            kc[0].index_copy_(1, positions, k[:, :, 0].transpose(0, 1))
-            vc[0].index_copy_(1, positions, v[:, :, 0].transpose(0, 1))
+        positions = self.len_t + self.arange[: self.block]
+        cos, sin = rope_cos_sin(positions[None], self.spec.head_dim, self.spec.rope_theta)
+        for (k, v), kc, vc in zip(self._kv(self.feats[None], cos, sin), self.k, self.v, strict=True):
+            kc.index_copy_(2, positions, k)
+            vc.index_copy_(2, positions, v)
 
     def _draft_step(self):
         """ids (the block) at positions len_t..: the block's logits at positions 1..block-1."""
@@ -246,25 +236,16 @@ class DraftSession:
         out = self.drafter.norm(h)
         return out[1:] @ self.head.to(out.dtype).T
 
-    def _run(self, name: str, step):
-        if self.graphs is None:
-            return step()
-        graph, out = self.graphs[name]
-        graph.replay()
-        return out
-
     @torch.inference_mode()
     def prepare(self):
         """Compile both steps and capture their graphs, once, before any context is held: the capture's
         runs write keys and values at positions 0..block-1, which the first extend overwrites."""
-        if self.graphs is None or self.graphs:
+        if self.graphs.ready:
             return
         assert self.length == 0, "the drafter's graphs are captured before any context"
         self.len_t.zero_()
         self.size_t.fill_(self.block)
-        for name, step in (("extend", self._extend_step), ("draft", self._draft_step)):
-            pool = next(iter(self.graphs.values()))[0].pool() if self.graphs else None
-            self.graphs[name] = capture(step, self.feats.device, pool)
+        self.graphs.capture({"extend": self._extend_step, "draft": self._draft_step})
 
     @torch.inference_mode()
     def extend(self, features):
@@ -277,7 +258,7 @@ class DraftSession:
                 raise ValueError(f"the drafter's context would pass its {self.max_len} cache positions")
             self.feats[: piece.shape[0]] = piece
             self.len_t.fill_(self.length)
-            self._run("extend", self._extend_step)
+            self.graphs.run("extend", self._extend_step)
             self.length += piece.shape[0]
 
     @torch.inference_mode()
@@ -289,4 +270,4 @@ class DraftSession:
         self.ids[0] = int(last_token)
         self.len_t.fill_(self.length)
         self.size_t.fill_(size)
-        return self._run("draft", self._draft_step)[: size - 1].clone()
+        return self.graphs.run("draft", self._draft_step)[: size - 1].clone()

@@ -124,7 +124,7 @@ def _rope(x, cos, sin):
 
 
 class LayerWeights(NamedTuple):
-    """One decoder layer's tensors as `attn_in`, `attn_out` and `context_kv` read them, detached (plain
+    """One decoder layer's tensors as `attn_in` and `attn_out` read them, detached (plain
     tensors: the compiled functions take every layer's as inputs of one graph). Biases and QK-norms are
     None where the model has none."""
 
@@ -165,15 +165,6 @@ def attn_out(h, attn, w: LayerWeights, *, eps, act):
     h = h + F.linear(attn.reshape(h.shape[0], -1), w.wo, w.bo)
     x = _rms(h, w.post_norm, eps)
     return h + F.linear(act(F.linear(x, w.wg, w.bg)) * F.linear(x, w.wu, w.bu), w.wd, w.bd)
-
-
-def context_kv(ctx, w: LayerWeights, cos, sin, *, eps, kv_heads, head_dim):
-    """A drafter layer's keys (QK-norm, RoPE) and values of its context rows ctx [n, H] (the features
-    after fc and hidden_norm: no input norm, as `model.Attention.kv`)."""
-    n = ctx.shape[0]
-    k = F.linear(ctx, w.wk, w.bk).view(n, kv_heads, head_dim)
-    v = F.linear(ctx, w.wv, w.bv).view(n, kv_heads, 1, head_dim)
-    return _rope(_rms(k, w.k_norm, eps)[:, :, None], cos, sin).to(v.dtype), v
 
 
 def hf_layer_weights(layer) -> LayerWeights:
@@ -270,16 +261,41 @@ def block_mask(first, last, max_len: int, q_len: int, mask_mod) -> BlockMask:
                                     (q_len, max_len), compute_q_blocks=False)
 
 
-def capture(step, device, pool=None):
-    """A CUDA graph of `step()` and its outputs. The warm-up runs (which also compile, and make cuBLAS
-    handles, workspaces and lazy inits) happen outside the capture, on a side stream."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = step()
-    return graph, out
+class Graphs:
+    """The one owner of an engine's CUDA graphs: whether its steps run as graphs (default: on CUDA), the
+    memory pool they share, their capture and replay-or-eager. A step is keyed by its shape (a length, a
+    block size, a name)."""
+
+    def __init__(self, device: torch.device, on: bool | None = None):
+        self.device, self.on = device, device.type == "cuda" if on is None else on
+        self.captured, self._pool = {}, None
+
+    @property
+    def ready(self) -> bool:
+        """Nothing to capture: graphs are off, or captured."""
+        return not self.on or bool(self.captured)
+
+    def capture(self, steps: dict) -> None:
+        """A CUDA graph of each `step()` and its outputs. The warm-up runs (which also compile, and make
+        cuBLAS handles, workspaces and lazy inits) happen outside the capture, on a side stream."""
+        current = torch.cuda.current_stream(self.device)
+        for key, step in steps.items():
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    step()
+            current.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = step()
+            self._pool = self._pool or graph.pool()
+            self.captured[key] = graph, out
+
+    def run(self, key, step):
+        """`step()`'s outputs: its graph replayed (outputs overwritten by the next replay), or run eagerly."""
+        if not self.on:
+            return step()
+        graph, out = self.captured[key]
+        graph.replay()
+        return out
