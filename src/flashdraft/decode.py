@@ -137,7 +137,7 @@ class SlotDecoder:
             length = self.max_len
         elif self.graphs.on:
             length = min(self.max_len, -(-length // BUCKET) * BUCKET)
-        logits, greedy = self.graphs.run(length, partial(self._step, length))
+        logits, greedy = self.graphs.run(length, self._step, length)
         nxt = greedy if self.temperature == 0 else self._pick(logits)
         self.tokens.copy_(nxt)
         return nxt.tolist()

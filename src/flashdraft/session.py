@@ -112,7 +112,7 @@ class StaticSession:
         self.prepare()
         self.ids[:n] = torch.tensor(tokens)
         self.pos_t.fill_(self.pos)
-        logits, feats = self.graphs.run(size, partial(self._step, size))
+        logits, feats = self.graphs.run(size, self._step, size)
         self.pos += n
         # copies: the graph's outputs are overwritten by its next replay
         return logits[:n].clone(), None if feats is None else feats[None, :n].clone()
@@ -172,8 +172,9 @@ class DraftSession:
         self.layers = Layers(drafter.layers, eps=spec.rms_norm_eps, heads=spec.num_heads,
                              kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, act=F.silu,
                              scaling=spec.head_dim ** -0.5, compiled=self.compiled)
-        self._kv = torch.compile(drafter.context_kv, fullgraph=True, dynamic=False) if self.compiled \
-            else drafter.context_kv
+        self._kv = drafter.context_kv
+        if self.compiled:
+            self._kv = torch.compile(self._kv, fullgraph=True, dynamic=False)
         dtype = drafter.fc.weight.dtype
         shape = (1, spec.num_kv_heads, self.max_len, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in drafter.layers]

@@ -292,10 +292,11 @@ class Graphs:
             self._pool = self._pool or graph.pool()
             self.captured[key] = graph, out
 
-    def run(self, key, step):
-        """`step()`'s outputs: its graph replayed (outputs overwritten by the next replay), or run eagerly."""
+    def run(self, key, step, *args):
+        """`step(*args)`'s outputs: the graph captured under `key` replayed (outputs overwritten by the next
+        replay), or the step run eagerly."""
         if not self.on:
-            return step()
+            return step(*args)
         graph, out = self.captured[key]
         graph.replay()
         return out
