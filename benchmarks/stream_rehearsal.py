@@ -82,11 +82,12 @@ def config(args, target: Path, source: Path, work: Path) -> dict:
 
 
 def chunk_tokens_for(args, work: Path) -> int:
-    """hidden.chunk_tokens that cuts every epoch into `--chunks` chunks: one epoch's tokens (the prompts'
-    characters, about a token each, plus the answers) / chunks."""
+    """hidden.chunk_tokens that cuts every epoch into about `--chunks` chunks: one epoch's tokens (the
+    prompts' characters, about a token each, plus the answers) / (chunks - 1/2). Chunks hold whole steps,
+    so a budget of exactly 1/chunks of the epoch would leave a short extra chunk at its end."""
     per_epoch = sum(len(json.loads(line)["conversations"][0]["value"]) + args.new_tokens + 16
                     for line in (work / "sources.jsonl").read_text().splitlines()[: args.prompts])
-    return per_epoch // args.chunks
+    return int(per_epoch / (args.chunks - 0.5))
 
 
 def main():

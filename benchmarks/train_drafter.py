@@ -11,11 +11,12 @@ features `[S, K*H]` for a few samples of exactly S tokens with full loss masks. 
 times on the command line, so one epoch holds more micro-batches than the measured steps use: no epoch
 boundary (a new DataLoader) falls inside the measurement, and no more disk is needed.
 
-1. One warmup (fresh TORCHINDUCTOR_CACHE_DIR) compiles the step and writes artifacts.bin.
-2. Throughput, per world size (`--gpus 1,2`): the launch line, --compile-cache from step 1, a fresh empty
-   Inductor cache dir per run, `--steps` steps logged every `--log-every`. tokens/s is the trainer's own
-   (metrics CSV, all ranks summed) over the windows after the first (which holds the first step's
-   tracing). The run is ended once its last row is logged, before the final checkpoint and export.
+1. One warmup (its own emptied Inductor dir) compiles the step and writes artifacts.bin.
+2. Throughput, per world size (`--gpus 1,2`): the launch line, --compile-cache from step 1, fresh empty
+   Inductor cache dirs per run (the warmup's removed, as on another node), `--steps` steps logged every
+   `--log-every`. tokens/s is the trainer's own (metrics CSV, all ranks summed) over the windows after the
+   first (which holds the first step's tracing). The run is ended once its last row is logged, before the
+   final checkpoint and export.
 3. First step, for a cold process tree (no artifacts, fresh Inductor dir) and a warm one (the warmup's
    artifacts, fresh Inductor dir), at the largest world size, three ways:
    - launch (just before Popen) to the moment the trainer logs `bucket S: first step N s`: everything;
@@ -304,7 +305,12 @@ class Proc:
 
 
 def base_env(preset: dict, inductor: Path) -> dict:
-    """A fresh, empty Inductor (and Triton) cache dir for one process tree, as on a fresh node."""
+    """A fresh, empty Inductor (and Triton) cache dir for one process tree, as on a fresh node: the
+    warmup's own Inductor dir, where a warm trainer compiles, is removed too (the trainer recreates it
+    from inductor.tar)."""
+    meta = inductor.parent.parent / "compile_cache" / "meta.json"
+    if meta.exists() and (warmup_dir := json.loads(meta.read_text()).get("inductor_dir")):
+        shutil.rmtree(warmup_dir, ignore_errors=True)
     shutil.rmtree(inductor, ignore_errors=True)
     inductor.mkdir(parents=True)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor),

@@ -524,10 +524,11 @@ def test_a_signal_stops_the_warmup_as_training_keeping_no_cache(data, tmp_path, 
 
 @pytest.mark.slow
 def test_warmup_cache_gives_hits_in_a_fresh_training_process(data, tmp_path):
-    """Compile once in the warmup, then a fresh process (its own empty Inductor cache dir) loads the blob
-    and unpacks the warmup's Inductor files: FX-graph and AOTAutograd cache hits, no misses, no C++ kernel
-    compiled again, and step 2 runs under fail_on_recompile. The losses are an eager run's: the cached
-    code computes the same step."""
+    """Compile once in the warmup, then a fresh process on a node without the warmup's Inductor dir loads
+    the blob and unpacks the warmup's Inductor files at that dir's path (not into its own
+    TORCHINDUCTOR_CACHE_DIR): FX-graph and AOTAutograd cache hits, no misses, no C++ kernel compiled
+    again, and step 2 runs under fail_on_recompile. The losses are an eager run's: the cached code
+    computes the same step."""
     root, shards = data
     drafter = {"num_layers": 1, "block_size": 8, "target_layer_ids": [1, 3]}  # the shards fuse 2 layers
     cfg = {**TRAIN, "compile": True, "buckets": [128], "batch_tokens": 256, "max_steps": 2}
@@ -540,13 +541,18 @@ def test_warmup_cache_gives_hits_in_a_fresh_training_process(data, tmp_path):
     with tarfile.open(cache / "inductor.tar") as tar:
         names = tar.getnames()
     assert len(names) == meta["inductor_files"] > 0 and any(n.endswith(".so") for n in names)  # CPU kernels
+    warmup_dir = Path(meta["inductor_dir"])
+    assert all((warmup_dir / n).is_file() for n in names)  # kept for training on this node
+    shutil.rmtree(warmup_dir)  # another node
     out = tmp_path / "train"
     cmd = train_cmd(root, shards, out, cfg, nproc=1, drafter=drafter, extra=["--compile-cache", str(cache)])
     proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-train")})
     counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
     assert counters["fxgraph_cache_hit"] > 0 and counters["autograd_cache_hit"] > 0
     assert cache_misses(counters) == 0, counters
-    assert all((tmp_path / "inductor-train" / n).is_file() for n in names)  # unpacked into its own dir
+    assert all((warmup_dir / n).is_file() for n in names)  # unpacked where the warmup compiled
+    assert f" Inductor files added to {warmup_dir}\n" in proc.stderr
+    assert not any(p.is_file() for p in (tmp_path / "inductor-train").rglob("*"))
     assert "compile workers per process: 1" in proc.stderr  # warm: no compile worker pool to start
     phases = proc.stderr.split("compile phases:")[1].splitlines()[0]  # the slowest, logged after step 1
     assert "compile_file" not in phases, phases  # no C++ compile: the warmup's .so files were there
@@ -586,6 +592,7 @@ def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(d
     meta = json.loads((cache / "meta.json").read_text())
     print("warmup:", json.dumps({k: meta[k] for k in ("seconds", "counters", "artifact_bytes")}))
     assert meta["key"]["attention"] == "flex" and meta["artifact_bytes"] > 0
+    shutil.rmtree(meta["inductor_dir"])  # training on another node
     nproc = min(2, torch.cuda.device_count())
     out = tmp_path / "train"
     cmd = train_cmd(root, shards, out, cfg, nproc=nproc, extra=["--compile-cache", str(cache)], gpu=True)
@@ -593,10 +600,18 @@ def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(d
     print(proc.stderr[-2000:])
     counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
     assert counters["fxgraph_cache_hit"] > 0 and cache_misses(counters) == 0, counters
+    assert_no_autotuning(proc.stderr)
     rows = read_rows(out / "metrics.csv")
     assert len(rows) == 8 and all(math.isfinite(x) for x in losses(rows))
     drafter, _ = load_drafter(out / "drafter")
     assert next(drafter.parameters()).dtype == torch.bfloat16  # exported in the training dtype
+
+
+def assert_no_autotuning(stderr: str) -> None:
+    """The warm rank's slowest compile phases (logged after its first step) hold no Triton autotuning: the
+    warmup's autotune results reached it."""
+    phases = stderr.split("compile phases:")[1].splitlines()[0]
+    assert "benchmark_all_configs" not in phases, phases
 
 
 def _fp8_ready() -> bool:
@@ -620,10 +635,12 @@ def test_gpu_fp8_training_loads_its_warmup_cache_and_tracks_bf16(data, tmp_path)
         cfg, cache, out = {**base, **lever}, tmp_path / f"cache-{name}", tmp_path / name
         run(warmup_cmd(root, shards, cfg, cache), gpu=True,
             env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-warmup-{name}")})
+        shutil.rmtree(json.loads((cache / "meta.json").read_text())["inductor_dir"])  # another node
         cmd = train_cmd(root, shards, out, cfg, nproc=1, extra=["--compile-cache", str(cache)], gpu=True)
         proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}, gpu=True)
         counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
         assert counters["fxgraph_cache_hit"] > 0 and cache_misses(counters) == 0, (name, counters)
+        assert_no_autotuning(proc.stderr)
         rows[name] = losses(read_rows(out / "metrics.csv"))
     assert len(rows["fp8"]) == 8 and all(math.isfinite(x) for x in rows["fp8"])
     assert rows["fp8"] == pytest.approx(rows["bf16"], rel=0.05)

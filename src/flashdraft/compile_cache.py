@@ -4,15 +4,19 @@ The warmup runs in one process, on its main thread (torch.compile is not thread-
 training step for every length bucket: train_step.forward_backward on random data of the real shapes
 (rows x bucket x K*H, the same anchor slots), so its graphs are exactly the ones training asks for. It
 saves the compile caches as one Mega-Cache blob (ARTIFACTS) that every training rank loads before its
-first step. Inductor compiles into a fresh cache dir whose files are saved as INDUCTOR_FILES next to the
-blob: training unpacks them into its own Inductor dir, which gives it what the blob lacks (the compiled
-C++ kernels of CPU graphs). The caches skip Inductor code generation and autotuning, not Dynamo tracing:
-a rank still traces, then hits. META holds the key the warmup compiled for; training compares its own.
+first step. Inductor compiles into an emptied cache dir (warmup_inductor_dir) whose files are saved as
+INDUCTOR_FILES next to the blob. Training compiles in that same dir, unpacking the files there on a node
+that lacks them: they hold what the blob lacks (the compiled C++ kernels of CPU graphs), and a cached
+kernel's autotune result is looked up beside the path the warmup saved the kernel at, so any other dir
+would tune every kernel again. The caches skip Inductor code generation and autotuning, not Dynamo
+tracing: a rank still traces, then hits. META holds the key the warmup compiled for; training compares
+its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -80,20 +84,31 @@ def inductor_cache_dir() -> Path:
     return Path(_inductor_cache_dir())
 
 
+def warmup_inductor_dir(out_dir) -> Path:
+    """The Inductor dir the warmup writing `out_dir` compiles in, and training after it: one per compile
+    cache (a hash of its path), in the temp dir."""
+    digest = hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"flashdraft-inductor-{digest}"
+
+
 @contextlib.contextmanager
-def fresh_inductor_dir():
-    """Inductor compiles into a new, empty cache dir for the block, so that dir holds exactly this
-    warmup's files (training unpacks them, see merge_inductor_files)."""
+def fresh_inductor_dir(path: Path):
+    """Inductor compiles into `path`, emptied first, for the block, so it holds exactly this warmup's
+    files. Kept when the block ends well (training on this node compiles there), removed when it fails."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="flashdraft-inductor-") as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
-        try:
-            yield Path(tmp)
-        finally:
-            if before is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    try:
+        yield path
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
 def pack_inductor_dir(src: Path, tar_path: Path) -> int:
@@ -149,12 +164,27 @@ def load_compile_cache(cache_dir, key: dict, d: Dist) -> bool:
         why = "training shards the drafter (FSDP)" if info.get("fsdp") else "compile: false"
         log(d, f"compile cache: empty (the warmup compiled nothing: {why})")
         return False
+    use_inductor_dir(info.get("inductor_dir"), d)  # before anything lands in Inductor's dir
     torch.compiler.load_cache_artifacts(blob.read_bytes())
     files, dest = Path(cache_dir) / INDUCTOR_FILES, inductor_cache_dir()
     added = merge_inductor_files(files, dest) if files.exists() else 0
     log(d, f"compile cache: loaded {blob} ({blob.stat().st_size} bytes); {added} Inductor files added to "
            f"{dest}")
     return not differ
+
+
+def use_inductor_dir(path: str | None, d: Dist) -> None:
+    """Compile in the warmup's Inductor dir (created here when this node lacks it): the cached kernels'
+    autotune results are found beside the paths the warmup saved the kernels at."""
+    if not path:
+        return
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log(d, f"compile cache: cannot create the warmup's Inductor dir {path} ({e}); compiling in "
+               f"{inductor_cache_dir()}, where the cached kernels are autotuned again")
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
 
 
 def set_compile_workers(warm: bool, local_world: int) -> int:
@@ -205,7 +235,7 @@ def warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: lis
     """Compile (or, with compile: false, only check) the step per bucket; write ARTIFACTS, INDUCTOR_FILES
     and META. `world`: the training's process count; when it shards the drafter (FSDP), nothing is
     compiled or run here (its graphs are not the unsharded step's, and one GPU may not hold that step)."""
-    with fresh_inductor_dir() as inductor:
+    with fresh_inductor_dir(warmup_inductor_dir(out_dir)) as inductor:
         return _warmup(cfg, drafter_cfg, target_dir, shards, Path(out_dir), inductor, world)
 
 
@@ -252,7 +282,8 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
             tmp.write_bytes(blob)
         files = pack_inductor_dir(inductor, out / INDUCTOR_FILES)  # empty when nothing was compiled
         meta = {"key": key, "compile": cfg.compile, "fsdp": sharded, "seconds": seconds,
-                "counters": cache_counters(), "artifact_bytes": len(blob), "inductor_files": files,
+                "inductor_dir": str(inductor), "counters": cache_counters(), "artifact_bytes": len(blob),
+                "inductor_files": files,
                 "inductor_bytes": (out / INDUCTOR_FILES).stat().st_size}
         write_json(out / META, meta)
     except BaseException:  # stopped or failed between the files: none of them, rather than a mix
