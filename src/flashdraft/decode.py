@@ -32,10 +32,10 @@ from .step import (
     Layers,
     SlotCache,
     block_mask,
+    pick,
     prefill,
     round_len,
     target_step,
-    unsupported,
 )
 
 
@@ -59,9 +59,6 @@ class SlotDecoder:
     def __init__(self, model, slots: int, max_len: int, eos: list[int], pad_id: int,
                  temperature: float = 0.0, seed: int = 0, graphs: bool | None = None,
                  compiled: bool | None = None, refill: int | None = None, prefill_tokens: int = 16384):
-        why = unsupported(model)
-        if why:
-            raise ValueError(f"the static-cache decoder cannot run this model: {why}")
         dev = model.device
         cuda = dev.type == "cuda"
         self.model, self.head = model, model.get_output_embeddings()
@@ -84,12 +81,6 @@ class SlotDecoder:
 
     # ----------------------------------------------------------------------------------------- model
 
-    def _pick(self, logits):
-        if self.temperature == 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits.float() / self.temperature, -1)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-
     def _attend(self, length: int):
         """Attention for one decode step: FlexAttention over each row's own blocks (compiled), else SDPA
         over the first `length` positions, a row's own marked valid, the query heads sharing a KV head
@@ -98,7 +89,7 @@ class SlotDecoder:
         if self.compiled:
             n = (self.pos // KV_BLOCK).to(torch.int32).view(-1, 1, 1)
             mask = block_mask(n, n, self.max_len, 1, self._mask_mod)
-            return lambda q, i: L.sparse(q, k[i], v[i], mask)
+            return lambda q, i: L.attention(q, k[i], v[i], mask)
         mask = (self.arange[:length] <= self.pos[:, None])[:, None, None, :]
         shape = (self.slots, L.kv_heads, L.heads // L.kv_heads, L.head_dim)
         return lambda q, i: F.scaled_dot_product_attention(
@@ -138,7 +129,7 @@ class SlotDecoder:
         elif self.graphs.on:
             length = min(self.max_len, -(-length // BUCKET) * BUCKET)
         logits, greedy = self.graphs.run(length, self._step, length)
-        nxt = greedy if self.temperature == 0 else self._pick(logits)
+        nxt = greedy if self.temperature == 0 else pick(logits, self.temperature, self.generator)
         self.tokens.copy_(nxt)
         return nxt.tolist()
 
@@ -151,7 +142,8 @@ class SlotDecoder:
             ids[i, : len(p)] = torch.tensor(p)
         rows, lengths = torch.tensor(slots, device=dev), torch.tensor(n, device=dev)
         h, _ = prefill(self.model, self.cache, rows, ids.to(dev))
-        first = self._pick(self.head(h[torch.arange(len(n), device=dev), lengths - 1]))
+        logits = self.head(h[torch.arange(len(n), device=dev), lengths - 1])
+        first = pick(logits, self.temperature, self.generator)
         self.tokens[rows], self.pos[rows], self.live[rows] = first, lengths, 1
         return first.tolist()
 

@@ -20,17 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import dflash_mask_mod, rope_cos_sin
-from .step import (
-    KV_BLOCK,
-    Graphs,
-    Layers,
-    SlotCache,
-    block_mask,
-    prefill,
-    round_len,
-    target_step,
-    unsupported,
-)
+from .step import Graphs, Layers, SlotCache, prefill, round_len, target_step
 from .target import select_features
 
 
@@ -40,9 +30,6 @@ class StaticSession:
 
     def __init__(self, model, max_len: int, layer_ids=(), block: int = 1, compiled: bool | None = None,
                  graphs: bool | None = None):
-        why = unsupported(model)
-        if why:
-            raise ValueError(f"the static-cache session cannot run this model: {why}")
         dev = model.device
         self.model, self.layer_ids, self.block = model, list(layer_ids), block
         self.compiled = dev.type == "cuda" if compiled is None else compiled
@@ -60,27 +47,11 @@ class StaticSession:
 
     def _step(self, size: int):
         """ids[:size] at positions pos_t.. : logits [size, V] and features [size, K*H] (or None)."""
-        L, cache = self.layers, self.cache
         positions = self.pos_t + self.arange[:size]
-
-        def write(i, k, v):  # k, v [size, kv_heads, 1, d] -> the sequence's positions
-            cache.k[i][0].index_copy_(1, positions, k[:, :, 0].transpose(0, 1))
-            cache.v[i][0].index_copy_(1, positions, v[:, :, 0].transpose(0, 1))
-
-        if self.compiled:
-            first = (self.pos_t // KV_BLOCK).to(torch.int32).view(1, 1, 1)
-            last = ((self.pos_t + size - 1) // KV_BLOCK).to(torch.int32).view(1, 1, 1)
-            mask = block_mask(first, last, self.max_len, size, self._mask_mod)
-
-            def attend(q, i):  # q [size, heads, 1, d] as one sequence's queries [1, heads, size, d]
-                return L.sparse(q.permute(2, 1, 0, 3), cache.k[i], cache.v[i], mask).permute(2, 1, 0, 3)
-        else:
-            mask = (self.arange <= positions[:, None])[None, None]
-
-            def attend(q, i):
-                return L.dense(q.permute(2, 1, 0, 3), cache.k[i], cache.v[i], mask).permute(2, 1, 0, 3)
-
-        h, feats = target_step(self.model, L, self.ids[:size], positions, write, attend, self.layer_ids)
+        write, attend = self.layers.over_sequence(self.cache.k, self.cache.v, positions, self._mask_mod,
+                                                  self.max_len)
+        h, feats = target_step(self.model, self.layers, self.ids[:size], positions, write, attend,
+                               self.layer_ids)
         return self.head(h), feats
 
     @torch.inference_mode()
@@ -198,42 +169,25 @@ class DraftSession:
         self.length = 0
 
     def _rope(self, n):
+        """Positions len_t.. of n rows and their RoPE cos, sin [1, n, d] (float32)."""
         positions = self.len_t + self.arange[:n]
-        cos, sin = rope_cos_sin(positions[None], self.spec.head_dim, self.spec.rope_theta)
-        return positions, cos[0, :, None, None], sin[0, :, None, None]  # [n, 1, 1, d], float32
+        return (positions, *rope_cos_sin(positions[None], self.spec.head_dim, self.spec.rope_theta))
 
     def _extend_step(self):
         """feats (block rows) -> keys and values at positions len_t.."""
-        positions = self.len_t + self.arange[: self.block]
-        cos, sin = rope_cos_sin(positions[None], self.spec.head_dim, self.spec.rope_theta)
+        positions, cos, sin = self._rope(self.block)
         for (k, v), kc, vc in zip(self._kv(self.feats[None], cos, sin), self.k, self.v, strict=True):
             kc.index_copy_(2, positions, k)
             vc.index_copy_(2, positions, v)
 
     def _draft_step(self):
-        """ids (the block) at positions len_t..: the block's logits at positions 1..block-1."""
-        L, n = self.layers, self.block
-        positions, cos, sin = self._rope(n)
-
-        def write(i, k, v):  # the block's keys and values right after the context (never committed)
-            self.k[i][0].index_copy_(1, positions, k[:, :, 0].transpose(0, 1))
-            self.v[i][0].index_copy_(1, positions, v[:, :, 0].transpose(0, 1))
-
-        if self.compiled:
-            last = ((self.len_t + n - 1) // KV_BLOCK).to(torch.int32).view(1, 1, 1)
-            mask = block_mask(torch.zeros_like(last), last, self.max_len, n, self._mask_mod)
-
-            def attend(q, i):
-                return L.sparse(q.permute(2, 1, 0, 3), self.k[i], self.v[i], mask).permute(2, 1, 0, 3)
-        else:
-            q_idx = self.arange[:n, None]
-            mask = self._mask_mod(0, 0, q_idx, self.arange[None, :])[None, None]
-
-            def attend(q, i):
-                return L.dense(q.permute(2, 1, 0, 3), self.k[i], self.v[i], mask).permute(2, 1, 0, 3)
-
+        """ids (the block) at positions len_t..: the block's logits at positions 1..block-1. Its keys and
+        values go right after the context (never committed)."""
+        positions, cos, sin = self._rope(self.block)
+        write, attend = self.layers.over_sequence(self.k, self.v, positions, self._mask_mod, self.max_len,
+                                                  mask_all=True)
         x = F.embedding(self.ids, self.embed).to(self.feats.dtype)
-        h, _ = L.run(x, cos, sin, write, attend)
+        h, _ = self.layers.run(x, cos[0, :, None, None], sin[0, :, None, None], write, attend)
         out = self.drafter.norm(h)
         return out[1:] @ self.head.to(out.dtype).T
 

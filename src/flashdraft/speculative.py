@@ -24,7 +24,7 @@ import torch
 
 from .model import DraftCache
 from .session import DraftSession, HFSession, StaticSession
-from .step import unsupported
+from .step import pick, unsupported
 
 # ---------------------------------------------------------------------------------------------------------
 # drafters: each proposes draft tokens from the verified tokens (and the target's features of them)
@@ -116,6 +116,8 @@ class NgramProposer:
 
     def propose(self, tokens, new_features, max_draft, temperature, generator):
         num_draft = min(self.num_draft, max_draft)
+        if not num_draft:  # plain decoding (target_decode)
+            return [], None
         for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
             tail = tokens[-n:]
             # start <= len - n - 1: the match must be followed by at least one token
@@ -143,12 +145,6 @@ class Decoded:
     seconds: float  # decode time after the prefill (which yields the first token)
 
 
-def _pick(logits, temperature, generator) -> int:
-    if temperature == 0:
-        return int(logits.argmax())
-    return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator))
-
-
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -174,20 +170,11 @@ def verify(draft, logits, q, temperature, generator) -> tuple[int, int]:
     return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
 
 
-@torch.no_grad()
 def target_decode(session, prompt_ids, max_new_tokens, eos, temperature=0.0, generator=None) -> Decoded:
-    """Plain autoregressive decoding, one token per forward over the session's cache."""
-    dev = session.model.device
-    logits, _ = session.prefill(prompt_ids)
-    out = [_pick(logits, temperature, generator)]
-    _sync(dev)
-    t0 = time.perf_counter()
-    while len(out) < max_new_tokens and out[-1] not in eos:
-        logits, _ = session.forward([out[-1]])
-        out.append(_pick(logits[-1], temperature, generator))
-    _sync(dev)
-    steps = len(out) - 1
-    return Decoded(out, [1] * steps, [0] * steps, [0] * steps, time.perf_counter() - t0)
+    """Plain autoregressive decoding, one token per forward over the session's cache: speculative decoding
+    without drafts."""
+    return speculative_decode(session, NgramProposer(0), prompt_ids, max_new_tokens, eos, temperature,
+                              generator)
 
 
 @torch.no_grad()
@@ -201,7 +188,7 @@ def speculative_decode(session, proposer: Proposer, prompt_ids, max_new_tokens, 
     # the drafter's context is every verified token but the last; it is handed over in increments:
     # first the prompt's features, then after each verify those of last + the accepted drafts
     logits, feats = session.prefill(prompt_ids)
-    new = [_pick(logits, temperature, generator)]
+    new = [int(pick(logits, temperature, generator))]
     tokens, emitted, accepted, verified = [*prompt_ids, new[0]], [], [], []
     _sync(dev)
     t0 = time.perf_counter()

@@ -123,37 +123,33 @@ def _rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), -1) * sin
 
 
+Linear = tuple[torch.Tensor, "torch.Tensor | None"]  # a projection's weight and bias (None: no bias)
+
+
 class LayerWeights(NamedTuple):
-    """One decoder layer's tensors as `attn_in` and `attn_out` read them, detached (plain
-    tensors: the compiled functions take every layer's as inputs of one graph). Biases and QK-norms are
-    None where the model has none."""
+    """One decoder layer's tensors as `attn_in` and `attn_out` read them, detached (plain tensors: the
+    compiled functions take every layer's as inputs of one graph). QK-norms are None where the model has
+    none."""
 
     input_norm: torch.Tensor
-    wq: torch.Tensor
-    bq: torch.Tensor | None
-    wk: torch.Tensor
-    bk: torch.Tensor | None
-    wv: torch.Tensor
-    bv: torch.Tensor | None
+    q: Linear
+    k: Linear
+    v: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    wo: torch.Tensor
-    bo: torch.Tensor | None
+    o: Linear
     post_norm: torch.Tensor
-    wg: torch.Tensor
-    bg: torch.Tensor | None
-    wu: torch.Tensor
-    bu: torch.Tensor | None
-    wd: torch.Tensor
-    bd: torch.Tensor | None
+    gate: Linear
+    up: Linear
+    down: Linear
 
 
 def attn_in(h, w: LayerWeights, cos, sin, *, eps, heads, kv_heads, head_dim):
     """Input norm, q/k/v projections, QK-norm (where the model has one), RoPE."""
     x, b = _rms(h, w.input_norm, eps), h.shape[0]
-    q = F.linear(x, w.wq, w.bq).view(b, heads, head_dim)
-    k = F.linear(x, w.wk, w.bk).view(b, kv_heads, head_dim)
-    v = F.linear(x, w.wv, w.bv).view(b, kv_heads, 1, head_dim)
+    q = F.linear(x, *w.q).view(b, heads, head_dim)
+    k = F.linear(x, *w.k).view(b, kv_heads, head_dim)
+    v = F.linear(x, *w.v).view(b, kv_heads, 1, head_dim)
     if w.q_norm is not None:
         q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
     # cos/sin in float32 (the drafter's RoPE) upcast q and k: attention wants v's dtype
@@ -162,9 +158,9 @@ def attn_in(h, w: LayerWeights, cos, sin, *, eps, heads, kv_heads, head_dim):
 
 def attn_out(h, attn, w: LayerWeights, *, eps, act):
     """Output projection and residual, post-attention norm, gated MLP and residual."""
-    h = h + F.linear(attn.reshape(h.shape[0], -1), w.wo, w.bo)
+    h = h + F.linear(attn.reshape(h.shape[0], -1), *w.o)
     x = _rms(h, w.post_norm, eps)
-    return h + F.linear(act(F.linear(x, w.wg, w.bg)) * F.linear(x, w.wu, w.bu), w.wd, w.bd)
+    return h + F.linear(act(F.linear(x, *w.gate)) * F.linear(x, *w.up), *w.down)
 
 
 def hf_layer_weights(layer) -> LayerWeights:
@@ -173,15 +169,16 @@ def hf_layer_weights(layer) -> LayerWeights:
     drafter's layers have too."""
     a, m = layer.self_attn, layer.mlp
 
-    def linear(x):
+    def linear(x) -> Linear:
         return x.weight.detach(), None if getattr(x, "bias", None) is None else x.bias.detach()
 
-    qn, kn = (getattr(a, n, None) for n in ("q_norm", "k_norm"))
-    qk = (qn.weight.detach(), kn.weight.detach()) if qn is not None else (None, None)
-    return LayerWeights(layer.input_layernorm.weight.detach(), *linear(a.q_proj), *linear(a.k_proj),
-                        *linear(a.v_proj), *qk, *linear(a.o_proj),
-                        layer.post_attention_layernorm.weight.detach(), *linear(m.gate_proj),
-                        *linear(m.up_proj), *linear(m.down_proj))
+    def norm(x):
+        return None if x is None else x.weight.detach()
+
+    return LayerWeights(norm(layer.input_layernorm), linear(a.q_proj), linear(a.k_proj), linear(a.v_proj),
+                        norm(getattr(a, "q_norm", None)), norm(getattr(a, "k_norm", None)), linear(a.o_proj),
+                        norm(layer.post_attention_layernorm), linear(m.gate_proj), linear(m.up_proj),
+                        linear(m.down_proj))
 
 
 # model_type -> the recipe that reads one of its decoder layers as LayerWeights. A layout belongs here when
@@ -214,6 +211,9 @@ class Layers:
 
     @classmethod
     def of_target(cls, model, compiled: bool) -> Layers:
+        """The target's decoder layers; a model the engines cannot run (`unsupported`) is refused here."""
+        if why := unsupported(model):
+            raise ValueError(f"the static-cache engines cannot run this model: {why}")
         cfg, base = model.config, model.base_model
         heads, kv_heads, head_dim = attention_shape(cfg)
         return cls(base.layers, eps=cfg.rms_norm_eps, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -232,12 +232,36 @@ class Layers:
             outputs[i] = h
         return h, outputs
 
-    def dense(self, q, k, v, mask):
-        """SDPA of q [B, heads, S, d] over k, v [B, kv_heads, L, d] with a boolean mask [B, 1, S, L]."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+    def over_sequence(self, k, v, positions, mask_mod, max_len: int, mask_all: bool = False):
+        """`write` and `attend` for `run` over one sequence's caches k[i], v[i] [1, kv_heads, max_len, d]:
+        the rows, at `positions`, write there, then read it through `mask_mod` (compiled: FlexAttention
+        over the KV blocks up to the last row's, those before the first row's read whole unless
+        `mask_all`; else SDPA over the dense mask)."""
+        n = positions.shape[0]
 
-    def sparse(self, q, k, v, mask: BlockMask):
-        return self.flex(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
+        def write(i, k_new, v_new):  # [n, kv_heads, 1, d] -> the sequence's positions
+            k[i][0].index_copy_(1, positions, k_new[:, :, 0].transpose(0, 1))
+            v[i][0].index_copy_(1, positions, v_new[:, :, 0].transpose(0, 1))
+
+        if self.compiled:
+            blocks = (positions // KV_BLOCK).to(torch.int32).view(-1, 1, 1)  # each row's KV block
+            first = torch.zeros_like(blocks[:1]) if mask_all else blocks[:1]
+            mask = block_mask(first, blocks[-1:], max_len, n, mask_mod)
+        else:
+            ar = torch.arange(max_len, device=positions.device)
+            mask = mask_mod(0, 0, ar[:n, None], ar[None])[None, None]
+
+        def attend(q, i):  # q [n, heads, 1, d] as the sequence's queries [1, heads, n, d]
+            return self.attention(q.permute(2, 1, 0, 3), k[i], v[i], mask).permute(2, 1, 0, 3)
+
+        return write, attend
+
+    def attention(self, q, k, v, mask):
+        """q [B, heads, S, d] over k, v [B, kv_heads, L, d]: FlexAttention over a BlockMask (compiled),
+        else SDPA with a boolean mask [B, 1, S, L]."""
+        if isinstance(mask, BlockMask):
+            return self.flex(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
 
 
 def target_step(model, layers: Layers, tokens, positions, write, attend, layer_ids=()):
@@ -249,6 +273,14 @@ def target_step(model, layers: Layers, tokens, positions, write, attend, layer_i
     h, outputs = layers.run(h, cos, sin, write, attend)
     h = base.norm(h)
     return h, features(outputs, h, layer_ids)
+
+
+def pick(logits, temperature: float, generator=None):
+    """The next token from `logits` [..., V]: greedy at temperature 0, else sampled."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def block_mask(first, last, max_len: int, q_len: int, mask_mod) -> BlockMask:
