@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -30,10 +29,10 @@ from .step import pick, unsupported
 # drafters: each proposes draft tokens from the verified tokens (and the target's features of them)
 
 
-class Proposer(Protocol):
-    """What speculative_decode asks of a drafter."""
+class Proposer:
+    """What speculative_decode asks of a drafter; the defaults suit one without state."""
 
-    uses_features: bool  # reads the target's features (its session then returns them)
+    uses_features = False  # reads the target's features (its session then returns them)
 
     def reset(self) -> None:
         """A new sequence."""
@@ -41,15 +40,17 @@ class Proposer(Protocol):
     def static(self, max_len: int) -> Proposer:
         """This proposer for a static target session of `max_len` positions: its own state static too
         where it has any (CUDA-graph steps), else itself."""
+        return self
 
     def propose(self, tokens: list[int], new_features, max_draft: int, temperature: float,
                 generator) -> tuple[list[int], torch.Tensor | None]:
         """At most `max_draft` draft tokens after `tokens`, and their distributions at T > 0 (None: the
         drafts are certain, as greedy or a lookup gives them). new_features: the target's features of
         the positions verified since the last call."""
+        raise NotImplementedError
 
 
-class DFlashProposer:
+class DFlashProposer(Proposer):
     """A DFlash drafter: one parallel block prediction from the target features of the verified context.
 
     The context's keys/values live in a `DraftCache` that grows by the positions each verify step
@@ -100,19 +101,11 @@ class DFlashProposer:
         return torch.multinomial(q, 1, generator=generator).squeeze(-1).tolist(), q
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup: the continuation after the latest earlier match of the last n tokens, n = max_n..1."""
 
-    uses_features = False
-
     def __init__(self, num_draft: int, max_n: int = 3):
-        self.num_draft, self.max_n = num_draft, max_n
-
-    def reset(self):
-        pass  # stateless: it reads the tokens it is given
-
-    def static(self, max_len: int) -> NgramProposer:
-        return self
+        self.num_draft, self.max_n = num_draft, max_n  # stateless: it reads the tokens it is given
 
     def propose(self, tokens, new_features, max_draft, temperature, generator):
         num_draft = min(self.num_draft, max_draft)
