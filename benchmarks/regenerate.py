@@ -34,7 +34,7 @@ import yaml
 from precompute_hidden import run_rule, saved_target
 from transformers import AutoConfig, AutoTokenizer
 
-from flashdraft.config import RegenerateConfig
+from flashdraft.config import RegenerateConfig, TargetConfig
 from flashdraft.hf_config import kv_bytes_per_token
 from flashdraft.regenerate import regenerate
 
@@ -63,7 +63,8 @@ def synthetic_prompts(path: Path, tokenizer_dir: Path, n: int, lo: int, hi: int,
 def run_stage(target, prompts, work: Path, **cfg) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     c = RegenerateConfig(**cfg)
-    s = regenerate(c, str(target), "bfloat16", str(prompts), str(work / "train.parquet"), str(work / "parts"))
+    t = TargetConfig(path=str(target), dtype="bfloat16")
+    s = regenerate(c, t, str(prompts), str(work / "train.parquet"), str(work / "parts"))
     s["tokens_per_s"] = s["new_tokens"] / s["generate_s"]
     # the static engine's compile and graph capture, once per job (minutes against a shard's hours)
     s["tokens_per_s_with_setup"] = s["new_tokens"] / (s["generate_s"] + s.get("setup_s", 0.0))

@@ -15,8 +15,7 @@ from flashdraft.evaluate import run, run_rows, summary_text, write_rows
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", default=None, help="the `eval` config section as JSON")
-    p.add_argument("--target", required=True, help="HF target model directory")
-    p.add_argument("--dtype", default=TargetConfig.dtype, help="target dtype: float32 | bfloat16 | float16")
+    p.add_argument("--target-cfg", required=True, help="JSON of the `target` config section")
     p.add_argument("--drafter", required=True, help="DFlash drafter export directory")
     p.add_argument("--prompts", required=True, help="eval prompts parquet (messages column)")
     out = p.add_mutually_exclusive_group(required=True)
@@ -31,13 +30,14 @@ def main(argv=None):
     if a.out_dir and a.num_shards > 1:
         p.error("--out-dir evaluates the whole set; write a shard with --out-rows")
     cfg = load_section(EvalConfig, a.cfg, "eval")
+    target = load_section(TargetConfig, a.target_cfg, "target")
     if a.out_rows:
-        rows, _ = run_rows(cfg, a.target, a.drafter, a.prompts, a.dtype, a.seed, a.shard, a.num_shards)
+        rows, _ = run_rows(cfg, target, a.drafter, a.prompts, a.seed, a.shard, a.num_shards)
         write_rows(rows, a.out_rows)
         prompts = len({r["id"] for r in rows})
         print(f"evaluate shard {a.shard}/{a.num_shards}: {prompts} prompts -> {a.out_rows}")
         return
-    print(summary_text(run(cfg, a.target, a.drafter, a.prompts, a.out_dir, dtype=a.dtype, seed=a.seed)))
+    print(summary_text(run(cfg, target, a.drafter, a.prompts, a.out_dir, seed=a.seed)))
     print(f"-> {a.out_dir}/summary.json, {a.out_dir}/per_prompt.parquet")
 
 

@@ -1,8 +1,9 @@
 """Precompute the target's hidden states for one shard of the training set (one job per target GPU).
 
 python scripts/hidden_shard.py --cfg '{"dtype": "bfloat16"}' --drafter-cfg '{}' \
-    --target results/toy/target --dtype float32 --data results/regenerated/train/shard-00000.parquet \
-    --shard 0 --num-shards 2 --out results/hidden/shard-00000.arrow
+    --target-cfg '{"path": "results/toy/target", "dtype": "float32"}' \
+    --data results/regenerated/train/shard-00000.parquet --shard 0 --num-shards 2 \
+    --out results/hidden/shard-00000.arrow
 """
 
 import argparse
@@ -18,8 +19,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", default="{}", help="the `hidden` config section as JSON")
     p.add_argument("--drafter-cfg", default="{}", help="the `drafter` config section as JSON (layer ids)")
-    p.add_argument("--target", required=True, help="HF model directory of the target")
-    p.add_argument("--dtype", default=TargetConfig.dtype, help="dtype the target runs in (the CPU: float32)")
+    p.add_argument("--target-cfg", required=True, help="JSON of the `target` config section")
     p.add_argument("--data", required=True, nargs="+",
                    help="parquet files with columns id and messages (the shard's rows are taken from them)")
     p.add_argument("--shard", type=int, required=True)
@@ -28,10 +28,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     hidden_cfg = load_section(HiddenConfig, args.cfg, "hidden")
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
+    target = load_section(TargetConfig, args.target_cfg, "target")
     num_shards = args.num_shards or hidden_cfg.shards
-    manifest = precompute_shard(
-        args.target, args.dtype, args.data, args.shard, num_shards, args.out, hidden_cfg, drafter_cfg
-    )
+    manifest = precompute_shard(target, args.data, args.shard, num_shards, args.out, hidden_cfg, drafter_cfg)
     keys = ("shard", "num_shards", "rows", "tokens", "truncated", "skipped", "bytes")
     print(json.dumps({k: manifest[k] for k in keys}))
 

@@ -17,8 +17,7 @@ from flashdraft.regenerate import regenerate
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cfg", default="{}", help="JSON of the `regenerate` config section")
-    ap.add_argument("--target", required=True, help="HF model directory of the target")
-    ap.add_argument("--dtype", default=TargetConfig.dtype, help="dtype the target runs in")
+    ap.add_argument("--target-cfg", required=True, help="JSON of the `target` config section")
     ap.add_argument("--prompts", required=True, help="prompt set parquet (from the prompts rule)")
     ap.add_argument("--out", required=True, help="output parquet")
     ap.add_argument("--errors", default=None, help="failed rows (default: errors.parquet beside --out)")
@@ -29,10 +28,11 @@ def main(argv=None):
     if not 0 <= args.shard < args.num_shards:
         ap.error(f"--shard {args.shard} is not in 0..{args.num_shards - 1}")
     cfg = load_section(RegenerateConfig, args.cfg, "regenerate")
+    target = load_section(TargetConfig, args.target_cfg, "target")
     exit_on_stop_signals()  # unwinds through every finally: parts flushed, server stopped
     t0 = time.time()
-    s = regenerate(cfg, args.target, args.dtype, args.prompts, args.out, args.work_dir, args.shard,
-                   args.num_shards, args.errors)
+    s = regenerate(cfg, target, args.prompts, args.out, args.work_dir, args.shard, args.num_shards,
+                   args.errors)
     rate = f", {s['new_tokens'] / s['generate_s']:.0f} new tokens/s" if s.get("generate_s") else ""
     print(
         f"regenerate: {s['rows']} rows ({s['stop']} stop, {s['length']} length), {s['errors']} errors "

@@ -12,6 +12,7 @@ from snakemake.utils import validate
 
 from flashdraft.config import (
     Config,
+    TargetConfig,
     TrainConfig,
     check,
     from_dict,
@@ -93,6 +94,14 @@ def test_section_json_fills_defaults():
     t = load_section(TrainConfig, '{"lr": 0.001}', "train")
     assert t.lr == 0.001 and t.epochs == 6 and t.max_anchors == 512
     assert t.loss_gamma(16) == 7 and t.loss_gamma(10) == 5 and t.loss_gamma(8) == 4
+
+
+def test_a_stage_section_that_is_not_json_is_named():
+    """A stage's section arrives as JSON (`--target-cfg` here): malformed, the error names the section."""
+    with pytest.raises(UserError, match=r"^target: the section is not JSON"):
+        load_section(TargetConfig, '{"path": "x",', "target")
+    t = load_section(TargetConfig, '{"path": "x"}', "target")
+    assert t.path == "x" and t.dtype == TargetConfig.dtype
 
 
 def test_target_layer_ids_formula():

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from flashdraft.config import DrafterConfig, EvalConfig, ToyConfig
+from flashdraft.config import DrafterConfig, EvalConfig, TargetConfig, ToyConfig, to_json
 from flashdraft.evaluate import check_drafter, decoded_row, evaluate, first_mismatch, prompt_ids, summarize
 from flashdraft.speculative import (
     Decoded,
@@ -420,10 +420,8 @@ def test_evaluate_cli_writes_outputs(toy, tmp_path):
             str(REPO / "scripts" / "evaluate.py"),
             "--cfg",
             cfg,
-            "--target",
-            str(path),
-            "--dtype",
-            "float32",
+            "--target-cfg",
+            to_json(TargetConfig(path=str(path), dtype="float32")),
             "--drafter",
             str(tmp_path / "drafter"),
             "--prompts",
@@ -479,7 +477,8 @@ def test_merged_shards_equal_one_job(toy, tmp_path, temperature):
     prompts = [{"id": f"q{i}", "source": "toy", "messages": c} for i, c in enumerate(conversations)]
     pd.DataFrame(prompts).to_parquet(tmp_path / "eval.parquet")
     cfg = json.dumps({"num_prompts": 6, "max_new_tokens": 10, "temperature": temperature})  # not the 7th
-    common = ["--cfg", cfg, "--target", str(path), "--dtype", "float32",
+    target = to_json(TargetConfig(path=str(path), dtype="float32"))
+    common = ["--cfg", cfg, "--target-cfg", target,
               "--drafter", str(tmp_path / "drafter"), "--prompts", str(tmp_path / "eval.parquet")]
     evaluate_main, merge_main = script("evaluate"), script("evaluate_merge")
 

@@ -17,7 +17,7 @@ import torch
 
 from flashdraft import hidden, precompute
 from flashdraft.chat import tokenize_conversation
-from flashdraft.config import DrafterConfig, HiddenConfig, ToyConfig
+from flashdraft.config import DrafterConfig, HiddenConfig, TargetConfig, ToyConfig, to_json
 from flashdraft.errors import UserError
 from flashdraft.hidden import (
     FP8,
@@ -371,6 +371,11 @@ def toy_target(tmp_path_factory):
     return path
 
 
+def target_section(path) -> TargetConfig:
+    """The `target` config section of the toy target at `path`, run in float32 (the CPU)."""
+    return TargetConfig(path=str(path), dtype="float32")
+
+
 @pytest.fixture(scope="session")
 def train_parquet(tmp_path_factory):
     convs = task_conversations(30, seed=7)
@@ -386,9 +391,8 @@ def train_parquet(tmp_path_factory):
 def precomputed(toy_target, train_parquet, tmp_path_factory):
     out = tmp_path_factory.mktemp("hidden")
     shards = [out / f"shard-{s:05d}.arrow" for s in range(2)]
-    manifests = [
-        precompute_shard(toy_target, "float32", train_parquet, s, 2, shards[s], CFG, LAYERS) for s in range(2)
-    ]
+    target = target_section(toy_target)
+    manifests = [precompute_shard(target, train_parquet, s, 2, shards[s], CFG, LAYERS) for s in range(2)]
     return shards, manifests
 
 
@@ -427,7 +431,7 @@ def test_precompute_fp8_end_to_end(precomputed, toy_target, train_parquet, tmp_p
         hidden.bytes_per_token(dtype, width)))
     out = tmp_path / "shard-00001.arrow"
     cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=CFG.batch_tokens, dtype=FP8)
-    manifest = precompute_shard(toy_target, "float32", train_parquet, 1, 2, out, cfg, LAYERS)
+    manifest = precompute_shard(target_section(toy_target), train_parquet, 1, 2, out, cfg, LAYERS)
     assert need == [3 * 128 + 4 + 5]  # preflight counts 1 byte per value + the scale
     assert manifest["dtype"] == FP8 and json.loads(manifest_path(out).read_text()) == manifest
     assert verify_shard(out)["ok"]
@@ -453,8 +457,10 @@ def test_precompute_cli_is_deterministic(precomputed, toy_target, train_parquet,
     out = tmp_path / "again.arrow"
     cli = runpy.run_path(str(REPO / "scripts" / "hidden_shard.py"))  # the script's main(), in-process
     cfg = json.dumps({"max_length": CFG.max_length, "batch_tokens": CFG.batch_tokens})
-    args = f"--target {toy_target} --dtype float32 --data {train_parquet} --shard 1 --num-shards 2"
-    cli["main"](["--cfg", cfg, "--drafter-cfg", '{"num_layers": 3}', *args.split(), "--out", str(out)])
+    target = to_json(target_section(toy_target))
+    args = f"--data {train_parquet} --shard 1 --num-shards 2"
+    cli["main"](["--cfg", cfg, "--drafter-cfg", '{"num_layers": 3}', "--target-cfg", target, *args.split(),
+                 "--out", str(out)])
     again = json.loads(manifest_path(out).read_text())
     assert again["sha256_tree"] == manifests[1]["sha256_tree"] == hidden.file_checksum(shards[1])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == manifests[1]["rows"]
@@ -479,7 +485,7 @@ def test_failed_precompute_leaves_no_file(toy_target, train_parquet, tmp_path, m
         monkeypatch.setattr(precompute, "forward_features", failing(precompute.forward_features))
     out = tmp_path / "hidden" / "shard-00000.arrow"
     with pytest.raises((OSError, RuntimeError), match=f"injected failure in the {where}"):
-        precompute_shard(toy_target, "float32", train_parquet, 0, 1, out, CFG, LAYERS)
+        precompute_shard(target_section(toy_target), train_parquet, 0, 1, out, CFG, LAYERS)
     assert calls["n"] == 3
     assert list(out.parent.iterdir()) == []  # no shard, no manifest, no temporary
 
@@ -497,11 +503,11 @@ def test_killed_shard_leaves_no_file_and_rerun_equals_uninterrupted(toy_target, 
     pq.write_table(pa.table({"id": ids, "source": ["toy"] * len(ids), "messages": convs}), data)
     cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=32, dtype="bfloat16")  # one row per batch
     ref_out = tmp_path / "ref" / "shard-00000.arrow"
-    ref = precompute_shard(toy_target, "float32", data, 0, 1, ref_out, cfg, LAYERS)
+    ref = precompute_shard(target_section(toy_target), data, 0, 1, ref_out, cfg, LAYERS)
 
     out = tmp_path / "run" / "shard-00000.arrow"
     cmd = [sys.executable, str(REPO / "scripts" / "hidden_shard.py"), "--cfg", json.dumps(cfg.__dict__),
-           "--drafter-cfg", '{"num_layers": 3}', "--target", str(toy_target), "--dtype", "float32",
+           "--drafter-cfg", '{"num_layers": 3}', "--target-cfg", to_json(target_section(toy_target)),
            "--data", str(data), "--shard", "0", "--num-shards", "1", "--out", str(out)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import one_line_error, toy_prompt_set
 
-from flashdraft.config import RegenerateConfig, to_json
+from flashdraft.config import RegenerateConfig, TargetConfig, to_json
 from flashdraft.gpu import Lease
 from flashdraft.io import write_parquet
 from flashdraft.managed_server import ManagedServer, ServerError, server_argv
@@ -51,9 +51,13 @@ def hf_reference(data):
     """The hf backend unbatched (as flashdraft.serve generates), greedy."""
     out = data / "hf/train.parquet"
     cfg = RegenerateConfig(max_new_tokens=TOKENS, batch_size=1)
-    regenerate(cfg, str(data / "target"), "float32", str(data / "prompts/train.parquet"), str(out),
+    regenerate(cfg, _target(data / "target"), str(data / "prompts/train.parquet"), str(out),
                str(data / "hf/parts"))
     return pq.read_table(out)
+
+
+def _target(path) -> TargetConfig:
+    return TargetConfig(path=str(path), dtype="float32")
 
 
 def _cfg(**kw):
@@ -63,7 +67,7 @@ def _cfg(**kw):
 
 def _job_cmd(data, out_dir, cfg) -> list[str]:
     return [sys.executable, str(ROOT / "scripts/regenerate.py"), "--cfg", to_json(cfg),
-            "--target", str(data / "target"), "--dtype", "float32",
+            "--target-cfg", to_json(_target(data / "target")),
             "--prompts", str(data / "prompts/train.parquet"), "--out", str(out_dir / "train.parquet"),
             "--work-dir", str(out_dir / "parts")]
 
@@ -140,7 +144,7 @@ def test_lifecycle_answers_as_hf(data, hf_reference, tmp_path, monkeypatch, caps
     target.symlink_to(data / "target")
     out, work = tmp_path / "out/train.parquet", tmp_path / "parts"
     prompts = str(data / "prompts/train.parquet")
-    stats = regenerate(_cfg(), str(target), "float32", prompts, str(out), str(work))
+    stats = regenerate(_cfg(), _target(target), prompts, str(out), str(work))
     assert stats["rows"] == 40 and stats["errors"] == 0
     assert pq.read_table(out).equals(hf_reference)
     pid = _server_pid(capsys.readouterr().out)
@@ -149,7 +153,7 @@ def test_lifecycle_answers_as_hf(data, hf_reference, tmp_path, monkeypatch, caps
     assert not list(tmp_path.rglob("pwned"))
     # everything answered: a rerun writes the output again and starts no server (this one would fail)
     broken = _cfg(server_cmd=f"{PY} -c 'raise SystemExit(9)' {{port}}")
-    assert regenerate(broken, str(target), "float32", prompts, str(out), str(work))["rows"] == 40
+    assert regenerate(broken, _target(target), prompts, str(out), str(work))["rows"] == 40
     assert _server_pid(capsys.readouterr().out) is None
 
 
@@ -214,7 +218,7 @@ def test_sigkill_sigterm_then_resume(data, hf_reference, tmp_path, monkeypatch):
     for key in ("http_proxy", "HTTP_PROXY"):
         monkeypatch.setenv(key, f"http://127.0.0.1:{_dead_port()}")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    stats = regenerate(cfg, str(data / "target"), "float32", str(data / "prompts/train.parquet"),
+    stats = regenerate(cfg, _target(data / "target"), str(data / "prompts/train.parquet"),
                        str(tmp_path / "train.parquet"), str(parts))
     assert stats["rows"] == 40 and stats["errors"] == 0
     assert pq.read_table(tmp_path / "train.parquet").equals(hf_reference)

@@ -169,7 +169,8 @@ def test_precompute_preflight_refuses_with_the_plans_estimate(tmp_path, dtype):
     hidden, drafter = HiddenConfig(dtype=dtype, max_length=96, disk_margin=1e12), DrafterConfig(num_layers=2)
     with pytest.raises(UserError, match="not enough disk space") as e:
         out = tmp_path / "h" / "shard-00000.arrow"
-        precompute_shard(target, "float32", tmp_path / "data.parquet", 0, 1, out, hidden, drafter)
+        section = TargetConfig(path=str(target), dtype="float32")
+        precompute_shard(section, tmp_path / "data.parquet", 0, 1, out, hidden, drafter)
     need, tokens = map(int, re.search(r"\((\d+) bytes: (\d+) tokens x", str(e.value)).groups())
     cfg = Config(target=TargetConfig(path=str(target)), hidden=hidden, drafter=drafter)
     width = P.hidden_width(cfg, P.target_shapes(cfg))

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import toy_prompt_set
 
-from flashdraft.config import RegenerateConfig, to_json
+from flashdraft.config import RegenerateConfig, TargetConfig, to_json
 from flashdraft.errors import UserError
 from flashdraft.regenerate import regenerate
 from flashdraft.shards import shard_of
@@ -29,11 +29,13 @@ def data(tmp_path_factory):
     return toy_prompt_set(tmp_path_factory.mktemp("regen"), num_docs=300)
 
 
+def _target(data) -> TargetConfig:
+    return TargetConfig(path=str(data / "target"), dtype="float32")
+
+
 def _run(data, out_dir, cfg=CFG, prompts_file="prompts/train.parquet"):
     out = out_dir / "train.parquet"
-    s = regenerate(
-        cfg, str(data / "target"), "float32", str(data / prompts_file), str(out), str(out_dir / "parts")
-    )
+    s = regenerate(cfg, _target(data), str(data / prompts_file), str(out), str(out_dir / "parts"))
     return s, pq.read_table(out)
 
 
@@ -151,7 +153,7 @@ def test_shards_answer_exactly_their_rows_and_together_all(data, reference, tmp_
     seen = []
     for s in range(3):
         out = tmp_path / f"shard{s}"
-        stats = regenerate(CFG, str(data / "target"), "float32", str(data / "prompts/train.parquet"),
+        stats = regenerate(CFG, _target(data), str(data / "prompts/train.parquet"),
                            str(out / "train.parquet"), str(out / "parts"), s, 3, str(out / "errors.parquet"))
         rows = pq.read_table(out / "train.parquet").to_pylist()
         assert stats["rows"] == len(rows) > 0 and all(shard_of(r["id"], 3) == s for r in rows)
@@ -169,10 +171,8 @@ def test_kill_and_rerun_script(data, reference, tmp_path, shard, num_shards):
         str(ROOT / "scripts/regenerate.py"),
         "--cfg",
         to_json(cfg),
-        "--target",
-        str(data / "target"),
-        "--dtype",
-        "float32",
+        "--target-cfg",
+        to_json(_target(data)),
         "--prompts",
         str(data / "prompts/train.parquet"),
         "--out",

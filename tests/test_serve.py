@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import one_line_error, toy_prompt_set
 
-from flashdraft.config import RegenerateConfig, to_json
+from flashdraft.config import RegenerateConfig, TargetConfig, to_json
 from flashdraft.errors import UserError
 from flashdraft.regenerate import regenerate
 from flashdraft.serve import Server
@@ -51,10 +51,13 @@ def _openai(base_url, **kw):
     return RegenerateConfig(backend="openai", base_url=base_url, max_new_tokens=TOKENS, **kw)
 
 
+def _target(data) -> TargetConfig:
+    return TargetConfig(path=str(data / "target"), dtype="float32")
+
+
 def _run(data, out_dir, cfg):
     out = out_dir / "train.parquet"
-    s = regenerate(cfg, str(data / "target"), "float32", str(data / "prompts/train.parquet"), str(out),
-                   str(out_dir / "parts"))
+    s = regenerate(cfg, _target(data), str(data / "prompts/train.parquet"), str(out), str(out_dir / "parts"))
     return s, pq.read_table(out)
 
 
@@ -205,7 +208,7 @@ def test_kill_and_rerun_script(data, server, hf_reference, tmp_path):
     cfg = _openai(_url(server), concurrency=2, part_rows=3)
     out, parts = tmp_path / "train.parquet", tmp_path / "parts"
     cmd = [sys.executable, str(ROOT / "scripts/regenerate.py"), "--cfg", to_json(cfg),
-           "--target", str(data / "target"), "--dtype", "float32",
+           "--target-cfg", to_json(_target(data)),
            "--prompts", str(data / "prompts/train.parquet"), "--out", str(out), "--work-dir", str(parts)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -226,7 +229,7 @@ def test_kill_and_rerun_script(data, server, hf_reference, tmp_path):
 def _script(data, out_dir, cfg, **env):
     """scripts/regenerate.py as the workflow runs it (`env`: extra variables)."""
     cmd = [sys.executable, str(ROOT / "scripts/regenerate.py"), "--cfg", to_json(cfg),
-           "--target", str(data / "target"), "--dtype", "float32",
+           "--target-cfg", to_json(_target(data)),
            "--prompts", str(data / "prompts/train.parquet"), "--out", str(out_dir / "train.parquet"),
            "--work-dir", str(out_dir / "parts")]
     env = dict(os.environ, OMP_NUM_THREADS="1", **env)

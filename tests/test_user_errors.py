@@ -15,6 +15,13 @@ from conftest import one_line_error
 REPO = Path(__file__).resolve().parents[1]
 
 
+def target_cfg(path, **kw) -> str:
+    """The `target` config section of the target at `path` as a stage's --target-cfg."""
+    from flashdraft.config import TargetConfig, to_json
+
+    return to_json(TargetConfig(path=str(path), **kw))
+
+
 def run_script(script, *args):
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -78,8 +85,9 @@ def test_disk_preflight_refusal(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"id": "a", "messages": messages}]), tmp_path / "data.parquet")
     out = tmp_path / "hidden" / "shard-00000.arrow"
     proc = run_script(
-        "hidden_shard.py", "--cfg", json.dumps({"disk_margin": 1e18}), "--target", tmp_path / "target",
-        "--dtype", "float32", "--data", tmp_path / "data.parquet", "--shard", 0, "--num-shards", 1,
+        "hidden_shard.py", "--cfg", json.dumps({"disk_margin": 1e18}),
+        "--target-cfg", target_cfg(tmp_path / "target", dtype="float32"), "--data", tmp_path / "data.parquet",
+        "--shard", 0, "--num-shards", 1,
         "--out", out,
     )
     line = one_line_error(proc)
@@ -116,8 +124,9 @@ def precompute(tmp_path, out, cfg: dict):
     rows = [{"id": f"r{i}", "messages": messages} for i in range(8)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
     return run_script(
-        "hidden_shard.py", "--cfg", json.dumps(cfg), "--target", tmp_path / "target",
-        "--dtype", "float32", "--data", tmp_path / "data.parquet", "--shard", 0, "--num-shards", 1,
+        "hidden_shard.py", "--cfg", json.dumps(cfg),
+        "--target-cfg", target_cfg(tmp_path / "target", dtype="float32"), "--data", tmp_path / "data.parquet",
+        "--shard", 0, "--num-shards", 1,
         "--out", out,
     )
 
@@ -157,7 +166,7 @@ def test_target_that_needs_remote_code(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"id": "a", "source": "s", "messages": messages}]),
                    tmp_path / "prompts.parquet")
     proc = run_script(
-        "regenerate.py", "--cfg", json.dumps({"enabled": False}), "--target", target,
+        "regenerate.py", "--cfg", json.dumps({"enabled": False}), "--target-cfg", target_cfg(target),
         "--prompts", tmp_path / "prompts.parquet", "--out", tmp_path / "out.parquet",
         "--work-dir", tmp_path / "w",
     )

@@ -401,11 +401,12 @@ def stream_chunk_tokens(hidden: HiddenConfig, width: int) -> int:
 
 
 def load_section(cls, text: str | None, where: str):
-    """Parse a `--cfg` JSON string into the section dataclass."""
+    """Parse a config section's JSON (a stage's `--cfg`, `--drafter-cfg`, `--target-cfg`...) into its
+    dataclass."""
     try:
         data = json.loads(text) if text else {}
     except json.JSONDecodeError as e:
-        raise UserError(f"{where}: --cfg is not JSON ({e}); pass the section as a JSON object") from e
+        raise UserError(f"{where}: the section is not JSON ({e}); pass it as a JSON object") from e
     return from_dict(cls, data, where)
 
 

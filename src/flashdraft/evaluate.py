@@ -212,15 +212,15 @@ def shard_prompts(prompts_path, num_prompts: int, shard: int = 0, num_shards: in
     return [i for i, _ in mine], [p for _, p in mine]
 
 
-def run_rows(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, dtype=TargetConfig.dtype, seed=0,
-             shard=0, num_shards=1) -> tuple[list[dict], int]:
+def run_rows(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, seed=0, shard=0,
+             num_shards=1) -> tuple[list[dict], int]:
     """Trained drafter, untrained drafter and n-gram lookup against target-only on one shard of the
     prompts: its rows and the block size."""
     from .model import DFlashDrafter, load_drafter
     from .target import load_target
 
     indices, prompts = shard_prompts(prompts_path, cfg.num_prompts, shard, num_shards)
-    model, tokenizer = load_target(target_dir, dtype)
+    model, tokenizer = load_target(target.path, target.dtype)
     drafter, spec = load_drafter(drafter_dir)
     check_drafter(spec, model.config)
     dev, dt = model.device, model.get_input_embeddings().weight.dtype
@@ -291,8 +291,7 @@ def summary_text(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: EvalConfig, target_dir, drafter_dir, prompts_path, out_dir, dtype=TargetConfig.dtype,
-        seed=0) -> dict:
+def run(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, out_dir, seed=0) -> dict:
     """The whole evaluation in one job: every prompt, then per_prompt.parquet and summary.json."""
-    rows, block_size = run_rows(cfg, target_dir, drafter_dir, prompts_path, dtype, seed)
+    rows, block_size = run_rows(cfg, target, drafter_dir, prompts_path, seed)
     return write_outputs(rows, block_size, out_dir)

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .chat import tokenize_conversation
-from .config import DrafterConfig, HiddenConfig
+from .config import DrafterConfig, HiddenConfig, TargetConfig
 from .errors import UserError, disk_full, disk_full_error
 from .hidden import (
     ShardMeta,
@@ -237,8 +237,7 @@ def write_shard(model, samples, out_arrow, meta: ShardMeta, batch_tokens: int, p
 
 
 def precompute_shard(
-    target_path,
-    dtype: str,
+    target: TargetConfig,
     data_parquet,
     shard: int,
     num_shards: int,
@@ -249,15 +248,15 @@ def precompute_shard(
 ) -> dict:
     """Forward the target over this shard's samples and store the drafter's features; returns the manifest.
 
-    `dtype` is what the target runs in, `hidden_cfg.dtype` what is stored."""
+    `target.dtype` is what the target runs in, `hidden_cfg.dtype` what is stored."""
     StorageDtype.of(hidden_cfg.dtype)  # fail before loading the model
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
-    model, tokenizer = load_target(str(target_path), dtype, device())
+    model, tokenizer = load_target(str(target.path), target.dtype, device())
     samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards,
                                                  hidden_cfg.max_length)
     counts = {"shard": shard, "num_shards": num_shards, "truncated": truncated, "skipped": skipped}
-    return write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg, drafter_cfg,
+    return write_hidden(model, tokenizer, target.path, samples, out_arrow, hidden_cfg, drafter_cfg,
                         desc=f"hidden shard {shard}/{num_shards}", counts=counts, manifest=manifest)
 
 

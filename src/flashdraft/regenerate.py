@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .chat import prompt_messages, render
-from .config import RegenerateConfig, to_json
+from .config import RegenerateConfig, TargetConfig, to_json
 from .errors import UserError, rerun_command
 from .hf_config import read_target_config
 from .io import log, progress, write_json, write_parquet
@@ -441,23 +441,24 @@ def copy_original(prompt_rows: list[dict], tokenizer, out: str, max_error_fracti
 
 
 def regenerate(
-    cfg: RegenerateConfig, target: str, dtype: str, prompts_path: str, out: str, work_dir: str,
+    cfg: RegenerateConfig, target: TargetConfig, prompts_path: str, out: str, work_dir: str,
     shard: int = 0, num_shards: int = 1, errors_path=None,
 ) -> dict:
     """Answer the prompts of `prompts_path` in shard `shard` of `num_shards` (`shards.shard_of`, the
-    assignment the hidden-state shards use) with the target; write `out` and the failed rows to
-    `errors_path` (default: errors.parquet beside `out`)."""
+    assignment the hidden-state shards use) with the target (`target.path`, run in `target.dtype`); write
+    `out` and the failed rows to `errors_path` (default: errors.parquet beside `out`)."""
+    path, dtype = target.path, target.dtype  # what the backends load the model from
     prompt_rows = pq.read_table(prompts_path, columns=["id", "source", "messages"]).to_pylist()
     order = {r["id"]: i for i, r in enumerate(prompt_rows)}
     if len(order) != len(prompt_rows):
         raise ValueError(f"{prompts_path}: sample ids are not unique")
     if num_shards > 1:
         prompt_rows = [r for r in prompt_rows if shard_of(r["id"], num_shards) == shard]
-    read_target_config(target)  # every backend loads its tokenizer: refuse remote code first
+    read_target_config(path)  # every backend loads its tokenizer: refuse remote code first
     if not cfg.enabled:
         from transformers import AutoTokenizer
 
-        return copy_original(prompt_rows, AutoTokenizer.from_pretrained(target), out, cfg.max_error_fraction,
+        return copy_original(prompt_rows, AutoTokenizer.from_pretrained(path), out, cfg.max_error_fraction,
                              errors_path)
     if cfg.backend not in BACKENDS:
         raise ValueError(f"regenerate.backend {cfg.backend!r} is not supported; use one of "
@@ -468,7 +469,7 @@ def regenerate(
     _prepare_work_dir(
         work,
         {
-            "target": str(Path(target).resolve()),
+            "target": str(Path(path).resolve()),
             "dtype": dtype,
             "cfg": key,
             "prompts": str(Path(prompts_path).resolve()),
@@ -485,7 +486,7 @@ def regenerate(
         todo = Pending(pending, order, parts, bar, sum(r["error"] is not None for r in done),
                        cfg.max_error_fraction * len(prompt_rows))
         try:
-            answered = BACKENDS[cfg.backend](cfg, target, dtype, todo)
+            answered = BACKENDS[cfg.backend](cfg, path, dtype, todo)
         finally:
             parts.flush()  # what finished is kept, even when the run fails
             bar.close()

@@ -25,6 +25,7 @@ from .config import (
     PLAN_TRAIN_KEYS,
     DrafterConfig,
     HiddenConfig,
+    TargetConfig,
     TrainConfig,
     check_validation,
     feature_layers,
@@ -417,19 +418,19 @@ def part_samples(samples: list[int], part: int, parts: int) -> list[int]:
     return sorted(set(samples))[part::parts]
 
 
-def hidden_chunk(target_path, dtype: str, plan_dir, epoch: int, chunk: int, part: int, parts: int,
+def hidden_chunk(target: TargetConfig, plan_dir, epoch: int, chunk: int, part: int, parts: int,
                  hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig, out_arrow) -> dict:
     """Forward part `part` of `parts` of a chunk's samples through the target into the shard `out_arrow`
     (and its manifest); returns the manifest."""
     plan = Plan(plan_dir)
     c = plan.find(epoch, chunk)
     rows = plan.tokens_rows(part_samples(plan.chunk_samples(c), part, parts))
-    return precompute_rows(target_path, dtype, plan, rows, hidden_cfg, drafter_cfg, out_arrow,
+    return precompute_rows(target, plan, rows, hidden_cfg, drafter_cfg, out_arrow,
                            desc=f"hidden {c.name} part {part}/{parts}",
                            counts={"epoch": epoch, "chunk": chunk, "part": part, "parts": parts})
 
 
-def precompute_rows(target_path, dtype: str, plan: Plan, rows: list[int], hidden_cfg: HiddenConfig,
+def precompute_rows(target: TargetConfig, plan: Plan, rows: list[int], hidden_cfg: HiddenConfig,
                     drafter_cfg: DrafterConfig, out_arrow, desc: str, counts: dict) -> dict:
     """Rows `rows` of the plan's tokens files through the target into the shard `out_arrow`."""
     from .io import device
@@ -438,8 +439,8 @@ def precompute_rows(target_path, dtype: str, plan: Plan, rows: list[int], hidden
 
     StorageDtype.of(hidden_cfg.dtype)  # fail before loading the model
     samples = token_rows(plan.meta["tokens_files"], rows)
-    model, tokenizer = load_target(str(target_path), dtype, device())
-    return write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg, drafter_cfg, desc=desc,
+    model, tokenizer = load_target(str(target.path), target.dtype, device())
+    return write_hidden(model, tokenizer, target.path, samples, out_arrow, hidden_cfg, drafter_cfg, desc=desc,
                         counts=counts)
 
 
@@ -460,11 +461,11 @@ def token_rows(files, rows: list[int]) -> list[tuple]:
     return samples
 
 
-def hidden_val(target_path, dtype: str, plan_dir, hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig,
+def hidden_val(target: TargetConfig, plan_dir, hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig,
                out_arrow) -> dict:
     """The validation samples of the plan (train.val_samples) through the target, into one shard that
     lives through every chunk; returns its manifest."""
     plan = Plan(plan_dir)
     ids, rows, _ = plan.val_samples()
-    return precompute_rows(target_path, dtype, plan, rows, hidden_cfg, drafter_cfg, out_arrow,
+    return precompute_rows(target, plan, rows, hidden_cfg, drafter_cfg, out_arrow,
                            desc="hidden validation", counts={"val_samples": len(ids)})

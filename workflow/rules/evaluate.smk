@@ -9,7 +9,7 @@ rule evaluate:
         shard=r"\d{5}",
     params:
         cfg=section("eval"),
-        dtype=CFG.target.dtype,
+        target=section("target"),
         num_shards=eval_shards(),
         drafter_dir=parent("input", "drafter"),
         cmd=stage("evaluate.py", gpus=target_gpus()),
@@ -22,8 +22,8 @@ rule evaluate:
     benchmark:
         f"{BENCH}/evaluate/{{shard}}.tsv"
     shell:
-        "{params.cmd} --cfg {params.cfg:q} --target {input.target:q}"
-        " --dtype {params.dtype} --drafter {params.drafter_dir:q} --prompts {input.prompts:q}"
+        "{params.cmd} --cfg {params.cfg:q} --target-cfg {params.target:q}"
+        " --drafter {params.drafter_dir:q} --prompts {input.prompts:q}"
         " --shard {wildcards.shard} --num-shards {params.num_shards} --out-rows {output:q} > {log:q} 2>&1"
 
 

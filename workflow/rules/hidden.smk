@@ -10,7 +10,7 @@ rule hidden_shard:
     params:
         cfg=section("hidden"),
         drafter=section("drafter", HIDDEN_DRAFTER_KEYS),
-        dtype=CFG.target.dtype,
+        target=section("target"),
         num_shards=CFG.hidden.shards,
         cmd=stage("hidden_shard.py", gpus=target_gpus()),
     resources:
@@ -23,7 +23,7 @@ rule hidden_shard:
         f"{BENCH}/hidden_shard/{{shard}}.tsv"
     shell:
         "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q}"
-        " --target {input.target:q} --dtype {params.dtype} --data {input.data:q}"
+        " --target-cfg {params.target:q} --data {input.data:q}"
         " --shard {wildcards.shard} --num-shards {params.num_shards} --out {output.arrow:q} > {log:q} 2>&1"
 
 

@@ -8,7 +8,7 @@ rule regenerate:
         shard=r"\d{5}",
     params:
         cfg=section("regenerate"),
-        dtype=CFG.target.dtype,
+        target=section("target"),
         num_shards=regenerate_shards(),
         errors=f"{RESULTS}/regenerated/errors/shard-{{shard}}.parquet",
         work_dir=f"{RESULTS}/regenerated/parts/shard-{{shard}}",  # survives a crash: not an output
@@ -22,6 +22,6 @@ rule regenerate:
     benchmark:
         f"{BENCH}/regenerate/{{shard}}.tsv"
     shell:
-        "{params.cmd} --cfg {params.cfg:q} --target {input.target:q} --dtype {params.dtype}"
+        "{params.cmd} --cfg {params.cfg:q} --target-cfg {params.target:q}"
         " --prompts {input.prompts:q} --shard {wildcards.shard} --num-shards {params.num_shards}"
         " --out {output:q} --errors {params.errors:q} --work-dir {params.work_dir:q} > {log:q} 2>&1"

@@ -64,7 +64,7 @@ rule hidden_chunk:
     params:
         cfg=section("hidden"),
         drafter=section("drafter", HIDDEN_DRAFTER_KEYS),
-        dtype=CFG.target.dtype,
+        target=section("target"),
         epoch=lambda wc: int(wc.chunk[6:9]),
         chunk=lambda wc: int(wc.chunk[-5:]),
         parts=chunk_parts(),
@@ -78,8 +78,8 @@ rule hidden_chunk:
     benchmark:
         f"{BENCH}/hidden_chunk/{{chunk}}/{{part}}.tsv"
     shell:
-        "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q} --target {input.target:q}"
-        " --dtype {params.dtype} --plan {input.plan:q} --epoch {params.epoch} --chunk {params.chunk}"
+        "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q} --target-cfg {params.target:q}"
+        " --plan {input.plan:q} --epoch {params.epoch} --chunk {params.chunk}"
         " --part {wildcards.part} --parts {params.parts} --out {output.arrow:q} > {log:q} 2>&1"
 
 
@@ -95,7 +95,7 @@ rule hidden_val:
     params:
         cfg=section("hidden"),
         drafter=section("drafter", HIDDEN_DRAFTER_KEYS),
-        dtype=CFG.target.dtype,
+        target=section("target"),
         cmd=stage("hidden_val.py", gpus=target_gpus()),
     resources:
         gpu=target_gpus(),
@@ -106,8 +106,8 @@ rule hidden_val:
     benchmark:
         f"{BENCH}/hidden_val.tsv"
     shell:
-        "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q} --target {input.target:q}"
-        " --dtype {params.dtype} --plan {input.plan:q} --out {output.arrow:q} > {log:q} 2>&1"
+        "{params.cmd} --cfg {params.cfg:q} --drafter-cfg {params.drafter:q} --target-cfg {params.target:q}"
+        " --plan {input.plan:q} --out {output.arrow:q} > {log:q} 2>&1"
 
 
 rule hidden_val_verify:
