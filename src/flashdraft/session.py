@@ -49,7 +49,7 @@ class StaticSession:
         """ids[:size] at positions pos_t.. : logits [size, V] and features [size, K*H] (or None)."""
         positions = self.pos_t + self.arange[:size]
         write, attend = self.layers.over_sequence(self.cache.k, self.cache.v, positions, self._mask_mod,
-                                                  self.max_len)
+                                                  self.arange)
         h, feats = target_step(self.model, self.layers, self.ids[:size], positions, write, attend,
                                self.layer_ids)
         return self.head(h), feats
@@ -184,7 +184,7 @@ class DraftSession:
         """ids (the block) at positions len_t..: the block's logits at positions 1..block-1. Its keys and
         values go right after the context (never committed)."""
         positions, cos, sin = self._rope(self.block)
-        write, attend = self.layers.over_sequence(self.k, self.v, positions, self._mask_mod, self.max_len,
+        write, attend = self.layers.over_sequence(self.k, self.v, positions, self._mask_mod, self.arange,
                                                   mask_all=True)
         x = F.embedding(self.ids, self.embed).to(self.feats.dtype)
         h, _ = self.layers.run(x, cos[0, :, None, None], sin[0, :, None, None], write, attend)

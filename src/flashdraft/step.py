@@ -232,12 +232,12 @@ class Layers:
             outputs[i] = h
         return h, outputs
 
-    def over_sequence(self, k, v, positions, mask_mod, max_len: int, mask_all: bool = False):
-        """`write` and `attend` for `run` over one sequence's caches k[i], v[i] [1, kv_heads, max_len, d]:
-        the rows, at `positions`, write there, then read it through `mask_mod` (compiled: FlexAttention
-        over the KV blocks up to the last row's, those before the first row's read whole unless
-        `mask_all`; else SDPA over the dense mask)."""
-        n = positions.shape[0]
+    def over_sequence(self, k, v, positions, mask_mod, arange, mask_all: bool = False):
+        """`write` and `attend` for `run` over one sequence's caches k[i], v[i] [1, kv_heads, max_len, d]
+        (`arange`: the cache's positions 0..max_len-1): the rows, at `positions`, write there, then read
+        it through `mask_mod` (compiled: FlexAttention over the KV blocks up to the last row's, those
+        before the first row's read whole unless `mask_all`; else SDPA over the dense mask)."""
+        n, max_len = positions.shape[0], arange.shape[0]
 
         def write(i, k_new, v_new):  # [n, kv_heads, 1, d] -> the sequence's positions
             k[i][0].index_copy_(1, positions, k_new[:, :, 0].transpose(0, 1))
@@ -248,8 +248,7 @@ class Layers:
             first = torch.zeros_like(blocks[:1]) if mask_all else blocks[:1]
             mask = block_mask(first, blocks[-1:], max_len, n, mask_mod)
         else:
-            ar = torch.arange(max_len, device=positions.device)
-            mask = mask_mod(0, 0, ar[:n, None], ar[None])[None, None]
+            mask = mask_mod(0, 0, arange[:n, None], arange[None])[None, None]
 
         def attend(q, i):  # q [n, heads, 1, d] as the sequence's queries [1, heads, n, d]
             return self.attention(q.permute(2, 1, 0, 3), k[i], v[i], mask).permute(2, 1, 0, 3)
