@@ -1,6 +1,7 @@
 """Training: the data plan, schedule, run key, real torchrun runs (gloo on CPU), resume, compile warmup."""
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -614,12 +615,43 @@ def assert_no_autotuning(stderr: str) -> None:
     assert "benchmark_all_configs" not in phases, phases
 
 
-def _fp8_ready() -> bool:
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError:
+def _fp8_ready(cuda: bool = True) -> bool:
+    if importlib.util.find_spec("torchao") is None:
         return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9)
+    return not cuda or torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9)
+
+
+FLOAT8_STEP = """
+import json, sys, torch
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from flashdraft.compile_cache import cache_counters
+from flashdraft.train_step import float8_graphs_cacheable
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.SiLU(), torch.nn.Linear(128, 64))
+convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(sys.argv[1]))
+float8_graphs_cacheable()
+x = torch.randn(32, 64, requires_grad=True)
+loss = torch.compile(model, dynamic=False)(x).square().mean()
+loss.backward()
+grads = [x.grad.tolist()] + [p.grad.tolist() for p in model.parameters()]
+print(json.dumps({"counters": cache_counters(), "loss": loss.item(), "grads": grads}))
+"""
+
+
+@pytest.mark.skipif(not _fp8_ready(cuda=False), reason="needs torchao")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_graphs_load_from_the_aot_autograd_cache_in_a_fresh_process(tmp_path, recipe):
+    """torchao's float8 step is cached whole (AOTAutograd's joint graph too, not only Inductor's kernels),
+    so a warm process skips tracing it again, and computes the same loss and gradients (float8 matmuls run
+    on the CPU too)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    out = [json.loads(subprocess.run([sys.executable, "-c", FLOAT8_STEP, recipe], env=env, check=True,
+                                     capture_output=True, text=True).stdout.splitlines()[-1]) for _ in range(2)]
+    cold, warm = (o["counters"] for o in out)
+    assert cold["autograd_cache_miss"] > 0 and cold["autograd_cache_bypass"] == 0, cold
+    assert warm["autograd_cache_hit"] == cold["autograd_cache_miss"] and cache_misses(warm) == 0, warm
+    assert warm["autograd_cache_bypass"] == 0, warm
+    assert out[0]["loss"] == out[1]["loss"] and out[0]["grads"] == out[1]["grads"]
 
 
 @pytest.mark.gpu
@@ -640,6 +672,7 @@ def test_gpu_fp8_training_loads_its_warmup_cache_and_tracks_bf16(data, tmp_path)
         proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}, gpu=True)
         counters = json.loads(proc.stdout.strip().splitlines()[-1])["compile_cache"]
         assert counters["fxgraph_cache_hit"] > 0 and cache_misses(counters) == 0, (name, counters)
+        assert counters["autograd_cache_hit"] > 0 and counters["autograd_cache_bypass"] == 0, (name, counters)
         assert_no_autotuning(proc.stderr)
         rows[name] = losses(read_rows(out / "metrics.csv"))
     assert len(rows["fp8"]) == 8 and all(math.isfinite(x) for x in rows["fp8"])

@@ -62,9 +62,11 @@ def cache_key(cfg: TrainConfig, spec: DrafterSpec, device: torch.device) -> dict
 
 
 def cache_counters() -> dict:
-    """Compile-cache hits and misses so far in this process (FX graph and AOTAutograd caches)."""
+    """Compile-cache hits and misses so far in this process (FX graph and AOTAutograd caches), and the graphs
+    AOTAutograd could not cache (traced again by every process)."""
     keys = [("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
-            ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss")]
+            ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"),
+            ("aot_autograd", "autograd_cache_bypass")]
     return {k: int(counters[group][k]) for group, k in keys}
 
 
