@@ -6,8 +6,10 @@ older one from `git archive REF src benchmarks` in a temp dir. Runs alternate (o
 so drift of the machine falls on both sides alike. Each rate is the benchmark's own: tokens/s of
 eval_decode's modes, regenerate's `tokens_per_s` (new tokens over the generate time).
 
-Usage: python benchmarks/engine_side_by_side.py --ref COMMIT [--repeats 2] [--preset qwen3-8b|tiny]
-           [--only eval_decode regenerate] [--out JSON]
+Usage: python benchmarks/engine_side_by_side.py --ref COMMIT [--ref-dir DIR] [--repeats 2]
+           [--preset qwen3-8b|tiny] [--only eval_decode regenerate] [--out JSON]
+--ref-dir: COMMIT's src and benchmarks unpacked there already (`git archive COMMIT src benchmarks | tar -x
+-C DIR`), for a copy of the repository without its history (a GPU machine's).
 """
 
 import argparse
@@ -46,6 +48,7 @@ def run(root: Path, name: str, preset: str, out: Path) -> dict:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ref", required=True, help="the earlier commit")
+    p.add_argument("--ref-dir", type=Path, default=None, help="its src and benchmarks, unpacked")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--preset", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
     p.add_argument("--only", nargs="+", default=list(RUNS), choices=list(RUNS))
@@ -53,11 +56,12 @@ def main():
     args = p.parse_args()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "old"
-        old.mkdir()
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.ref, "src", "benchmarks"],
-                                 check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+        old = args.ref_dir or Path(tmp) / "old"
+        if args.ref_dir is None:
+            old.mkdir()
+            archive = subprocess.run(["git", "-C", str(REPO), "archive", args.ref, "src", "benchmarks"],
+                                     check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
         sides = {"old": old, "new": REPO}
         got = {name: {side: [] for side in sides} for name in args.only}
         for name in args.only:

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from flashdraft.chat import prompt_messages, render
 from flashdraft.decode import SlotDecoder
-from flashdraft.step import ARCHITECTURES, KV_BLOCK, unsupported
+from flashdraft.step import KV_BLOCK, RECIPES, unsupported
 from flashdraft.target import load_for_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -119,7 +119,7 @@ def _hf_ids(model, ids, new):
                            pad_token_id=0)[0, len(p):].tolist() for p in ids]
 
 
-@pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - {"qwen3"}))  # qwen3: the tests above
+@pytest.mark.parametrize("arch", sorted(set(RECIPES) - {"qwen3"}))  # qwen3: the tests above
 def test_other_layouts_equal_hf_generate(arch):
     """The decode step writes the layer math out: biases (llama's attention and MLP biases, qwen2's
     q/k/v biases) and layouts without QK-norm must match the model's own layers. Every architecture

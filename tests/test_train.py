@@ -645,8 +645,9 @@ def test_float8_graphs_load_from_the_aot_autograd_cache_in_a_fresh_process(tmp_p
     so a warm process skips tracing it again, and computes the same loss and gradients (float8 matmuls run
     on the CPU too)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    out = [json.loads(subprocess.run([sys.executable, "-c", FLOAT8_STEP, recipe], env=env, check=True,
-                                     capture_output=True, text=True).stdout.splitlines()[-1]) for _ in range(2)]
+    runs = [subprocess.run([sys.executable, "-c", FLOAT8_STEP, recipe], env=env, check=True,
+                           capture_output=True, text=True) for _ in range(2)]
+    out = [json.loads(r.stdout.splitlines()[-1]) for r in runs]
     cold, warm = (o["counters"] for o in out)
     assert cold["autograd_cache_miss"] > 0 and cold["autograd_cache_bypass"] == 0, cold
     assert warm["autograd_cache_hit"] == cold["autograd_cache_miss"] and cache_misses(warm) == 0, warm

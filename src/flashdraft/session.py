@@ -84,8 +84,7 @@ class StaticSession:
         self.ids[:n] = torch.tensor(tokens)
         self.pos_t.fill_(self.pos)
         logits, feats = self.graphs.run(size, self._step, size)
-        self.pos += n
-        # copies: the graph's outputs are overwritten by its next replay
+        self.pos += n  # copies: the graph's outputs are overwritten by its next replay
         return logits[:n].clone(), None if feats is None else feats[None, :n].clone()
 
     def crop(self, n: int):

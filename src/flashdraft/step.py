@@ -3,7 +3,7 @@
 The prefill runs the model's own decoder layers through two transformers hooks: a cache object whose
 `update` writes the rows' keys and values into their slots (`SlotCache`), and an attention function
 registered with `AttentionInterface` (ATTENTION). A decode or verify step runs the same layer math
-written out for the layouts in ARCHITECTURES (their weights, biases, QK-norms, activation and RoPE
+written out for the layouts in RECIPES (their weights, biases, QK-norms, activation and RoPE
 variant are the model's), pinned against HF `generate` by the tests. Each layer is split around the
 cache write and attention (`attn_in`, `attn_out`), so that on CUDA each half compiles into a few fused
 kernels between the matmuls (`Layers`), and attention is FlexAttention over a block mask listing only
@@ -45,8 +45,8 @@ AttentionInterface.register(ATTENTION, _attention)
 def unsupported(model) -> str | None:
     """Why the static-cache engines cannot run `model` (None: they can)."""
     cfg = model.config
-    if cfg.model_type not in ARCHITECTURES:
-        return f"model_type {cfg.model_type!r} (supported: {', '.join(ARCHITECTURES)})"
+    if cfg.model_type not in RECIPES:
+        return f"model_type {cfg.model_type!r} (supported: {', '.join(RECIPES)})"
     if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
         return "sliding-window attention layers"
     if getattr(cfg, "use_sliding_window", False) or (cfg.model_type == "mistral" and cfg.sliding_window):
@@ -128,8 +128,7 @@ Linear = tuple[torch.Tensor, "torch.Tensor | None"]  # a projection's weight and
 
 class LayerWeights(NamedTuple):
     """One decoder layer's tensors as `attn_in` and `attn_out` read them, detached (plain tensors: the
-    compiled functions take every layer's as inputs of one graph). QK-norms are None where the model has
-    none."""
+    compiled functions take every layer's as inputs of one graph); QK-norms None where the model has none."""
 
     input_norm: torch.Tensor
     q: Linear
@@ -164,9 +163,8 @@ def attn_out(h, attn, w: LayerWeights, *, eps, act):
 
 
 def hf_layer_weights(layer) -> LayerWeights:
-    """A decoder layer's LayerWeights by the HF Llama/Qwen names (input_layernorm, self_attn.{q,k,v,o}_proj
-    with optional biases and q_norm/k_norm, post_attention_layernorm, mlp.{gate,up,down}_proj), which the
-    drafter's layers have too."""
+    """A layer's LayerWeights by the HF Llama/Qwen names, as the drafter's layers have them (input_layernorm,
+    self_attn.{q,k,v,o}_proj with any biases, q_norm/k_norm, post_attention_layernorm, mlp.*_proj)."""
     a, m = layer.self_attn, layer.mlp
 
     def linear(x) -> Linear:
@@ -187,7 +185,6 @@ def hf_layer_weights(layer) -> LayerWeights:
 # and `attn_in`/`attn_out` are its math; tests/test_decode.py checks each against HF generate.
 RECIPES = {"llama": hf_layer_weights, "mistral": hf_layer_weights, "qwen2": hf_layer_weights,
            "qwen3": hf_layer_weights}
-ARCHITECTURES = tuple(RECIPES)
 
 
 class Layers:

@@ -3,8 +3,8 @@ compile the same graphs: the drafter, the target's frozen head, and one forward+
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 import dataclasses
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
