@@ -279,7 +279,8 @@ def test_fp8_round_trip_error_and_bytes(tmp_path):
         assert rel.max() < 0.05
     assert torch.equal(pickle.loads(pickle.dumps(store))[3]["hidden"], store[3]["hidden"])
     # the stored e4m3 bytes are read in place from the mapping, then dequantized
-    raw = store._column(0, store._batches[0][0], 0, "hidden", torch.float8_e4m3fn)
+    raw = store.stored(0)
+    assert raw.dtype == torch.float8_e4m3fn
     assert any(lo <= raw.data_ptr() < hi for lo, hi in mapped_ranges(fp8))
     assert torch.equal(raw.view(torch.uint8), quantize_fp8(rows[0][3])[0].view(torch.uint8).flatten())
 

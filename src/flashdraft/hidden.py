@@ -446,6 +446,12 @@ class HiddenStore:
         """Every sample's id, in index order."""
         return [sid for batches in self._batches for b in batches for sid in b.column("id").to_pylist()]
 
+    def stored(self, i: int, name: str = "hidden") -> torch.Tensor:
+        """Sample i's `name` column (hidden, or an fp8 shard's scale) flat as the file stores it, before any
+        dequantizing: a view over the mapped file."""
+        s, b, r = self._locs[range(len(self))[i]]
+        return self._column(s, self._batches[s][b], r, name, self._dtype if name == "hidden" else torch.float32)
+
     def _column(self, s: int, batch, r: int, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Row r of a large_binary column as a tensor over the mapped file (no copy)."""
         col = batch.column(name)
