@@ -29,10 +29,17 @@ from flashdraft.batches import (
     rows_per_batch,
     steps_left,
 )
-from flashdraft.checkpoint import load_checkpoint, run_key, save_checkpoint
+from flashdraft.checkpoint import (
+    Checkpointer,
+    load_checkpoint,
+    read_checkpoint,
+    run_key,
+    save_checkpoint,
+    start_reading,
+)
 from flashdraft.compile_cache import set_compile_workers, warmup
 from flashdraft.config import DrafterConfig, TrainConfig, to_json
-from flashdraft.distributed import parallel_mode
+from flashdraft.distributed import Dist, parallel_mode
 from flashdraft.hidden import HiddenStore, manifest_path
 from flashdraft.launch import torchrun_argv
 from flashdraft.model import load_drafter
@@ -169,6 +176,46 @@ def test_checkpoints_load_weights_only(tmp_path, monkeypatch):
     with pytest.raises(pickle.UnpicklingError):
         load_checkpoint(path, model2, optimizer2, scheduler2, "cpu", sharded=False)
     assert not marker.exists()
+
+
+def test_a_resume_loads_the_optimizer_state_before_the_first_step_or_the_next_save(tmp_path):
+    """Checkpointer.resume loads the weights and the schedule; the optimizer's state, maybe still being read,
+    waits for the first optimizer step or the next save: the step equals the uninterrupted run's, and a save
+    before any step holds the whole state."""
+    model, optimizer, scheduler = _training_state(0)
+    x = torch.randn(2, 4)
+
+    def step(m, o, s):
+        m(x).square().sum().backward()
+        o.step()
+        o.zero_grad()
+        s.step()
+
+    for _ in range(2):
+        step(model, optimizer, scheduler)
+    path = save_checkpoint(tmp_path / "a", model.state_dict(), optimizer.state_dict(), scheduler.state_dict(),
+                           {"step": 2}, keep=1)
+    weights, schedule = [p.detach().clone() for p in model.parameters()], scheduler.state_dict()
+
+    def resumed(run_dir):
+        m, o, s = _training_state(1)
+        ckpt = Checkpointer(run_dir, Dist(), m, o, s, sharded=False, keep=1)
+        assert ckpt.resume(path, start_reading(path, "cpu")) == {"step": 2}
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), weights, strict=True))
+        assert s.state_dict() == schedule and not o.state  # the moments: not yet
+        return m, o, s, ckpt
+
+    m, o, s, _ = resumed(tmp_path / "b")
+    step(m, o, s)
+    step(model, optimizer, scheduler)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters(), strict=True))
+    assert str(o.state_dict()) == str(optimizer.state_dict())
+
+    *_, ckpt = resumed(tmp_path / "c")
+    ckpt.save({"step": 2}, wait=True)
+    saved, original = read_checkpoint(tmp_path / "c" / "step-00000002"), read_checkpoint(path)
+    assert saved.optim.keys() == original.optim.keys() and len(saved.optim) == 6  # step, exp_avg, exp_avg_sq
+    assert all(torch.equal(saved.optim[k], original.optim[k]) for k in saved.optim)
 
 
 def test_anchor_seeds_follow_the_sample_not_the_batch():

@@ -194,10 +194,13 @@ def join_optim(skeleton: dict, tensors: dict[str, torch.Tensor]) -> dict:
 class Snapshot:
     """A checkpoint's content in host memory."""
     model: dict[str, torch.Tensor]
-    optim: dict[str, torch.Tensor]  # split_optim's tensors
+    optim: dict[str, torch.Tensor] | Future  # split_optim's tensors (a Future: still being read)
     skeleton: dict  # split_optim's skeleton
     scheduler: dict
     state: str  # state.json's text
+
+    def optim_tensors(self) -> dict[str, torch.Tensor]:
+        return self.optim.result() if isinstance(self.optim, Future) else self.optim
 
 
 def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int, protect=frozenset()) -> Path:
@@ -217,14 +220,17 @@ def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int, protect=frozenset
     return path
 
 
-def read_checkpoint(path: Path, pin: bool = False) -> Snapshot:
-    """A checkpoint directory into host memory (also one written by torch.save alone, model.pt)."""
+def read_checkpoint(path: Path, pin: bool = False, optim_later: bool = False) -> Snapshot:
+    """A checkpoint directory into host memory (also one written by torch.save alone, model.pt).
+    `optim_later`: return once the weights are read, the optimizer's tensors (twice their bytes) as a
+    Future, still being read."""
     # weights_only: tensors and plain Python values only, so a checkpoint cannot run code when loaded
     # (explicit: the default depends on the torch version and on TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD)
     opt = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
     if (path / "model.safetensors").exists():
         optim = background(read_safetensors, path / "optim.safetensors", pin, name="optim-reader")
-        model, tensors = read_safetensors(path / "model.safetensors", pin), optim.result()  # both at once
+        model = read_safetensors(path / "model.safetensors", pin)  # both files at once
+        tensors = optim if optim_later else optim.result()
         skeleton = opt["optimizer"]
     else:
         model = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
@@ -242,7 +248,7 @@ def save_checkpoint(run_dir: Path, model: dict, optim: dict, scheduler: dict, st
 
 def apply_snapshot(snap: Snapshot, drafter, optimizer, scheduler, sharded: bool) -> dict:
     """Load a snapshot into the model, optimizer and schedule; returns its state.json."""
-    load_full_state(drafter, optimizer, snap.model, join_optim(snap.skeleton, snap.optim), sharded)
+    load_full_state(drafter, optimizer, snap.model, join_optim(snap.skeleton, snap.optim_tensors()), sharded)
     scheduler.load_state_dict(snap.scheduler)
     return json.loads(snap.state)
 
@@ -287,10 +293,12 @@ def _named(model: dict, optim: dict) -> dict[str, torch.Tensor]:
 
 def start_reading(path: Path | None, device) -> Future | None:
     """Read the checkpoint at `path` in a background thread (into pinned memory on a GPU), while the
-    process goes on with its start; Checkpointer.resume takes the result."""
+    process goes on with its start; Checkpointer.resume takes the result (the weights, and the optimizer's
+    tensors maybe still being read)."""
     if path is None:
         return None
-    return background(read_checkpoint, path, torch.device(device).type == "cuda", name="checkpoint-reader")
+    cuda = torch.device(device).type == "cuda"
+    return background(read_checkpoint, path, cuda, True, name="checkpoint-reader")
 
 
 def saved_position(path: Path) -> dict:
@@ -310,21 +318,41 @@ class Checkpointer:
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self._host = HostBuffers()
+        self._pending: Snapshot | None = None  # the optimizer's state, read but not yet loaded
+        optimizer.register_step_pre_hook(lambda *_: self.load_optimizer())
 
     def resume(self, path: Path, reading: Future | None = None) -> dict:
         """Load model, optimizer and schedule from `path` (`reading`: start_reading's, when it read the
-        same path); returns its state.json."""
+        same path); returns its state.json. Unsharded, the optimizer's state (AdamW's moments: twice the
+        weights' bytes) may still be read when this returns: it is loaded before the first optimizer step
+        or the next save, whichever comes first, so the first forward and backward need not wait for it."""
         cuda = self.d.device.type == "cuda"
         snap = reading.result() if reading is not None else read_checkpoint(path, cuda)
-        state = apply_snapshot(snap, self.drafter, self.optimizer, self.scheduler, self.sharded)
+        if self.sharded:
+            state = apply_snapshot(snap, self.drafter, self.optimizer, self.scheduler, self.sharded)
+        else:
+            self.drafter.load_state_dict(snap.model)
+            self.scheduler.load_state_dict(snap.scheduler)
+            state, self._pending = json.loads(snap.state), snap
         if self.d.main:  # the pinned tensors read serve as the saves' buffers
-            self._host.adopt(_named(snap.model, snap.optim))
+            self._host.adopt(_named(snap.model, {} if self._pending else snap.optim_tensors()))
         return state
+
+    def load_optimizer(self) -> None:
+        """Load the optimizer's state that `resume` left pending (waiting for its read), if any."""
+        if self._pending is None:
+            return
+        snap, self._pending = self._pending, None
+        tensors = snap.optim_tensors()
+        self.optimizer.load_state_dict(join_optim(snap.skeleton, tensors))
+        if self.d.main:
+            self._host.adopt(_named({}, tensors))
 
     def save(self, state: dict, wait: bool = False) -> None:
         """A checkpoint of this step: the state is copied to the host now and written in the background
         (`wait`: before returning). state.json's text is made here, so later rows cannot reach it."""
         self.wait()
+        self.load_optimizer()
         model, optim = full_state(self.drafter, self.optimizer, self.sharded)
         if self.d.main:
             skeleton, tensors = split_optim(optim)

@@ -450,7 +450,8 @@ class HiddenStore:
         """Sample i's `name` column (hidden, or an fp8 shard's scale) flat as the file stores it, before any
         dequantizing: a view over the mapped file."""
         s, b, r = self._locs[range(len(self))[i]]
-        return self._column(s, self._batches[s][b], r, name, self._dtype if name == "hidden" else torch.float32)
+        dtype = self._dtype if name == "hidden" else torch.float32
+        return self._column(s, self._batches[s][b], r, name, dtype)
 
     def _column(self, s: int, batch, r: int, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Row r of a large_binary column as a tensor over the mapped file (no copy)."""
