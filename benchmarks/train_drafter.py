@@ -54,7 +54,7 @@ features, frozen head) need no gradient.
 
 Usage: python benchmarks/train_drafter.py --preset tiny|qwen3-8b [--gpus 1,2] [--steps N]
            [--log-every N] [--work DIR] [--out benchmarks/results/train_drafter_<preset>.json]
-           [--set JSON] [--baseline JSON] [--profile PATH]
+           [--set JSON] [--baseline JSON] [--profile PATH] [--runs throughput cold resumed]
 """
 
 from __future__ import annotations
@@ -530,6 +530,8 @@ def main():
     p.add_argument("--gpus", default=None, help="world sizes to compare, e.g. 1,2 (default: 1 and 2 where "
                    "available; processes on CPU)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per throughput run")
+    p.add_argument("--runs", nargs="+", default=["throughput", "cold", "resumed"],
+                   choices=["throughput", "cold", "resumed"], help="which of the runs to make (default: all)")
     p.add_argument("--log-every", type=int, default=None, help="steps per metrics window")
     p.add_argument("--work", default=None, help="work dir (default: <tmp>/flashdraft-train-bench-<preset>)")
     p.add_argument("--out", default=None)
@@ -633,16 +635,16 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
         result["machine"]["device"] = name if cuda else f"cpu ({os.cpu_count()} cores)"
         peak = peak_flops(name) if cuda else None
         result["flops"]["peak_flops_per_gpu"] = peak
-        for w in sizes:
+        for w in sizes if "throughput" in args.runs else ():
             try:
                 throughput[str(w)] = run_throughput(preset, cfg, work, w, shards, fl, peak, timeout)
             except (Failed, TimeoutError) as e:
                 result["errors"].append(str(e))
         try:
-            cold = run_cold(preset, cfg, work, max(sizes), shards, timeout)
+            cold = run_cold(preset, cfg, work, max(sizes), shards, timeout) if "cold" in args.runs else None
         except (Failed, TimeoutError) as e:
             result["errors"].append(str(e))
-        if max(sizes) == 1:
+        if max(sizes) == 1 and "resumed" in args.runs:
             try:
                 resumed = run_resumed(preset, cfg, work, shards, timeout)
             except (Failed, TimeoutError) as e:
