@@ -98,12 +98,12 @@ def test_a_rerun_retries_failed_rows_by_their_cause(data, reference, tmp_path):
     import pyarrow as pa
 
     from flashdraft.io import write_parquet
-    from flashdraft.regenerate import error_row, parts_schema
+    from flashdraft.regenerate import Regenerated, parts_schema
 
     _run(data, tmp_path)
     prompts = pq.read_table(data / "prompts/train.parquet").to_pylist()
-    failed = [error_row(prompts[0], "HTTP 400: bad", "answer"),
-              error_row(prompts[1], "TemplateError: x", "prompt")]
+    failed = [Regenerated.failed(prompts[0], "HTTP 400: bad", "answer").row(),
+              Regenerated.failed(prompts[1], "TemplateError: x", "prompt").row()]
     part = tmp_path / "parts/part-00100.parquet"
     write_parquet(pa.Table.from_pylist(failed, schema=parts_schema(error=True)), part)
     stats, table = _run(data, tmp_path)

@@ -16,20 +16,17 @@ import dataclasses
 import itertools
 import json
 import os
-import random
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from http.client import HTTPException
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .chat import prompt_messages, render
+from .chat_client import ChatClient, GiveUp
 from .config import RegenerateConfig, TargetConfig, to_json
 from .errors import UserError, rerun_command
 from .hf_config import read_target_config
@@ -47,6 +44,32 @@ TRANSPORT_KEYS = ("base_url", "api_key_env", "concurrency", "max_retries", "time
 ENGINE_KEYS = ("engine", "batch_size", "shards", "part_rows", "retry_failed")
 
 
+@dataclasses.dataclass(frozen=True)
+class Regenerated:
+    """One regenerated row as the parts and the final file hold it (parts_schema's columns): the prompt and
+    the target's answer, or (`failed`) the prompt and why it failed."""
+
+    id: str
+    source: str
+    messages: list[dict]  # the prompt, then the answer as one assistant message (none when failed)
+    response_tokens: int
+    finish_reason: str  # stop | length | error
+    error: str | None = None
+    cause: str | None = None  # a failed row's: answer (retried by every rerun) | prompt (see the docstring)
+
+    @classmethod
+    def answered(cls, row: dict, prompt: list[dict], answer: str, n_tokens: int, finish: str) -> Regenerated:
+        return cls(row["id"], row["source"], prompt + [{"role": "assistant", "content": answer.strip()}],
+                   n_tokens, finish)
+
+    @classmethod
+    def failed(cls, row: dict, reason: str, cause: str) -> Regenerated:
+        return cls(row["id"], row["source"], prompt_messages(row["messages"]), 0, "error", reason, cause)
+
+    def row(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 def parts_schema(error: bool):
     fields = [
         ("id", pa.string()),
@@ -58,42 +81,18 @@ def parts_schema(error: bool):
     return pa.schema(fields + ([("error", pa.string()), ("cause", pa.string())] if error else []))
 
 
-def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig, eos: list[int]) -> list[dict]:
-    """Answer a batch of prompt rows; returns output rows (messages = prompt + the target's answer)."""
+def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig,
+                   eos: list[int]) -> list[Regenerated]:
+    """Answer a batch of prompt rows."""
     prompts = [prompt_messages(r["messages"]) for r in rows]
     out = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.thinking, eos)
     return [
-        _result(row, prompt, answer, n, finish)
+        Regenerated.answered(row, prompt, answer, n, finish)
         for row, prompt, (answer, _, n, finish) in zip(rows, prompts, out, strict=True)
     ]
 
 
-def _result(row, prompt, answer: str, n_tokens: int, finish: str) -> dict:
-    return {
-        "id": row["id"],
-        "source": row["source"],
-        "messages": prompt + [{"role": "assistant", "content": answer.strip()}],
-        "response_tokens": n_tokens,
-        "finish_reason": finish,
-        "error": None,
-        "cause": None,
-    }
-
-
-def error_row(row, reason: str, cause: str) -> dict:
-    """A failed row; `cause` is `answer` (the server or its answer: retried by a rerun) or `prompt`."""
-    return {
-        "id": row["id"],
-        "source": row["source"],
-        "messages": prompt_messages(row["messages"]),
-        "response_tokens": 0,
-        "finish_reason": "error",
-        "error": reason,
-        "cause": cause,
-    }
-
-
-def _safe_batch(model, tokenizer, rows, cfg, eos) -> list[dict]:
+def _safe_batch(model, tokenizer, rows, cfg, eos) -> list[Regenerated]:
     """A failing batch is retried row by row; a row that still fails becomes an error row."""
     try:
         return generate_batch(model, tokenizer, rows, cfg, eos)
@@ -104,7 +103,7 @@ def _safe_batch(model, tokenizer, rows, cfg, eos) -> list[dict]:
         try:
             out += generate_batch(model, tokenizer, [row], cfg, eos)
         except Exception as e:  # recorded, and the run fails later if there are too many
-            out.append(error_row(row, f"{type(e).__name__}: {e}", "prompt"))
+            out.append(Regenerated.failed(row, f"{type(e).__name__}: {e}", "prompt"))
     return out
 
 
@@ -114,7 +113,7 @@ class Answered:
     parts as they come): the rows it gave up on (not committed: a rerun asks again), when decoding began
     (after loading), the sequences decoded at once, and the one-off setup before that clock."""
 
-    gave_up: list[dict]
+    gave_up: list[Regenerated]
     start: float
     batch: int | None = None
     setup_s: float = 0.0
@@ -175,7 +174,7 @@ def _run_static(cfg, model, tokenizer, eos, todo: Pending) -> Answered:
             text = render(tokenizer, prompt, add_generation_prompt=True, thinking=cfg.thinking)
             ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         except Exception as e:  # a row the chat template cannot render: recorded, the others go on
-            parts.add([error_row(r, f"{type(e).__name__}: {e}", "prompt")])
+            parts.add([Regenerated.failed(r, f"{type(e).__name__}: {e}", "prompt")])
             bar.update(1)
             continue
         rows.append(r)
@@ -195,55 +194,15 @@ def _run_static(cfg, model, tokenizer, eos, todo: Pending) -> Answered:
     answered = Answered([], time.monotonic(), slots, time.monotonic() - t)
     for i, tokens, finish in decoder.run(ids, cfg.max_new_tokens):
         answer = tokenizer.decode(tokens, skip_special_tokens=True)
-        parts.add([_result(rows[i], prompts[i], answer, len(tokens), finish)])
+        parts.add([Regenerated.answered(rows[i], prompts[i], answer, len(tokens), finish)])
         bar.update(1)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     return answered
 
 
-class _GiveUp(Exception):
-    """Retries exhausted on a transient failure (server down, overloaded, timing out)."""
-
-
-def _server_message(e: urllib.error.HTTPError) -> str:
-    body = e.read().decode(errors="replace")
-    try:
-        return json.loads(body)["error"]["message"]
-    except Exception:
-        return body[:500] or e.reason
-
-
-def _post(url: str, body: dict, headers: dict, cfg: RegenerateConfig) -> dict:
-    """POST JSON with retries (exponential backoff + jitter) on connection errors, timeouts, 429 and 5xx;
-    any other HTTP error is the request's own fault and raises at once with the server's message."""
-    data = json.dumps(body).encode()
-    for attempt in range(cfg.max_retries + 1):
-        wait = min(60.0, cfg.backoff_s * 2**attempt) * (0.5 + random.random())
-        try:
-            req = urllib.request.Request(url, data=data, headers=headers, method="POST")
-            with urllib.request.urlopen(req, timeout=cfg.timeout_s) as r:
-                answer = r.read()
-            try:
-                return json.loads(answer)
-            except ValueError:
-                raise ValueError(f"{url} answered {answer[:100]!r}, not JSON: is regenerate.base_url an "
-                                 "OpenAI-compatible server?") from None
-        except urllib.error.HTTPError as e:
-            reason = f"HTTP {e.code}: {_server_message(e)}"
-            if e.code != 429 and e.code < 500:
-                raise ValueError(reason) from None
-            after = e.headers.get("Retry-After", "")
-            wait = max(wait, min(60.0, float(after))) if after.isdigit() else wait
-        except (urllib.error.URLError, OSError, HTTPException) as e:  # refused, reset, timed out
-            reason = f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
-        if attempt < cfg.max_retries:
-            time.sleep(wait)
-    raise _GiveUp(f"{url}: {reason} (after {cfg.max_retries} retries)")
-
-
-def _ask(row, url, headers, cfg, model, count) -> tuple[dict, bool]:
-    """One prompt -> (result row, whether to commit it). Give-ups are not committed: a rerun retries them."""
+def _ask(row, client: ChatClient, cfg, model, count) -> tuple[Regenerated, bool]:
+    """One prompt -> (its row, whether to commit it). Give-ups are not committed: a rerun retries them."""
     prompt = prompt_messages(row["messages"])
     body = {
         "model": model,
@@ -253,23 +212,15 @@ def _ask(row, url, headers, cfg, model, count) -> tuple[dict, bool]:
         "chat_template_kwargs": {"enable_thinking": cfg.thinking},
     }
     try:
-        resp = _post(url, body, headers, cfg)
-        try:
-            choice = resp["choices"][0]
-            answer, finish = choice["message"].get("content") or "", choice["finish_reason"]
-        except (KeyError, IndexError, TypeError, AttributeError):
-            raise ValueError(f"{url} answered {json.dumps(resp)[:100]}, not a chat completion "
-                             "(choices[0].message)") from None
-        if finish not in ("stop", "length"):
-            raise ValueError(f"finish_reason {finish!r}")
-        n = (resp.get("usage") or {}).get("completion_tokens")
+        reply = client.chat(body)
+        n = reply.completion_tokens
         # servers count the end-of-turn token of a stopped answer; the hf backend does not
-        n = count(answer.strip()) if n is None else n - (finish == "stop")
-        return _result(row, prompt, answer, n, finish), True
-    except _GiveUp as e:
-        return error_row(row, str(e), "answer"), False
+        n = count(reply.text.strip()) if n is None else n - (reply.finish == "stop")
+        return Regenerated.answered(row, prompt, reply.text, n, reply.finish), True
+    except GiveUp as e:
+        return Regenerated.failed(row, str(e), "answer"), False
     except Exception as e:  # a bad request or answer: committed, and retried by a rerun
-        return error_row(row, f"{type(e).__name__}: {e}", "answer"), True
+        return Regenerated.failed(row, f"{type(e).__name__}: {e}", "answer"), True
 
 
 def _run_openai(cfg, target, dtype, todo: Pending) -> Answered:
@@ -286,10 +237,10 @@ def _run_openai(cfg, target, dtype, todo: Pending) -> Answered:
         with lock:
             return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    url = cfg.base_url.rstrip("/") + "/chat/completions"
     headers = {"Content-Type": "application/json"}
     if os.environ.get(cfg.api_key_env or ""):
         headers["Authorization"] = f"Bearer {os.environ[cfg.api_key_env]}"
+    client = ChatClient(cfg.base_url, headers, cfg.max_retries, cfg.timeout_s, cfg.backoff_s)
     parts, bar, errors, max_errors = todo.parts, todo.bar, todo.errors, todo.max_errors
     parts.flush_s, gave_up, start = FLUSH_S, [], time.monotonic()
     # at most `concurrency` requests in flight, the next sent only once one returns: when the
@@ -299,7 +250,7 @@ def _run_openai(cfg, target, dtype, todo: Pending) -> Answered:
 
     def send(n):
         for r in itertools.islice(queue, n):
-            running.add(ex.submit(_ask, r, url, headers, cfg, cfg.model or target, count))
+            running.add(ex.submit(_ask, r, client, cfg, cfg.model or target, count))
 
     try:
         send(cfg.concurrency)
@@ -313,7 +264,7 @@ def _run_openai(cfg, target, dtype, todo: Pending) -> Answered:
                 else:
                     gave_up.append(row)
                 bar.update(1)
-                errors += row["error"] is not None
+                errors += row.error is not None
             if errors > max_errors:
                 log(f"regenerate: {errors} failed rows, more than the stage tolerates; stopping")
                 break
@@ -351,8 +302,8 @@ class _Parts:
         self.next = 1 + max(map(_part_number, work.glob("part-*.parquet")), default=-1)
         self.buf, self.rows, self.t = [], [], time.monotonic()
 
-    def add(self, rows: list[dict]):
-        self.buf += rows
+    def add(self, rows: list[Regenerated]):
+        self.buf += [r.row() for r in rows]
         late = self.flush_s is not None and time.monotonic() - self.t > self.flush_s
         if len(self.buf) >= self.rows_per_part or (late and self.buf):
             self.flush()
@@ -428,15 +379,7 @@ def copy_original(prompt_rows: list[dict], tokenizer, out: str, max_error_fracti
             )
             continue
         n = len(tokenizer(answers[0], add_special_tokens=False)["input_ids"])
-        rows.append(
-            {
-                "id": r["id"],
-                "source": r["source"],
-                "messages": r["messages"],
-                "response_tokens": n,
-                "finish_reason": "stop",
-            }
-        )
+        rows.append(Regenerated(r["id"], r["source"], r["messages"], n, "stop").row())
     return _finish(rows, errors, out, max_error_fraction, err_path=err_path)
 
 
@@ -499,7 +442,7 @@ def regenerate(
             "setup_s": answered.setup_s,  # static engine's compile and capture, before the clock
         }
 
-    done += gave_up
+    done += [r.row() for r in gave_up]
     done.sort(key=lambda r: order[r["id"]])
     rows = [{k: v for k, v in r.items() if k not in ("error", "cause")} for r in done if r["error"] is None]
     errors = [
