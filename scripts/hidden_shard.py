@@ -11,7 +11,7 @@ import json
 
 from flashdraft.config import DrafterConfig, HiddenConfig, TargetConfig, load_section
 from flashdraft.errors import cli
-from flashdraft.precompute import precompute_shard
+from flashdraft.precompute import hidden_shard
 
 
 @cli
@@ -30,7 +30,7 @@ def main(argv=None):
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
     target = load_section(TargetConfig, args.target_cfg, "target")
     num_shards = args.num_shards or hidden_cfg.shards
-    manifest = precompute_shard(target, args.data, args.shard, num_shards, args.out, hidden_cfg, drafter_cfg)
+    manifest = hidden_shard(target, args.data, args.shard, num_shards, args.out, hidden_cfg, drafter_cfg)
     keys = ("shard", "num_shards", "rows", "tokens", "truncated", "skipped", "bytes")
     print(json.dumps({k: manifest[k] for k in keys}))
 

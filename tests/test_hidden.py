@@ -31,7 +31,7 @@ from flashdraft.hidden import (
     verify_shard,
     write_manifest,
 )
-from flashdraft.precompute import precompute_shard, preflight, token_batches
+from flashdraft.precompute import hidden_shard, preflight, token_batches
 from flashdraft.shards import shard_of, shard_sources
 from flashdraft.target import load_target, select_features
 from flashdraft.toy import build_toy_target, task_conversations
@@ -393,7 +393,7 @@ def precomputed(toy_target, train_parquet, tmp_path_factory):
     out = tmp_path_factory.mktemp("hidden")
     shards = [out / f"shard-{s:05d}.arrow" for s in range(2)]
     target = target_section(toy_target)
-    manifests = [precompute_shard(target, train_parquet, s, 2, shards[s], CFG, LAYERS) for s in range(2)]
+    manifests = [hidden_shard(target, train_parquet, s, 2, shards[s], CFG, LAYERS) for s in range(2)]
     return shards, manifests
 
 
@@ -432,7 +432,7 @@ def test_precompute_fp8_end_to_end(precomputed, toy_target, train_parquet, tmp_p
         hidden.bytes_per_token(dtype, width)))
     out = tmp_path / "shard-00001.arrow"
     cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=CFG.batch_tokens, dtype=FP8)
-    manifest = precompute_shard(target_section(toy_target), train_parquet, 1, 2, out, cfg, LAYERS)
+    manifest = hidden_shard(target_section(toy_target), train_parquet, 1, 2, out, cfg, LAYERS)
     assert need == [3 * 128 + 4 + 5]  # preflight counts 1 byte per value + the scale
     assert manifest["dtype"] == FP8 and json.loads(manifest_path(out).read_text()) == manifest
     assert verify_shard(out)["ok"]
@@ -486,7 +486,7 @@ def test_failed_precompute_leaves_no_file(toy_target, train_parquet, tmp_path, m
         monkeypatch.setattr(precompute, "forward_features", failing(precompute.forward_features))
     out = tmp_path / "hidden" / "shard-00000.arrow"
     with pytest.raises((OSError, RuntimeError), match=f"injected failure in the {where}"):
-        precompute_shard(target_section(toy_target), train_parquet, 0, 1, out, CFG, LAYERS)
+        hidden_shard(target_section(toy_target), train_parquet, 0, 1, out, CFG, LAYERS)
     assert calls["n"] == 3
     assert list(out.parent.iterdir()) == []  # no shard, no manifest, no temporary
 
@@ -504,7 +504,7 @@ def test_killed_shard_leaves_no_file_and_rerun_equals_uninterrupted(toy_target, 
     pq.write_table(pa.table({"id": ids, "source": ["toy"] * len(ids), "messages": convs}), data)
     cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=32, dtype="bfloat16")  # one row per batch
     ref_out = tmp_path / "ref" / "shard-00000.arrow"
-    ref = precompute_shard(target_section(toy_target), data, 0, 1, ref_out, cfg, LAYERS)
+    ref = hidden_shard(target_section(toy_target), data, 0, 1, ref_out, cfg, LAYERS)
 
     out = tmp_path / "run" / "shard-00000.arrow"
     cmd = [sys.executable, str(REPO / "scripts" / "hidden_shard.py"), "--cfg", json.dumps(cfg.__dict__),

@@ -12,7 +12,7 @@ from flashdraft import plan as P
 from flashdraft.config import Config, DrafterConfig, HiddenConfig, TargetConfig, ToyConfig
 from flashdraft.errors import UserError
 from flashdraft.hidden import FP8
-from flashdraft.precompute import precompute_shard
+from flashdraft.precompute import hidden_shard
 from flashdraft.toy import build_toy_target, task_conversations
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,7 +170,7 @@ def test_precompute_preflight_refuses_with_the_plans_estimate(tmp_path, dtype):
     with pytest.raises(UserError, match="not enough disk space") as e:
         out = tmp_path / "h" / "shard-00000.arrow"
         section = TargetConfig(path=str(target), dtype="float32")
-        precompute_shard(section, tmp_path / "data.parquet", 0, 1, out, hidden, drafter)
+        hidden_shard(section, tmp_path / "data.parquet", 0, 1, out, hidden, drafter)
     need, tokens = map(int, re.search(r"\((\d+) bytes: (\d+) tokens x", str(e.value)).groups())
     cfg = Config(target=TargetConfig(path=str(target)), hidden=hidden, drafter=drafter)
     width = P.hidden_width(cfg, P.target_shapes(cfg))

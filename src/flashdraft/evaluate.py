@@ -18,7 +18,6 @@ import torch
 from .chat import prompt_ids
 from .config import EvalConfig, TargetConfig, layers_out_of_range
 from .io import progress, write_json, write_parquet
-from .session import StaticSession
 from .shards import shard_of
 from .speculative import (
     Decoded,
@@ -130,7 +129,7 @@ def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, 
     max_len = max((len(ids) for _, _, ids in encoded), default=1) + cfg.max_new_tokens
     plain = make_session(model, cfg.engine, max_len, (), block_size)
     featured = make_session(model, cfg.engine, max_len, layer_ids, block_size)
-    if isinstance(featured, StaticSession):  # the drafters' caches static too
+    if featured.static:  # the drafters' caches static too
         proposers = {name: p.static(max_len) for name, p in proposers.items()}
     session = {name: featured if prop.uses_features else plain for name, prop in proposers.items()}
     if encoded:  # warm up every path on the first prompt so the first timed prompt is not a cold start

@@ -236,7 +236,7 @@ def write_shard(model, samples, out_arrow, meta: ShardMeta, batch_tokens: int, p
     return writer
 
 
-def precompute_shard(
+def hidden_shard(
     target: TargetConfig,
     data_parquet,
     shard: int,

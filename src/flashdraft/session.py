@@ -28,6 +28,8 @@ class StaticSession:
     """See the module docstring. `layer_ids`: decoder layers whose outputs `forward` and `prefill` return
     as features. `compiled`, `graphs`: default on CUDA."""
 
+    static = True  # a cache of fixed size: the drafters' caches can be static too (Proposer.static)
+
     def __init__(self, model, max_len: int, layer_ids=(), block: int = 1, compiled: bool | None = None,
                  graphs: bool | None = None):
         dev = model.device
@@ -37,9 +39,8 @@ class StaticSession:
         self.layers = Layers.of_target(model, self.compiled)
         self.head = model.get_output_embeddings()
         self.cache = SlotCache(model, 1, self.max_len)
-        self.ids = torch.zeros(block, dtype=torch.long, device=dev)
-        self.pos_t = torch.zeros(1, dtype=torch.long, device=dev)  # the position of ids[0], on the device
-        self.pos = 0
+        self.ids, self.pos = torch.zeros(block, dtype=torch.long, device=dev), 0  # pos: that of ids[0]
+        self.pos_t = torch.zeros(1, dtype=torch.long, device=dev)  # the same, on the device
         self.arange = torch.arange(self.max_len, device=dev)
         self.graphs = Graphs(dev, graphs)
         pos = self.pos_t
@@ -95,6 +96,8 @@ class StaticSession:
 class HFSession:
     """The same interface over the model's own forward and a DynamicCache."""
 
+    static = False
+
     def __init__(self, model, layer_ids=()):
         self.model, self.layer_ids, self.cache = model, list(layer_ids), None
 
@@ -142,9 +145,8 @@ class DraftSession:
         self.layers = Layers(drafter.layers, eps=spec.rms_norm_eps, heads=spec.num_heads,
                              kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, act=F.silu,
                              scaling=spec.head_dim ** -0.5, compiled=self.compiled)
-        self._kv = drafter.context_kv
-        if self.compiled:
-            self._kv = torch.compile(self._kv, fullgraph=True, dynamic=False)
+        kv = drafter.context_kv
+        self._kv = torch.compile(kv, fullgraph=True, dynamic=False) if self.compiled else kv
         dtype = drafter.fc.weight.dtype
         shape = (1, spec.num_kv_heads, self.max_len, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in drafter.layers]
@@ -156,8 +158,7 @@ class DraftSession:
         self.ids = torch.full((self.block,), spec.mask_token_id, dtype=torch.long, device=dev)
         self.arange = torch.arange(self.max_len, device=dev)
         self.graphs = Graphs(dev, graphs)
-        # training's mask for one block anchored at the context's end (the block sits right after it),
-        # less the pad keys of a block shorter than `block`
+        # training's mask for one block anchored at the context's end, less the pad keys of a shorter block
         length, size = self.len_t, self.size_t
         every = torch.ones(1, 1, dtype=torch.bool, device=dev)
         trained = dflash_mask_mod(length.view(1, 1), every, length[0], self.block, spec.sliding_window)

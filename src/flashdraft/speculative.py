@@ -61,8 +61,7 @@ class DFlashProposer(Proposer):
 
     def __init__(self, drafter, embed_weight, lm_head_weight, cached: bool = True):
         self.drafter, self.embed, self.head, self.cached = drafter, embed_weight, lm_head_weight, cached
-        self.block_size = drafter.spec.block_size
-        self.session = None
+        self.block_size, self.session = drafter.spec.block_size, None
         self.reset()
 
     def static(self, max_len: int) -> DFlashProposer:
