@@ -85,8 +85,8 @@ class StaticSession:
         self.ids[:n] = torch.tensor(tokens)
         self.pos_t.fill_(self.pos)
         logits, feats = self.graphs.run(size, self._step, size)
-        self.pos += n  # copies: the graph's outputs are overwritten by its next replay
-        return logits[:n].clone(), None if feats is None else feats[None, :n].clone()
+        self.pos += n
+        return logits[:n].clone(), None if feats is None else feats[None, :n].clone()  # replays reuse them
 
     def crop(self, n: int):
         """Forget the last n positions."""

@@ -3,9 +3,9 @@ compile the same graphs: the drafter, the target's frozen head, and one forward+
 
 from __future__ import annotations
 
-import dataclasses
+import sys
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 
 import torch
 
@@ -152,14 +152,14 @@ def float8_graphs_cacheable() -> None:
     if getattr(misc.produce_trampoline_autograd_apply, "_flashdraft", False):
         return
     marked = torch._inductor.config.unsafe_marked_cacheable_functions
-    module = inspect.getmodule(float8_graphs_cacheable)
+    module = sys.modules[__name__]
     for name in _FLOAT8_MODULES:
         for value in vars(importlib.import_module(name)).values():
             if not (inspect.isclass(value) and value.__module__ == name):
                 continue
             if issubclass(value, torch.autograd.Function):
                 marked[f"{module.__name__}.{_apply_name(value)}"] = torchao.__version__
-            elif dataclasses.is_dataclass(value) or issubclass(value, tuple):  # the recipe's config data
+            elif is_dataclass(value) or issubclass(value, tuple):  # the recipe's config data
                 marked[f"{name}.{value.__name__}"] = torchao.__version__
     dynamo_wrapper = misc.produce_trampoline_autograd_apply
 
