@@ -1,18 +1,21 @@
 """Training checkpoints: save and load of the drafter's full state (fp32 weights and AdamW's two moments),
 as training did before (torch.save of the GPU tensors, torch.load onto the GPU) and as it does now
 (flashdraft.checkpoint.Checkpointer: pinned host buffers kept by the process, safetensors files written
-from them in the background and read into them in the background), side by side in one process on the
-same state, which each load must give back bit for bit.
+from them in the background and read in the background, the optimizer's tensors on to the GPU), side by
+side in one process on the same state, which each load must give back bit for bit.
 
 A stream-mode chunk job pays one load at its start and one save at its end; the saves inside a chunk
 (train.checkpoint_every) hold training up only for their copy to the host. Keys:
 - save_before_s: torch.save of the GPU tensors (what every save cost before);
-- save_first_blocking_s / save_first_s: the process's first save, which allocates its host buffers:
-  until training goes on / until the files are written;
+- save_first_blocking_s / save_first_s: a first save that allocates its host buffers itself (one made
+  before any optimizer step): until training goes on / until the files are written;
+- reserve_s: that allocation alone, as training makes it in the background after its first step;
+  save_reserved_blocking_s: the first save after it;
 - in_chunk_save_blocking_s: a later save (buffers reused) until training goes on; save_after_s: until
   written (a chunk's last save, which the job waits for);
 - load_before_s: torch.load onto the GPU and load_state_dict;
-- read_s: the background read into pinned memory (a chunk job overlaps it with its start-up);
+- read_s: the background read, the optimizer's tensors on to the GPU (a chunk job overlaps it with its
+  start-up);
   load_after_s: what is left on the critical path, the copy into the model and optimizer.
 Every load follows its save, so the files are in the page cache, as the next chunk job on the same node
 finds them (`--cold` also reads with the page cache dropped, where the machine allows it).
@@ -149,6 +152,11 @@ def measure(preset: dict, work: Path, repeats: int, cold: bool, report) -> None:
             row[f"save_{name}_blocking_s"], _ = timed(partial(ckpt.save, {"step": step}), device)
             t, _ = timed(ckpt.wait, device)
             row[f"save_{name}_s"] = row[f"save_{name}_blocking_s"] + t
+        reserved = Checkpointer(work / "reserved", Dist(device=device), drafter, optimizer, scheduler, False,
+                                keep=1)
+        row["reserve_s"], _ = timed(lambda: reserved.reserve().result(), device)
+        row["save_reserved_blocking_s"], _ = timed(partial(reserved.save, {"step": 1}), device)
+        reserved.wait()
         row["in_chunk_save_blocking_s"] = row["save_second_blocking_s"]
         row["save_after_s"] = row["save_second_s"]
         path = work / "after" / "step-00000002"

@@ -218,6 +218,45 @@ def test_a_resume_loads_the_optimizer_state_before_the_first_step_or_the_next_sa
     assert all(torch.equal(saved.optim[k], original.optim[k]) for k in saved.optim)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_resume_reads_the_moments_onto_the_gpu_and_pins_the_save_buffers_after_the_first_step(tmp_path):
+    """On the GPU the reading thread puts the optimizer's tensors on the device, where the optimizer keeps
+    them as loaded (no copy at the first step); the saves' pinned host buffers are allocated in the
+    background after the first step, and a save from them holds the GPU's state bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32, device="cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    x = torch.randn(8, 64, device="cuda")
+
+    def step():
+        model(x).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    ckpt = Checkpointer(tmp_path / "a", Dist(device=torch.device("cuda")), model, optimizer, scheduler,
+                        sharded=False, keep=1)
+    ckpt.save({"step": 1}, wait=True)
+    path = tmp_path / "a" / "step-00000001"
+    reading = start_reading(path, torch.device("cuda"))
+    moments = reading.result().optim_tensors()
+    assert all(t.device.type == "cuda" for t in moments.values())
+    ckpt = Checkpointer(tmp_path / "b", Dist(device=torch.device("cuda")), model, optimizer, scheduler,
+                        sharded=False, keep=1)
+    ckpt.resume(path, reading)
+    ckpt.load_optimizer()
+    state = optimizer.state[model.weight]
+    assert state["exp_avg"].data_ptr() == moments["0.exp_avg"].data_ptr()  # loaded as read, not copied
+    assert ckpt.reserve() is not None and ckpt.reserve() is None  # once
+    step()
+    ckpt.save({"step": 2}, wait=True)
+    saved = read_checkpoint(tmp_path / "b" / "step-00000002")
+    assert torch.equal(saved.model["weight"], model.weight.detach().cpu())
+    assert torch.equal(saved.optim["0.exp_avg_sq"], state["exp_avg_sq"].cpu())
+
+
 def test_anchor_seeds_follow_the_sample_not_the_batch():
     seeds = anchor_seeds(3, 1, [5, 9], rows=4)
     assert seeds[2:] == [None, None] and anchor_seeds(3, 1, [9, 2], rows=2)[0] == seeds[1]

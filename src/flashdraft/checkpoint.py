@@ -6,10 +6,12 @@ data order and anchors are functions of (seed, epoch, index) (see batches.py), a
 dropout.
 
 Tensors go to safetensors files, written straight from host memory and read straight into it. A save
-copies the GPU's state into pinned host buffers that the process keeps (allocating host memory is what
+copies the GPU's state into pinned host buffers that the process keeps (allocating pinned memory is what
 makes a copy from the GPU slow) and writes them from a background thread while training goes on; the
-next save, the end of the job and a stop wait for it. A resume starts reading its checkpoint into pinned
-memory in the background at the job's start, and those tensors become the buffers of the saves.
+next save, the end of the job and a stop wait for it. The buffers are allocated in the background after
+the first optimizer step, not at start-up: pinning host memory is slow and slows the whole process while
+it runs. A resume starts reading its checkpoint in the background at the job's start, into pageable
+memory, the optimizer's tensors on to the GPU from the reading thread (see start_reading).
 benchmarks/checkpoint_io.py measures both against torch.save and torch.load of the GPU's tensors.
 """
 
@@ -154,15 +156,17 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
             f.write(memoryview(_bytes(t.contiguous())))
 
 
-def read_safetensors(path: Path, pin: bool = False) -> dict[str, torch.Tensor]:
-    """A safetensors file read into fresh host tensors (pinned: one fast copy each to the GPU after)."""
-    with open(path, "rb", buffering=0) as f:
+def read_safetensors(path: Path, device=None) -> dict[str, torch.Tensor]:
+    """A safetensors file read into fresh host tensors, each copied on to `device` (a GPU) as soon as it is
+    read when one is given: on a stream of its own, which is waited for before this returns."""
+    stream = torch.cuda.Stream(device) if device is not None and torch.device(device).type == "cuda" else None
+    with open(path, "rb", buffering=0) as f, torch.cuda.stream(stream):
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
         header.pop("__metadata__", None)
         out = {}
         for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            t = torch.empty(h["shape"], dtype=_FROM_NAME[h["dtype"]], pin_memory=pin)
+            t = torch.empty(h["shape"], dtype=_FROM_NAME[h["dtype"]])
             view, a, b = memoryview(_bytes(t)), *h["data_offsets"]
             f.seek(8 + n + a)
             got = 0
@@ -171,7 +175,9 @@ def read_safetensors(path: Path, pin: bool = False) -> dict[str, torch.Tensor]:
                 if not k:
                     raise ValueError(f"{path}: ends inside tensor {name}")
                 got += k
-            out[name] = t
+            out[name] = t if device is None else t.to(device)
+    if stream is not None:
+        stream.synchronize()
     return out
 
 
@@ -220,16 +226,16 @@ def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int, protect=frozenset
     return path
 
 
-def read_checkpoint(path: Path, pin: bool = False, optim_later: bool = False) -> Snapshot:
+def read_checkpoint(path: Path, optim_device=None, optim_later: bool = False) -> Snapshot:
     """A checkpoint directory into host memory (also one written by torch.save alone, model.pt).
-    `optim_later`: return once the weights are read, the optimizer's tensors (twice their bytes) as a
-    Future, still being read."""
+    `optim_device`: the optimizer's tensors go on to it (a GPU) as they are read. `optim_later`: return
+    once the weights are read, the optimizer's tensors (twice their bytes) as a Future, still being read."""
     # weights_only: tensors and plain Python values only, so a checkpoint cannot run code when loaded
     # (explicit: the default depends on the torch version and on TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD)
     opt = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
     if (path / "model.safetensors").exists():
-        optim = background(read_safetensors, path / "optim.safetensors", pin, name="optim-reader")
-        model = read_safetensors(path / "model.safetensors", pin)  # both files at once
+        optim = background(read_safetensors, path / "optim.safetensors", optim_device, name="optim-reader")
+        model = read_safetensors(path / "model.safetensors")  # both files at once
         tensors = optim if optim_later else optim.result()
         skeleton = opt["optimizer"]
     else:
@@ -255,22 +261,34 @@ def apply_snapshot(snap: Snapshot, drafter, optimizer, scheduler, sharded: bool)
 
 def load_checkpoint(path: Path, drafter, optimizer, scheduler, device, sharded: bool) -> dict:
     """Model, optimizer and schedule from `path`; returns its state.json."""
-    snap = read_checkpoint(path, pin=torch.device(device).type == "cuda")
+    snap = read_checkpoint(path)
     return apply_snapshot(snap, drafter, optimizer, scheduler, sharded)
 
 
 class HostBuffers:
     """Pinned host tensors by name that every save of a process copies the GPU's state into (allocating
-    host memory is the slow part of a copy from the GPU, so it is done once); CPU tensors are cloned."""
+    pinned memory is the slow part of a copy from the GPU, so it is done once); CPU tensors are cloned."""
 
     def __init__(self):
         self.buffers: dict[str, torch.Tensor] = {}
+        self._reserving: Future | None = None
 
-    def adopt(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take pinned tensors (a checkpoint just read) as the buffers of their names."""
-        self.buffers.update({k: v for k, v in tensors.items() if v.is_pinned()})
+    def reserve(self, tensors: dict[str, torch.Tensor]) -> Future:
+        """Allocate the buffers for these (GPU) tensors in a background thread; `stage` waits for it."""
+        like = {k: (t.shape, t.dtype) for k, t in tensors.items() if t.device.type == "cuda"}
+        self._reserving = background(self._allocate, like, name="host-buffers")
+        return self._reserving
+
+    def _allocate(self, like: dict) -> None:
+        for name, (shape, dtype) in like.items():
+            buf = self.buffers.get(name)
+            if buf is None or buf.shape != shape or buf.dtype != dtype:
+                self.buffers[name] = torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._reserving is not None:
+            reserving, self._reserving = self._reserving, None
+            reserving.result()
         out, cuda = {}, False
         for name, t in tensors.items():
             if t.device.type == "cpu":
@@ -291,14 +309,14 @@ def _named(model: dict, optim: dict) -> dict[str, torch.Tensor]:
     return {**{f"model.{k}": v for k, v in model.items()}, **{f"optim.{k}": v for k, v in optim.items()}}
 
 
-def start_reading(path: Path | None, device) -> Future | None:
-    """Read the checkpoint at `path` in a background thread (into pinned memory on a GPU), while the
-    process goes on with its start; Checkpointer.resume takes the result (the weights, and the optimizer's
-    tensors maybe still being read)."""
+def start_reading(path: Path | None, optim_device=None) -> Future | None:
+    """Read the checkpoint at `path` in a background thread while the process goes on with its start;
+    Checkpointer.resume takes the result (the weights, and the optimizer's tensors maybe still being read).
+    `optim_device`: a GPU the optimizer's state stays on (not FSDP's, which shards it), copied there by
+    the reading thread, so that loading it costs the first step nothing."""
     if path is None:
         return None
-    cuda = torch.device(device).type == "cuda"
-    return background(read_checkpoint, path, cuda, True, name="checkpoint-reader")
+    return background(read_checkpoint, path, optim_device, True, name="checkpoint-reader")
 
 
 def saved_position(path: Path) -> dict:
@@ -319,34 +337,39 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._host = HostBuffers()
         self._pending: Snapshot | None = None  # the optimizer's state, read but not yet loaded
+        self._reserved = False
         optimizer.register_step_pre_hook(lambda *_: self.load_optimizer())
+        optimizer.register_step_post_hook(lambda *_: self.reserve())
 
     def resume(self, path: Path, reading: Future | None = None) -> dict:
         """Load model, optimizer and schedule from `path` (`reading`: start_reading's, when it read the
         same path); returns its state.json. Unsharded, the optimizer's state (AdamW's moments: twice the
         weights' bytes) may still be read when this returns: it is loaded before the first optimizer step
         or the next save, whichever comes first, so the first forward and backward need not wait for it."""
-        cuda = self.d.device.type == "cuda"
-        snap = reading.result() if reading is not None else read_checkpoint(path, cuda)
+        snap = reading.result() if reading is not None else read_checkpoint(path)
         if self.sharded:
-            state = apply_snapshot(snap, self.drafter, self.optimizer, self.scheduler, self.sharded)
-        else:
-            self.drafter.load_state_dict(snap.model)
-            self.scheduler.load_state_dict(snap.scheduler)
-            state, self._pending = json.loads(snap.state), snap
-        if self.d.main:  # the pinned tensors read serve as the saves' buffers
-            self._host.adopt(_named(snap.model, {} if self._pending else snap.optim_tensors()))
-        return state
+            return apply_snapshot(snap, self.drafter, self.optimizer, self.scheduler, self.sharded)
+        self.drafter.load_state_dict(snap.model)
+        self.scheduler.load_state_dict(snap.scheduler)
+        self._pending = Snapshot({}, snap.optim, snap.skeleton, snap.scheduler, snap.state)  # not the weights
+        return json.loads(snap.state)
 
     def load_optimizer(self) -> None:
         """Load the optimizer's state that `resume` left pending (waiting for its read), if any."""
         if self._pending is None:
             return
         snap, self._pending = self._pending, None
-        tensors = snap.optim_tensors()
-        self.optimizer.load_state_dict(join_optim(snap.skeleton, tensors))
-        if self.d.main:
-            self._host.adopt(_named({}, tensors))
+        self.optimizer.load_state_dict(join_optim(snap.skeleton, snap.optim_tensors()))
+
+    def reserve(self) -> Future | None:
+        """Start allocating the saves' host buffers in the background, once: after the first optimizer step
+        (then the optimizer's state exists and start-up is over). Not under FSDP, whose gathered state
+        comes to the host by itself."""
+        if self._reserved or not self.d.main or self.sharded:
+            return None
+        self._reserved = True
+        model, optim = full_state(self.drafter, self.optimizer, False)
+        return self._host.reserve(_named(model, split_optim(optim)[1]))
 
     def save(self, state: dict, wait: bool = False) -> None:
         """A checkpoint of this step: the state is copied to the host now and written in the background

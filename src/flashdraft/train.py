@@ -58,7 +58,7 @@ from .errors import UserError
 from .hidden import HiddenStore
 from .io import background, process_age, write_json
 from .metrics import MetricsLogger
-from .model import DrafterSpec, export_drafter
+from .model import DFlashDrafter, DrafterSpec, export_drafter
 from .stream import Chunk, Plan, planned_store
 from .train_step import (
     Step,
@@ -141,7 +141,11 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     latest = found[-1] if found else None
     # the slow reads start first: the checkpoint, the target's head and the first micro-batches are read
     # while Dynamo is imported, the compile cache loads and the drafter is built
-    reading = start_reading(latest, d.device)
+    with torch.device("meta"):  # the parameter count, for the parallel mode, before the drafter is built
+        params = sum(p.numel() for p in DFlashDrafter(spec).parameters())
+    mode = parallel_mode(cfg.parallel, params, d.world, gpu_bytes(d.device))
+    sharded = mode == "fsdp"
+    reading = start_reading(latest, d.device if d.device.type == "cuda" and not sharded else None)
     amp = resolve(cfg, d.device).amp_dtype
     head = background(frozen_head, target_dir, d.device, amp, name="head-reader")
     g = micro_per_step(cfg, d.world)
@@ -164,9 +168,6 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
         log(d, f"drafter: starting from drafter.init_from {drafter_cfg.init_from}")
     step_fn = build_step(cfg, spec, target_dir, d.device, init, head)
     drafter = step_fn.model
-    mode = parallel_mode(cfg.parallel, sum(p.numel() for p in drafter.parameters()), d.world,
-                         gpu_bytes(d.device))
-    sharded = mode == "fsdp"
     step_fn.model = parallelize(drafter, mode, d.device)
     if mode != "single":
         log(d, f"parallel: {mode} ({cfg.parallel}), {d.world} processes")
