@@ -79,9 +79,9 @@ RATES = {
     # layer scope and the compiled loss (production.yaml's keys) beside bf16's
     "train_fp8_speedup": Rate(1.3762, "train_drafter_qwen3-8b_fp8.json", "comparison.speedup_vs_baseline",
                               "x", scaled=False),
-    "train_launch_fp8": Rate(9.77, "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
+    "train_launch_fp8": Rate(10.44, "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
                              "first_step.warm.launch_to_first_step_s", "s", scaled=False),
-    "train_launch_resumed_fp8": Rate(15.6, "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
+    "train_launch_resumed_fp8": Rate(11.58, "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
                                      "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
     "eval_target_only": Rate(160.41, "eval_decode_qwen3-8b.json", "modes.target_only.tokens_per_s",
                              "new tokens/s"),
@@ -98,9 +98,9 @@ RATES = {
                                  "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
     # checkpoints (flashdraft.checkpoint): a save holds training up for its copy into the host buffers, then
     # writes in the background; a job's last save is waited for
-    "checkpoint_stage": Rate(54.474, "checkpoint_io_qwen3-8b.json", "stage_gb_per_s", "GB/s", scaled=False),
-    "checkpoint_write": Rate(1.2366, "checkpoint_io_qwen3-8b.json", "write_gb_per_s", "GB/s", scaled=False),
-    "checkpoint_read": Rate(1.0667, "checkpoint_io_qwen3-8b.json", "read_gb_per_s", "GB/s", scaled=False),
+    "checkpoint_stage": Rate(54.553, "checkpoint_io_qwen3-8b.json", "stage_gb_per_s", "GB/s", scaled=False),
+    "checkpoint_write": Rate(1.4315, "checkpoint_io_qwen3-8b.json", "write_gb_per_s", "GB/s", scaled=False),
+    "checkpoint_read": Rate(1.9076, "checkpoint_io_qwen3-8b.json", "read_gb_per_s", "GB/s", scaled=False),
 }
 # The target those benchmarks ran (`shapes.target` of eval_decode_qwen3-8b.json): rates scale from it.
 REFERENCE_TARGET = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
