@@ -172,3 +172,23 @@ def test_target_that_needs_remote_code(tmp_path):
     )
     line = one_line_error(proc)
     assert str(target / "config.json") in line and "needs remote code" in line and "modeling_mine" in line
+
+
+def test_a_failed_script_exits_even_when_a_thread_would_keep_it():
+    """A script whose main raises while a non-daemon thread never ends (a stuck reader, a worker pool)
+    still exits, with every thread's stack on stderr, instead of holding its process (and GPU)."""
+    code = (
+        "import threading\n"
+        "import flashdraft.errors as errors\n"
+        "errors.EXIT_GRACE_S = 1\n"
+        "@errors.cli\n"
+        "def main(argv):\n"
+        "    threading.Thread(target=threading.Event().wait, name='stuck').start()\n"
+        "    raise RuntimeError('broken')\n"
+        "main()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 1
+    assert "RuntimeError: broken" in p.stderr
+    assert "Thread 0x" in p.stderr and "in wait" in p.stderr  # the stuck thread's stack

@@ -234,9 +234,11 @@ def read_checkpoint(path: Path, optim_device=None, optim_later: bool = False) ->
     # (explicit: the default depends on the torch version and on TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD)
     opt = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
     if (path / "model.safetensors").exists():
-        optim = background(read_safetensors, path / "optim.safetensors", optim_device, name="optim-reader")
-        model = read_safetensors(path / "model.safetensors")  # both files at once
-        tensors = optim if optim_later else optim.result()
+        # the weights alone first: a resume waits for them, and two files read at once share the disk's rate
+        model = read_safetensors(path / "model.safetensors")
+        optim = path / "optim.safetensors"
+        tensors = background(read_safetensors, optim, optim_device, name="optim-reader") if optim_later \
+            else read_safetensors(optim, optim_device)
         skeleton = opt["optimizer"]
     else:
         model = torch.load(path / "model.pt", map_location="cpu", weights_only=True)

@@ -37,7 +37,7 @@ from .config import COMPILED_TRAIN_KEYS, DrafterConfig, TrainConfig
 from .distributed import Dist, gpu_bytes, log, parallel_mode
 from .hidden import ShardMeta, manifest_path
 from .io import atomic_path, device, write_json
-from .model import DFlashDrafter, DrafterSpec
+from .model import DrafterSpec, meta_drafter
 from .train_step import anchors_for, build_step, forward_backward, initial_weights, load_spec, resolve
 
 ARTIFACTS = "artifacts.bin"  # the Mega-Cache blob (empty when nothing was compiled)
@@ -251,8 +251,7 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
     if stored is not None and stored != width:
         raise ValueError(f"hidden shards hold {stored} features per token, the drafter expects {width}")
     key = cache_key(cfg, spec, dev)
-    with torch.device("meta"):  # counted, not allocated
-        params = sum(p.numel() for p in DFlashDrafter(spec).parameters())
+    params = sum(p.numel() for p in meta_drafter(spec).parameters())
     sharded = parallel_mode(cfg.parallel, params, world, gpu_bytes(dev)) == "fsdp"
     if sharded:
         _say(f"training shards the drafter over {world} processes (FSDP); its graphs are not this "

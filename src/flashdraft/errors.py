@@ -7,6 +7,7 @@ line on stderr and exit status 1, with no traceback (a traceback means a bug; `-
 from __future__ import annotations
 
 import errno
+import faulthandler
 import functools
 import os
 import sys
@@ -35,23 +36,35 @@ def rerun_command() -> str:
     return os.environ.get(RERUN_ENV, "snakemake --cores all")
 
 
+# How long a script that ends by an exception (an error, a stop, sys.exit) may take to exit before it is
+# ended: a thread or a worker pool stuck at shutdown must not keep the process, and its GPU.
+EXIT_GRACE_S = 120
+
+
 def cli(main):
     """Wrap a script's `main(argv)`: a UserError (or a full disk) exits with one line; `--verbose` in the
-    arguments re-raises it with its traceback."""
+    arguments re-raises it with its traceback. Once an exception leaves the program's `main` (argv None),
+    the process has EXIT_GRACE_S to exit; then every thread's stack goes to stderr and it exits with 1."""
 
     @functools.wraps(main)
     def run(argv=None):
+        entry = argv is None  # the program's own main, not a call from Python (a test)
         argv = list(sys.argv[1:] if argv is None else argv)
         verbose = "--verbose" in argv
         argv = [a for a in argv if a != "--verbose"]
         try:
-            return main(argv)
-        except (UserError, OSError) as e:
-            if verbose or not (isinstance(e, UserError) or disk_full(e)):
-                raise
-            if not isinstance(e, UserError):
-                e = disk_full_error(e.filename or "a file being written")
-            name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else main.__module__
-            sys.exit(f"{name}: error: " + str(e).replace("\n", " "))
+            try:
+                return main(argv)
+            except (UserError, OSError) as e:
+                if verbose or not (isinstance(e, UserError) or disk_full(e)):
+                    raise
+                if not isinstance(e, UserError):
+                    e = disk_full_error(e.filename or "a file being written")
+                name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else main.__module__
+                sys.exit(f"{name}: error: " + str(e).replace("\n", " "))
+        except BaseException:
+            if entry:
+                faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
+            raise
 
     return run

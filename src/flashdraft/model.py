@@ -282,14 +282,14 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, spec: DrafterSpec):
+    def __init__(self, spec: DrafterSpec, init: bool = True):
         super().__init__()
         self.spec = spec
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.fc = nn.Linear(spec.num_features * spec.hidden_size, spec.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        for m in self.modules():
+        for m in self.modules() if init else ():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
 
@@ -398,6 +398,13 @@ class DraftCache:
 # the attention pattern (training builds it for many blocks, drafting for one)
 
 
+
+def meta_drafter(spec: DrafterSpec) -> DFlashDrafter:
+    """The drafter's structure without its weights (meta tensors, not initialized: the meta device's
+    normal_ imports Dynamo, a second of a trainer's start): its parameter count and shapes."""
+    with torch.device("meta"):
+        return DFlashDrafter(spec, init=False)
+
 def dflash_mask_mod(anchors, valid, ctx_len: int, block_size: int, window: int | None = None):
     """mask_mod(b, h, q_idx, kv_idx) over kv = [context (ctx_len); blocks (A*B)], queries = blocks.
 
@@ -485,8 +492,7 @@ def init_weights(path, spec: DrafterSpec) -> dict[str, torch.Tensor]:
         state = load_file(files[1])
     except Exception as e:  # safetensors raises its own error types for a corrupt file
         raise UserError(f"{key}: {files[1]} cannot be read ({type(e).__name__}: {e})") from e
-    with torch.device("meta"):
-        want = {k: v.shape for k, v in DFlashDrafter(spec).state_dict().items()}
+    want = {k: v.shape for k, v in meta_drafter(spec).state_dict().items()}
     missing, extra = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
     wrong = [f"{k} {tuple(state[k].shape)} (want {tuple(want[k])})"
              for k in sorted(want.keys() & state.keys()) if state[k].shape != want[k]]

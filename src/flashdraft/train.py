@@ -58,7 +58,7 @@ from .errors import UserError
 from .hidden import HiddenStore
 from .io import background, process_age, write_json
 from .metrics import MetricsLogger
-from .model import DFlashDrafter, DrafterSpec, export_drafter
+from .model import DrafterSpec, export_drafter, meta_drafter
 from .stream import Chunk, Plan, planned_store
 from .train_step import (
     Step,
@@ -141,8 +141,7 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     latest = found[-1] if found else None
     # the slow reads start first: the checkpoint, the target's head and the first micro-batches are read
     # while Dynamo is imported, the compile cache loads and the drafter is built
-    with torch.device("meta"):  # the parameter count, for the parallel mode, before the drafter is built
-        params = sum(p.numel() for p in DFlashDrafter(spec).parameters())
+    params = sum(p.numel() for p in meta_drafter(spec).parameters())  # for the parallel mode
     mode = parallel_mode(cfg.parallel, params, d.world, gpu_bytes(d.device))
     sharded = mode == "fsdp"
     reading = start_reading(latest, d.device if d.device.type == "cuda" and not sharded else None)
