@@ -14,7 +14,8 @@ resumed run replays exactly what an uninterrupted one would have seen, on any nu
 torch.compile is not thread-safe: everything compiled runs on the main thread of this process; data
 loading uses DataLoader worker processes on GPU and the main thread on CPU. A process's start-up is on
 the critical path of every stream-mode chunk: setup starts the slow reads (checkpoint, the target's head,
-the first micro-batches) before it imports compile_cache, which brings Dynamo's seconds of imports.
+the first micro-batches) and Triton's per-process set-up in threads before it imports compile_cache,
+which brings Dynamo's seconds of imports; TensorBoard's imports happen in a thread during the first step.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from .train_step import (
     initial_weights,
     load_spec,
     resolve,
+    warm_triton,
 )
 from .validate import Best, Validator, due, export_choice, split_store
 
@@ -147,6 +149,7 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     reading = start_reading(latest, d.device if d.device.type == "cuda" and not sharded else None)
     amp = resolve(cfg, d.device).amp_dtype
     head = background(frozen_head, target_dir, d.device, amp, name="head-reader")
+    triton = background(warm_triton, d.device, name="triton") if cfg.compile else None
     g = micro_per_step(cfg, d.world)
     total = cfg.max_steps or steps_left(lengths, cfg, d.world)
     at = saved_position(latest) if latest else {"step": 0, "epoch": 0, "cursor": 0, "world": d.world}
@@ -184,6 +187,9 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     run = Run(d, cfg, spec, store, lengths, step_fn, drafter, sharded, optimizer, scheduler, ckpt, g, collate,
               stop, ahead, val)
 
+    if triton is not None:
+        with contextlib.suppress(Exception):  # the first step meets the same error, where torch reports it
+            triton.result()
     state = {"step": 0, "epoch": 0, "cursor": 0, "rows": [], "window": None}
     if latest:
         state = ckpt.resume(latest, reading)
