@@ -24,6 +24,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,12 +32,13 @@ import torch
 from torch._dynamo.utils import compile_times, counters
 from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import cache_dir as _inductor_cache_dir
+from torch.utils._triton import has_triton, triton_hash_with_backend
 
 from .batches import rows_per_batch
 from .config import COMPILED_TRAIN_KEYS, DrafterConfig, TrainConfig
 from .distributed import Dist, gpu_bytes, log, parallel_mode
 from .hidden import ShardMeta, manifest_path
-from .io import atomic_path, device, write_json
+from .io import atomic_path, background, device, write_json
 from .model import DrafterSpec, meta_drafter
 from .train_step import anchors_for, build_step, forward_backward, initial_weights, load_spec, resolve
 
@@ -187,6 +189,19 @@ def use_inductor_dir(path: str | None, d: Dist) -> None:
                f"{inductor_cache_dir()}, where the cached kernels are autotuned again")
         return
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+
+
+def warm_triton(device: torch.device) -> Future | None:
+    """Start what Inductor computes once per process before it loads a cached graph for a GPU, in a
+    thread: Triton's hash of its own files and its CUDA launcher module (built by the C compiler where
+    Triton's cache lacks it), so the first step does not wait for them. Called once Dynamo is imported:
+    the thread imports nothing the main thread may be importing (two threads importing the same modules
+    can deadlock)."""
+    if device.type != "cuda" or not has_triton():
+        return None
+    import torch._inductor.runtime.triton_compat  # noqa: F401  (what triton_hash_with_backend imports)
+
+    return background(triton_hash_with_backend, name="triton")
 
 
 def set_compile_workers(warm: bool, local_world: int) -> int:

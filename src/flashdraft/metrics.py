@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .distributed import Dist, all_sum, log
-from .io import atomic_path, background, progress
+from .io import atomic_path, progress
 from .loss import stats_size, summarize
 
 METRIC_KEYS = ["step", "epoch", "loss", "acc"]
@@ -60,8 +60,7 @@ class MetricsLogger:
         if d.main:
             # drops the rows a killed run logged after its last checkpoint
             write_metrics(self.live_csv, rows, self.fields)
-        # its imports take the main thread's time before the first step; a thread takes them during it
-        self._tb = background(tensorboard, run_dir / "tensorboard", step, d, name="tensorboard")
+        self.tb = tensorboard(run_dir / "tensorboard", step, d)
         self.bar = progress(total=total, initial=step, desc="train", unit="step", disable=not d.main)
         self.t_window = time.perf_counter()
 
@@ -88,12 +87,11 @@ class MetricsLogger:
             extra = {"val_tau": f"{val['val_sim_tau']:.2f}"} if val else {}
             self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}", **extra,
                                  refresh=False)
-        tb = self._tb.result()
-        if tb is not None:
+        if self.tb is not None:
             for k, v in row.items():
                 if k != "step":  # val_x goes to val/x, beside train/x
-                    tb.add_scalar(f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}", v, step)
-            tb.flush()
+                    self.tb.add_scalar(f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}", v, step)
+            self.tb.flush()
         return row
 
     def write(self, path) -> None:
@@ -101,6 +99,5 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.bar.close()
-        tb = self._tb.result()
-        if tb is not None:
-            tb.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -14,8 +14,8 @@ resumed run replays exactly what an uninterrupted one would have seen, on any nu
 torch.compile is not thread-safe: everything compiled runs on the main thread of this process; data
 loading uses DataLoader worker processes on GPU and the main thread on CPU. A process's start-up is on
 the critical path of every stream-mode chunk: setup starts the slow reads (checkpoint, the target's head,
-the first micro-batches) and Triton's per-process set-up in threads before it imports compile_cache,
-which brings Dynamo's seconds of imports; TensorBoard's imports happen in a thread during the first step.
+the first micro-batches) in threads before it imports compile_cache, which brings Dynamo's seconds of
+imports; then Triton's per-process set-up runs in a thread while the compile cache loads.
 """
 
 from __future__ import annotations
@@ -71,7 +71,6 @@ from .train_step import (
     initial_weights,
     load_spec,
     resolve,
-    warm_triton,
 )
 from .validate import Best, Validator, due, export_choice, split_store
 
@@ -149,7 +148,6 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     reading = start_reading(latest, d.device if d.device.type == "cuda" and not sharded else None)
     amp = resolve(cfg, d.device).amp_dtype
     head = background(frozen_head, target_dir, d.device, amp, name="head-reader")
-    triton = background(warm_triton, d.device, name="triton") if cfg.compile else None
     g = micro_per_step(cfg, d.world)
     total = cfg.max_steps or steps_left(lengths, cfg, d.world)
     at = saved_position(latest) if latest else {"step": 0, "epoch": 0, "cursor": 0, "world": d.world}
@@ -161,8 +159,10 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     collate = Collate(cfg.buckets, cfg.batch_tokens, amp or torch.float32)
     ahead = epoch_steps(store, lengths, cfg, at["epoch"], at["cursor"], stop - at["step"], d,
                         collate) if store is not None and at["step"] < stop else None
-    from .compile_cache import cache_key, load_compile_cache, set_compile_workers  # Dynamo: seconds
+    # Dynamo: seconds of imports
+    from .compile_cache import cache_key, load_compile_cache, set_compile_workers, warm_triton
 
+    triton = warm_triton(d.device) if cfg.compile else None
     warm = cfg.compile and load_compile_cache(compile_cache, cache_key(cfg, spec, d.device), d)
     # drafter.init_from starts a run; a resumed one (a later chunk) takes its checkpoint's weights instead
     init = initial_weights(drafter_cfg, spec) if latest is None else None

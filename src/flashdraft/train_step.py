@@ -99,18 +99,6 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
                 cfg.max_anchors, cfg.compile_loss, device, run.amp_dtype)
 
 
-def warm_triton(device: torch.device) -> None:
-    """What Inductor computes once per process before it loads a cached graph for a GPU: Triton's hash of
-    its own files and its CUDA launcher module (built by the C compiler where Triton's cache lacks it).
-    Training runs this in a thread from its start, so the first step does not wait for it."""
-    if device.type != "cuda":
-        return
-    from torch.utils._triton import has_triton, triton_hash_with_backend
-
-    if has_triton():
-        triton_hash_with_backend()
-
-
 def compile_drafter(drafter: DFlashDrafter, scope: str) -> None:
     """torch.compile the drafter in place, one graph per length bucket (dynamic=False keeps shapes static,
     the buckets bound the recompiles). scope "layer": the decoder layers share one compiled graph (one
