@@ -23,7 +23,7 @@ import json
 import shutil
 import struct
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -193,8 +193,6 @@ def read_safetensors(path: Path, device=None, threads: int = READ_THREADS) -> di
         if stream is not None:
             stream.synchronize()
         return out
-
-    from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(shares), thread_name_prefix="safetensors-reader") as pool:
         read_shares = list(pool.map(read, [s for s in shares if s]))

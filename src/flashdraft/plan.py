@@ -68,7 +68,7 @@ RATES = {
                                 "tokens/s"),
     "precompute_float8_e4m3": Rate(31208.6, "precompute_hidden_gpu_qwen3-8b.json",
                                    "float8_e4m3.tokens_per_s", "tokens/s"),
-    "train_1gpu": Rate(19351.5, "train_drafter_qwen3-8b.json", "throughput.1.tokens_per_s_per_gpu",
+    "train_1gpu": Rate(20005.5, "train_drafter_qwen3-8b.json", "throughput.1.tokens_per_s_per_gpu",
                        "tokens/s"),
     # with 2 or more processes (DDP): the per-GPU rate of the 2-GPU run, assumed to hold at any count
     "train_per_gpu": Rate(18686.2, "train_drafter_qwen3-8b_2gpu.json", "throughput.2.tokens_per_s_per_gpu",
@@ -92,9 +92,9 @@ RATES = {
     # open, cache load, drafter built, first step (stream mode pays it once per chunk; several processes
     # start through torchrun, which adds its own start). A resumed job (every chunk after a run's first)
     # also reads and loads the previous chunk's checkpoint, in part while it starts: measured as a whole.
-    "train_launch": Rate(11.26, "train_drafter_qwen3-8b.json", "first_step.warm.launch_to_first_step_s",
+    "train_launch": Rate(9.98, "train_drafter_qwen3-8b.json", "first_step.warm.launch_to_first_step_s",
                          "s", scaled=False),
-    "train_launch_resumed": Rate(14.93, "train_drafter_qwen3-8b.json",
+    "train_launch_resumed": Rate(11.42, "train_drafter_qwen3-8b.json",
                                  "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
     # checkpoints (flashdraft.checkpoint): a save holds training up for its copy into the host buffers, then
     # writes in the background; a job's last save is waited for
