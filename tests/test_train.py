@@ -257,6 +257,27 @@ def test_gpu_resume_reads_the_moments_onto_the_gpu_and_pins_the_save_buffers_aft
     assert torch.equal(saved.optim["0.exp_avg_sq"], state["exp_avg_sq"].cpu())
 
 
+def test_a_failed_trainer_ends_its_loader_workers_so_it_can_exit():
+    """DataLoader workers ignore stop signals (the trainer handles a stop), so Python's exit, which sends
+    them SIGTERM and joins them, would wait for ever after a failure: train() kills them first."""
+    code = (
+        "import torch\n"
+        "from flashdraft.distributed import end_loader_workers, ignore_stop_signals\n"
+        "loader = torch.utils.data.DataLoader(list(range(64)), batch_size=2, num_workers=2,\n"
+        "                                     worker_init_fn=ignore_stop_signals)\n"
+        "it = iter(loader)\n"
+        "next(it)\n"
+        "try:\n"
+        "    raise RuntimeError('broken')\n"
+        "except BaseException:\n"
+        "    end_loader_workers()\n"
+        "    raise\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 1 and "RuntimeError: broken" in p.stderr
+
+
 def test_anchor_seeds_follow_the_sample_not_the_batch():
     seeds = anchor_seeds(3, 1, [5, 9], rows=4)
     assert seeds[2:] == [None, None] and anchor_seeds(3, 1, [9, 2], rows=2)[0] == seeds[1]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 from dataclasses import dataclass
@@ -96,6 +97,16 @@ def ignore_stop_signals(worker_id: int):
     at its next log step and still needs them until then."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def end_loader_workers() -> None:
+    """Kill this process's DataLoader workers (its daemonic multiprocessing children) once the trainer has
+    failed: they ignore stop signals, and Python's exit, which terminates (SIGTERM) and then joins them,
+    would wait for them for ever while the process holds its GPU."""
+    for p in multiprocessing.active_children():
+        if p.daemon:
+            p.kill()
+            p.join()
 
 
 def stop_signal(d: Dist) -> int:

@@ -45,6 +45,7 @@ from .distributed import (
     Dist,
     all_sum,
     barrier,
+    end_loader_workers,
     gpu_bytes,
     log,
     no_grad_sync,
@@ -266,6 +267,9 @@ def train(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list
         with stop_signals_caught():
             return _train(d, cfg, drafter_cfg, target_dir, shards, Path(checkpoints), metrics_path, out_dir,
                           compile_cache, stop_at, plan, chunk, val_shards)
+    except BaseException:
+        end_loader_workers()
+        raise
     finally:
         teardown_dist(d)
 
