@@ -2,6 +2,10 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -637,3 +641,20 @@ def test_config_json_gives_the_spec_autoconfig_gives_or_none(raw, tmp_path):
         assert plain is None
     if raw.get("hidden_size") == 2048:
         assert spec.head_dim == 128 != 2048 // 32
+
+
+def test_the_parameter_count_takes_no_dynamo_import():
+    """A trainer counts the drafter's parameters (for the parallel mode) before its slow reads start:
+    the meta drafter must not import Dynamo (seconds), as the meta device's random init does."""
+    code = (
+        "import sys\n"
+        "from flashdraft.model import DrafterSpec, meta_drafter\n"
+        "spec = DrafterSpec(64, 128, 4, 2, 16, 2, 1e-6, 1e4, 256, 512, 4, 255, [1, 2], 3)\n"
+        "n = sum(p.numel() for p in meta_drafter(spec).parameters())\n"
+        "print(n, 'torch._dynamo' in sys.modules)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    count, dynamo = p.stdout.split()
+    assert int(count) > 0 and dynamo == "False"
