@@ -25,6 +25,13 @@ def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None, s
     return proc
 
 
+def run_python(code: str, timeout: float = 120):
+    """`python -c code` in a fresh process with this checkout's flashdraft importable."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
 def one_line_error(proc) -> str:
     """The one line a user error prints, last on stderr (after any progress lines); asserts the exit
     status and that no traceback was printed."""

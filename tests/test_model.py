@@ -2,14 +2,11 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_python
 from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -653,8 +650,7 @@ def test_the_parameter_count_takes_no_dynamo_import():
         "n = sum(p.numel() for p in meta_drafter(spec).parameters())\n"
         "print(n, 'torch._dynamo' in sys.modules)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    p = run_python(code)
     assert p.returncode == 0, p.stderr
     count, dynamo = p.stdout.split()
     assert int(count) > 0 and dynamo == "False"

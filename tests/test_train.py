@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cache_misses, toy_hidden_shards
+from conftest import cache_misses, run_python, toy_hidden_shards
 from torch._inductor import config as inductor_config
 
 from flashdraft.batches import (
@@ -273,8 +273,7 @@ def test_a_failed_trainer_ends_its_loader_workers_so_it_can_exit():
         "    end_loader_workers()\n"
         "    raise\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    p = run_python(code)
     assert p.returncode == 1 and "RuntimeError: broken" in p.stderr
 
 

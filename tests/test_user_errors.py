@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import one_line_error
+from conftest import one_line_error, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -187,8 +187,7 @@ def test_a_failed_script_exits_even_when_a_thread_would_keep_it():
         "    raise RuntimeError('broken')\n"
         "main()\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    p = run_python(code)
     assert p.returncode == 1
     assert "RuntimeError: broken" in p.stderr
     assert "Thread 0x" in p.stderr and "in wait" in p.stderr  # the stuck thread's stack

@@ -174,8 +174,9 @@ def read_safetensors(path: Path, device=None, threads: int = READ_THREADS) -> di
     for name, h in items:  # contiguous shares of about total / threads bytes
         shares[min(len(shares) - 1, h["data_offsets"][0] * len(shares) // max(1, total))].append((name, h))
 
+    cuda = device is not None and torch.device(device).type == "cuda"
+
     def read(share) -> dict[str, torch.Tensor]:
-        cuda = device is not None and torch.device(device).type == "cuda"
         stream = torch.cuda.Stream(device) if cuda else None
         out = {}
         with open(path, "rb", buffering=0) as f, torch.cuda.stream(stream):
@@ -195,9 +196,7 @@ def read_safetensors(path: Path, device=None, threads: int = READ_THREADS) -> di
         return out
 
     with ThreadPoolExecutor(len(shares), thread_name_prefix="safetensors-reader") as pool:
-        read_shares = list(pool.map(read, [s for s in shares if s]))
-    got = {k: v for part in read_shares for k, v in part.items()}
-    return {name: got[name] for name, _ in items}
+        return {k: v for part in pool.map(read, [s for s in shares if s]) for k, v in part.items()}
 
 
 def split_optim(optim: dict) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -376,6 +376,13 @@ class DFlashDrafter(nn.Module):
         return out[0, 1:] @ lm_head_weight.to(out.dtype).T
 
 
+def meta_drafter(spec: DrafterSpec) -> DFlashDrafter:
+    """The drafter's structure without its weights (meta tensors, not initialized: the meta device's
+    normal_ imports Dynamo, a second of a trainer's start): its parameter count and shapes."""
+    with torch.device("meta"):
+        return DFlashDrafter(spec, init=False)
+
+
 class DraftCache:
     """Per drafter layer, the keys (QK-norm, RoPE'd) and values `[1, kv_heads, length, d]` of context
     positions 0..length-1. Only verified positions enter it and a rejected draft never becomes context,
@@ -396,14 +403,6 @@ class DraftCache:
 
 # ---------------------------------------------------------------------------------------------------------
 # the attention pattern (training builds it for many blocks, drafting for one)
-
-
-
-def meta_drafter(spec: DrafterSpec) -> DFlashDrafter:
-    """The drafter's structure without its weights (meta tensors, not initialized: the meta device's
-    normal_ imports Dynamo, a second of a trainer's start): its parameter count and shapes."""
-    with torch.device("meta"):
-        return DFlashDrafter(spec, init=False)
 
 def dflash_mask_mod(anchors, valid, ctx_len: int, block_size: int, window: int | None = None):
     """mask_mod(b, h, q_idx, kv_idx) over kv = [context (ctx_len); blocks (A*B)], queries = blocks.
