@@ -7,7 +7,7 @@ PYTHON ?= python3
 # pinned test requirements installed without their own dependencies (the file says why)
 NODEPS := envs/requirements-nodeps.txt
 
-.PHONY: install run test lint clean wheelhouse
+.PHONY: install run test test-fast lint clean wheelhouse
 
 install: $(VENV)/.installed
 
@@ -28,8 +28,18 @@ lint: install
 	$(VENV)/bin/ruff check src scripts tests benchmarks
 	$(SNAKEMAKE) --lint --configfile $(CONFIG)
 
+# The suite on TEST_WORKERS processes (pytest-xdist): each test module stays on one worker, so its
+# module fixtures (a DAG run, a SLURM cluster) run once, and the modules with the most `slow` tests start
+# first (tests/conftest.py). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: lint
-	$(VENV)/bin/pytest -q -ra
+	$(PYTEST) --durations=25
+
+# The edit-test loop: everything but the `slow` tests (real DAGs, torchrun, SLURM).
+test-fast: install
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf results .snakemake

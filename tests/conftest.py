@@ -1,7 +1,9 @@
 import os
+import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,46 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "workflow" / "Snakefile"
+
+# ---- the suite's shape: `slow` marks what starts a DAG, torchrun or SLURM, and those modules run first ----
+
+# A real Snakemake run (dry runs too), a torchrun launch, a SLURM job or daemon: what `make test-fast` skips.
+HEAVY = re.compile(r"(^|[\s/])(snakemake|torchrun|sbatch|srun|slurmctld|slurmd|slurmdbd)(\s|$)"
+                   r"|-m (snakemake|torch\.distributed\.run)(\s|$)")
+_running: list = []  # the test item whose setup, call or teardown runs now
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with the most `slow` tests first, the rest in their own order: with two workers
+    (`-n 2 --dist loadfile --no-loadscope-reorder`), the long modules start at once and the short ones fill
+    in behind them, so neither worker ends long after the other."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    first = {path: i for i, path in enumerate(p for p, _ in slow.most_common())}
+    items.sort(key=lambda item: first.get(item.path, len(first)))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+class _MarkedPopen(subprocess.Popen):
+    """Refuses, in a test not marked `slow`, to start Snakemake, torchrun or SLURM (see HEAVY)."""
+
+    def __init__(self, args, *rest, **kw):
+        words = args if isinstance(args, str | bytes | os.PathLike) else " ".join(map(str, args))
+        item = _running[-1] if _running else None
+        if item is not None and not item.get_closest_marker("slow") and HEAVY.search(str(words)):
+            raise AssertionError(f"{item.nodeid} starts `{str(words)[:120]}`: mark it `slow` "
+                                 "(a real DAG, torchrun or SLURM; `make test-fast` skips those)")
+        super().__init__(args, *rest, **kw)
+
+
+subprocess.Popen = _MarkedPopen
 
 
 def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None, snakefile=SNAKEFILE):

@@ -260,6 +260,7 @@ def _metrics(work):
     return pd.read_csv(work / "results" / "train" / "metrics.csv").drop(columns=["tokens_per_s"])
 
 
+@pytest.mark.slow
 def test_stream_mode_trains_the_same_samples_steps_and_weights_as_store_mode(store_run, stream_run):
     work = stream_run[0]
     plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
@@ -273,6 +274,7 @@ def test_stream_mode_trains_the_same_samples_steps_and_weights_as_store_mode(sto
     assert len(list((work / "results" / "train" / "chunks").rglob("*.json"))) == len(plan["chunks"])
 
 
+@pytest.mark.slow
 def test_stream_mode_starts_from_init_from_once_and_validates_as_store_mode(store_run, stream_run):
     """drafter.init_from starts the first chunk; every later chunk resumes from its checkpoint. With the
     metrics (the first loss too) and weights equal to store mode's above, the chain is store mode's
@@ -295,6 +297,7 @@ def test_stream_mode_starts_from_init_from_once_and_validates_as_store_mode(stor
     assert json.loads((work / "results" / "hidden" / "val-verify.json").read_text())["ok"] is True
 
 
+@pytest.mark.slow
 def test_a_corrupt_validation_shard_stops_the_run_before_a_chunk_trains_on_it(stream_run, tmp_path):
     work = tmp_path / "run"
     shutil.copytree(stream_run[0], work, symlinks=True)
@@ -310,6 +313,7 @@ def test_a_corrupt_validation_shard_stops_the_run_before_a_chunk_trains_on_it(st
     assert "train_chunk" not in {j.rule for j in job_times(latest_log(work))}
 
 
+@pytest.mark.slow
 def test_the_plan_keeps_the_tokenizer_s_length_so_training_never_imports_transformers(stream_run):
     work = stream_run[0]
     target = work / "results" / "toy" / "target"
@@ -326,6 +330,7 @@ def test_the_plan_keeps_the_tokenizer_s_length_so_training_never_imports_transfo
     assert json.loads(out) == [plan.tokenizer_length, False]  # MASK where the tokenizer puts it, no import
 
 
+@pytest.mark.slow
 def test_stream_mode_writes_the_next_chunk_while_one_trains_within_the_disk_budget(stream_run):
     work, _, _, peak = stream_run
     plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
@@ -364,6 +369,7 @@ def _background(work, config, *args):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+@pytest.mark.slow
 def test_killed_shard_and_training_jobs_rerun_to_the_same_weights(store_run, stream_run, tmp_path):
     work = _fresh_copy(store_run, tmp_path / "run")
     config = _stream_config(work, disk_budget="1.2MB")
@@ -393,6 +399,7 @@ def test_killed_shard_and_training_jobs_rerun_to_the_same_weights(store_run, str
     pd.testing.assert_frame_equal(_metrics(work), _metrics(stream_run[0]))
 
 
+@pytest.mark.slow
 def test_forcerun_of_one_chunk_recomputes_its_deleted_shards_and_trains_from_there(stream_run, tmp_path):
     work = tmp_path / "run"
     shutil.copytree(stream_run[0], work, symlinks=True)
@@ -410,6 +417,7 @@ def test_forcerun_of_one_chunk_recomputes_its_deleted_shards_and_trains_from_the
     assert all(a[k].equal(b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_changed_plan_key_replans_and_keeps_what_was_trained(stream_run, tmp_path):
     work = tmp_path / "run"
     shutil.copytree(stream_run[0], work, symlinks=True)

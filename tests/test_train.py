@@ -322,6 +322,7 @@ def test_collate_pads_to_bucket_and_truncates_to_the_largest(data):
 # real runs
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_train_and_export(data, reference):
     root, _ = data
     rows = read_rows(reference / "metrics.csv")
@@ -367,6 +368,7 @@ def test_block_size_presets_train_export_and_load_in_the_reference(data, tmp_pat
     assert all(torch.equal(v, state[k]) for k, v in ref.state_dict().items())
 
 
+@pytest.mark.slow
 def test_fsdp_trains_as_ddp_does_and_each_resumes_the_other(data, reference, tmp_path):
     """FSDP2 over 2 gloo processes (weights, gradients and AdamW state sharded) follows DDP's loss curve,
     and the checkpoints hold the same full state dicts: a stopped FSDP run resumes under FSDP and under
@@ -389,6 +391,7 @@ def test_fsdp_trains_as_ddp_does_and_each_resumes_the_other(data, reference, tmp
             assert torch.allclose(x, y, rtol=1e-4, atol=1e-6), (out.name, k)
 
 
+@pytest.mark.slow
 def test_a_global_batch_in_tokens_trains_the_same_on_one_and_two_processes(data, tmp_path):
     """train.global_batch_tokens: two micro-batches per step, accumulated on one process or one each on
     two, give the same steps, loss curve and weights; a resume on the other process count keeps the batch."""
@@ -410,6 +413,7 @@ def test_a_global_batch_in_tokens_trains_the_same_on_one_and_two_processes(data,
             assert torch.allclose(x, y, rtol=1e-3, atol=1e-5), (out.name, k)
 
 
+@pytest.mark.slow
 def test_fsdp_accumulates_micro_batches_to_the_single_process_curve(data, tmp_path):
     """Two micro-batches per process and step under FSDP2 (gradient sync only on the last) follow one
     process accumulating all four."""
@@ -464,6 +468,7 @@ def test_compile_workers_none_when_warm_a_share_of_the_cores_when_cold(monkeypat
     assert set_compile_workers(warm=True, local_world=2) == 3  # the user's choice stands
 
 
+@pytest.mark.slow
 def test_stopped_run_resumes_to_the_same_losses_on_two_or_one_processes(data, reference, tmp_path):
     root, shards = data
     ref = read_rows(reference / "metrics.csv")
@@ -555,7 +560,9 @@ def signal_then_resume(data, tmp_path, sig, every_process, nproc=2, gpu=False):
 
 
 @pytest.mark.parametrize("sig, every_process, nproc",
-                         [(signal.SIGTERM, True, 2), (signal.SIGINT, False, 2), (signal.SIGINT, False, 1)],
+                         [pytest.param(signal.SIGTERM, True, 2, marks=pytest.mark.slow),
+                          pytest.param(signal.SIGINT, False, 2, marks=pytest.mark.slow),
+                          (signal.SIGINT, False, 1)],
                          ids=["sigterm-to-every-process", "ctrl-c-to-torchrun", "ctrl-c-to-one-process"])
 def test_a_signal_saves_a_checkpoint_at_the_next_log_step_and_the_rerun_resumes_there(data, tmp_path, sig,
                                                                                        every_process, nproc):

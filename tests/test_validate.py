@@ -235,6 +235,7 @@ def test_the_report_shows_the_validation_curve_and_the_exported_step(reference):
     assert f"Exported step {exported['step']} of 6" in html and "best validation sim_tau" in html
 
 
+@pytest.mark.slow
 def test_two_processes_validate_to_the_same_numbers_as_one(data, tmp_path):
     from flashdraft.launch import torchrun_argv
 
