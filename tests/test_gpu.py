@@ -2,10 +2,13 @@
 
 import os
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 
 import pytest
+from conftest import one_line_error
 
 from flashdraft.gpu import Lease, visible_gpus
 
@@ -104,3 +107,63 @@ def test_zero_gpus_runs_on_cpu(tmp_path):
                                   "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"],
                          capture_output=True, text=True, env=env, check=True).stdout
     assert out.strip() == "''"
+
+
+# ---- the lock dir: this user's own by default; links, files and other users' directories refused ----
+
+def _cli(tmp_path, lock_dir):
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return subprocess.run(LEASE + ["--gpus", "1", "--pool", "0", "--lock-dir", str(lock_dir), "--", "true"],
+                          capture_output=True, text=True, env=env)
+
+
+def test_the_default_lock_dir_is_this_user_s_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with Lease(1, None, pool=["0"]) as lease:
+        assert lease.gpus == ["0"]
+    lock_dir = tmp_path / f"flashdraft-gpu-locks-{os.getuid()}"
+    assert stat.S_IMODE(lock_dir.stat().st_mode) == 0o700 and lock_dir.stat().st_uid == os.getuid()
+    assert (lock_dir / "gpu0.lock").read_text() == f"{os.getpid()}\n"
+
+
+def test_a_link_planted_as_a_lock_file_is_refused_and_its_target_untouched(tmp_path):
+    locks, victim = tmp_path / "locks", tmp_path / "victim"
+    locks.mkdir(mode=0o700)
+    victim.write_text("precious\n")
+    (locks / "gpu0.lock").symlink_to(victim)
+    proc = _cli(tmp_path, locks)
+    assert "GPU lock file" in one_line_error(proc) and "remove it" in proc.stderr
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("kind", ["file", "link", "everyone"])
+def test_an_unusable_lock_dir_is_one_line(tmp_path, kind):
+    locks = tmp_path / "locks"
+    if kind == "file":
+        locks.write_text("")
+    elif kind == "link":
+        (tmp_path / "elsewhere").mkdir()
+        locks.symlink_to(tmp_path / "elsewhere")
+    else:
+        locks.mkdir()
+        locks.chmod(0o777)
+    line = one_line_error(_cli(tmp_path, locks))
+    assert f"gpus.lock_dir: {locks}" in line
+    assert not list((tmp_path / "elsewhere").glob("*")) if kind == "link" else True
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to hand files to another user")
+def test_another_user_s_lock_dir_is_refused_a_group_s_is_used_without_rewriting_its_files(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 4242, 4242)
+    assert "belongs to user id 4242" in one_line_error(_cli(tmp_path, theirs))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o2770)
+    os.chown(shared, 4242, os.getgid())
+    (shared / "gpu0.lock").write_text("4242's\n")
+    os.chown(shared / "gpu0.lock", 4242, os.getgid())
+    with Lease(1, shared, pool=["0"]) as lease:
+        assert lease.gpus == ["0"]
+    assert (shared / "gpu0.lock").read_text() == "4242's\n"  # not ours: left as it is

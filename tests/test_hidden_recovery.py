@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import job_counts, snakemake, write_config
 
 from flashdraft.hidden import verify_shard
@@ -26,8 +27,13 @@ def _digest(path) -> str:
 
 
 def test_a_corrupt_shard_is_moved_aside_and_the_rerun_rebuilds_only_it(tmp_path):
-    config = write_config(tmp_path / "config.yaml", TINY)
-    snakemake(tmp_path, "--cores", "2", VERIFY, config=config)
+    # two config files, the second an overlay: the printed rerun command must keep both
+    base = {k: v for k, v in TINY.items() if k != "hidden.max_length"}
+    config = write_config(tmp_path / "config.yaml", base)
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text(yaml.safe_dump({"hidden": {"max_length": TINY["hidden.max_length"]}}))
+    configs = ("--configfile", str(config), str(overlay))
+    snakemake(tmp_path, *configs, "--cores", "2", VERIFY)
     hidden = tmp_path / "results" / "hidden"
     good, bad = hidden / "shard-00000.arrow", hidden / "shard-00001.arrow"
     kept = {p: (_digest(p), p.stat().st_mtime_ns) for p in (good, good.with_suffix(".json"))}
@@ -38,7 +44,7 @@ def test_a_corrupt_shard_is_moved_aside_and_the_rerun_rebuilds_only_it(tmp_path)
     bad.write_bytes(data)
 
     # the rerun verifies again (an input changed) and fails, naming what moved where and the command
-    failed = snakemake(tmp_path, "--cores", "2", VERIFY, config=config, check=False)
+    failed = snakemake(tmp_path, *configs, "--cores", "2", VERIFY, check=False)
     assert failed.returncode != 0
     log = (tmp_path / "results" / "logs" / "hidden_verify.log").read_text()
     assert "checksum (sha256_tree)" in log
@@ -47,7 +53,7 @@ def test_a_corrupt_shard_is_moved_aside_and_the_rerun_rebuilds_only_it(tmp_path)
     assert f"moved results/hidden/shard-00001.json -> results/hidden/bad/{moved.stem}.json" in log
     assert moved.read_bytes() == bytes(data) and not bad.exists()  # kept for inspection
     rerun = re.search(r"Rerun to rebuild exactly these shards: (.+)", log).group(1)
-    assert rerun.startswith("snakemake ") and f"--configfile {config}" in rerun
+    assert rerun.startswith("snakemake ") and f"--configfile {config} {overlay}" in rerun
 
     # that command, run where the workflow ran (with this interpreter's Snakemake, up to the verify)
     cmd = [sys.executable, "-m", *shlex.split(rerun), VERIFY]

@@ -122,6 +122,14 @@ def _dead_port() -> int:
         return s.getsockname()[1]
 
 
+def test_the_default_server_listens_on_the_loopback_only():
+    """The job talks to its server at 127.0.0.1; vLLM binds every interface unless told otherwise."""
+    from flashdraft.config import RegenerateConfig
+
+    argv = server_argv(RegenerateConfig().server_cmd, "t", 8123, 1)
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+
+
 def test_placeholders_fill_arguments_never_a_shell():
     target = "/models/my model $(touch pwned); rm -rf ~"
     template = "srv --model {target} --port {port} --tp {gpus} --cfg '{\"a\": {\"b\": 1}}' 'at {port}'"

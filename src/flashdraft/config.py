@@ -106,7 +106,8 @@ class RegenerateConfig:
     backoff_s: float = 1.0  # first retry delay; doubled per retry (capped at 60 s), with jitter
     # backend server: the job starts this server on its own leased GPUs, sends it requests as the openai
     # backend does (base_url is the server's), and stops it at the end
-    server_cmd: str = "vllm serve {target} --port {port} --tensor-parallel-size {gpus}"
+    # the job reaches it at 127.0.0.1; --host keeps vLLM off the node's other interfaces
+    server_cmd: str = "vllm serve {target} --host 127.0.0.1 --port {port} --tensor-parallel-size {gpus}"
     server_gpus: int = 1  # GPUs the job leases for the server; {gpus} in server_cmd (tensor parallelism)
     server_port: int = 0  # 0: a free port
     server_timeout_s: float = 1800.0  # until the server answers: vLLM loads the weights and compiles first
@@ -218,7 +219,7 @@ class GpusConfig:
     drafter: int = 0  # GPUs for training, one torchrun process each (0: one CPU process); per node
     drafter_nodes: int = 1  # nodes for training; > 1 starts torchrun on every node through srun (SLURM)
     rdzv_port: int = 29400  # port of the torchrun rendezvous on the first training node (drafter_nodes > 1)
-    lock_dir: str = "/tmp/flashdraft-gpu-locks"  # one lock file per GPU, shared by all jobs on a node
+    lock_dir: str | None = None  # one lock file per GPU, shared by the jobs on a node; None: this user's own
     check_visible: bool = True  # refuse to start when more GPUs are asked for than are visible
 
 

@@ -5,6 +5,11 @@ A job runs its command as `python -m flashdraft.gpu --gpus N -- CMD...`: the lea
 exports CUDA_VISIBLE_DEVICES so CMD sees them as cuda:0..N-1, and execs CMD, which inherits the
 locks: they are released when it exits (the kernel drops flocks even on kill -9). When a scheduler
 (SLURM) has already set CUDA_VISIBLE_DEVICES, those GPUs are ours alone: we use them and lock nothing.
+
+The lock dir is this user's own by default (`<tmp>/flashdraft-gpu-locks-<uid>`, mode 0700). Another one
+(`gpus.lock_dir`) must be a directory, not a link, that only its owner or, for a group shared by several
+users' jobs, its group can write. Lock files are opened without following links, and only a lock file of
+our own is rewritten with the holder's pid.
 """
 
 from __future__ import annotations
@@ -13,10 +18,14 @@ import argparse
 import fcntl
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from .errors import UserError, cli
 
 
 def visible_gpus() -> list[str]:
@@ -33,12 +42,55 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
+def default_lock_dir() -> Path:
+    """This user's own lock dir in the node's temp dir: no other user can put a file or a link in it."""
+    return Path(tempfile.gettempdir()) / f"flashdraft-gpu-locks-{os.getuid()}"
+
+
+def open_lock_dir(path) -> Path:
+    """`path`, created (mode 0700) if missing, once it is known to be a directory, not a link, that nobody
+    but its owner, or a group of ours, can write; a UserError names it otherwise."""
+    path = Path(path)
+    where = f"config key gpus.lock_dir: {path}"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except FileExistsError:
+        raise UserError(f"{where} is a file; point gpus.lock_dir at a directory") from None
+    except OSError as e:
+        raise UserError(f"{where}: cannot create it ({e.strerror}); point gpus.lock_dir elsewhere") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{where} is a link or not a directory; point gpus.lock_dir at a directory itself")
+    if st.st_mode & stat.S_IWOTH:
+        raise UserError(f"{where} is writable by every user, who could plant lock files or links there; "
+                        "use a directory of your own (the default) or one of a group (chmod 2770)")
+    ours = st.st_uid == os.getuid()
+    group = st.st_gid in {os.getgid(), *os.getgroups()} and st.st_mode & stat.S_IWGRP
+    if not (ours or group):
+        raise UserError(f"{where} belongs to user id {st.st_uid} and is not writable by a group of yours; "
+                        "leave gpus.lock_dir unset (this user's own) or use a group directory (chmod 2770)")
+    return path
+
+
+def open_lock_file(path: Path):
+    """The lock file at `path`, created (mode 0660) or opened without following a link."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+    except OSError as e:
+        raise UserError(f"GPU lock file {path}: {e.strerror} (a link there is refused); remove it") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"GPU lock file {path} is not a regular file; remove it")
+    return os.fdopen(fd, "r+")
+
+
 class Lease:
     """Holds flocks on `n` GPU lock files under `lock_dir` until released."""
 
-    def __init__(self, n: int, lock_dir: str, pool: list[str] | None = None, poll_s: float = 2.0,
-                 timeout_s: float | None = None):
-        self.n, self.lock_dir, self.poll_s, self.timeout_s = n, Path(lock_dir), poll_s, timeout_s
+    def __init__(self, n: int, lock_dir: str | None = None, pool: list[str] | None = None,
+                 poll_s: float = 2.0, timeout_s: float | None = None):
+        self.lock_dir = Path(lock_dir) if lock_dir else default_lock_dir()
+        self.n, self.poll_s, self.timeout_s = n, poll_s, timeout_s
         self.pool = pool  # GPU ids to choose from (default: all visible)
         self.gpus: list[str] = []
         self._files = []
@@ -55,7 +107,7 @@ class Lease:
         ids = self.pool if self.pool is not None else visible_gpus()
         if len(ids) < self.n:
             raise RuntimeError(f"asked for {self.n} GPU(s) but only {len(ids)} visible: {ids}")
-        self.lock_dir.mkdir(parents=True, exist_ok=True)
+        open_lock_dir(self.lock_dir)
         start, warned = time.monotonic(), False
         while True:
             for gid in ids:
@@ -63,13 +115,14 @@ class Lease:
                     break
                 if gid in self.gpus:
                     continue
-                f = open(self.lock_dir / f"gpu{gid}.lock", "a+")
+                f = open_lock_file(self.lock_dir / f"gpu{gid}.lock")
                 try:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     f.close()
                     continue
-                f.seek(0), f.truncate(), f.write(f"{os.getpid()}\n"), f.flush()
+                if os.fstat(f.fileno()).st_uid == os.getuid():  # the holder's pid, for whoever looks
+                    f.truncate(), f.write(f"{os.getpid()}\n"), f.flush()
                 self._files.append(f)
                 self.gpus.append(gid)
             if len(self._files) == self.n:
@@ -102,10 +155,11 @@ class Lease:
         self.release()
 
 
+@cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Run a command on N leased GPUs (0: on the CPU).")
     p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--lock-dir", default="/tmp/flashdraft-gpu-locks")
+    p.add_argument("--lock-dir", default=None, help="default: this user's own, " + str(default_lock_dir()))
     p.add_argument("--pool", default=None,
                    help="comma-separated GPU ids to choose from (default: all visible)")
     p.add_argument("cmd", nargs=argparse.REMAINDER)

@@ -114,7 +114,8 @@ def stage(script, gpus=None, nproc=None, nodes=1):
         cmd = torchrun(PY, SCRIPTS / script, nproc, nodes, virtual=CFG.gpus.drafter > 0,
                        port=CFG.gpus.rdzv_port)
     if gpus is not None:
-        cmd = f"{q(PY)} -m flashdraft.gpu --gpus {gpus} --lock-dir {q(CFG.gpus.lock_dir)} -- {cmd}"
+        locks = f" --lock-dir {q(CFG.gpus.lock_dir)}" if CFG.gpus.lock_dir else ""
+        cmd = f"{q(PY)} -m flashdraft.gpu --gpus {gpus}{locks} -- {cmd}"
     return on_every_node(cmd, nodes) if nodes > 1 else cmd
 
 
@@ -297,8 +298,8 @@ def rerun_command():
     snakefile = Path(workflow.main_snakefile).resolve()
     if snakefile != (Path.cwd() / "workflow" / "Snakefile").resolve():
         cmd += ["-s", str(snakefile)]
-    for f in workflow.overwrite_configfiles:
-        cmd += ["--configfile", str(Path(f).resolve())]
+    if workflow.overwrite_configfiles:  # one flag for all: a second --configfile replaces the first
+        cmd += ["--configfile", *(str(Path(f).resolve()) for f in workflow.overwrite_configfiles)]
     if workflow.config_settings.config_args:
         cmd += ["--config", *workflow.config_settings.config_args]
     return shlex.join(cmd + ["--cores", "all"])  # last: a target appended after it stays a target
