@@ -71,6 +71,7 @@ def test_normalization_and_stable_id():
             "no user turn",
         ),
         ({"text": "hello"}, "unknown shape"),
+        ({"prompt": "caf\ud800 au lait"}, "bad unicode"),
         (["not", "a", "dict"], "not a record"),
     ],
 )
@@ -254,6 +255,23 @@ def test_augment_fills_the_gap(tmp_path):
         str(tmp_path / "short"),
     )
     assert short["totals"]["sampled_train"] == 34 * 2 and "smaller" in short["note"]
+
+
+def test_a_bom_is_read_past_and_a_lone_surrogate_is_a_counted_reject(tmp_path):
+    """A UTF-8 BOM opening a .jsonl or .json file is not part of the first row; a lone UTF-16 surrogate
+    (valid JSON, unwritable as UTF-8) rejects its row with a reason, the raw row kept readable."""
+    rows = [{"prompt": f"What is {i} plus {i}?"} for i in range(6)]
+    lines = [json.dumps(r) for r in rows]
+    lines[3] = '{"prompt": "What is caf\\ud800?"}'  # the JSON escape of a lone surrogate
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    (tmp_path / "b.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows[:2]).encode())
+    srcs = [SourceConfig(name="a", path=str(tmp_path / "a.jsonl")),
+            SourceConfig(name="b", path=str(tmp_path / "b.json"))]
+    s = prompts.expand(PromptsConfig(sources=srcs, total=5, eval_count=0), str(tmp_path / "out"))
+    assert s["sources"]["a"]["rejected"] == {"bad unicode": 1} and s["sources"]["a"]["kept"] == 5
+    assert s["sources"]["b"]["rejected"] == {} and s["sources"]["b"]["duplicates"] == 2  # rows 0, 1 of a
+    [reject] = pq.read_table(tmp_path / "out" / "rejects.parquet").to_pylist()
+    assert (reject["row"], reject["reason"]) == (3, "bad unicode") and "\\ud800" in reject["raw"]
 
 
 def test_need_answers_keeps_only_answered_rows(tmp_path):

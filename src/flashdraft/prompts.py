@@ -181,7 +181,8 @@ def _read_pool(cfg: PromptsConfig, spool: str, rejects: _Rejects, need_answers: 
                         if isinstance(rec, ParseError)
                         else json.dumps(rec, ensure_ascii=False, default=str)
                     )
-                    rejects.add({"source": src.name, "row": i, "reason": str(e), "raw": raw[:200]})
+                    raw = raw[:200].encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates
+                    rejects.add({"source": src.name, "row": i, "reason": str(e), "raw": raw})
                     continue
                 key = prompt_hash(messages)
                 if key in seen:

@@ -88,7 +88,7 @@ def load_source(src: SourceConfig):
         with open(src.path, "rb") as f:
             for i, line in enumerate(f):
                 try:
-                    text = line.decode("utf-8")
+                    text = line.decode("utf-8-sig" if i == 0 else "utf-8")  # a BOM may open the file
                 except UnicodeDecodeError:
                     yield i, ParseError("bad utf-8", line[:200].decode("utf-8", "replace"))
                     continue
@@ -122,7 +122,7 @@ def _read_json(src: SourceConfig):
     if not raw.strip():
         raise UserError(f"source {src.name!r}: {src.path} is empty; fill it with a JSON list of records")
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8-sig"))  # a BOM may open the file
     except UnicodeDecodeError as e:
         raise UserError(
             f"source {src.name!r}: {src.path} is not UTF-8 (byte {e.start}); re-save it as UTF-8"
@@ -159,10 +159,16 @@ def _record_batches(path: str, fmt: str, name: str):
             yield from stream
 
 
+# A lone UTF-16 surrogate: valid in JSON ("\ud800"), in scraped dumps too, but no UTF-8 can hold it.
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _text(value) -> str:
     """NFC, trailing whitespace of every line dropped, outer whitespace stripped."""
     if not isinstance(value, str):
         raise Rejected("non-string content")
+    if SURROGATE.search(value):
+        raise Rejected("bad unicode")
     text = unicodedata.normalize("NFC", value)
     text = re.sub(r"[ \t\r\f\v]+(?=\n)", "", text).replace("\r\n", "\n").strip()
     if not text:
