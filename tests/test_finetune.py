@@ -31,8 +31,9 @@ def toy(tmp_path_factory):
     return root, base, shifted
 
 
-def train(root, shards, out, steps, drafter=DRAFTER, check=True):
-    cfg = {**TRAIN, "max_steps": steps}
+def train(root, shards, out, steps, drafter=DRAFTER, check=True, **keys):
+    """scripts/train.py for `steps` steps (0: train.epochs), `keys` over TRAIN."""
+    cfg = {**TRAIN, "max_steps": steps, **keys}
     cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "--cfg", json.dumps(cfg),
            "--drafter-cfg", json.dumps(drafter), "--target", str(root / "target"),
            "--checkpoints", str(out / "checkpoints"), "--metrics", str(out / "metrics.csv"),
@@ -146,3 +147,39 @@ def test_training_refuses_a_drafter_that_does_not_fit_before_it_trains(toy, tmp_
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("train: error: config key drafter.init_from: ")
     assert "Traceback" not in proc.stderr and not (out / "checkpoints").exists()
+
+
+def test_init_from_weights_that_are_not_finite_are_one_line(toy, tmp_path):
+    root = toy[0]
+    out = export(root, tmp_path / "d")
+    state = load_file(out / "model.safetensors")
+    name = sorted(state)[0]
+    state[name] = state[name].clone()
+    state[name].view(-1)[0] = float("nan")
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(UserError, match=rf"holds NaN or infinite values in {name}; start from another"):
+        init_weights(out, spec_of(root))
+
+
+def test_a_diverged_run_stops_at_the_first_logged_step_and_exports_nothing(toy, tmp_path):
+    """lr 1e9: the loss turns non-finite within a few steps; the run stops there with one line naming the
+    step and train.lr instead of training to the end and exporting NaN weights."""
+    root, base, _ = toy
+    out = tmp_path / "run"
+    proc = train(root, base, out, steps=20, check=False, lr=1e9)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("train: error: the loss is ")
+    assert "training diverged; lower train.lr (1000000000.0)" in line
+    step = int(line.split(" at step ")[1].split(":")[0])
+    assert 1 <= step < 20 and not (out / "drafter").exists()
+
+
+def test_zero_optimizer_steps_is_one_line_before_training(toy, tmp_path):
+    """A global batch larger than the epoch: nothing would train, and the export would be the random init."""
+    root, base, _ = toy
+    out = tmp_path / "run"
+    proc = train(root, base, out, steps=0, check=False, epochs=1, global_batch_tokens=512 * 1024)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "training would take 0 optimizer steps" in proc.stderr.strip().splitlines()[-1]
+    assert not (out / "drafter").exists()

@@ -499,7 +499,11 @@ def init_weights(path, spec: DrafterSpec) -> dict[str, torch.Tensor]:
         if names:
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""
             raise UserError(f"{key}: {files[1]} {what}: {', '.join(names[:3])}{more}")
-    return {k: v.float() for k, v in state.items()}
+    state = {k: v.float() for k, v in state.items()}
+    if bad := [k for k, v in sorted(state.items()) if not v.isfinite().all()]:
+        raise UserError(f"{key}: {files[1]} holds NaN or infinite values in {', '.join(bad[:3])}"
+                        f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}; start from another drafter")
+    return state
 
 
 def load_drafter(path, device="cpu") -> tuple[DFlashDrafter, DrafterSpec]:

@@ -141,6 +141,18 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
         barrier(d)
     found = checkpoint_dirs(run_dir)
     latest = found[-1] if found else None
+    g = micro_per_step(cfg, d.world)
+    total = cfg.max_steps or steps_left(lengths, cfg, d.world)
+    at = saved_position(latest) if latest else {"step": 0, "epoch": 0, "cursor": 0, "world": d.world}
+    if latest and not cfg.max_steps and at["world"] != d.world and not cfg.global_batch_tokens:
+        # one micro-batch per process: another process count changes the global batch
+        total = at["step"] + steps_left(lengths, cfg, d.world, at["epoch"], at["cursor"])
+    check_validation(cfg, steps=total)  # before anything trains
+    if total == 0:  # nothing would train: the export would be the initial weights
+        raise UserError(
+            f"training would take 0 optimizer steps: the {len(lengths)} training samples fill fewer "
+            f"micro-batches than one step takes ({g}, train.global_batch_tokens / train.batch_tokens); lower "
+            "train.global_batch_tokens, or train on more samples (prompts.total, train.val_samples)")
     # the slow reads start first: the checkpoint, the target's head and the first micro-batches are read
     # while Dynamo is imported, the compile cache loads and the drafter is built
     params = sum(p.numel() for p in meta_drafter(spec).parameters())  # for the parallel mode
@@ -149,13 +161,6 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     reading = start_reading(latest, d.device if d.device.type == "cuda" and not sharded else None)
     amp = resolve(cfg, d.device).amp_dtype
     head = background(frozen_head, target_dir, d.device, amp, name="head-reader")
-    g = micro_per_step(cfg, d.world)
-    total = cfg.max_steps or steps_left(lengths, cfg, d.world)
-    at = saved_position(latest) if latest else {"step": 0, "epoch": 0, "cursor": 0, "world": d.world}
-    if latest and not cfg.max_steps and at["world"] != d.world and not cfg.global_batch_tokens:
-        # one micro-batch per process: another process count changes the global batch
-        total = at["step"] + steps_left(lengths, cfg, d.world, at["epoch"], at["cursor"])
-    check_validation(cfg, steps=total)  # before anything trains
     stop = min(total, chunk.end_step) if chunk else total  # this job's last step
     collate = Collate(cfg.buckets, cfg.batch_tokens, amp or torch.float32)
     ahead = epoch_steps(store, lengths, cfg, at["epoch"], at["cursor"], stop - at["step"], d,
@@ -246,6 +251,17 @@ def log_first_steps(run: Run, buckets: list[int], t_step: float) -> None:
             log(d, f"compile phases: {compile_phases()}", every_rank=True)
 
 
+def check_finite(row: dict, cfg: TrainConfig, run_dir: Path) -> None:
+    """Stop at a logged step whose loss or gradient norm is not finite (every rank sees the same row):
+    training on would only export NaN weights."""
+    if math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]):
+        return
+    raise UserError(
+        f"the loss is {row['loss']} and the gradient norm {row['grad_norm']} at step {row['step']}: training "
+        f"diverged; lower train.lr ({cfg.lr}) or check drafter.init_from's weights, then rerun (the "
+        f"checkpoints before this step stay in {run_dir})")
+
+
 def write_export_info(out: Path, chosen: dict, split: dict | None) -> None:
     """export.json (which step was exported and why) and, with validation, val_split.json (its samples)
     beside the metrics."""
@@ -321,7 +337,9 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
                 if val_row:
                     best.update(step, val_row, run.checkpointer.model_state)
                 if step % cfg.log_every == 0 or step == total or val_row:
-                    metrics.log(step, round(epoch + cursor / len(batches), 4), lr, float(grad_norm), val_row)
+                    row = metrics.log(step, round(epoch + cursor / len(batches), 4), lr, float(grad_norm),
+                                      val_row)
+                    check_finite(row, cfg, run.checkpointer.run_dir)
                 signalled = stop_signal(d) if step % cfg.log_every == 0 and step < total else 0
                 stopping = bool(signalled) or (stop_at is not None and step >= stop_at)
                 if step % cfg.checkpoint_every == 0 or step == stop or stopping:
