@@ -111,6 +111,25 @@ def test_target_layer_ids_formula():
     assert target_layer_ids(94, 5) == [1, 24, 46, 68, 91]
 
 
+def test_a_target_too_shallow_for_the_default_feature_layers_names_the_key():
+    """A 2-layer target and 2 drafter layers: the formula gives [1, -1]; one line names the key to set."""
+    from flashdraft.config import DrafterConfig, feature_layers
+
+    with pytest.raises(UserError, match=r"^config key drafter\.target_layer_ids: the default ids .* are "
+                                        r"\[1, -1\] for a target with 2 layers .* \[-1\] out of range; set"):
+        feature_layers(2, DrafterConfig(num_layers=2))
+    assert feature_layers(2, DrafterConfig(num_layers=2, target_layer_ids=[0, 1])) == [0, 1]
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "3"])
+def test_a_target_config_that_is_not_an_object_is_one_line(tmp_path, text):
+    from flashdraft.hf_config import read_target_config
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(UserError, match=r"^config key target\.path: .*config\.json holds \w+, not a JSON"):
+        read_target_config(tmp_path)
+
+
 def test_remote_code_target_refused_known_type_with_auto_map_read(tmp_path):
     from flashdraft.hf_config import read_target_config
 

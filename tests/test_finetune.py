@@ -121,9 +121,10 @@ def test_missing_or_broken_files_are_one_line_each(toy, tmp_path):
     (out / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(UserError, match="model.safetensors cannot be read"):
         init_weights(out, spec)
-    (out / "config.json").write_text("{}")
-    with pytest.raises(UserError, match="config.json is not a DFlash drafter's config"):
-        init_weights(out, spec)
+    for text in ("{}", "[]", "null"):
+        (out / "config.json").write_text(text)
+        with pytest.raises(UserError, match="config.json is not a DFlash drafter's config"):
+            init_weights(out, spec)
 
 
 def test_a_missing_init_from_is_one_line_before_any_job(tmp_path):

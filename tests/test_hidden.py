@@ -172,6 +172,15 @@ def test_checksum_is_a_sha256_tree_over_file_chunks(tmp_path, monkeypatch, chunk
     assert manifest["checksum_chunk_bytes"] == chunk
 
 
+@pytest.mark.parametrize("text", ["[]", "null"])
+def test_a_manifest_that_is_not_an_object_fails_verification(tmp_path, text):
+    shard = tmp_path / "shard-00000.arrow"
+    write_shard(shard, random_rows(2, torch.bfloat16))
+    manifest_path(shard).write_text(text)
+    result = verify_shard(shard)
+    assert not result["ok"] and "not a JSON object" in result["errors"][0]
+
+
 def test_verify_catches_truncation_flipped_bytes_and_nan(tmp_path):
     good = tmp_path / "shard-00000.arrow"
     write_shard(good, random_rows(6, torch.bfloat16))

@@ -345,6 +345,31 @@ def test_results_of_another_target_are_ignored(tmp_path):
     assert tok.samples == cfg.prompts.total and any("prompts.total 5" in n for n in tok.notes)
 
 
+@pytest.mark.parametrize("shapes, expected", [
+    ([], "holds list, not a config.json object"),
+    (None, "holds NoneType, not a config.json object"),
+    ({"hidden_size": "abc"}, "hidden_size is 'abc'"),
+    ({"hidden_size": 0}, "hidden_size is 0"),
+    ({"hidden_size": 64, "num_hidden_layers": 0}, "num_hidden_layers is 0"),
+])
+def test_a_target_config_without_usable_shapes_is_one_line(tmp_path, shapes, expected):
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps(shapes))
+    proc = plan_cli("--configfile", EMBEDDED, "--target-config", path)
+    assert proc.returncode == 1 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == f"plan: error: --target-config {path}: {expected}" or \
+        line.startswith(f"plan: error: --target-config {path}: {expected};"), line
+
+
+def test_plan_json_into_a_missing_folder_is_one_line_before_the_plan(tmp_path):
+    missing = tmp_path / "no"
+    proc = plan_cli("--configfile", EMBEDDED, "--json", missing / "plan.json")
+    assert proc.returncode == 1 and proc.stdout == ""  # refused before the plan was printed
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == f"plan: error: --json {missing / 'plan.json'}: no folder {missing}; create it first"
+
+
 def test_target_config_preset_is_qwen3_8b():
     shapes = P.read_shapes("qwen3-8b")
     assert {k: shapes[k] for k in P.REFERENCE_TARGET} == P.REFERENCE_TARGET

@@ -427,6 +427,11 @@ def feature_layers(num_target_layers: int, drafter: DrafterConfig) -> list[int]:
     n = num_target_layers
     ids = drafter.target_layer_ids or target_layer_ids(n, drafter.num_layers)
     bad = layers_out_of_range(ids, n)
+    if bad and not drafter.target_layer_ids:
+        raise UserError(
+            f"config key drafter.target_layer_ids: the default ids round(1 + i*(N-4)/(K-1)) are {ids} for a "
+            f"target with {n} layers and {drafter.num_layers} drafter layers, {bad} out of range; set "
+            f"drafter.target_layer_ids to {drafter.num_layers} ids in 0..{n - 1}")
     if bad:
         raise UserError(
             f"config key drafter.target_layer_ids: {bad} out of range for a target with {n} layers; "
@@ -442,10 +447,7 @@ def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]
     n, k = num_target_layers, num_draft_layers
     if k == 1:
         return [n // 2]
-    ids = [round(1 + i * (n - 4) / (k - 1)) for i in range(k)]
-    if layers_out_of_range(ids, n):
-        raise ValueError(f"target_layer_ids {ids} out of range for a target with {n} layers")
-    return ids
+    return [round(1 + i * (n - 4) / (k - 1)) for i in range(k)]
 
 
 def layers_out_of_range(layer_ids, num_target_layers: int) -> list[int]:

@@ -24,6 +24,9 @@ def read_target_config(path) -> dict:
         raise UserError(
             f"config key target.path: cannot read {file} ({e}); point it at an HF model directory"
         ) from e
+    if not isinstance(cfg, dict):
+        raise UserError(f"config key target.path: {file} holds {type(cfg).__name__}, not a JSON object; "
+                        "point it at an HF model directory")
     model_type = cfg.get("model_type")
     if cfg.get("auto_map") and not _transformers_ships(model_type):
         raise UserError(

@@ -526,6 +526,9 @@ def verify_shard(arrow_path, manifest_file=None, max_errors=20) -> dict:
     except ValueError as e:
         err(f"manifest {manifest_file} is not valid JSON: {e}")
         return result
+    if not isinstance(manifest, dict):
+        err(f"manifest {manifest_file} holds {type(manifest).__name__}, not a JSON object")
+        return result
     if manifest.get("format") != FORMAT:
         err(f"manifest format {manifest.get('format')!r}, expected {FORMAT!r}")
     size = arrow_path.stat().st_size

@@ -477,7 +477,7 @@ def init_weights(path, spec: DrafterSpec) -> dict[str, torch.Tensor]:
     files = init_files(path)
     try:
         theirs = DrafterSpec.from_config_dict(json.loads(files[0].read_text()))
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"{key}: {files[0]} is not a DFlash drafter's config ({type(e).__name__}: {e})") \
             from e
     for field, setting in INIT_KEYS.items():

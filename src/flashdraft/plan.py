@@ -161,9 +161,10 @@ def read_shapes(source: str) -> dict:
     """A target's config.json from a file, or a preset of benchmarks/shapes.py by name (qwen3-8b, toy)."""
     if Path(source).is_file():
         try:
-            return json.loads(Path(source).read_text())
+            shapes = json.loads(Path(source).read_text())
         except ValueError as e:
             raise UserError(f"--target-config {source}: not a config.json ({e})") from e
+        return checked_shapes(shapes, source)
     import importlib.util
 
     presets = {}
@@ -177,6 +178,23 @@ def read_shapes(source: str) -> dict:
         raise UserError(f"--target-config {source}: no such file, nor a preset of {file} "
                         f"({', '.join(sorted(presets)) or 'none'})")
     return dict(presets[source])
+
+
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def checked_shapes(shapes, source: str) -> dict:
+    """A config.json dict whose shapes the cost model reads are positive integers, or a UserError naming
+    the first that is not."""
+    if not isinstance(shapes, dict):
+        raise UserError(f"--target-config {source}: holds {type(shapes).__name__}, not a config.json object")
+    text = shapes.get("text_config", shapes) if "hidden_size" not in shapes else shapes
+    for key in SHAPE_KEYS:
+        value = text.get(key) if isinstance(text, dict) else None
+        if type(value) is not int or value <= 0:
+            raise UserError(f"--target-config {source}: {key} is {value!r}; a target's config.json gives it "
+                            "as a positive integer")
+    return shapes
 
 
 def target_shapes(cfg: Config, given: dict | None = None) -> dict:
@@ -817,6 +835,8 @@ def main(argv=None):
         budget = None if a.disk_budget is None else parse_bytes(a.disk_budget, "--disk-budget")
     except ValueError as e:
         raise UserError(str(e)) from e
+    if a.json not in (None, "-") and not Path(a.json).resolve().parent.is_dir():
+        raise UserError(f"--json {a.json}: no folder {Path(a.json).resolve().parent}; create it first")
     target = read_shapes(a.target_config) if a.target_config else None
     p = plan(load(a.configfile, target=target), a.results, a.gpus, budget, target)
     if a.json == "-":
