@@ -2,6 +2,7 @@
 
 import ast
 import json
+import os
 import re
 import shutil
 
@@ -138,6 +139,30 @@ def test_training_on_the_sources_answers(tmp_path):
     assert pd.read_parquet(r / "regenerated" / "errors" / "shard-00000.parquet").empty
     assert (r / "drafter" / "config.json").exists()
     assert json.loads((r / "eval" / "summary.json").read_text())["target_only"]["tokens_per_s"]
+
+
+def test_a_source_rewritten_under_its_old_mtime_reruns_the_prompts(tmp_path):
+    """cp -p, rsync -t and tar x keep a file's mtime: the prompts still rerun on the new content."""
+    def source(word):
+        return "".join(json.dumps({"prompt": f"Question {i} about {word}?"}) + "\n" for i in range(40))
+
+    src = tmp_path / "mine.jsonl"
+    src.write_text(source("cats"))
+    mine = [{"name": "mine", "path": "mine.jsonl"}]
+    config = write_config(tmp_path / "config.yaml", {"prompts.sources": mine, "prompts.total": 20})
+    stats = "results/prompts/stats.json"
+    snakemake(tmp_path, "--cores", "1", stats, config=config)
+
+    def to_do():
+        return job_counts(snakemake(tmp_path, "-n", "--cores", "1", stats, config=config).stdout)
+
+    assert to_do() == {}
+    before = src.stat()
+    (tmp_path / "new.jsonl").write_text(source("dogs"))  # the same size, other prompts
+    shutil.copy2(tmp_path / "new.jsonl", src)
+    os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert src.stat().st_size == before.st_size and src.stat().st_mtime_ns == before.st_mtime_ns
+    assert to_do() == {"prompts": 1}
 
 
 def test_paths_with_spaces_quotes_and_shell_syntax_stay_plain_text(tmp_path):

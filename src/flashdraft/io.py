@@ -4,6 +4,7 @@ float32), bytes per hidden-state token, byte sizes as config strings ("2TB") and
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -123,6 +124,34 @@ def atomic_path(path: str | os.PathLike):
 def write_json(path, obj) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def file_digests(paths, cache) -> dict[str, str]:
+    """`size:sha256` of each file. A digest kept in `cache` (a JSON file) is reused while the file's size,
+    mtime, ctime and inode stay: a rewrite under the old mtime (cp -p, rsync -t, tar x) still moves its
+    ctime, which no tool sets back."""
+    cache = Path(cache)
+    try:
+        kept = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    out, fresh = {}, {}
+    for path in map(str, paths):
+        st = os.stat(path)
+        key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        entry = kept.get(path)
+        if not (isinstance(entry, list) and entry[:1] == [key]):
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(1 << 24):
+                    digest.update(block)
+            entry = [key, digest.hexdigest()]
+        fresh[path] = entry
+        out[path] = f"{st.st_size}:{entry[1]}"
+    if fresh != {p: kept.get(p) for p in fresh}:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_json(cache, {**kept, **fresh})
+    return out
 
 
 def write_parquet(table, path) -> None:

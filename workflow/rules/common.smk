@@ -21,6 +21,7 @@ from flashdraft.config import (  # noqa: E402
 )
 from flashdraft.errors import UserError  # noqa: E402
 from flashdraft.gpu import visible_gpus  # noqa: E402
+from flashdraft.io import file_digests  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
 from flashdraft.launch import on_every_node, torchrun  # noqa: E402
 
@@ -101,6 +102,16 @@ def section(name, keys=None):
         d = {k: d[k] for k in keys}
     text = json.dumps(d, sort_keys=True)
     return lambda wildcards: text
+
+
+def source_digests(wildcards):
+    """Params function: size and sha256 of each prompt source file the user brings, so that one rewritten
+    under its old mtime (cp -p, rsync -t, tar x) reruns the prompts; digests are kept in .snakemake/
+    between runs. Sources under results/ are a rule's outputs, which Snakemake tracks itself."""
+    made = Path(RESULTS).resolve()
+    paths = [s.path for s in CFG.prompts.sources if s.format != "hf" and Path(s.path).is_file()
+             and not Path(s.path).resolve().is_relative_to(made)]
+    return file_digests(paths, Path(".snakemake") / "flashdraft-source-digests.json")
 
 
 def stage(script, gpus=None, nproc=None, nodes=1):

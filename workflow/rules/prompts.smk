@@ -9,6 +9,7 @@ rule prompts:
         stats_table=f"{RESULTS}/prompts/stats.parquet",
     params:
         cfg=section("prompts"),
+        sources=source_digests,
         out_dir=parent("output"),
         cmd=stage("prompts.py"),
         # regeneration disabled: training uses the sources' own answers, so keep only rows that have one
