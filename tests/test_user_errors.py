@@ -191,3 +191,26 @@ def test_a_failed_script_exits_even_when_a_thread_would_keep_it():
     assert p.returncode == 1
     assert "RuntimeError: broken" in p.stderr
     assert "Thread 0x" in p.stderr and "in wait" in p.stderr  # the stuck thread's stack
+
+
+def test_a_stop_that_library_code_wraps_in_an_error_still_exits_as_the_stop():
+    """SIGTERM raises SystemExit in the stage; code it interrupts may wrap that in an error of its own
+    (Inductor around its compile, an import stopped in a class body): the script still exits 143, no
+    traceback."""
+    code = (
+        "import os, signal, time\n"
+        "import flashdraft.errors as errors\n"
+        "from flashdraft.io import exit_on_stop_signals\n"
+        "@errors.cli\n"
+        "def main(argv):\n"
+        "    exit_on_stop_signals()\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(10)\n"
+        "    except SystemExit as e:\n"
+        "        raise RuntimeError('compile failed') from e\n"
+        "main()\n"
+    )
+    p = run_python(code)
+    assert p.returncode == 143, p.stderr
+    assert "Traceback" not in p.stderr and "stopped by signal 15 (RuntimeError on the way out)" in p.stderr

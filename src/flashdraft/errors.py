@@ -41,6 +41,12 @@ def rerun_command() -> str:
 EXIT_GRACE_S = 120
 
 
+# The stop signal (SIGTERM, SIGINT) whose handler raised SystemExit in this process (io.exit_on_stop_signals),
+# if any: code it interrupts may turn that SystemExit into an error of its own (an import interrupted in a
+# class body raises RuntimeError from __set_name__, Inductor wraps what its compile raised).
+stopped_by: int | None = None
+
+
 def cli(main):
     """Wrap a script's `main(argv)`: a UserError (or a full disk) exits with one line; `--verbose` in the
     arguments re-raises it with its traceback. Once an exception leaves the program's `main` (argv None),
@@ -62,9 +68,14 @@ def cli(main):
                     e = disk_full_error(e.filename or "a file being written")
                 name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else main.__module__
                 sys.exit(f"{name}: error: " + str(e).replace("\n", " "))
-        except BaseException:
+        except BaseException as e:
             if entry:
                 faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
+            if stopped_by and not isinstance(e, SystemExit) and not verbose:  # the stop, wrapped on its way
+                name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else main.__module__
+                print(f"{name}: stopped by signal {stopped_by} ({type(e).__name__} on the way out)",
+                      file=sys.stderr)
+                sys.exit(128 + stopped_by)
             raise
 
     return run

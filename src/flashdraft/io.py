@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import errors
 from .errors import disk_full, disk_full_error
 
 # The dtype names configs use -> torch's names for them; the schema's enums are checked against these
@@ -202,6 +203,7 @@ def exit_on_stop_signals() -> None:
 
     def stop(signum, frame):
         signal.signal(signum, signal.SIG_DFL)
+        errors.stopped_by = signum
         raise SystemExit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
