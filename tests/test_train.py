@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -634,6 +635,52 @@ def test_a_signal_stops_the_warmup_as_training_keeping_no_cache(data, tmp_path, 
     assert "Traceback" not in stderr
     assert not cache.exists() or not list(cache.iterdir())
     assert not list(tmp.glob("flashdraft-inductor-*"))  # its Inductor dir removed on the way out
+
+
+def test_compiled_code_of_another_user_or_writable_by_others_is_never_loaded(tmp_path, monkeypatch, capsys):
+    """The warmup's Inductor dir (per user, mode 0700) and the compile cache's blob hold code this process
+    would run: a link, another user's or one others can write is not used, and the step compiles afresh."""
+    from flashdraft.compile_cache import (
+        ARTIFACTS,
+        META,
+        fresh_inductor_dir,
+        load_compile_cache,
+        not_ours,
+        use_inductor_dir,
+        warmup_inductor_dir,
+    )
+    from flashdraft.errors import UserError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = warmup_inductor_dir(tmp_path / "cache")
+    assert mine.name.startswith(f"flashdraft-inductor-{os.getuid()}-")
+    with fresh_inductor_dir(mine):
+        assert not_ours(mine) is None and (mine.stat().st_mode & 0o777) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "default"))
+    use_inductor_dir(str(shared), Dist())
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "default")
+    said = capsys.readouterr()
+    assert f"not using the warmup's Inductor dir ({shared} is writable by others)" in said.out + said.err
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / ARTIFACTS).write_bytes(b"x")
+    (cache / META).write_text("{}")
+    (cache / ARTIFACTS).chmod(0o666)
+    assert load_compile_cache(cache, {}, Dist()) is False  # refused before the blob is read as code
+    said = capsys.readouterr()
+    assert f"compile cache: not loaded ({cache / ARTIFACTS} is writable by others)" in said.out + said.err
+    if os.getuid() == 0:  # another user's dir in the temp dir, where this user's would go
+        theirs = warmup_inductor_dir(tmp_path / "other")
+        theirs.mkdir()
+        (theirs / "planted.so").write_text("")
+        os.chown(theirs, 4242, 4242)
+        assert not_ours(theirs) == f"{theirs} belongs to user id 4242"
+        monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # as a user who cannot remove it
+        with pytest.raises(UserError, match="exists and is not this user's"), fresh_inductor_dir(theirs):
+            pass
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 import tarfile
 import tempfile
@@ -37,6 +38,7 @@ from torch.utils._triton import has_triton, triton_hash_with_backend
 from .batches import rows_per_batch
 from .config import COMPILED_TRAIN_KEYS, DrafterConfig, TrainConfig
 from .distributed import Dist, gpu_bytes, log, parallel_mode
+from .errors import UserError
 from .hidden import ShardMeta, manifest_path
 from .io import atomic_path, background, device, write_json
 from .model import DrafterSpec, meta_drafter
@@ -89,10 +91,23 @@ def inductor_cache_dir() -> Path:
 
 
 def warmup_inductor_dir(out_dir) -> Path:
-    """The Inductor dir the warmup writing `out_dir` compiles in, and training after it: one per compile
-    cache (a hash of its path), in the temp dir."""
+    """The Inductor dir the warmup writing `out_dir` compiles in, and training after it: one per user and
+    compile cache (a hash of its path), in the temp dir."""
     digest = hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"flashdraft-inductor-{digest}"
+    return Path(tempfile.gettempdir()) / f"flashdraft-inductor-{os.getuid()}-{digest}"
+
+
+def not_ours(path: Path) -> str | None:
+    """Why compiled code under `path` (a file or a dir) must not be loaded: a link, another user's, or
+    writable by others than this user; None when it is this user's alone."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a link"
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to user id {st.st_uid}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by others"
+    return None
 
 
 @contextlib.contextmanager
@@ -100,7 +115,11 @@ def fresh_inductor_dir(path: Path):
     """Inductor compiles into `path`, emptied first, for the block, so it holds exactly this warmup's
     files. Kept when the block ends well (training on this node compiles there), removed when it fails."""
     shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:  # another user's, which we cannot remove: never compile into it
+        raise UserError(f"{path} exists and is not this user's ({not_ours(path)}); remove it, or set "
+                        "TMPDIR to a directory of your own") from None
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     try:
@@ -164,6 +183,9 @@ def load_compile_cache(cache_dir, key: dict, d: Dist) -> bool:
     differ = sorted(k for k in key if theirs.get(k) != key[k])
     if differ:
         log(d, f"compile cache: warmup key differs in {differ}; expect cache misses")
+    if why := not_ours(blob):  # the blob is code this process would run
+        log(d, f"compile cache: not loaded ({why}); compiling from scratch")
+        return False
     if blob.stat().st_size == 0:
         why = "training shards the drafter (FSDP)" if info.get("fsdp") else "compile: false"
         log(d, f"compile cache: empty (the warmup compiled nothing: {why})")
@@ -183,9 +205,12 @@ def use_inductor_dir(path: str | None, d: Dist) -> None:
     if not path:
         return
     try:
-        Path(path).mkdir(parents=True, exist_ok=True)
+        Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
+        why = not_ours(Path(path))
     except OSError as e:
-        log(d, f"compile cache: cannot create the warmup's Inductor dir {path} ({e}); compiling in "
+        why = f"cannot create it: {e}"
+    if why:  # its files would be loaded as code
+        log(d, f"compile cache: not using the warmup's Inductor dir ({why}); compiling in "
                f"{inductor_cache_dir()}, where the cached kernels are autotuned again")
         return
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
