@@ -639,7 +639,7 @@ def test_a_signal_stops_the_warmup_as_training_keeping_no_cache(data, tmp_path, 
 
 def test_compiled_code_of_another_user_or_writable_by_others_is_never_loaded(tmp_path, monkeypatch, capsys):
     """The warmup's Inductor dir (per user, mode 0700) and the compile cache's blob hold code this process
-    would run: a link, another user's or one others can write is not used, and the step compiles afresh."""
+    would run: a link, another user's or one every user can write is not used; the step compiles afresh."""
     from flashdraft.compile_cache import (
         ARTIFACTS,
         META,
@@ -663,7 +663,7 @@ def test_compiled_code_of_another_user_or_writable_by_others_is_never_loaded(tmp
     use_inductor_dir(str(shared), Dist())
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "default")
     said = capsys.readouterr()
-    assert f"not using the warmup's Inductor dir ({shared} is writable by others)" in said.out + said.err
+    assert f"not using the warmup's Inductor dir ({shared} is writable by every user)" in said.out + said.err
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / ARTIFACTS).write_bytes(b"x")
@@ -671,7 +671,7 @@ def test_compiled_code_of_another_user_or_writable_by_others_is_never_loaded(tmp
     (cache / ARTIFACTS).chmod(0o666)
     assert load_compile_cache(cache, {}, Dist()) is False  # refused before the blob is read as code
     said = capsys.readouterr()
-    assert f"compile cache: not loaded ({cache / ARTIFACTS} is writable by others)" in said.out + said.err
+    assert f"compile cache: not loaded ({cache / ARTIFACTS} is writable by every user)" in said.out + said.err
     if os.getuid() == 0:  # another user's dir in the temp dir, where this user's would go
         theirs = warmup_inductor_dir(tmp_path / "other")
         theirs.mkdir()

@@ -99,14 +99,14 @@ def warmup_inductor_dir(out_dir) -> Path:
 
 def not_ours(path: Path) -> str | None:
     """Why compiled code under `path` (a file or a dir) must not be loaded: a link, another user's, or
-    writable by others than this user; None when it is this user's alone."""
+    writable by every user; None when it is this user's (group write, as under umask 002, is kept)."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         return f"{path} is a link"
     if st.st_uid != os.getuid():
         return f"{path} belongs to user id {st.st_uid}"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{path} is writable by others"
+    if st.st_mode & stat.S_IWOTH:
+        return f"{path} is writable by every user"
     return None
 
 
