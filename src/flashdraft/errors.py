@@ -52,6 +52,9 @@ def cli(main):
     arguments re-raises it with its traceback. Once an exception leaves the program's `main` (argv None),
     the process has EXIT_GRACE_S to exit; then every thread's stack goes to stderr and it exits with 1."""
 
+    def name() -> str:
+        return Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else main.__module__
+
     @functools.wraps(main)
     def run(argv=None):
         entry = argv is None  # the program's own main, not a call from Python (a test)
@@ -66,14 +69,12 @@ def cli(main):
                     raise
                 if not isinstance(e, UserError):
                     e = disk_full_error(e.filename or "a file being written")
-                name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else main.__module__
-                sys.exit(f"{name}: error: " + str(e).replace("\n", " "))
+                sys.exit(f"{name()}: error: " + str(e).replace("\n", " "))
         except BaseException as e:
             if entry:
                 faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
             if stopped_by and not isinstance(e, SystemExit) and not verbose:  # the stop, wrapped on its way
-                name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else main.__module__
-                print(f"{name}: stopped by signal {stopped_by} ({type(e).__name__} on the way out)",
+                print(f"{name()}: stopped by signal {stopped_by} ({type(e).__name__} on the way out)",
                       file=sys.stderr)
                 sys.exit(128 + stopped_by)
             raise
