@@ -1,7 +1,7 @@
 """The drafter's quality with a training lever against without, on the toy target on a GPU: the
-evaluation's tau, two seeds each.
+evaluation's tau, five seeds each.
 
-Usage: python benchmarks/train_quality.py [--work DIR] [--seeds 0 1] [--cores N]
+Usage: python benchmarks/train_quality.py [--work DIR] [--seeds 0 1 2 3 4]
 Writes benchmarks/results/train_quality_gpu.json and prints a table.
 
 The real workflow runs in `--work` (default /tmp/flashdraft-train-quality) on config/config.yaml with one
@@ -10,8 +10,9 @@ training under bf16 autocast), as benchmarks/recipe_ablation.py runs its variant
 a seed) has a work dir and GPU lease dir of its own (`--work`/NAME) and they all run at once: the toy uses
 a sliver of the GPU, and the numbers do not depend on what runs beside them. Each builds the toy target,
 prompts, answers and hidden states itself (the same, from the same config), so the runs share nothing.
-A lever's quality holds when its mean tau lies within the seed-to-seed spread: the largest minus the
-smallest tau over one variant's seeds, the larger of the baseline's and the lever's.
+Against bf16, each lever's difference of mean tau comes with a bootstrap 95% interval (the seeds of each
+variant resampled with replacement, 10,000 times, percentiles 2.5 and 97.5), and the seed-to-seed spread
+(the largest minus the smallest tau over one variant's seeds, the larger of the two).
 `--runs-from` keeps the finished runs of an earlier JSON (a call that ended before all had run).
 The JSON is rewritten as each run ends (`complete` false until all have), so a stopped call keeps what ran.
 tau is the evaluation's `tau_pooled` (emitted tokens per verify step, as `dflash_generate` counts it).
@@ -25,12 +26,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+import numpy as np
 import torch
 from recipe_ablation import REPO, run_one, stats
 
 GPU = {"gpus.target": 1, "gpus.drafter": 1}
-VARIANTS = {  # each against bf16: today's training step
-    "bf16": {"train.fp8": None, "train.compile_loss": False},
+VARIANTS = {  # each against bf16: production.yaml's training step without float8
+    "bf16": {"train.fp8": None, "train.compile_loss": True, "train.compile_scope": "layer"},
     # config/fp8.yaml, as config/production.yaml trains
     "fp8": {"train.fp8": "tensorwise", "train.compile_loss": True, "train.compile_scope": "layer"},
 }
@@ -39,7 +41,7 @@ VARIANTS = {  # each against bf16: today's training step
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--work", type=Path, default=Path("/tmp/flashdraft-train-quality"))
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
     p.add_argument("--runs-from", type=Path, default=None,
                    help="an earlier JSON of this benchmark whose finished runs are kept (not run again)")
@@ -77,6 +79,15 @@ def main():
             write(args, runs, t0)
 
 
+def bootstrap_diff(xs: list[float], ys: list[float], draws: int = 10_000, seed: int = 0
+                   ) -> tuple[float, float]:
+    """95% bootstrap interval of mean(xs) - mean(ys), each resampled with replacement."""
+    g = np.random.default_rng(seed)
+    x, y = np.asarray(xs), np.asarray(ys)
+    d = g.choice(x, (draws, len(x))).mean(1) - g.choice(y, (draws, len(y))).mean(1)
+    return float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))
+
+
 def write(args, runs: dict, t0: float) -> None:
     base = "bf16"
     done = [v for v in args.variants
@@ -91,8 +102,9 @@ def write(args, runs: dict, t0: float) -> None:
             continue
         spread = max(max(t) - min(t) for t in (taus[base], taus[v]))
         diff = statistics.mean(taus[v]) - statistics.mean(taus[base])
-        variants[v]["vs_bf16"] = {"tau_mean_diff": round(diff, 4), "seed_spread": round(spread, 4),
-                                  "within_seed_spread": abs(diff) <= spread}
+        lo, hi = bootstrap_diff(taus[v], taus[base])
+        variants[v]["vs_bf16"] = {"tau_mean_diff": round(diff, 4), "ci95": [round(lo, 4), round(hi, 4)],
+                                  "seed_spread": round(spread, 4), "within_seed_spread": abs(diff) <= spread}
     result = {
         "what": "toy drafter trained on one GPU: evaluation tau_pooled per lever, seeds as listed",
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),

@@ -118,9 +118,15 @@ def float8_linears(model: torch.nn.Module, recipe: str, device: torch.device) ->
         raise ValueError(f"config key train.fp8 ({recipe}) needs a GPU with FP8 matmuls (compute capability "
                          f"8.9 or newer), not {device}; set train.fp8: null")
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        import torchao.float8  # noqa: F401
     except ImportError as e:
         raise ValueError(f"config key train.fp8 ({recipe}) needs torchao: pip install torchao ({e})") from e
+    to_float8(model, recipe)
+
+
+def to_float8(model: torch.nn.Module, recipe: str) -> None:
+    """The conversion float8_linears makes, on any device (the CPU runs float8 matmuls too, slowly)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def fits(module, _name):  # float8 matmuls need both dimensions in multiples of 16
         return isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 \

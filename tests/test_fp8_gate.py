@@ -1,0 +1,51 @@
+"""The float8 gate's benchmarks on the CPU: the parity step at --preset tiny, and the interval the toy-tau
+comparison reports."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from train_quality import bootstrap_diff  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    work = tmp_path_factory.mktemp("fp8-parity")
+    out = work / "parity.json"
+    proc = subprocess.run([sys.executable, "fp8_parity.py", "--preset", "tiny", "--work", str(work),
+                           "--out", str(out)], cwd=REPO / "benchmarks", capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_parity_measures_float8_against_a_noise_floor_of_the_same_step(parity):
+    v = parity["variants"]
+    assert set(v) == {"bf16", "bf16_split", "fp8_tensorwise", "fp8_rowwise"}
+    floor = v["bf16_split"]
+    # the split reaches the same gradient by another reduction order: float32 on the CPU, rounding only
+    assert floor["grad"]["all"] < 1e-4 and floor["loss_rel_diff"] < 1e-5
+    for name in ("fp8_tensorwise", "fp8_rowwise"):
+        r = v[name]
+        # float8 matmuls really ran (far off the floor), and the step is still the same step
+        assert r["grad"]["all"] > 100 * floor["grad"]["all"] and r["grad"]["all"] < 0.5
+        assert r["ratio_to_noise"]["grad"] > 100
+        assert r["loss_rel_diff"] < 0.01
+        # every parameter tensor of the drafter is compared, gradient and update
+        assert set(r["per_tensor"]) == set(v["bf16_split"]["per_tensor"])
+        assert len(r["per_tensor"]) > 10
+        assert all(t["grad"] is not None and t["update"] is not None for t in r["per_tensor"].values())
+        assert r["grad"]["median_tensor"] <= r["grad"]["max_tensor"]
+
+
+def test_bootstrap_interval_holds_the_difference_and_moves_with_it():
+    base = [3.4, 3.6, 3.5, 3.7, 3.3]
+    lo, hi = bootstrap_diff(base, base)
+    assert lo < 0 < hi and abs(lo + hi) < 0.05  # no difference: an interval about zero
+    lo2, hi2 = bootstrap_diff([x + 1 for x in base], base)
+    assert 0 < lo2 < 1 < hi2  # a shift of one: the interval holds it and leaves zero out
+    assert abs((hi2 - lo2) - (hi - lo)) < 0.05  # the same spread, the same width
