@@ -504,3 +504,23 @@ def test_a_changed_plan_key_replans_and_keeps_what_was_trained(stream_run, tmp_p
     assert "data_plan" in job_counts(dry)
     after = sorted(p.name for p in (work / "results" / "checkpoints").iterdir())
     assert after == before  # the old run's checkpoints stay, under their own run key
+
+
+@pytest.mark.slow
+def test_a_changed_export_key_exports_again_without_a_chunk_job_or_a_lost_checkpoint(stream_run, tmp_path):
+    """train_chunk's params hold what the run key hashes of the configs, not the whole train section: a
+    key the run key leaves out (train.export) reruns the export alone, from the finished run."""
+    work = tmp_path / "run"
+    shutil.copytree(stream_run[0], work, symlinks=True)
+    ckpts = work / "results" / "checkpoints"
+    before = sorted(str(p.relative_to(ckpts)) for p in ckpts.glob("*/step-*"))
+    config = work / "config.yaml"
+    data = yaml.safe_load(config.read_text())
+    data["train"]["export"] = "best"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    dry = snakemake(work, "-n", "--cores", "2", DRAFTER, *THREADS, config=config).stdout
+    assert job_counts(dry) == {"train": 1}, dry
+    snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config)
+    assert [j.rule for j in job_times(latest_log(work))] == ["train"]
+    assert sorted(str(p.relative_to(ckpts)) for p in ckpts.glob("*/step-*")) == before
+    assert json.loads((work / "results" / "train" / "export.json").read_text())["export"] == "best"
