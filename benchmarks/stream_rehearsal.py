@@ -162,6 +162,8 @@ def summarize(results: Path, log: Path, wall, peak, args, gpus: int, device: str
     chunks = []
     for t in trains:
         done = json.loads((results / "train" / "chunks" / f"{t.wildcards['chunk']}.json").read_text())
+        if done.get("trained_already"):  # a rerun's chunk that the run had got past: it trained nothing
+            continue
         start_up = datetime.fromtimestamp(done["first_step_done_at"]) - t.start
         chunks.append({"chunk": t.wildcards["chunk"], "job_s": t.seconds,
                        "steps": done["step"] - done["chunk"]["start_step"], "tokens": done["chunk"]["tokens"],

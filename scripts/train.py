@@ -58,7 +58,8 @@ def main(argv=None):
     if int(os.environ.get("RANK", 0)) != 0:
         return
     if "chunk" in result:
-        keys = ("chunk", "step", "first_step_done_s", "first_step_done_at", "seconds", "compile_cache")
+        keys = ("chunk", "step", "first_step_done_s", "first_step_done_at", "seconds", "compile_cache",
+                "trained_already")
         summary = {k: result[k] for k in keys}
         if args.done:
             write_json(args.done, summary)

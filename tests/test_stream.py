@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from flashdraft.batches import epoch_batches, micro_per_step
 from flashdraft.config import DrafterConfig, HiddenConfig, TrainConfig
 from flashdraft.errors import UserError
-from flashdraft.stream import ROW_BYTES, Plan, cut_chunks, data_plan, write_tokens
+from flashdraft.stream import ROW_BYTES, Chunk, Plan, cut_chunks, data_plan, write_tokens
 from flashdraft.timeline import DiskWatch, job_times, latest_log, overlap_s
 
 DRAFT = DrafterConfig(num_layers=2)
@@ -146,7 +146,7 @@ def _steps(run_dir):
 
 
 def test_a_chunk_resumes_a_killed_attempt_or_starts_where_the_previous_chunk_ended(tmp_path):
-    from flashdraft.checkpoint import chunk_resume_point, prune_chunk
+    from flashdraft.checkpoint import chunk_resume_point, chunk_trained, prune_chunk
 
     run = tmp_path / "killed"
     _checkpoints(run, [10, 12, 14])  # chunk [10, 20) was killed after step 14
@@ -158,16 +158,84 @@ def test_a_chunk_resumes_a_killed_attempt_or_starts_where_the_previous_chunk_end
     prune_chunk(tmp_path / "ends", 15, 20, keep=3)  # of the chunks' ends, the last train.keep_checkpoints
     assert _steps(tmp_path / "ends") == [10, 15, 20]
 
-    run = tmp_path / "redone"
-    _checkpoints(run, [10, 20, 25, 30])  # chunks [10, 20) and [20, 30) done, then [10, 20) forced again
-    assert chunk_resume_point(run, 10, 20).name == "step-00000010" and _steps(run) == [10]
     assert chunk_resume_point(tmp_path / "fresh", 0, 10) is None  # the first chunk starts from scratch
 
-    run = tmp_path / "pruned"
-    _checkpoints(run, [30, 40])
-    with pytest.raises(UserError, match="no checkpoint at step 20 .*train.keep_checkpoints"):
-        chunk_resume_point(run, 20, 30)
-    assert _steps(run) == [30, 40]  # nothing is removed when the chunk cannot start
+    run = tmp_path / "redone"
+    _checkpoints(run, [20, 25, 30])  # chunks to step 30 done, [20, 30) asked again: the run got past it
+    assert chunk_trained(run, 30).name == "step-00000030" and chunk_trained(run, 20).name == "step-00000020"
+    assert chunk_trained(run, 31) is None and _steps(run) == [20, 25, 30]
+
+    # the checkpoint a chunk starts from is gone, and none at or past its end (removed by hand, say): one
+    # line names the chunk to rerun from, the one holding the latest checkpoint kept, and nothing is removed
+    chunks = [Chunk(0, i, i, 10 * i, 10 * i + 10, 1, 1, 1) for i in range(4)]
+    run = tmp_path / "removed"
+    _checkpoints(run, [10, 14])  # chunk-00001 was killed after step 14, then steps 20 on were removed
+    with pytest.raises(UserError, match=r"no checkpoint at step 30 .*\(kept: 10, 14\).* rerun from chunk "
+                       r"epoch-000/chunk-00001, which resumes at step 14 \(snakemake --forcerun"):
+        chunk_resume_point(run, 30, 40, chunks)
+    with pytest.raises(UserError, match="kept: none.* chunk epoch-000/chunk-00000, which starts at step 0"):
+        chunk_resume_point(tmp_path / "gone", 20, 30, chunks)
+    assert _steps(run) == [10, 14]
+
+
+def _trained_plan(tmp_path):
+    """A data plan of four chunks (no hidden states: the tests below find them trained already), its training
+    config and its run directory."""
+    from flashdraft.checkpoint import run_key
+
+    files = _tokens(tmp_path, [[60] * 30])
+    train = TrainConfig(epochs=2, batch_tokens=256, global_batch_tokens=512, buckets=[64], val_samples=0,
+                        compile=False, checkpoint_every=1)
+    data_plan(_target(tmp_path), files, HiddenConfig(mode="stream", chunk_tokens=1000), DRAFT, train, 1,
+              tmp_path / "plan")
+    plan = Plan(tmp_path / "plan")
+    assert len(plan.chunks) == 4 and all(c.end_step - c.start_step >= 2 for c in plan.chunks)
+    return train, plan, tmp_path / "checkpoints" / run_key(train, DRAFT, [], plan.fingerprint)
+
+
+def _train_chunk(tmp_path, train, plan, chunk, capsys) -> tuple[dict, str]:
+    """scripts/train.py on one chunk of the plan, in this process: its --done summary and its log."""
+    import importlib.util
+    from dataclasses import asdict
+
+    from flashdraft.config import to_json
+
+    spec = importlib.util.spec_from_file_location("train_script", REPO / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    done = tmp_path / "done" / f"{chunk.name}.json"
+    capsys.readouterr()
+    script.main(["--cfg", json.dumps(asdict(train)), "--drafter-cfg", to_json(DRAFT),
+                 "--target", str(tmp_path / "target"), "--checkpoints", str(tmp_path / "checkpoints"),
+                 "--plan", str(plan.dir), "--chunk", chunk.name, "--done", str(done),
+                 str(tmp_path / "never-read.arrow")])
+    return json.loads(done.read_text()), capsys.readouterr().err
+
+
+def test_a_chunk_of_a_finished_run_is_done_without_training_or_deleting(tmp_path, capsys):
+    """A rerun of a chunk of a finished run (a changed train key the chunks do not need, an earlier seed's
+    plan made again, --forcerun): its run directory holds checkpoints past the chunk's end, so it is done."""
+    train, plan, run = _trained_plan(tmp_path)
+    ends = [c.end_step for c in plan.chunks]
+    _checkpoints(run, ends[-3:])  # train.keep_checkpoints: 3 left the last three chunks' ends
+    for chunk in plan.chunks:  # the first (its start: step 0), one whose start was pruned, the last
+        done, log = _train_chunk(tmp_path, train, plan, chunk, capsys)
+        assert done["chunk"] == {**done["chunk"], "start_step": chunk.start_step, "end_step": chunk.end_step}
+        assert done["step"] == chunk.end_step
+        assert f"{chunk.name} is trained already" in log and "new run" not in log
+        assert _steps(run) == ends[-3:]  # nothing removed
+
+
+def test_a_chunk_stopped_at_its_last_step_is_done_on_the_rerun(tmp_path, capsys):
+    """SIGTERM at a chunk's last step saves that step's checkpoint and exits 143 before the chunk's
+    checkpoints are pruned: the rerun keeps the end, removes the checkpoints inside the chunk (the finished
+    job's pruning) and trains nothing."""
+    train, plan, run = _trained_plan(tmp_path)
+    first, second = plan.chunks[:2]
+    _checkpoints(run, range(first.end_step, second.end_step + 1))  # saved every step, the end last
+    done, log = _train_chunk(tmp_path, train, plan, second, capsys)
+    assert done["step"] == second.end_step and f"{second.name} is trained already" in log
+    assert _steps(run) == [first.end_step, second.end_step]
 
 
 def test_disk_watch_keeps_the_peak_while_files_and_folders_come_and_go(tmp_path):
@@ -400,7 +468,7 @@ def test_killed_shard_and_training_jobs_rerun_to_the_same_weights(store_run, str
 
 
 @pytest.mark.slow
-def test_forcerun_of_one_chunk_recomputes_its_deleted_shards_and_trains_from_there(stream_run, tmp_path):
+def test_forcerun_of_a_finished_run_s_chunk_recomputes_its_shards_and_trains_nothing(stream_run, tmp_path):
     work = tmp_path / "run"
     shutil.copytree(stream_run[0], work, symlinks=True)
     plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
@@ -413,6 +481,12 @@ def test_forcerun_of_one_chunk_recomputes_its_deleted_shards_and_trains_from_the
     assert sorted(c for r, c in ran if r == "hidden_chunk") == names[again:]  # deleted shards, recomputed
     assert not {"data_plan", "hidden_tokens", "regenerate", "warmup"} & {r for r, _ in ran}
     assert "Job stats" in proc.stdout + proc.stderr
+    for name in names[again:]:  # the run got past them: trained already, nothing removed
+        log = (work / "results" / "logs" / "train_chunk" / f"{name}.log").read_text()
+        assert f"{name} is trained already" in log
+    steps = [sorted(p.name for p in (w / "results" / "checkpoints").glob("*/step-*"))
+             for w in (work, stream_run[0])]
+    assert steps[0] == steps[1]
     a, b = _weights(work), _weights(stream_run[0])
     assert all(a[k].equal(b[k]) for k in a)
 
@@ -430,3 +504,23 @@ def test_a_changed_plan_key_replans_and_keeps_what_was_trained(stream_run, tmp_p
     assert "data_plan" in job_counts(dry)
     after = sorted(p.name for p in (work / "results" / "checkpoints").iterdir())
     assert after == before  # the old run's checkpoints stay, under their own run key
+
+
+@pytest.mark.slow
+def test_a_changed_export_key_exports_again_without_a_chunk_job_or_a_lost_checkpoint(stream_run, tmp_path):
+    """train_chunk's params hold what the run key hashes of the configs, not the whole train section: a
+    key the run key leaves out (train.export) reruns the export alone, from the finished run."""
+    work = tmp_path / "run"
+    shutil.copytree(stream_run[0], work, symlinks=True)
+    ckpts = work / "results" / "checkpoints"
+    before = sorted(str(p.relative_to(ckpts)) for p in ckpts.glob("*/step-*"))
+    config = work / "config.yaml"
+    data = yaml.safe_load(config.read_text())
+    data["train"]["export"] = "best"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    dry = snakemake(work, "-n", "--cores", "2", DRAFTER, *THREADS, config=config).stdout
+    assert job_counts(dry) == {"train": 1}, dry
+    snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config)
+    assert [j.rule for j in job_times(latest_log(work))] == ["train"]
+    assert sorted(str(p.relative_to(ckpts)) for p in ckpts.glob("*/step-*")) == before
+    assert json.loads((work / "results" / "train" / "export.json").read_text())["export"] == "best"

@@ -24,12 +24,12 @@ import shutil
 import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import DrafterConfig, TrainConfig, to_json
+from .config import DrafterConfig, TrainConfig, run_config
 from .distributed import Dist, barrier
 from .errors import UserError
 from .hidden import manifest_path
@@ -37,13 +37,10 @@ from .io import atomic_path, background
 
 
 def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str], plan: str | None = None) -> str:
-    """Short hash of both configs and the data (the shard manifests, or in stream mode the data plan's
-    fingerprint): a changed config or data set never resumes an old run."""
-    # DDP and FSDP resume each other; the export's choice is made after training; without validation its
-    # keys change nothing (and runs keep the keys they had before those keys existed)
-    skip = {"parallel", "export"} | ({"val_samples", "val_every"} if not cfg.val_samples else set())
-    same_run = {k: v for k, v in asdict(cfg).items() if k not in skip}
-    h = hashlib.sha256((json.dumps(same_run, sort_keys=True) + to_json(drafter_cfg)).encode())
+    """Short hash of both configs (config.run_config: every key that makes another run) and the data (the
+    shard manifests, or in stream mode the data plan's fingerprint): a changed config or data set never
+    resumes an old run."""
+    h = hashlib.sha256(run_config(cfg, drafter_cfg).encode())
     if plan is not None:
         h.update(f"plan {plan}".encode())
     for path in shards if plan is None else []:
@@ -61,23 +58,31 @@ def checkpoint_step(path: Path) -> int:
     return int(path.name.split("-")[1])
 
 
-def chunk_resume_point(run_dir: Path, start: int, end: int) -> Path | None:
-    """Where the training of a chunk of steps [start, end) begins: the latest checkpoint inside it (an
-    attempt that was stopped or killed), else the one at `start` (None at step 0). Then the checkpoints
-    after it are removed: they belong to a run of this chunk and later ones that is being redone (a
-    completed chunk keeps only its end, see prune_chunk). Rank 0 alone calls it."""
+def chunk_trained(run_dir: Path, end: int) -> Path | None:
+    """The first checkpoint at or past a chunk's end, if any: the run got past the chunk, whose steps
+    are then trained (the run dir's key holds the configs and the plan, and a resumed run replays exactly
+    what an uninterrupted one would have)."""
+    return next((p for p in checkpoint_dirs(run_dir) if checkpoint_step(p) >= end), None)
+
+
+def chunk_resume_point(run_dir: Path, start: int, end: int, chunks=()) -> Path | None:
+    """Where the training of a chunk of steps [start, end) begins, for a chunk not trained yet (nothing at
+    or past its end, chunk_trained): the latest checkpoint inside it (an attempt that was stopped or
+    killed), else the one at `start` (None at step 0). Removes nothing. Without either, one line names
+    the chunk to rerun from: of `chunks` (the plan's), the one holding the latest checkpoint kept."""
     found = checkpoint_dirs(run_dir)
     inside = [p for p in found if start < checkpoint_step(p) < end]
     at = inside[-1] if inside else next((p for p in found if checkpoint_step(p) == start), None)
     if at is None and start > 0:
-        kept = ", ".join(str(checkpoint_step(p)) for p in found) or "none"
-        raise UserError(f"no checkpoint at step {start} in {run_dir} (kept: {kept}) to train steps "
-                        f"{start}..{end} from: train.keep_checkpoints removed it, or the previous chunk did "
-                        "not finish; rerun from an earlier chunk (snakemake --forcerun on its train_chunk "
-                        "output) or raise train.keep_checkpoints")
-    for p in found:
-        if checkpoint_step(p) > (checkpoint_step(at) if at else 0):
-            shutil.rmtree(p, ignore_errors=True)
+        kept = [checkpoint_step(p) for p in found]
+        last = max([s for s in kept if s < start], default=0)
+        c = next((c for c in chunks if c.start_step <= last < c.end_step), None)
+        frm = f"the chunk that holds step {last}" if c is None else \
+            f"chunk {c.name}, which {'starts' if c.start_step == last else 'resumes'} at step {last}"
+        raise UserError(f"no checkpoint at step {start} in {run_dir} (kept: "
+                        f"{', '.join(map(str, kept)) or 'none'}) to train steps {start}..{end} from: the "
+                        f"previous chunk did not finish, or its checkpoint was removed; rerun from {frm} "
+                        "(snakemake --forcerun on its train_chunk output)")
     return at
 
 

@@ -9,6 +9,7 @@ section as JSON (`--cfg '{...}'`), so Snakemake reruns a stage only when its own
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import typing
@@ -420,6 +421,21 @@ def load_config(path: str) -> Config:
 
 def to_json(obj) -> str:
     return json.dumps(dataclasses.asdict(obj), sort_keys=True)
+
+
+def run_config(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
+    """What of the train and drafter sections makes a run: checkpoint.run_key hashes it with the data, and
+    stream mode's train_chunk jobs rerun when it changes (run_config_digest), not on the other keys."""
+    # DDP and FSDP resume each other; the export's choice is made after training; without validation its
+    # keys change nothing (and runs keep the keys they had before those keys existed)
+    skip = {"parallel", "export"} | ({"val_samples", "val_every"} if not cfg.val_samples else set())
+    same_run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+    return json.dumps(same_run, sort_keys=True) + to_json(drafter_cfg)
+
+
+def run_config_digest(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
+    """A short digest of run_config (for the workflow, which does not import torch)."""
+    return hashlib.sha256(run_config(cfg, drafter_cfg).encode()).hexdigest()[:12]
 
 
 def feature_layers(num_target_layers: int, drafter: DrafterConfig) -> list[int]:

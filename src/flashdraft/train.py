@@ -34,7 +34,9 @@ from .batches import Collate, anchor_seeds, epoch_steps, micro_per_step, steps_l
 from .checkpoint import (
     Checkpointer,
     checkpoint_dirs,
+    checkpoint_step,
     chunk_resume_point,
+    chunk_trained,
     prune_chunk,
     run_key,
     saved_position,
@@ -135,9 +137,9 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     where = f", {chunk.name} (steps {chunk.start_step}..{chunk.end_step})" if chunk else ""
     log(d, f"train: {len(lengths)} samples, {sum(lengths)} tokens{where}, {d.world} process(es) on "
            f"{d.device}")
-    if chunk is not None:
-        if d.main:  # leaves the chunk's starting point as the latest checkpoint
-            chunk_resume_point(run_dir, chunk.start_step, chunk.end_step)
+    if chunk is not None:  # not trained (trained_already): its starting point is the latest checkpoint
+        if d.main:
+            chunk_resume_point(run_dir, chunk.start_step, chunk.end_step, plan.chunks)
         barrier(d)
     found = checkpoint_dirs(run_dir)
     latest = found[-1] if found else None
@@ -290,11 +292,35 @@ def train(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list
         teardown_dist(d)
 
 
+def trained_already(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, shards, checkpoints: Path,
+                    plan: Plan, chunk: Chunk) -> dict | None:
+    """A chunk whose run dir holds a checkpoint at or past its end is trained: its job, run again (a train
+    key the chunks do not depend on, a plan made again when an earlier train.seed comes back, --forcerun, a
+    job stopped at the chunk's last step), trains nothing and removes nothing but the checkpoints inside
+    the chunk, which its end supersedes (what the finished job prunes). Returns its summary, else None."""
+    plan.check(cfg, d.world)
+    run_dir = checkpoints / run_key(cfg, drafter_cfg, shards, plan.fingerprint)
+    past = chunk_trained(run_dir, chunk.end_step)
+    if past is None:
+        return None
+    barrier(d)  # every rank has looked before rank 0 removes anything
+    if d.main:
+        prune_chunk(run_dir, chunk.start_step, chunk.end_step)
+    barrier(d)
+    log(d, f"{chunk.name} is trained already: {past} holds step {checkpoint_step(past)}, at or past the "
+           f"chunk's steps {chunk.start_step}..{chunk.end_step}; nothing to train")
+    return {"step": chunk.end_step, "stopped": False, "run_dir": str(run_dir), "rows": [],
+            "compile_cache": {}, "chunk": asdict(chunk), "first_step_done_s": None,
+            "first_step_done_at": None, "seconds": process_age(), "trained_already": str(past)}
+
+
 def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoints: Path, metrics_path,
            out_dir, compile_cache, stop_at, plan_dir, chunk_name, val_shards=None):
     log(d, f"started {d.world} process(es); rank 0 on {d.device}")
     plan = Plan(plan_dir) if plan_dir else None
     chunk = plan.named(chunk_name) if plan and chunk_name else None
+    if chunk is not None and (done := trained_already(d, cfg, drafter_cfg, shards, checkpoints, plan, chunk)):
+        return done
     run, total, state = setup(d, cfg, drafter_cfg, target_dir, shards, checkpoints, compile_cache, plan,
                               chunk, val_shards)
     step, epoch, cursor, g, stop = state["step"], state["epoch"], state["cursor"], run.g, run.stop
@@ -368,7 +394,8 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
         return {"step": step, "stopped": False, "run_dir": str(run.checkpointer.run_dir),
                 "rows": metrics.rows, "compile_cache": cache_counters(), "chunk": asdict(chunk),
                 "first_step_done_s": first_step_done and first_step_done[0],
-                "first_step_done_at": first_step_done and first_step_done[1], "seconds": process_age()}
+                "first_step_done_at": first_step_done and first_step_done[1], "seconds": process_age(),
+                "trained_already": None}
     model = run.checkpointer.model_state()
     chosen = export_choice(cfg, best, step)
     if chosen["step"] != step:

@@ -18,6 +18,7 @@ from flashdraft.config import (  # noqa: E402
     Config,
     check,
     from_dict,
+    run_config_digest,
 )
 from flashdraft.errors import UserError  # noqa: E402
 from flashdraft.gpu import visible_gpus  # noqa: E402
@@ -102,6 +103,20 @@ def section(name, keys=None):
         d = {k: d[k] for k in keys}
     text = json.dumps(d, sort_keys=True)
     return lambda wildcards: text
+
+
+def untracked(param):
+    """A params function that gives what `param` gives, for a job's command line, but is no rerun trigger:
+    Snakemake leaves params functions that take the job's `input` out of its params comparison (it counts
+    them as derived from the inputs, whose changes rerun the job themselves)."""
+    return lambda wildcards, input: param(wildcards)
+
+
+def run_config():
+    """Params function: a digest of what makes a training run of the train and drafter sections
+    (flashdraft.config.run_config, which the run key hashes): the rerun trigger of stream mode's chunks."""
+    digest = run_config_digest(CFG.train, CFG.drafter)
+    return lambda wildcards: digest
 
 
 def source_digests(wildcards):

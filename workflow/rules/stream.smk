@@ -164,8 +164,11 @@ rule train_chunk:
     wildcard_constraints:
         chunk=CHUNK_RE,
     params:
-        cfg=section("train"),
-        drafter=section("drafter"),
+        # A chunk reruns when what makes the run changes (a new run dir), not on the other train keys
+        # (train.export: the export job alone reruns). The job gets both sections whole, untracked.
+        run=run_config(),
+        cfg=untracked(section("train")),
+        drafter=untracked(section("drafter")),
         cache_dir=parent("input", "cache"),
         checkpoints=f"{RESULTS}/checkpoints",  # not an output: Snakemake never deletes it
         val=f"--val {shlex.quote(VAL_SHARD)}" if CFG.train.val_samples else "",
