@@ -253,3 +253,38 @@ def test_two_processes_validate_to_the_same_numbers_as_one(data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     pd.testing.assert_frame_equal(val_rows(one)[1], val_rows(two)[1])
     assert json.loads((one / "export.json").read_text()) == json.loads((two / "export.json").read_text())
+
+
+def test_validation_never_computes_every_attention_score_densely(data):
+    """Validation runs eagerly; flex attention there would hold all b*h*Q*K scores at once (20 GiB per
+    micro-batch at the production shape): the largest allocation stays below that, with the same metrics
+    as training's attention gives."""
+    import dataclasses
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from flashdraft.config import DrafterConfig
+    from flashdraft.distributed import setup_dist
+    from flashdraft.loss import num_anchor_slots
+    from flashdraft.train_step import build_step, load_spec
+    from flashdraft.validate import Validator
+
+    root, shards = data
+    cfg = TrainConfig(**{**TRAIN, "attention": "flex"})
+    spec = load_spec(root / "target", DrafterConfig(**DRAFTER))
+    d = setup_dist()
+    val = Validator(HiddenStore(shards[:1]), cfg, d, torch.float32)
+    got = {}
+    for attention in ("flex", "sdpa"):
+        step = build_step(dataclasses.replace(cfg, attention=attention), spec, root / "target", d.device)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            got[attention] = val.evaluate(step, step.model, False)
+        largest = max(e.cpu_memory_usage for e in prof.events())
+        scores = 0  # float32 scores of the largest micro-batch: rows * heads * block queries * keys
+        for rows in val.batches:
+            ids = val.collate([val.store[i] for i in rows])["input_ids"]
+            q = num_anchor_slots(ids.shape[1], cfg.max_anchors, DRAFTER["block_size"]) * DRAFTER["block_size"]
+            scores = max(scores, ids.shape[0] * spec.num_heads * q * (ids.shape[1] + q) * 4)
+        assert 0 < largest < 0.75 * scores, (attention, largest, scores)
+    assert got["flex"] == pytest.approx(got["sdpa"], rel=1e-5)

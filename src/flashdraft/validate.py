@@ -135,8 +135,10 @@ class Validator:
                     # the training's anchor sampling, with fixed seeds
                     seeds = [anchor_seed(self.ids[i]) for i in rows] + [None] * (len(mask) - len(rows))
                     anchors, valid = anchors_for(step_fn, batch["loss_mask"], seeds=seeds)
+                    # SDPA: flex_attention outside a compiled graph computes every score densely (20 GiB
+                    # for one micro-batch at the production shape); SDPA's kernels take the dense mask
                     _, stats = dflash_loss(drafter, ids, mask, hidden, anchors, valid, step_fn.embed,
-                                           step_fn.head, step_fn.objective, step_fn.attention)
+                                           step_fn.head, step_fn.objective, "sdpa")
                     if per is None:
                         per = torch.zeros(n, len(stats), dtype=torch.float64, device=d.device)
                     if k is not None:
