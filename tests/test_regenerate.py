@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import toy_prompt_set
@@ -70,8 +71,6 @@ def test_resume_skips_committed_ids(data, reference, tmp_path):
     kept = pq.read_table(parts[0]).to_pylist()
     for r in kept:
         r["messages"][-1]["content"] = "KEPT"
-    import pyarrow as pa
-
     pq.write_table(pa.Table.from_pylist(kept, schema=pq.read_schema(parts[0])), parts[0])
     _, table = _run(data, tmp_path)
     rows = table.to_pylist()
@@ -90,6 +89,46 @@ def test_stale_parts_are_cleared(data, tmp_path):
     _run(data, tmp_path)
     _, table = _run(data, tmp_path, RegenerateConfig(max_new_tokens=2, batch_size=3, part_rows=6))
     assert max(table.column("response_tokens").to_pylist()) <= 2
+
+
+def test_a_moved_target_and_prompts_keep_the_parts_answered_so_far(data, reference, tmp_path):
+    """The work dir is keyed by the target's content and the prompts' ids, not their paths: a copy of
+    both elsewhere (a moved checkout) reuses every committed part, and a work dir keyed by paths (as
+    before) is taken over; other weights under the same config start over."""
+    import json
+    import shutil
+
+    from flashdraft.regenerate import work_key
+
+    moved = tmp_path / "moved"
+    shutil.copytree(data / "target", moved / "target")
+    shutil.copytree(data / "prompts", moved / "prompts")
+    work = tmp_path / "run"
+    _run(data, work)
+    parts = sorted((work / "parts").glob("part-*.parquet"))
+    marked = pq.read_table(parts[0]).to_pylist()
+    for r in marked:
+        r["messages"][-1]["content"] = "KEPT"
+    pq.write_table(pa.Table.from_pylist(marked, schema=pq.read_schema(parts[0])), parts[0])
+    _, table = _run(moved, work)
+    assert sum(r["messages"][-1]["content"] == "KEPT" for r in table.to_pylist()) == len(marked)
+    # a work dir keyed as before (resolved paths) is still ours, and rekeyed
+    meta = work / "parts" / "meta.json"
+    key = json.loads(meta.read_text())
+    before = {"target": str((moved / "target").resolve()), "dtype": "float32", "cfg": key["cfg"],
+              "prompts": str((moved / "prompts" / "train.parquet").resolve())}
+    meta.write_text(json.dumps(before))
+    _, table = _run(moved, work)
+    assert sum(r["messages"][-1]["content"] == "KEPT" for r in table.to_pylist()) == len(marked)
+    assert json.loads(meta.read_text()) == key
+    # other weights with the same config.json: another target
+    weights = next((moved / "target").glob("*.safetensors"))
+    blob = bytearray(weights.read_bytes())
+    blob[-8:] = bytes(8)
+    weights.write_bytes(bytes(blob))
+    assert work_key(moved / "target", "float32", {}, ["a"]) != work_key(data / "target", "float32", {}, ["a"])
+    assert work_key(data / "target", "float32", {}, ["a", "b"]) == work_key(data / "target", "float32", {},
+                                                                             ["b", "a"])
 
 
 def test_a_rerun_retries_failed_rows_by_their_cause(data, reference, tmp_path):

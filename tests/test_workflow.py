@@ -5,6 +5,9 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
@@ -280,6 +283,24 @@ def test_complete_run_has_nothing_to_do(small_run):
     work, config, _ = small_run
     proc = snakemake(work, "-n", "--cores", "2", config=config)
     assert job_counts(proc.stdout) == {}
+
+
+@pytest.mark.slow
+def test_a_moved_checkout_run_through_another_path_to_python_has_nothing_to_do(small_run, tmp_path):
+    """Job parameters hold no machine paths: the checkout copied elsewhere, its interpreter reached through
+    another path (a link to the environment), sees the finished run as finished."""
+    work, config, _ = small_run
+    moved = tmp_path / "moved checkout"
+    for part in ("workflow", "scripts", "src", "config"):
+        shutil.copytree(REPO / part, moved / part, ignore=shutil.ignore_patterns("__pycache__"))
+    env_dir = Path(sys.executable).parent.parent
+    (tmp_path / "env").symlink_to(env_dir)
+    python = tmp_path / "env" / Path(sys.executable).relative_to(env_dir)
+    proc = subprocess.run([str(python), "-m", "snakemake", "-s", str(moved / "workflow" / "Snakefile"), "-d",
+                           str(work), "-n", "--cores", "2", "--configfile", str(config)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert job_counts(proc.stdout) == {}, proc.stdout[-4000:]
 
 
 def test_forcerun_train_reruns_train_onward_only(small_run):

@@ -13,6 +13,7 @@ it alone) only with `regenerate.retry_failed: true`. The final file is the parts
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -332,12 +333,32 @@ def _retried(row: dict, retry_failed: bool) -> bool:
     return row["error"] is not None and (retry_failed or row.get("cause") != "prompt")
 
 
-def _prepare_work_dir(work: Path, key: dict) -> None:
-    """Parts made with another target or config are stale: clear them instead of mixing answers."""
+def work_key(target_path, dtype: str, cfg: dict, prompt_ids: list[str]) -> dict:
+    """What a work dir's parts were answered with: the target by content (its config and a fingerprint of
+    each weight file: name, size, first and last MiB), not by path, and the prompts by their ids, so a
+    moved checkout or target, or another path to them, keeps the parts answered so far."""
+    h = hashlib.sha256(json.dumps(read_target_config(target_path), sort_keys=True).encode())
+    for f in sorted(Path(target_path).glob("*.safetensors")) + sorted(Path(target_path).glob("*.bin")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    ids = hashlib.sha256("\n".join(sorted(prompt_ids)).encode()).hexdigest()
+    return {"target": h.hexdigest(), "dtype": dtype, "cfg": cfg, "prompt_ids": ids}
+
+
+def _prepare_work_dir(work: Path, key: dict, before: dict | None = None) -> None:
+    """Parts made with another target or config are stale: clear them instead of mixing answers. A work
+    dir keyed the way earlier versions keyed it (`before`) is taken over under the new key."""
     meta = work / "meta.json"
-    if meta.exists() and json.loads(meta.read_text()) != key:
-        log(f"regenerate: {work} holds parts of another target/config; starting over")
-        shutil.rmtree(work)
+    if meta.exists() and (held := json.loads(meta.read_text())) != key:
+        if held != before:
+            log(f"regenerate: {work} holds parts of another target/config; starting over")
+            shutil.rmtree(work)
+        else:
+            write_json(meta, key)
     work.mkdir(parents=True, exist_ok=True)
     if not meta.exists():
         write_json(meta, key)
@@ -409,15 +430,11 @@ def regenerate(
 
     work = Path(work_dir)
     key = {k: v for k, v in json.loads(to_json(cfg)).items() if k not in TRANSPORT_KEYS + ENGINE_KEYS}
-    _prepare_work_dir(
-        work,
-        {
-            "target": str(Path(path).resolve()),
-            "dtype": dtype,
-            "cfg": key,
-            "prompts": str(Path(prompts_path).resolve()),
-        },
-    )
+    # before keys held the resolved paths of the target and the prompts: a work dir of that kind is
+    # still ours when those paths match
+    before = {"target": str(Path(path).resolve()), "dtype": dtype, "cfg": key,
+              "prompts": str(Path(prompts_path).resolve())}
+    _prepare_work_dir(work, work_key(path, dtype, key, [r["id"] for r in prompt_rows]), before)
     done = [r for r in _read_parts(work, set(order)) if not _retried(r, cfg.retry_failed)]
     done_ids = {r["id"] for r in done}
     pending = [r for r in prompt_rows if r["id"] not in done_ids]

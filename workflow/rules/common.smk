@@ -142,7 +142,10 @@ def stage(script, gpus=None, nproc=None, nodes=1):
     if gpus is not None:
         locks = f" --lock-dir {q(CFG.gpus.lock_dir)}" if CFG.gpus.lock_dir else ""
         cmd = f"{q(PY)} -m flashdraft.gpu --gpus {gpus}{locks} -- {cmd}"
-    return on_every_node(cmd, nodes) if nodes > 1 else cmd
+    cmd = on_every_node(cmd, nodes) if nodes > 1 else cmd
+    # how a stage is launched (this interpreter's and the checkout's paths, the lease) changes no output:
+    # a moved checkout or another path to the same environment reruns nothing
+    return untracked(lambda wildcards: cmd)
 
 
 def train_resources():
