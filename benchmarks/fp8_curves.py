@@ -8,8 +8,9 @@ config, random bf16 embedding and LM head) and one fp8 hidden-state shard (hidde
 production.yaml stores them) of `samples` sequences with something to learn: the tokens follow a fixed
 random Markov chain over a 4,096-token slice of the vocabulary (the toy: its 512; each token has four
 successors, with probabilities 0.55, 0.25, 0.12, 0.08), and each target feature k at position t is a
-fixed random embedding of the token there plus half of another of the token before, with Gaussian noise,
-each feature at unit scale. The chain's next-token entropy is known (`chain_entropy_nats`), so a curve
+fixed random embedding of the token there plus half of another of the token before and half of a third of
+the token after (a target's states carry its next token), with Gaussian noise, each feature at unit
+scale. The chain's next-token entropy is known (`chain_entropy_nats`), so a curve
 that falls towards it shows the drafter learning; a curve that stays flat (acc near 0, val_sim_tau 1)
 compares nothing but the first steps' arithmetic, whatever its gap says.
 
@@ -56,7 +57,7 @@ SHAPES = {  # the curve's data and step on each preset
 VARIANTS = {"bf16": None, "fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise"}
 PRODUCTION_KEYS = ("lr", "warmup_ratio", "grad_clip", "weight_decay", "loss", "gamma", "dpace_alpha",
                    "compile_scope", "compile_loss", "dtype", "seed")
-CHAIN = dict(tokens=4096, probs=(0.55, 0.25, 0.12, 0.08), previous=0.5, noise=0.1)
+CHAIN = dict(tokens=4096, probs=(0.55, 0.25, 0.12, 0.08), previous=0.5, next=0.5, noise=0.1)
 LOG_EVERY = 10
 LAST = 100  # the loss gap is taken over the last LAST steps
 
@@ -76,8 +77,8 @@ def markov_shard(work: Path, preset: dict, shape: dict) -> Path:
     h, k = spec.hidden_size, spec.num_features
     vocab = torch.randperm(spec.mask_token_id, generator=torch.Generator().manual_seed(0))[:n].to(dev)
     succ = torch.randint(0, n, (n, len(CHAIN["probs"])), generator=g, device=dev)
-    scale = (1 + CHAIN["previous"] ** 2 + CHAIN["noise"] ** 2) ** -0.5  # unit variance per feature
-    now, before = (torch.randn(n, k * h, generator=g, device=dev) for _ in range(2))
+    scale = (1 + CHAIN["previous"] ** 2 + CHAIN["next"] ** 2 + CHAIN["noise"] ** 2) ** -0.5  # unit variance
+    now, before, after = (torch.randn(n, k * h, generator=g, device=dev) for _ in range(3))
     meta = ShardMeta(target="markov", target_layer_ids=spec.target_layer_ids, hidden_size=h,
                      dtype="float8_e4m3")
     chains = np.random.default_rng(0)
@@ -89,9 +90,9 @@ def markov_shard(work: Path, preset: dict, shape: dict) -> Path:
     t0 = time.perf_counter()
     with open_shard(path, meta) as w:
         for i, row in enumerate(torch.from_numpy(x).to(dev)):
-            prev = torch.cat([row[:1], row[:-1]])
-            feats = now[row] + CHAIN["previous"] * before[prev] + CHAIN["noise"] * torch.randn(
-                s, k * h, generator=g, device=dev)
+            prev, nxt = torch.cat([row[:1], row[:-1]]), torch.cat([row[1:], row[-1:]])
+            feats = now[row] + CHAIN["previous"] * before[prev] + CHAIN["next"] * after[nxt] + \
+                CHAIN["noise"] * torch.randn(s, k * h, generator=g, device=dev)
             q, sc = quantize_fp8(feats * scale)
             w.write(f"m{i:05d}", vocab[row].tolist(), [1] * s, q.cpu(), sc.cpu())
     write_manifest(manifest_path(path), w)
