@@ -120,13 +120,12 @@ def test_a_chunk_store_reads_the_run_s_sample_numbers_and_pickles_for_loader_wor
 
     from conftest import toy_hidden_shards
 
-    from flashdraft.hidden import HiddenStore
-    from flashdraft.stream import ChunkStore
+    from flashdraft.hidden import HiddenStore, StoreView
 
     shards = toy_hidden_shards(tmp_path, {"num_layers": 2, "block_size": 8}, shards=2, rows=6)
     store = HiddenStore(shards)
     local = {100 + j: j for j in range(len(store))[::-1]}  # run numbers -> rows of these shards
-    chunk = pickle.loads(pickle.dumps(ChunkStore(store, local)))  # as a DataLoader worker gets it
+    chunk = pickle.loads(pickle.dumps(StoreView(store, local)))  # as a DataLoader worker gets it
     assert len(chunk) == len(store) and chunk.layer_ids == store.layer_ids
     for i, j in local.items():
         assert chunk[i]["id"] == store[j]["id"] and chunk[i]["hidden"].equal(store[j]["hidden"])

@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 from flashdraft.config import HiddenConfig, TrainConfig, check, load_config
 from flashdraft.errors import UserError
 from flashdraft.hidden import HiddenStore
+from flashdraft.holdout import val_split
 from flashdraft.stream import Plan, data_plan, write_tokens
-from flashdraft.validate import split_store, val_split
+from flashdraft.validate import split_store
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = {"num_layers": 2, "block_size": 8}
@@ -77,7 +78,7 @@ def test_store_mode_keeps_the_validation_samples_out_of_training(data):
     assert len(val) == 8 and len(train_store) == len(store) - 8
     assert not set(val.ids()) & set(train_store.ids())
     assert sorted(val.ids()) == val_split(store.ids(), 8, 0)
-    assert train_store[0]["input_ids"].equal(store[train_store.indices[0]]["input_ids"])
+    assert train_store[0]["input_ids"].equal(store[train_store.index[0]]["input_ids"])
     assert split_store(store, TrainConfig(val_samples=0))[1] is None  # every sample trains
 
 

@@ -497,6 +497,34 @@ class HiddenStore:
         return self.meta.target
 
 
+class StoreView:
+    """Samples of a store under other numbers: view[i] is store[index[i]]. `index` a list (some samples,
+    renumbered 0..n-1 in its order: the validation split) or a dict (a stream chunk's shards under the
+    run's sample numbers). Picklable, for the loader's worker processes."""
+
+    def __init__(self, store, index):
+        self.store, self.index = store, index
+
+    def __getitem__(self, i: int) -> dict:
+        return self.store[self.index[i]]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def num_tokens(self, i: int) -> int:
+        return self.store.num_tokens(self.index[i])
+
+    def ids(self) -> list[str]:
+        ids = self.store.ids()
+        order = sorted(self.index) if isinstance(self.index, dict) else range(len(self.index))
+        return [ids[self.index[i]] for i in order]
+
+    def __getattr__(self, name):  # the shards' metadata: layer_ids, hidden_size, dtype, ...
+        if name in ("store", "index"):  # not yet set (unpickling)
+            raise AttributeError(name)
+        return getattr(self.store, name)
+
+
 # --------------------------------------------------------------------------------------------- verifying
 
 

@@ -33,8 +33,8 @@ from .config import (
 )
 from .config import STREAM_RING as RING
 from .errors import UserError
+from .holdout import val_split
 from .io import StorageDtype, bytes_per_token, human_bytes, log, write_json, write_parquet
-from .validate import val_split
 
 FORMAT = "flashdraft.plan/1"
 # Bytes a shard row takes beyond its tokens' (Arrow offsets, the id, record-batch metadata), counted
@@ -366,27 +366,10 @@ class Plan:
                             "(snakemake --forcerun data_plan)")
 
 
-class ChunkStore:
-    """A chunk's shards indexed by the run's sample numbers (what the epoch plan holds), for the loader."""
-
-    def __init__(self, store, local: dict[int, int]):
-        self.store, self.local = store, local
-
-    def __getitem__(self, i: int) -> dict:
-        return self.store[self.local[i]]
-
-    def __len__(self) -> int:
-        return len(self.local)
-
-    def __getattr__(self, name):  # the shards' metadata: layer_ids, hidden_size, dtype, ...
-        if name in ("store", "local"):  # not yet set (unpickling)
-            raise AttributeError(name)
-        return getattr(self.store, name)
-
-
-def planned_store(plan: Plan, c: Chunk, shards) -> ChunkStore:
-    """The chunk's shards, checked to hold exactly the chunk's samples at the planned lengths."""
-    from .hidden import HiddenStore
+def planned_store(plan: Plan, c: Chunk, shards):
+    """The chunk's shards under the run's sample numbers (what the epoch plan holds, for the loader), checked
+    to hold exactly the chunk's samples at the planned lengths."""
+    from .hidden import HiddenStore, StoreView
 
     if not shards:
         raise UserError(f"no hidden shards given for {c.name}")
@@ -406,7 +389,7 @@ def planned_store(plan: Plan, c: Chunk, shards) -> ChunkStore:
             f"{len(unknown)} sample(s) not in the plan or of another length, {len(missing)} of the chunk's "
             "missing; rerun the chunk's hidden_chunk jobs (after a data change: snakemake --forcerun "
             "data_plan)")
-    return ChunkStore(store, local)
+    return StoreView(store, local)
 
 
 # --------------------------------------------------------------------------------------- chunk shards

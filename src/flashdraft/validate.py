@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -26,56 +25,16 @@ import torch
 
 from .batches import Collate, bucket_for, rows_per_batch
 from .checkpoint import read_safetensors, write_safetensors
-from .config import TrainConfig, check_validation
+from .config import TrainConfig
 from .distributed import Dist, all_sum, barrier
 from .errors import UserError
+from .hidden import StoreView
+from .holdout import anchor_seed, val_split
 from .io import atomic_path
 from .loss import dflash_loss, stats_size, summarize
 from .train_step import anchors_for
 
 VAL_PREFIX = "val_"
-
-
-def _hash(*parts) -> bytes:
-    return hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
-
-
-def val_split(ids: list[str], n: int, seed: int) -> list[str]:
-    """The validation samples: the `n` ids whose hash with `seed` is smallest, in id order."""
-    if not n:
-        return []
-    check_validation(TrainConfig(val_samples=n), samples=len(ids))
-    return sorted(sorted(ids, key=lambda sid: _hash(seed, sid))[:n])
-
-
-def anchor_seed(sample_id: str) -> int:
-    """A validation sample's anchor seed: from its id alone, the same in every step, run and seed."""
-    return int.from_bytes(_hash("val-anchors", sample_id)[:8], "little") >> 1
-
-
-class SubsetStore:
-    """Some samples of a store, renumbered 0..n-1 in the store's order (picklable for loader workers)."""
-
-    def __init__(self, store, indices: list[int]):
-        self.store, self.indices = store, indices
-
-    def __getitem__(self, i: int) -> dict:
-        return self.store[self.indices[i]]
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def num_tokens(self, i: int) -> int:
-        return self.store.num_tokens(self.indices[i])
-
-    def ids(self) -> list[str]:
-        ids = self.store.ids()
-        return [ids[i] for i in self.indices]
-
-    def __getattr__(self, name):  # the shards' metadata: layer_ids, hidden_size, dtype, ...
-        if name in ("store", "indices"):  # not yet set (unpickling)
-            raise AttributeError(name)
-        return getattr(self.store, name)
 
 
 def split_store(store, cfg: TrainConfig):
@@ -85,7 +44,7 @@ def split_store(store, cfg: TrainConfig):
     ids = store.ids()
     val = set(val_split(ids, cfg.val_samples, cfg.seed))
     train = [i for i, sid in enumerate(ids) if sid not in val]
-    return SubsetStore(store, train), SubsetStore(store, [i for i, sid in enumerate(ids) if sid in val])
+    return StoreView(store, train), StoreView(store, [i for i, sid in enumerate(ids) if sid in val])
 
 
 def val_every(cfg: TrainConfig) -> int:
