@@ -91,6 +91,28 @@ def test_unknown_key_named():
         from_dict(Config, {"train": {"lrr": 1}})
 
 
+def test_a_schema_mistake_is_one_line_naming_the_key():
+    """What the workflow checks first (and the planner): an unknown key names its section and itself, a
+    wrong value its key, in one line rather than jsonschema's dump of the schema."""
+    from flashdraft.config import check_schema
+
+    def config(section, key, value):
+        data = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+        data.setdefault(section, {})[key] = value
+        return data
+
+    with pytest.raises(UserError) as e:
+        check_schema(config("train", "lrr", 1.0), SCHEMA)
+    assert str(e.value) == "config key train: Additional properties are not allowed ('lrr' was unexpected)"
+    with pytest.raises(UserError) as e:
+        check_schema(config("trian", "lr", 1.0), SCHEMA, "my.yaml: ")
+    assert str(e.value) == ("my.yaml: config key (top level): Additional properties are not allowed ('trian' "
+                            "was unexpected)")
+    with pytest.raises(UserError, match=r"^config key train\.epochs: 'six' is not of type 'integer'$"):
+        check_schema(config("train", "epochs", "six"), SCHEMA)
+    check_schema(yaml.safe_load((REPO / "config" / "production.yaml").read_text()), SCHEMA)
+
+
 def test_section_json_fills_defaults():
     t = load_section(TrainConfig, '{"lr": 0.001}', "train")
     assert t.lr == 0.001 and t.epochs == 6 and t.max_anchors == 512

@@ -281,6 +281,20 @@ def init_files(path) -> list[Path]:
     return files
 
 
+def check_schema(data: dict, schema_path, where: str = "") -> None:
+    """`data` against workflow/schemas/config.schema.yaml (`schema_path`), as the workflow and the planner
+    read a config: the first mistake as one line naming the key (an unknown one: its section, and the key
+    "was unexpected"), `where` (the file) before it, instead of jsonschema's dump of the whole schema."""
+    import jsonschema
+    import yaml
+
+    try:
+        jsonschema.validate(data, yaml.safe_load(Path(schema_path).read_text()))
+    except jsonschema.ValidationError as e:
+        key = ".".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise UserError(f"{where}config key {key}: {e.message}") from None
+
+
 def check(cfg: Config, target: dict | None = None) -> list[str]:
     """What needs only the config and the target's config.json (`target`: that file's contents, when it
     is not at target.path yet), checked before any job runs: raises a UserError naming the key; returns

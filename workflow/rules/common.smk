@@ -18,6 +18,7 @@ from flashdraft.config import (  # noqa: E402
     Config,
     check,
     check_fp8_gpus,
+    check_schema,
     from_dict,
     run_config_digest,
 )
@@ -28,6 +29,10 @@ from flashdraft.shards import shard_sources  # noqa: E402
 from flashdraft.launch import on_every_node, torchrun  # noqa: E402
 
 
+try:  # one line naming the key; Snakemake's validate would print the whole schema
+    check_schema(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
+except UserError as e:
+    raise WorkflowError(str(e)) from None
 validate(config, schema="../schemas/config.schema.yaml")
 CFG = from_dict(Config, config)
 
