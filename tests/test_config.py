@@ -3,6 +3,7 @@
 import dataclasses
 import importlib.util
 import json
+import re
 import typing
 from pathlib import Path
 
@@ -90,6 +91,28 @@ def test_unknown_key_named():
         from_dict(Config, {"train": {"lrr": 1}})
 
 
+def test_a_schema_mistake_is_one_line_naming_the_key():
+    """What the workflow checks first (and the planner): an unknown key names its section and itself, a
+    wrong value its key, in one line rather than jsonschema's dump of the schema."""
+    from flashdraft.config import check_schema
+
+    def config(section, key, value):
+        data = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+        data.setdefault(section, {})[key] = value
+        return data
+
+    with pytest.raises(UserError) as e:
+        check_schema(config("train", "lrr", 1.0), SCHEMA)
+    assert str(e.value) == "config key train: Additional properties are not allowed ('lrr' was unexpected)"
+    with pytest.raises(UserError) as e:
+        check_schema(config("trian", "lr", 1.0), SCHEMA, "my.yaml: ")
+    assert str(e.value) == ("my.yaml: config key (top level): Additional properties are not allowed ('trian' "
+                            "was unexpected)")
+    with pytest.raises(UserError, match=r"^config key train\.epochs: 'six' is not of type 'integer'$"):
+        check_schema(config("train", "epochs", "six"), SCHEMA)
+    check_schema(yaml.safe_load((REPO / "config" / "production.yaml").read_text()), SCHEMA)
+
+
 def test_section_json_fills_defaults():
     t = load_section(TrainConfig, '{"lr": 0.001}', "train")
     assert t.lr == 0.001 and t.epochs == 6 and t.max_anchors == 512
@@ -170,7 +193,7 @@ def test_fp8_takes_a_known_recipe_and_a_gpu_with_fp8_matmuls():
     cfg = load_config(str(REPO / "config" / "config.yaml"))
     assert cfg.train.fp8 is None  # the embedded default trains as it always has
     assert not [w for w in check(cfg) if "torchao" in w]
-    cfg.train.fp8 = "rowwise"
+    cfg.train.fp8, cfg.gpus.drafter = "rowwise", 1
     warnings = [w for w in check(cfg) if "torchao" in w]
     if importlib.util.find_spec("torchao") is None:  # said at the workflow's start, not after hours
         assert warnings == ["config key train.fp8 (rowwise) needs torchao, which this environment lacks: "
@@ -181,9 +204,73 @@ def test_fp8_takes_a_known_recipe_and_a_gpu_with_fp8_matmuls():
     with pytest.raises(UserError, match=r"train\.fp8: 'e5m2'; use one of tensorwise, rowwise, or null"):
         check(cfg)
     layer = torch.nn.Linear(32, 16)
-    with pytest.raises(ValueError, match=r"train\.fp8 \(tensorwise\) needs a GPU with FP8 .* not cpu"):
+    # the trainer checks again, in the workflow's words (fp8_problem)
+    on_cpu = NEED + "the drafter trains on the CPU; set train.fp8: null"
+    with pytest.raises(UserError, match=f"^{re.escape(on_cpu)}$"):
         float8_linears(layer, "tensorwise", torch.device("cpu"))
     assert type(layer) is torch.nn.Linear  # left as it was
+
+
+NEED = ("config key train.fp8 (tensorwise) needs a GPU with FP8 matmuls (compute capability 8.9 or newer), "
+        "but ")
+
+
+@pytest.mark.parametrize("recipe, on_gpu, gpus, torchao, expected", [
+    (None, False, [], False, None),  # off: nothing is needed
+    ("tensorwise", False, [], True, NEED + "the drafter trains on the CPU; set train.fp8: null"),
+    ("tensorwise", False, [("0", "NVIDIA H100", (9, 0))], True,
+     NEED + "the drafter trains on the CPU; set train.fp8: null"),
+    ("tensorwise", True, [("0", "NVIDIA A100-SXM4-80GB", (8, 0))], True,
+     NEED + "GPU 0 (NVIDIA A100-SXM4-80GB) has compute capability 8.0; set train.fp8: null"),
+    ("tensorwise", True, [("0", "NVIDIA H100", (9, 0)), ("1", "NVIDIA A10", (8, 6))], True,
+     NEED + "GPU 1 (NVIDIA A10) has compute capability 8.6; set train.fp8: null"),
+    ("tensorwise", True, [("0", "NVIDIA A100", (8, 0))], False,  # the GPU first: torchao would not help
+     NEED + "GPU 0 (NVIDIA A100) has compute capability 8.0; set train.fp8: null"),
+    ("tensorwise", True, [("0", "NVIDIA L40S", (8, 9)), ("1", "NVIDIA H200", (9, 0))], True, None),
+    ("rowwise", True, [("0", "NVIDIA B200", (10, 0))], True, None),
+    ("tensorwise", True, [("0", "NVIDIA H100", None)], True, None),  # unknown capability: the trainer checks
+    ("tensorwise", True, [], True, None),  # nothing known of the GPUs (no nvidia-smi)
+    ("rowwise", True, [("0", "NVIDIA H200", (9, 0))], False,
+     "config key train.fp8 (rowwise) needs torchao, which this environment lacks: pip install torchao, "
+     "or set train.fp8: null"),
+])
+def test_fp8_problem_names_what_is_missing(recipe, on_gpu, gpus, torchao, expected):
+    from flashdraft.config import fp8_problem
+
+    assert fp8_problem(recipe, on_gpu, gpus, torchao) == expected
+
+
+def test_fp8_on_the_cpu_is_refused_by_the_check_before_any_job():
+    """production.yaml's train.fp8 with gpus.drafter: 0: the config check the workflow (and the planner)
+    runs first refuses it in one line, whatever GPUs this machine has."""
+    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg.train.fp8, cfg.gpus.drafter = "tensorwise", 0
+    with pytest.raises(UserError) as e:
+        check(cfg)
+    assert str(e.value) == NEED + "the drafter trains on the CPU; set train.fp8: null"
+
+
+def test_fp8_against_this_node_s_gpus_and_torchao(monkeypatch):
+    """check_fp8_gpus, which the workflow runs when gpus.check_visible: the GPUs nvidia-smi reports, and
+    torchao in this environment."""
+    import flashdraft.config as C
+
+    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg.train.fp8, cfg.gpus.drafter = "tensorwise", 1
+    with pytest.raises(UserError, match=r"but GPU 0 \(NVIDIA A100\) has compute capability 8\.0; set train"):
+        C.check_fp8_gpus(cfg, [("0", "NVIDIA A100", (8, 0))])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: None if name == "torchao" else real(name))
+    with pytest.raises(UserError, match=r"needs torchao, which this environment lacks"):
+        C.check_fp8_gpus(cfg, [("0", "NVIDIA H200", (9, 0))])
+    monkeypatch.undo()
+    if importlib.util.find_spec("torchao") is not None:
+        C.check_fp8_gpus(cfg, [("0", "NVIDIA H200", (9, 0))])
+    cfg.gpus.drafter = 0
+    with pytest.raises(UserError, match=r"the drafter trains on the CPU"):
+        C.check_fp8_gpus(cfg, [("0", "NVIDIA H200", (9, 0))])
+    cfg.train.fp8 = None
+    C.check_fp8_gpus(cfg, [("0", "NVIDIA A100", (8, 0))])
 
 
 def test_compile_scope_is_model_or_layer():

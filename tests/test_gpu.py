@@ -10,7 +10,7 @@ import tempfile
 import pytest
 from conftest import one_line_error
 
-from flashdraft.gpu import Lease, visible_gpus
+from flashdraft.gpu import Lease, parse_capabilities, select_visible, visible_gpus
 
 LEASE = [sys.executable, "-m", "flashdraft.gpu"]
 
@@ -167,3 +167,24 @@ def test_another_user_s_lock_dir_is_refused_a_group_s_is_used_without_rewriting_
     with Lease(1, shared, pool=["0"]) as lease:
         assert lease.gpus == ["0"]
     assert (shared / "gpu0.lock").read_text() == "4242's\n"  # not ours: left as it is
+
+
+SMI = """0, GPU-aaaa1111, NVIDIA A100-SXM4-80GB, 8.0
+1, GPU-bbbb2222, NVIDIA H100 80GB HBM3, 9.0
+2, GPU-cccc3333, NVIDIA Graphics, Device, [N/A]
+"""
+
+
+def test_compute_capabilities_of_the_visible_gpus():
+    """nvidia-smi's index, uuid, name, compute_cap lines, narrowed to what CUDA_VISIBLE_DEVICES shows (by
+    index or UUID prefix, up to an invalid entry, as CUDA reads it)."""
+    rows = parse_capabilities(SMI)
+    assert rows == [("0", "GPU-aaaa1111", "NVIDIA A100-SXM4-80GB", (8, 0)),
+                    ("1", "GPU-bbbb2222", "NVIDIA H100 80GB HBM3", (9, 0)),
+                    ("2", "GPU-cccc3333", "NVIDIA Graphics, Device", None)]
+    assert select_visible(rows, None) == [(i, n, c) for i, _, n, c in rows]
+    assert select_visible(rows, "1") == [("1", "NVIDIA H100 80GB HBM3", (9, 0))]
+    assert select_visible(rows, "GPU-aaaa,1") == [("0", "NVIDIA A100-SXM4-80GB", (8, 0)),
+                                                  ("1", "NVIDIA H100 80GB HBM3", (9, 0))]
+    assert select_visible(rows, "1,-1,0") == [("1", "NVIDIA H100 80GB HBM3", (9, 0))]
+    assert select_visible(rows, "") == []

@@ -61,6 +61,23 @@ def test_bad_config_fails_before_any_job(tmp_path, overrides, expected):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    ({"train.fp8": "tensorwise", "gpus.drafter": 0},
+     "config key train.fp8 (tensorwise) needs a GPU with FP8 matmuls (compute capability 8.9 or newer), but "
+     "the drafter trains on the CPU; set train.fp8: null"),
+    ({"train.lrr": 1.0}, "config key train: Additional properties are not allowed ('lrr' was unexpected)"),
+], ids=["fp8-on-the-cpu", "unknown-key"])
+def test_a_config_mistake_is_one_line_before_any_job(tmp_path, overrides, expected):
+    """production.yaml's float8 on a CPU run, an unknown key: the line that names it, and no job (neither
+    hours of work before the warmup refuses float8, nor a dump of the whole schema)."""
+    config = write_config(tmp_path / "config.yaml", overrides)
+    proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and expected in out.splitlines(), out
+    assert "Traceback" not in out and len(out.splitlines()) < 10, out
+    assert "Job stats" not in out and not (tmp_path / "results").exists()
+
+
 def test_remote_code_target_fails_before_any_job(tmp_path):
     model = tmp_path / "models" / "mine"
     model.mkdir(parents=True)

@@ -281,6 +281,20 @@ def init_files(path) -> list[Path]:
     return files
 
 
+def check_schema(data: dict, schema_path, where: str = "") -> None:
+    """`data` against workflow/schemas/config.schema.yaml (`schema_path`), as the workflow and the planner
+    read a config: the first mistake as one line naming the key (an unknown one: its section, and the key
+    "was unexpected"), `where` (the file) before it, instead of jsonschema's dump of the whole schema."""
+    import jsonschema
+    import yaml
+
+    try:
+        jsonschema.validate(data, yaml.safe_load(Path(schema_path).read_text()))
+    except jsonschema.ValidationError as e:
+        key = ".".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise UserError(f"{where}config key {key}: {e.message}") from None
+
+
 def check(cfg: Config, target: dict | None = None) -> list[str]:
     """What needs only the config and the target's config.json (`target`: that file's contents, when it
     is not at target.path yet), checked before any job runs: raises a UserError naming the key; returns
@@ -340,6 +354,9 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
                         f"{', '.join(COMPILE_SCOPES)}")
     if t.fp8 is not None and t.fp8 not in FP8_RECIPES:
         raise UserError(f"config key train.fp8: {t.fp8!r}; use one of {', '.join(FP8_RECIPES)}, or null")
+    problem = fp8_problem(t.fp8, cfg.gpus.drafter > 0)  # the GPUs themselves: check_fp8_gpus, where they run
+    if problem:
+        raise UserError(problem)
     check_validation(t, p.total)
     warnings = []
     if t.fp8 is not None and importlib.util.find_spec("torchao") is None:
@@ -356,6 +373,40 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
             f"(prompts.total) are held out of training; use a few percent, or 0 for no validation"
         )
     return warnings
+
+
+# train.fp8's float8 matmuls need this compute capability (Ada, Hopper and newer).
+FP8_CAPABILITY = (8, 9)
+
+
+def fp8_problem(recipe: str | None, on_gpu: bool, gpus=(), torchao: bool = True) -> str | None:
+    """Why train.fp8 (`recipe`) cannot train here, as the one line to print, or None: `on_gpu` whether the
+    drafter trains on GPUs, `gpus` (index, name, (major, minor) or None when unknown) those it may use,
+    `torchao` whether torchao can be imported. The workflow's start and the trainer share the wording."""
+    if recipe is None:
+        return None
+    need = (f"config key train.fp8 ({recipe}) needs a GPU with FP8 matmuls (compute capability "
+            f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer)")
+    fix = "; set train.fp8: null"
+    if not on_gpu:
+        return f"{need}, but the drafter trains on the CPU{fix}"
+    for index, name, cap in gpus:
+        if cap is not None and tuple(cap) < FP8_CAPABILITY:
+            return f"{need}, but GPU {index} ({name}) has compute capability {cap[0]}.{cap[1]}{fix}"
+    if not torchao:
+        return (f"config key train.fp8 ({recipe}) needs torchao, which this environment lacks: "
+                "pip install torchao, or set train.fp8: null")
+    return None
+
+
+def check_fp8_gpus(cfg: Config, gpus) -> None:
+    """train.fp8 against the GPUs the drafter may use on this node (`gpus`: flashdraft.gpu.gpu_capabilities;
+    a lease may give it any of them, and none is checked when nothing is known) and this environment's
+    torchao, before any job runs: a UserError names what is missing."""
+    problem = fp8_problem(cfg.train.fp8, cfg.gpus.drafter > 0, gpus,
+                          importlib.util.find_spec("torchao") is not None)
+    if problem:
+        raise UserError(problem)
 
 
 # check() warns when train.val_samples holds out more than 1 / VAL_WARN_RATIO of the training prompts

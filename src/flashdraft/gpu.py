@@ -42,6 +42,54 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
+def gpu_capabilities() -> list[tuple[str, str, tuple[int, int] | None]]:
+    """(index, name, compute capability or None when unknown) of each GPU visible_gpus() gives, from
+    nvidia-smi, without importing torch; [] when nvidia-smi is missing or fails (nothing known)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        query = ["nvidia-smi", "--query-gpu=index,uuid,name,compute_cap", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:  # a driver too old for compute_cap, or no GPU
+        return []
+    return select_visible(parse_capabilities(out.stdout), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def parse_capabilities(text: str) -> list[tuple[str, str, str, tuple[int, int] | None]]:
+    """nvidia-smi's `index, uuid, name, compute_cap` CSV lines as (index, uuid, name, (major, minor))."""
+    rows = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 4:
+            continue
+        index, uuid, cap = parts[0], parts[1], parts[-1]
+        name = ", ".join(parts[2:-1])
+        try:
+            major, minor = (int(x) for x in cap.split("."))
+            rows.append((index, uuid, name, (major, minor)))
+        except ValueError:  # [N/A]
+            rows.append((index, uuid, name, None))
+    return rows
+
+
+def select_visible(rows, env: str | None) -> list[tuple[str, str, tuple[int, int] | None]]:
+    """The rows CUDA_VISIBLE_DEVICES (`env`: indices or UUID prefixes; None: all) leaves visible, as
+    (index, name, capability)."""
+    if env is None:
+        return [(i, name, cap) for i, _, name, cap in rows]
+    picked = []
+    for g in (g.strip() for g in env.split(",")):
+        if not g or g == "-1":
+            break  # CUDA ignores what follows an invalid entry
+        for i, uuid, name, cap in rows:
+            if g == i or (g.startswith("GPU-") and uuid.startswith(g)):
+                picked.append((i, name, cap))
+                break
+    return picked
+
+
 def default_lock_dir() -> Path:
     """This user's own lock dir in the node's temp dir: no other user can put a file or a link in it."""
     return Path(tempfile.gettempdir()) / f"flashdraft-gpu-locks-{os.getuid()}"

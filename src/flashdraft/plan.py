@@ -37,7 +37,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import Config, check, feature_layers, from_dict, stream_chunk_tokens
+from .config import Config, check, check_schema, feature_layers, from_dict, stream_chunk_tokens
 from .errors import UserError, cli
 from .hf_config import attention_shape, read_target_config
 from .io import FP8, bytes_per_token, human_bytes, parse_bytes
@@ -133,13 +133,7 @@ def load(configfile, base=DEFAULT_CONFIG, target: dict | None = None) -> Config:
             raise UserError(f"{f}: the config must be a mapping of sections")
         merge_into(data, loaded)
     if SCHEMA.exists():
-        import jsonschema
-
-        try:
-            jsonschema.validate(data, yaml.safe_load(SCHEMA.read_text()))
-        except jsonschema.ValidationError as e:
-            key = ".".join(str(p) for p in e.absolute_path) or "(top level)"
-            raise UserError(f"{configfile}: config key {key}: {e.message}") from e
+        check_schema(data, SCHEMA, f"{configfile}: ")
     try:
         cfg = from_dict(Config, data)
     except ValueError as e:

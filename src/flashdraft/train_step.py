@@ -9,7 +9,8 @@ from dataclasses import dataclass, is_dataclass
 
 import torch
 
-from .config import DrafterConfig, TrainConfig
+from .config import DrafterConfig, TrainConfig, fp8_problem
+from .errors import UserError
 from .hf_config import plain_target_config, read_target_config
 from .io import torch_dtype
 from .loss import block_labels, dflash_loss, resolve_attention, sample_anchors
@@ -114,13 +115,21 @@ def compile_drafter(drafter: DFlashDrafter, scope: str) -> None:
 def float8_linears(model: torch.nn.Module, recipe: str, device: torch.device) -> None:
     """train.fp8: the model's linear layers as torchao's Float8Linear (same parameters, so checkpoints
     and the export are unchanged; the matmuls run in float8 with `recipe`'s scales)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"config key train.fp8 ({recipe}) needs a GPU with FP8 matmuls (compute capability "
-                         f"8.9 or newer), not {device}; set train.fp8: null")
+    on_gpu, gpus = device.type == "cuda", []
+    if on_gpu:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gpus = [(index, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))]
     try:
         import torchao.float8  # noqa: F401
-    except ImportError as e:
-        raise ValueError(f"config key train.fp8 ({recipe}) needs torchao: pip install torchao ({e})") from e
+
+        torchao = True
+    except ImportError:
+        torchao = False
+    # the workflow checked this before its first job (flashdraft.config.check_fp8_gpus): here again for
+    # whatever runs the trainer another way
+    problem = fp8_problem(recipe, on_gpu, gpus, torchao)
+    if problem:
+        raise UserError(problem)
     to_float8(model, recipe)
 
 

@@ -17,16 +17,22 @@ from flashdraft.config import (  # noqa: E402
     WARMUP_TRAIN_KEYS,
     Config,
     check,
+    check_fp8_gpus,
+    check_schema,
     from_dict,
     run_config_digest,
 )
 from flashdraft.errors import UserError  # noqa: E402
-from flashdraft.gpu import visible_gpus  # noqa: E402
+from flashdraft.gpu import gpu_capabilities, visible_gpus  # noqa: E402
 from flashdraft.io import file_digests  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
 from flashdraft.launch import on_every_node, torchrun  # noqa: E402
 
 
+try:  # one line naming the key; Snakemake's validate would print the whole schema
+    check_schema(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
+except UserError as e:
+    raise WorkflowError(str(e)) from None
 validate(config, schema="../schemas/config.schema.yaml")
 CFG = from_dict(Config, config)
 
@@ -85,6 +91,8 @@ def check_config():
             )
     try:
         warnings = check(CFG)
+        if CFG.gpus.check_visible and CFG.train.fp8:  # the jobs train here: their GPUs' capability
+            check_fp8_gpus(CFG, gpu_capabilities())
     except UserError as e:
         raise WorkflowError(str(e)) from e
     for w in warnings:
