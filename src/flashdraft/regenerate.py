@@ -31,7 +31,7 @@ from .config import RegenerateConfig, TargetConfig, to_json
 from .errors import UserError, rerun_command
 from .hf_config import read_target_config
 from .io import log, progress, write_json, write_parquet
-from .managed_server import ManagedServer
+from .managed_server import ManagedServer, ServerError
 from .shards import shard_of
 from .sources import MESSAGES
 from .target import generate, load_for_generate
@@ -219,14 +219,16 @@ def _ask(row, client: ChatClient, cfg, model, count) -> tuple[Regenerated, bool]
         return Regenerated.answered(row, prompt, reply.text, n, reply.finish), True
     except GiveUp as e:
         return Regenerated.failed(row, str(e), "answer"), False
+    except ServerError:  # the job's own server exited: nothing more can be answered
+        raise
     except Exception as e:  # a bad request or answer: committed, and retried by a rerun
         return Regenerated.failed(row, f"{type(e).__name__}: {e}", "answer"), True
 
 
-def _run_openai(cfg, target, dtype, todo: Pending) -> Answered:
+def _run_openai(cfg, target, dtype, todo: Pending, server_gone=None) -> Answered:
     """Answer the pending rows by concurrent requests to an OpenAI-compatible server at
     regenerate.base_url. Stops early once the errors exceed the most the stage tolerates: it fails
-    anyway, so spare the server."""
+    anyway, so spare the server. `server_gone`: see ChatClient; its error stops the run at once."""
     from transformers import AutoTokenizer
 
     if not cfg.base_url:
@@ -240,7 +242,7 @@ def _run_openai(cfg, target, dtype, todo: Pending) -> Answered:
     headers = {"Content-Type": "application/json"}
     if os.environ.get(cfg.api_key_env or ""):
         headers["Authorization"] = f"Bearer {os.environ[cfg.api_key_env]}"
-    client = ChatClient(cfg.base_url, headers, cfg.max_retries, cfg.timeout_s, cfg.backoff_s)
+    client = ChatClient(cfg.base_url, headers, cfg.max_retries, cfg.timeout_s, cfg.backoff_s, server_gone)
     parts, bar, errors, max_errors = todo.parts, todo.bar, todo.errors, todo.max_errors
     parts.flush_s, gave_up, start = FLUSH_S, [], time.monotonic()
     # at most `concurrency` requests in flight, the next sent only once one returns: when the
@@ -278,7 +280,7 @@ def _run_server(cfg, target, dtype, todo: Pending) -> Answered:
     """regenerate.backend server: our own OpenAI-compatible server, started for the job and stopped on
     the way out whatever happens."""
     with _managed_server(cfg, target, Path(todo.parts.work)) as srv:
-        return _run_openai(dataclasses.replace(cfg, base_url=srv.base_url), target, dtype, todo)
+        return _run_openai(dataclasses.replace(cfg, base_url=srv.base_url), target, dtype, todo, srv.exited)
 
 
 # regenerate.backend -> the function that answers the pending rows
