@@ -6,8 +6,9 @@ requests to any OpenAI-compatible server) and `server` (the same requests to a s
 and stops itself, see managed_server.py). All commit results as atomic parquet parts in a work dir; a
 restart reads the ids already there and skips them, so a killed run loses at most the part in progress.
 A failed row is committed with its cause: `answer` (the server's error or a malformed answer) is retried
-by every rerun, `prompt` (the row itself: a chat template that cannot render it, a generate that fails on
-it alone) only with `regenerate.retry_failed: true`. The final file is the parts in prompt order.
+by every rerun, `prompt` (the row itself: a chat template that cannot render it, a prompt that with
+max_new_tokens is longer than the target's positions, a generate that fails on it alone) only with
+`regenerate.retry_failed: true`. The final file is the parts in prompt order.
 """
 
 from __future__ import annotations
@@ -132,6 +133,17 @@ class Pending:
     max_errors: float
 
 
+def _past_positions(model, n: int, cfg: RegenerateConfig) -> str | None:
+    """Why a prompt of `n` tokens cannot be answered within the target's positions (None: it can). Past
+    max_position_embeddings a model gives garbage, not an error, and the static engine would size every
+    slot to the longest prompt."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not limit or n + cfg.max_new_tokens <= limit:
+        return None
+    return (f"longer than the target's positions: the prompt is {n} tokens, with regenerate.max_new_tokens "
+            f"({cfg.max_new_tokens}) {n + cfg.max_new_tokens}, over its max_position_embeddings ({limit})")
+
+
 def _run_hf(cfg, target, dtype, todo: Pending) -> Answered:
     model, tokenizer, eos = load_for_generate(target, dtype)
     from .step import unsupported
@@ -150,6 +162,15 @@ def _run_hf(cfg, target, dtype, todo: Pending) -> Answered:
         r["id"]: len(ids)
         for r, ids in zip(pending, tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True)
     }
+    too_long = [r for r in pending if _past_positions(model, lengths[r["id"]], cfg)]
+    if too_long:  # recorded and counted, like any prompt that cannot be answered; in a part of their own,
+        # so the batches' parts stay as an uninterrupted run forms them
+        parts.add([Regenerated.failed(r, _past_positions(model, lengths[r["id"]], cfg), "prompt")
+                   for r in too_long])
+        parts.flush()
+        todo.bar.update(len(too_long))
+        dropped = {r["id"] for r in too_long}
+        pending = [r for r in pending if r["id"] not in dropped]
     pending.sort(key=lambda r: (-lengths[r["id"]], todo.order[r["id"]]))
     parts.rows_per_part = max(1, cfg.part_rows // batch) * batch
     answered = Answered([], time.monotonic(), batch)
@@ -172,13 +193,19 @@ def _run_static(cfg, model, tokenizer, eos, todo: Pending) -> Answered:
         try:
             prompt = prompt_messages(r["messages"])
             text = render(tokenizer, prompt, add_generation_prompt=True, thinking=cfg.thinking)
-            ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            row_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         except Exception as e:  # a row the chat template cannot render: recorded, the others go on
             parts.add([Regenerated.failed(r, f"{type(e).__name__}: {e}", "prompt")])
             bar.update(1)
             continue
+        why = _past_positions(model, len(row_ids), cfg)
+        if why is not None:  # recorded too: it must not size every slot
+            parts.add([Regenerated.failed(r, why, "prompt")])
+            bar.update(1)
+            continue
         rows.append(r)
         prompts.append(prompt)
+        ids.append(row_ids)
     if not rows:
         return Answered([], time.monotonic())
     max_len = max(map(len, ids)) + cfg.max_new_tokens
