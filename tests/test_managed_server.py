@@ -274,3 +274,38 @@ def test_bad_server_fails_clearly_keeping_parts(case, data, hf_reference, tmp_pa
     if case == "exits_at_once":  # the log tail is quoted
         assert "  | CUDA out of memory" in job.stderr
     assert not (tmp_path / "started").exists()  # a port in use: nothing was started
+
+
+def test_a_server_that_dies_mid_run_is_reported_at_once(data, tmp_path):
+    """The job's server killed while the job uses it: the job stops at once, saying its server exited
+    (and how) after the server's log tail, instead of retrying the dead port until its retries run out.
+    The answers committed before are kept."""
+    # retries that would take minutes to run out, each ending in "Connection refused"
+    cfg, parts, log = _cfg(concurrency=2, part_rows=2, max_retries=5, backoff_s=30), tmp_path / "parts", \
+        tmp_path / "job.log"
+    with open(log, "w") as f:
+        job = subprocess.Popen(_job_cmd(data, tmp_path, cfg), stdout=f, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        _wait(lambda: _server_pid(log.read_text()) or job.poll() is not None, "server start")
+        pid = _server_pid(log.read_text())
+        assert pid is not None, log.read_text()
+        _wait(lambda: _rows(parts) >= 2 or job.poll() is not None, "committed part")
+        os.kill(pid, signal.SIGKILL)
+        code = job.wait(WAIT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    text = log.read_text()
+    assert code == 1, text
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    server_log = re.escape(str(parts / "server.log"))
+    assert re.fullmatch(rf"regenerate: error: the job's server \(pid {pid}\) was killed by SIGKILL while the "
+                        r"job was using it at http://127\.0\.0\.1:\d+/v1 \(the server's last log lines are "
+                        rf"above, all of it in {server_log}\)", last), last
+    assert "Traceback" not in text and "retries" not in text and "refused" not in text
+    tail = text[text.index(f"last lines of {parts / 'server.log'}:"):]
+    assert re.search(r"^  \| .*serving .* on http://127\.0\.0\.1:\d+/v1$", tail, re.M), tail
+    assert text.count("last lines of") == 1  # printed once, though two requests were in flight
+    assert 2 <= _rows(parts) < 40 and not (tmp_path / "train.parquet").exists()
+    assert not _group_alive(pid)

@@ -1,5 +1,6 @@
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -238,3 +239,35 @@ def test_kill_and_rerun_script(data, reference, tmp_path, shard, num_shards):
     assert f"{ref.num_rows} rows" in done.stdout
     assert pq.read_table(out).equals(ref)  # the killed run's rows and the rerun's, as one run's
     assert len(list(parts.glob("part-*.parquet"))) == n_parts
+
+
+@pytest.mark.parametrize("engine", ["static", "generate"])
+def test_a_prompt_past_the_targets_positions_is_a_recorded_failure(data, tmp_path, capsys, engine):
+    """A prompt that with max_new_tokens needs more positions than the target has is failed with its
+    reason (counted in the stage's errors, in errors.parquet), and does not size the static engine's
+    slots; the other prompts are answered."""
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    from flashdraft.toy import TOY_MAX_POSITIONS
+
+    rows = pq.read_table(data / "prompts/train.parquet").to_pylist()[:5]
+    long = dict(rows[0], id="long", messages=[{"role": "user", "content": "7" * TOY_MAX_POSITIONS}])
+    schema = pq.read_schema(data / "prompts/train.parquet")
+    pq.write_table(pa.Table.from_pylist([long, *rows], schema=schema), tmp_path / "prompts.parquet")
+    cfg = dataclasses.replace(CFG, engine=engine, max_error_fraction=0.5)
+    out, prompts = tmp_path / "train.parquet", str(tmp_path / "prompts.parquet")
+    stats = regenerate(cfg, _target(data), prompts, str(out), str(tmp_path / "parts"))
+    assert stats["rows"] == 5 and stats["errors"] == 1
+    assert pq.read_table(out).column("id").to_pylist() == [r["id"] for r in rows]
+    [error] = pq.read_table(tmp_path / "errors.parquet").to_pylist()
+    tok = AutoTokenizer.from_pretrained(data / "target")
+    text = tok.apply_chat_template(long["messages"], add_generation_prompt=True, tokenize=False)
+    n, limit = len(tok(text, add_special_tokens=False)["input_ids"]), TOY_MAX_POSITIONS
+    assert n > limit  # a token per digit
+    assert error["id"] == "long" and error["reason"] == (
+        f"longer than the target's positions: the prompt is {n} tokens, with regenerate.max_new_tokens "
+        f"({CFG.max_new_tokens}) {n + CFG.max_new_tokens}, over its max_position_embeddings ({limit})")
+    if engine == "static":
+        slots = re.search(r"static-cache engine, \d+ slots of (\d+) positions", capsys.readouterr().err)
+        assert slots and int(slots[1]) < 100, slots

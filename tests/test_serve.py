@@ -277,3 +277,81 @@ def test_a_bad_server_then_a_fixed_one_recovers(data, server, hf_reference, tmp_
     good = _script(data, tmp_path, _openai(_url(server)))
     assert good.returncode == 0, good.stderr
     assert "40 rows" in good.stdout and pq.read_table(tmp_path / "train.parquet").equals(hf_reference)
+
+
+def _error_body(srv, body: dict) -> tuple[int, dict]:
+    """POST a chat request; (status, the `error` object of the reply, {} when none)."""
+    req = urllib.request.Request(_url(srv) + "/chat/completions", data=json.dumps(body).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read()).get("error", {})
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())["error"]
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}],
+     "`messages[1].role` must be one of 'system', 'user', 'assistant', got 'robot'"),
+    ([{"role": "assistant", "content": "I answer nothing"}], "`messages` has no user turn"),
+    ([{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "ok"}],
+     "`messages` has no user turn"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+     "the conversation ends with an assistant turn (messages[1]): there is nothing to answer"),
+], ids=["unknown-role", "assistant-only", "system-and-assistant", "ends-with-assistant"])
+def test_conversations_the_template_cannot_answer_are_400(server, messages, words):
+    code, error = _error_body(server, {"messages": messages, "max_tokens": 2})
+    assert code == 400 and error["type"] == "invalid_request_error", error
+    assert words in error["message"]
+
+
+def _prompt_tokens(srv, messages) -> int:
+    text = srv.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(srv.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_a_prompt_past_the_models_positions_is_400(server):
+    limit = server.model.config.max_position_embeddings
+    long = [{"role": "user", "content": "7" * (4 * limit)}]  # a token per digit
+    code, error = _error_body(server, {"messages": long, "max_tokens": 2})
+    n = _prompt_tokens(server, long)
+    assert n > 4 * limit
+    assert code == 400 and error["type"] == "invalid_request_error", error
+    assert error["message"] == (f"the prompt is {n} tokens, over the model's max_position_embeddings of "
+                                f"{limit}; shorten the messages")
+    # a prompt that fits, but not with the answer it asks room for
+    fits = [{"role": "user", "content": "7" * (limit - 16)}]
+    n = _prompt_tokens(server, fits)
+    assert limit - 16 < n < limit
+    code, error = _error_body(server, {"messages": fits, "max_tokens": limit})
+    assert code == 400 and error["message"] == (
+        f"the prompt ({n} tokens) and max_tokens ({limit}) are {n + limit} tokens, over the model's "
+        f"max_position_embeddings of {limit}; shorten the messages or lower max_tokens")
+    code, _ = _error_body(server, {"messages": fits, "max_tokens": limit - n, "temperature": 0})
+    assert code == 200  # exactly at the limit
+
+
+def test_stream_is_400(server):
+    code, error = _error_body(server, {"messages": MESSAGES, "max_tokens": 2, "stream": True})
+    assert code == 400 and error["type"] == "invalid_request_error", error
+    assert error["message"] == "`stream: true` is not supported by this server; leave `stream` out or false"
+    assert _error_body(server, {"messages": MESSAGES, "max_tokens": 2, "stream": False})[0] == 200
+
+
+def test_a_lone_surrogate_is_400(server):
+    # json.dumps writes "\ud800" as its escape: valid JSON, but no Unicode text
+    bad = [{"role": "system", "content": "fine"}, {"role": "user", "content": "broken \ud800 here"}]
+    code, error = _error_body(server, {"messages": bad, "max_tokens": 2})
+    assert code == 400 and error["type"] == "invalid_request_error", error
+    assert error["message"] == "bad unicode in message 1: a lone UTF-16 surrogate (\\ud800) in `content`"
+
+
+def test_error_bodies_have_an_openai_type(server):
+    code, error = _error_body(server, {"messages": MESSAGES, "model": "nope"})
+    assert code == 404 and error["type"] == "invalid_request_error" and error["code"] == 404
+    server.fail_every = 1
+    try:
+        code, error = _error_body(server, {"messages": MESSAGES})
+    finally:
+        server.fail_every = 0
+    assert code == 503 and error["type"] == "server_error"

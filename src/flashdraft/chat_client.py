@@ -9,6 +9,7 @@ import random
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.client import HTTPException
 
@@ -31,13 +32,16 @@ class Reply:
 class ChatClient:
     """POSTs to `base_url`/chat/completions: retried with exponential backoff and jitter on connection
     errors, timeouts, 429 and 5xx (up to `max_retries`, then GiveUp); any other HTTP error is the
-    request's own fault and raises ValueError at once with the server's message."""
+    request's own fault and raises ValueError at once with the server's message. `server_gone`, for a
+    server the job runs itself: after a connection error, the exception to raise at once (the server
+    process has exited) instead of retrying a port nothing will answer on again, or None while it runs."""
 
     base_url: str
     headers: dict
     max_retries: int
     timeout_s: float
     backoff_s: float
+    server_gone: Callable[[], Exception | None] | None = None
 
     @property
     def url(self) -> str:
@@ -77,6 +81,9 @@ class ChatClient:
                 wait = max(wait, min(60.0, float(after))) if after.isdigit() else wait
             except (urllib.error.URLError, OSError, HTTPException) as e:  # refused, reset, timed out
                 reason = f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
+                gone = self.server_gone() if self.server_gone is not None else None
+                if gone is not None:
+                    raise gone from None
             if attempt < self.max_retries:
                 time.sleep(wait)
         raise GiveUp(f"{url}: {reason} (after {self.max_retries} retries)")

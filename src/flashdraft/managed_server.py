@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -124,6 +125,8 @@ class ManagedServer:
         self.stop_grace_s, self.poll_s = stop_grace_s, poll_s
         self.argv = server_argv(cmd, target, self.port, gpus)
         self.proc: subprocess.Popen | None = None
+        self._gone: ServerError | None = None
+        self._gone_lock = threading.Lock()
 
     @property
     def base_url(self) -> str:
@@ -193,6 +196,16 @@ class ManagedServer:
         if code is not None:
             raise self._error(f"GET {url} answered, but the server {_status(code)}: another program "
                               f"answers on port {self.port}")
+
+    def exited(self) -> ServerError | None:
+        """While the job uses it: None if the server runs, else the error that says it exited, with its
+        log's last lines (printed once, however many of the job's threads ask)."""
+        with self._gone_lock:
+            proc = self.proc
+            if self._gone is None and proc is not None and (code := proc.poll()) is not None:
+                self._gone = self._error(f"the job's server (pid {proc.pid}) {_status(code)} while the job "
+                                         f"was using it at {self.base_url}")
+            return self._gone
 
     def _error(self, problem: str) -> ServerError:
         """The problem, after the server's last log lines (why it failed, usually) on stderr."""

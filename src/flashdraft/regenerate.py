@@ -6,8 +6,9 @@ requests to any OpenAI-compatible server) and `server` (the same requests to a s
 and stops itself, see managed_server.py). All commit results as atomic parquet parts in a work dir; a
 restart reads the ids already there and skips them, so a killed run loses at most the part in progress.
 A failed row is committed with its cause: `answer` (the server's error or a malformed answer) is retried
-by every rerun, `prompt` (the row itself: a chat template that cannot render it, a generate that fails on
-it alone) only with `regenerate.retry_failed: true`. The final file is the parts in prompt order.
+by every rerun, `prompt` (the row itself: a chat template that cannot render it, a prompt that with
+max_new_tokens is longer than the target's positions, a generate that fails on it alone) only with
+`regenerate.retry_failed: true`. The final file is the parts in prompt order.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .config import RegenerateConfig, TargetConfig, to_json
 from .errors import UserError, rerun_command
 from .hf_config import read_target_config
 from .io import log, progress, write_json, write_parquet
-from .managed_server import ManagedServer
+from .managed_server import ManagedServer, ServerError
 from .shards import shard_of
 from .sources import MESSAGES
 from .target import generate, load_for_generate
@@ -133,6 +134,17 @@ class Pending:
     max_errors: float
 
 
+def _past_positions(model, n: int, cfg: RegenerateConfig) -> str | None:
+    """Why a prompt of `n` tokens cannot be answered within the target's positions (None: it can). Past
+    max_position_embeddings a model gives garbage, not an error, and the static engine would size every
+    slot to the longest prompt."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not limit or n + cfg.max_new_tokens <= limit:
+        return None
+    return (f"longer than the target's positions: the prompt is {n} tokens, with regenerate.max_new_tokens "
+            f"({cfg.max_new_tokens}) {n + cfg.max_new_tokens}, over its max_position_embeddings ({limit})")
+
+
 def _run_hf(cfg, target, dtype, todo: Pending) -> Answered:
     model, tokenizer, eos = load_for_generate(target, dtype)
     from .step import unsupported
@@ -151,6 +163,15 @@ def _run_hf(cfg, target, dtype, todo: Pending) -> Answered:
         r["id"]: len(ids)
         for r, ids in zip(pending, tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True)
     }
+    too_long = [r for r in pending if _past_positions(model, lengths[r["id"]], cfg)]
+    if too_long:  # recorded and counted, like any prompt that cannot be answered; in a part of their own,
+        # so the batches' parts stay as an uninterrupted run forms them
+        parts.add([Regenerated.failed(r, _past_positions(model, lengths[r["id"]], cfg), "prompt")
+                   for r in too_long])
+        parts.flush()
+        todo.bar.update(len(too_long))
+        dropped = {r["id"] for r in too_long}
+        pending = [r for r in pending if r["id"] not in dropped]
     pending.sort(key=lambda r: (-lengths[r["id"]], todo.order[r["id"]]))
     parts.rows_per_part = max(1, cfg.part_rows // batch) * batch
     answered = Answered([], time.monotonic(), batch)
@@ -173,13 +194,19 @@ def _run_static(cfg, model, tokenizer, eos, todo: Pending) -> Answered:
         try:
             prompt = prompt_messages(r["messages"])
             text = render(tokenizer, prompt, add_generation_prompt=True, thinking=cfg.thinking)
-            ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            row_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         except Exception as e:  # a row the chat template cannot render: recorded, the others go on
             parts.add([Regenerated.failed(r, f"{type(e).__name__}: {e}", "prompt")])
             bar.update(1)
             continue
+        why = _past_positions(model, len(row_ids), cfg)
+        if why is not None:  # recorded too: it must not size every slot
+            parts.add([Regenerated.failed(r, why, "prompt")])
+            bar.update(1)
+            continue
         rows.append(r)
         prompts.append(prompt)
+        ids.append(row_ids)
     if not rows:
         return Answered([], time.monotonic())
     max_len = max(map(len, ids)) + cfg.max_new_tokens
@@ -220,14 +247,16 @@ def _ask(row, client: ChatClient, cfg, model, count) -> tuple[Regenerated, bool]
         return Regenerated.answered(row, prompt, reply.text, n, reply.finish), True
     except GiveUp as e:
         return Regenerated.failed(row, str(e), "answer"), False
+    except ServerError:  # the job's own server exited: nothing more can be answered
+        raise
     except Exception as e:  # a bad request or answer: committed, and retried by a rerun
         return Regenerated.failed(row, f"{type(e).__name__}: {e}", "answer"), True
 
 
-def _run_openai(cfg, target, dtype, todo: Pending) -> Answered:
+def _run_openai(cfg, target, dtype, todo: Pending, server_gone=None) -> Answered:
     """Answer the pending rows by concurrent requests to an OpenAI-compatible server at
     regenerate.base_url. Stops early once the errors exceed the most the stage tolerates: it fails
-    anyway, so spare the server."""
+    anyway, so spare the server. `server_gone`: see ChatClient; its error stops the run at once."""
     from transformers import AutoTokenizer
 
     if not cfg.base_url:
@@ -241,7 +270,7 @@ def _run_openai(cfg, target, dtype, todo: Pending) -> Answered:
     headers = {"Content-Type": "application/json"}
     if os.environ.get(cfg.api_key_env or ""):
         headers["Authorization"] = f"Bearer {os.environ[cfg.api_key_env]}"
-    client = ChatClient(cfg.base_url, headers, cfg.max_retries, cfg.timeout_s, cfg.backoff_s)
+    client = ChatClient(cfg.base_url, headers, cfg.max_retries, cfg.timeout_s, cfg.backoff_s, server_gone)
     parts, bar, errors, max_errors = todo.parts, todo.bar, todo.errors, todo.max_errors
     parts.flush_s, gave_up, start = FLUSH_S, [], time.monotonic()
     # at most `concurrency` requests in flight, the next sent only once one returns: when the
@@ -279,7 +308,7 @@ def _run_server(cfg, target, dtype, todo: Pending) -> Answered:
     """regenerate.backend server: our own OpenAI-compatible server, started for the job and stopped on
     the way out whatever happens."""
     with _managed_server(cfg, target, Path(todo.parts.work)) as srv:
-        return _run_openai(dataclasses.replace(cfg, base_url=srv.base_url), target, dtype, todo)
+        return _run_openai(dataclasses.replace(cfg, base_url=srv.base_url), target, dtype, todo, srv.exited)
 
 
 # regenerate.backend -> the function that answers the pending rows

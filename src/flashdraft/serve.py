@@ -9,8 +9,12 @@ Ctrl-C stops it cleanly.
 
 Requests are checked before any work: a body over `max_body` bytes is a 413, a bad Content-Length, a
 body that is not a JSON object, or a field out of range (max_tokens in 1..`max_tokens_limit`, a
-temperature >= 0) is a 400. A client that stalls mid-request is dropped after `request_timeout` seconds,
-so it cannot hold a thread forever.
+temperature >= 0) is a 400; so is a conversation the chat template cannot answer (a role other than
+system, user, assistant; no user turn; an assistant turn last), text that is not Unicode (a
+lone UTF-16 surrogate), a prompt that with max_tokens runs past the model's max_position_embeddings, and
+`stream: true` (not supported). Error bodies are OpenAI's: {"error": {"message", "type", "code"}}. A
+client that stalls mid-request is dropped after `request_timeout` seconds, so it cannot hold a thread
+forever.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from .chat import render
 from .config import TargetConfig
 from .io import log
 from .target import generate, load_for_generate
@@ -31,6 +36,7 @@ MAX_BODY = 1 << 20  # bytes; a chat request is far smaller
 MAX_TOKENS_LIMIT = 32768
 DEFAULT_MAX_TOKENS = 256
 REQUEST_TIMEOUT = 60.0  # seconds a client may stall while sending its request
+ROLES = ("system", "user", "assistant")  # the roles the regeneration's prompts hold (flashdraft.sources)
 
 
 def _number(value) -> bool:
@@ -42,6 +48,25 @@ def _json_type(value) -> str:
     names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
              dict: "an object", type(None): "null"}
     return names.get(type(value), type(value).__name__)
+
+
+def _check_message(i: int, m) -> None:
+    """messages[i] is {role: one of ROLES, content: a string of Unicode text}, or ValueError says why."""
+    if not isinstance(m, dict):
+        raise ValueError(f"`messages[{i}]` must be an object with a string `role` and `content`, "
+                         f"got {_json_type(m)}")
+    for key in ("role", "content"):
+        if not isinstance(m.get(key), str):
+            got = _json_type(m[key]) if key in m else "none"
+            raise ValueError(f"`messages[{i}].{key}` must be a string, got {got}")
+    if m["role"] not in ROLES:
+        raise ValueError(f"`messages[{i}].role` must be one of {', '.join(map(repr, ROLES))}, "
+                         f"got {m['role'][:40]!r}")
+    # JSON's \ud800 escapes decode to lone surrogates: no text a tokenizer can encode
+    bad = re.search("[\ud800-\udfff]", m["content"])
+    if bad:
+        raise ValueError(f"bad unicode in message {i}: a lone UTF-16 surrogate ({ascii(bad[0])[1:-1]}) in "
+                         "`content`")
 
 
 class Server(ThreadingHTTPServer):
@@ -62,17 +87,18 @@ class Server(ThreadingHTTPServer):
     def complete(self, req: dict) -> dict:
         if req.get("model", self.name) != self.name:
             raise LookupError(f"The model `{req['model']}` does not exist; this server has `{self.name}`.")
+        if req.get("stream"):
+            raise ValueError("`stream: true` is not supported by this server; leave `stream` out or false")
         messages = req.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("`messages` must be a non-empty list")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise ValueError(f"`messages[{i}]` must be an object with a string `role` and `content`, "
-                                 f"got {_json_type(m)}")
-            for key in ("role", "content"):
-                if not isinstance(m.get(key), str):
-                    got = _json_type(m[key]) if key in m else "none"
-                    raise ValueError(f"`messages[{i}].{key}` must be a string, got {got}")
+            _check_message(i, m)
+        if not any(m["role"] == "user" for m in messages):
+            raise ValueError("`messages` has no user turn: there is nothing to answer")
+        if messages[-1]["role"] == "assistant":  # answered already; continuing an answer is not supported
+            raise ValueError(f"the conversation ends with an assistant turn (messages[{len(messages) - 1}]): "
+                             "there is nothing to answer; end it with a user turn")
         max_tokens = self._max_tokens(req)
         temperature = req.get("temperature")
         temperature = 1.0 if temperature is None else temperature
@@ -82,7 +108,8 @@ class Server(ThreadingHTTPServer):
         if not isinstance(kwargs, dict):
             raise ValueError(f"`chat_template_kwargs` must be an object, got {kwargs!r}")
         thinking = bool(kwargs.get("enable_thinking", False))
-        with self.lock:
+        with self.lock:  # the tokenizer is not thread-safe either
+            self._check_length(messages, max_tokens, thinking)
             [(answer, n_prompt, n, finish)] = generate(
                 self.model, self.tokenizer, [messages], max_tokens, float(temperature), thinking, self.eos,
             )
@@ -95,6 +122,22 @@ class Server(ThreadingHTTPServer):
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n + (finish == "stop"),
                       "total_tokens": n_prompt + n + (finish == "stop")},
         }
+
+    def _check_length(self, messages: list[dict], max_tokens: int, thinking: bool) -> None:
+        """Positions past max_position_embeddings give garbage, not an error: refuse a prompt that with
+        the answer it asks room for would need them (as vLLM refuses one past its max_model_len)."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if not limit:
+            return
+        text = render(self.tokenizer, messages, add_generation_prompt=True, thinking=thinking)
+        n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if n > limit:
+            raise ValueError(f"the prompt is {n} tokens, over the model's max_position_embeddings of "
+                             f"{limit}; shorten the messages")
+        if n + max_tokens > limit:
+            raise ValueError(f"the prompt ({n} tokens) and max_tokens ({max_tokens}) are {n + max_tokens} "
+                             f"tokens, over the model's max_position_embeddings of {limit}; shorten the "
+                             "messages or lower max_tokens")
 
     def _max_tokens(self, req: dict) -> int:
         """max_completion_tokens (the newer name) else max_tokens; absent or null: the default. Checked,
@@ -127,7 +170,8 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
     def _error(self, code: int, message: str):
-        self._send(code, {"error": {"message": message, "code": code}})
+        kind = "server_error" if code >= 500 else "invalid_request_error"  # OpenAI's error types
+        self._send(code, {"error": {"message": message, "type": kind, "code": code}})
 
     def do_GET(self):
         if self.path.rstrip("/") == "/v1/models":
