@@ -131,12 +131,24 @@ class HiddenConfig:
 
 @dataclass
 class DrafterConfig:
+    family: str = "dflash"  # a key of families.FAMILIES: dflash | dspark
     num_layers: int = 5  # K: draft layers, also the number of target layers fused
     block_size: int = 16
     target_layer_ids: list[int] | None = None  # None: round(1 + i*(N-4)/(K-1))
     mask_token_id: int | None = None  # None: len(tokenizer), the first unused embedding row
     sliding_window: int | None = None  # W >= block_size: a block query sees the W positions up to its own
     init_from: str | None = None  # a drafter export (ours or a released one) that training starts from
+
+
+@dataclass
+class DSparkConfig:
+    """drafter.family dspark: its heads and its loss's weights (DeepSpec's Qwen3 recipe)."""
+
+    markov_rank: int = 256  # r of the vanilla Markov head (markov_w1 [V, r], markov_w2 [r, V])
+    ce_weight: float = 0.1  # the block CE's weight in the loss
+    l1_weight: float = 0.9  # the L1 distance to the target's distribution
+    confidence_weight: float = 1.0  # the confidence head's BCE; 0: no confidence head
+    confidence_with_markov: bool = True  # the confidence head reads the Markov features of the previous token
 
 
 @dataclass
@@ -232,6 +244,7 @@ class Config:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     hidden: HiddenConfig = field(default_factory=HiddenConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    dspark: DSparkConfig = field(default_factory=DSparkConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     gpus: GpusConfig = field(default_factory=GpusConfig)
@@ -347,6 +360,9 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
             f"config key drafter.sliding_window ({w}) < drafter.block_size ({bs}): a window must hold a "
             "whole block; use a window of at least the block size, or null for none"
         )
+    if cfg.drafter.family == "dspark" and w is not None:
+        raise UserError("config key drafter.sliding_window: drafter.family dspark has no sliding window; set "
+                        "null")
     if t.loss not in OBJECTIVES:
         raise UserError(f"config key train.loss: {t.loss!r}; use one of {', '.join(OBJECTIVES)}")
     if t.compile_scope not in COMPILE_SCOPES:

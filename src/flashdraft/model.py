@@ -322,21 +322,27 @@ class DFlashDrafter(nn.Module):
         return F.embedding(ids, embed_weight).to(self.fc.weight.dtype)
 
     @torch.no_grad()
-    def predict_block(self, target_hidden, last_token: int, embed_weight, lm_head_weight,
-                      size: int | None = None):
-        """Logits `[B-1, V]` for the tokens at S+1..S+B-1 after a context of S verified tokens.
+    def block_hidden(self, target_hidden, last_token: int, embed_weight, size: int | None = None):
+        """The drafter's output `[size, H]` for the block anchored after a context of S verified tokens.
 
         target_hidden `[1, S, K*H]` covers positions 0..S-1; `last_token` (the token at S, whose
-        features the target has not computed yet) is the anchor, so the block sits at S..S+B-1.
-        B is `size` if given (a shorter block where fewer tokens may still be emitted, as the reference
-        drafts it), else the drafter's block size."""
+        features the target has not computed yet) is the anchor, so the block sits at S..S+size-1.
+        `size`: a shorter block where fewer tokens may still be emitted, as the reference drafts it
+        (default: the drafter's block size)."""
         dev, s = target_hidden.device, target_hidden.shape[1]
         size = size or self.spec.block_size
         positions = torch.arange(s + size, device=dev)[None]
         embeds = self._block_embeds(last_token, embed_weight, dev, size)
         mask = self._block_mask(s, size, dev)
-        out = self(target_hidden.to(self.fc.weight.dtype), embeds, positions, mask=mask)
-        return out[0, 1:] @ lm_head_weight.to(out.dtype).T
+        return self(target_hidden.to(self.fc.weight.dtype), embeds, positions, mask=mask)[0]
+
+    @torch.no_grad()
+    def predict_block(self, target_hidden, last_token: int, embed_weight, lm_head_weight,
+                      size: int | None = None):
+        """Logits `[B-1, V]` for the tokens at S+1..S+B-1 after a context of S verified tokens: block
+        position k predicts the token at S+k (`block_hidden`'s block, B its size)."""
+        out = self.block_hidden(target_hidden, last_token, embed_weight, size)
+        return out[1:] @ lm_head_weight.to(out.dtype).T
 
     def context_kv(self, target_hidden, cos, sin) -> list:
         """Every layer's keys and values `(k, v)` `[b, kv_heads, S, d]` of the context features
@@ -356,9 +362,9 @@ class DFlashDrafter(nn.Module):
         cache.append(self.context_kv(new_hidden.to(self.fc.weight.dtype), cos, sin))
 
     @torch.no_grad()
-    def predict_block_cached(self, new_hidden, last_token: int, embed_weight, lm_head_weight,
-                             cache: DraftCache, context_len: int, size: int | None = None):
-        """`predict_block` over a context held in `cache`: new_hidden `[1, n, K*H]` are the features of
+    def block_hidden_cached(self, new_hidden, last_token: int, embed_weight, cache: DraftCache,
+                            context_len: int, size: int | None = None):
+        """`block_hidden` over a context held in `cache`: new_hidden `[1, n, K*H]` are the features of
         the positions verified since the last call (all of the prompt on the first), appended first.
 
         `context_len` is the caller's count of verified tokens before the anchor; the cache must hold
@@ -372,8 +378,14 @@ class DFlashDrafter(nn.Module):
         mask = self._block_mask(s, size, dev)
         for layer, k, v in zip(self.layers, cache.k, cache.v, strict=True):
             x = layer(x, (k, v), cos, sin, mask)
-        out = self.norm(x)
-        return out[0, 1:] @ lm_head_weight.to(out.dtype).T
+        return self.norm(x)[0]
+
+    @torch.no_grad()
+    def predict_block_cached(self, new_hidden, last_token: int, embed_weight, lm_head_weight,
+                             cache: DraftCache, context_len: int, size: int | None = None):
+        """`predict_block` over a context held in `cache` (`block_hidden_cached`)."""
+        out = self.block_hidden_cached(new_hidden, last_token, embed_weight, cache, context_len, size)
+        return out[1:] @ lm_head_weight.to(out.dtype).T
 
 
 def meta_drafter(spec: DrafterSpec) -> DFlashDrafter:
