@@ -130,17 +130,6 @@ class HiddenConfig:
 
 
 @dataclass
-class DrafterConfig:
-    family: str = "dflash"  # a key of families.FAMILIES: dflash | dspark
-    num_layers: int = 5  # K: draft layers, also the number of target layers fused
-    block_size: int = 16
-    target_layer_ids: list[int] | None = None  # None: round(1 + i*(N-4)/(K-1))
-    mask_token_id: int | None = None  # None: len(tokenizer), the first unused embedding row
-    sliding_window: int | None = None  # W >= block_size: a block query sees the W positions up to its own
-    init_from: str | None = None  # a drafter export (ours or a released one) that training starts from
-
-
-@dataclass
 class DSparkConfig:
     """drafter.family dspark: its heads and its loss's weights (DeepSpec's Qwen3 recipe)."""
 
@@ -149,6 +138,18 @@ class DSparkConfig:
     l1_weight: float = 0.9  # the L1 distance to the target's distribution
     confidence_weight: float = 1.0  # the confidence head's BCE; 0: no confidence head
     confidence_with_markov: bool = True  # the confidence head reads the Markov features of the previous token
+
+
+@dataclass
+class DrafterConfig:
+    family: str = "dflash"  # a key of families.FAMILIES: dflash | dspark
+    num_layers: int = 5  # K: draft layers, also the number of target layers fused
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None  # None: round(1 + i*(N-4)/(K-1))
+    mask_token_id: int | None = None  # None: len(tokenizer), the first unused embedding row
+    sliding_window: int | None = None  # W >= block_size: a block query sees the W positions up to its own
+    init_from: str | None = None  # a drafter export (ours or a released one) that training starts from
+    dspark: DSparkConfig = field(default_factory=DSparkConfig)  # family dspark: its heads and loss weights
 
 
 @dataclass
@@ -244,7 +245,6 @@ class Config:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     hidden: HiddenConfig = field(default_factory=HiddenConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
-    dspark: DSparkConfig = field(default_factory=DSparkConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     gpus: GpusConfig = field(default_factory=GpusConfig)
