@@ -21,7 +21,6 @@ from .io import progress, write_json, write_parquet
 from .shards import shard_of
 from .speculative import (
     Decoded,
-    DFlashProposer,
     NgramProposer,
     make_session,
     speculative_decode,
@@ -215,7 +214,8 @@ def run_rows(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, s
              num_shards=1) -> tuple[list[dict], int]:
     """Trained drafter, untrained drafter and n-gram lookup against target-only on one shard of the
     prompts: its rows and the block size."""
-    from .model import DFlashDrafter, load_drafter
+    from .families import family
+    from .model import load_drafter
     from .target import load_target
 
     indices, prompts = shard_prompts(prompts_path, cfg.num_prompts, shard, num_shards)
@@ -224,16 +224,18 @@ def run_rows(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, s
     check_drafter(spec, model.config)
     dev, dt = model.device, model.get_input_embeddings().weight.dtype
     torch.manual_seed(seed)
-    untrained = DFlashDrafter(spec)  # same shape, random init: what training adds over nothing
+    kind = family(spec.family)
+    untrained = kind.drafter(spec)  # same shape, random init: what training adds over nothing
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    width = spec.verify_width
     proposers = {
-        "dflash": DFlashProposer(drafter.to(dev, dt).eval(), embed, head),
-        "dflash_untrained": DFlashProposer(untrained.to(dev, dt).eval(), embed, head),
-        "ngram": NgramProposer(spec.block_size - 1),
+        kind.name: kind.proposer(drafter.to(dev, dt).eval(), embed, head),
+        f"{kind.name}_untrained": kind.proposer(untrained.to(dev, dt).eval(), embed, head),
+        "ngram": NgramProposer(width - 1),
     }
     layer_ids = list(spec.target_layer_ids)
-    rows = evaluate(model, tokenizer, proposers, prompts, layer_ids, spec.block_size, cfg, seed, indices)
-    return rows, spec.block_size
+    rows = evaluate(model, tokenizer, proposers, prompts, layer_ids, width, cfg, seed, indices)
+    return rows, width
 
 
 def write_rows(rows: list[dict], path) -> None:
@@ -273,10 +275,11 @@ def write_outputs(rows: list[dict], block_size: int, out_dir) -> dict:
 
 def merge(shard_paths, drafter_dir, out_dir) -> dict:
     """The `evaluate_merge` stage: the shards' rows as one per_prompt.parquet and summary.json."""
-    from .model import DrafterSpec
+    from .families import family_of_export
 
-    spec = DrafterSpec.from_config_dict(json.loads((Path(drafter_dir) / "config.json").read_text()))
-    return write_outputs(read_rows(shard_paths), spec.block_size, out_dir)
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    spec = family_of_export(config).spec.from_config_dict(config)
+    return write_outputs(read_rows(shard_paths), spec.verify_width, out_dir)
 
 
 def summary_text(summary: dict) -> str:

@@ -7,6 +7,7 @@ training loss, export and loader, and its evaluation proposer. Adding one: a mod
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -16,6 +17,25 @@ class FamilyInfo:
     # the target's last hidden state (after its final norm, what its LM head reads) stored per token beside
     # the K layers' features: the teacher distribution a distribution-matching loss needs
     last_hidden: bool
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the trainer, the validation, the export and the evaluation ask of a drafter family."""
+
+    name: str
+    architecture: str  # config.json's `architectures[0]` in its export: how an export names its family
+    spec: type  # its shapes: .from_target(target_config, tokenizer, drafter_cfg), .from_config_dict(d)
+    drafter: type  # the nn.Module: drafter(spec, init=True); its state dict is the export's tensors
+    # (step, tensors, anchors, valid, normalizer=None) -> (loss, stats): one micro-batch's training loss;
+    # tensors: the batch's input_ids, loss_mask, hidden (and last_hidden) on the step's device
+    loss: Callable
+    # (step, tensors, anchors, valid) -> this micro-batch's share of what the loss is divided by
+    normalizer: Callable
+    summarize: Callable  # (summed stats, block_size) -> {metric: value}, in metric_names' order
+    metric_names: Callable  # block_size -> the metrics summarize gives (the CSV's columns)
+    stats_size: Callable  # block_size -> the length of one stats vector
+    proposer: Callable  # (drafter, embed, head, cached=True) -> the evaluation's speculative.Proposer
 
 
 FAMILIES: dict[str, FamilyInfo] = {
@@ -30,6 +50,17 @@ def family_info(name: str) -> FamilyInfo:
     return FAMILIES[name]
 
 
-def family(name: str):
+def family(name: str) -> Family:
     """The family's implementation (its module's FAMILY): imports torch."""
     return importlib.import_module(family_info(name).module).FAMILY
+
+
+def family_of_export(config: dict) -> Family:
+    """The family of an export's config.json, by its `architectures` (DFlash's when it names none)."""
+    arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
+    for name in FAMILIES:
+        found = family(name)
+        if found.architecture == arch:
+            return found
+    raise ValueError(f"architectures {arch!r} is no drafter family of this version "
+                     f"({', '.join(family(n).architecture for n in FAMILIES)})")

@@ -11,17 +11,16 @@ from pathlib import Path
 import torch
 
 from .distributed import Dist, all_sum, log
+from .families import family
 from .io import atomic_path, progress
-from .loss import stats_size, summarize
-
-METRIC_KEYS = ["step", "epoch", "loss", "acc"]
 
 
-def metric_fields(block_size: int, val: bool = False) -> list[str]:
-    """The CSV's columns; `val` (train.val_samples): the validation's too, empty where it did not run."""
-    pos = [f"acc_pos_{k}" for k in range(1, block_size)]
-    fields = METRIC_KEYS + pos + ["sim_tau", "lr", "grad_norm", "tokens_per_s"]
-    return fields + [f"val_{k}" for k in ["loss", "acc", *pos, "sim_tau"]] if val else fields
+def metric_fields(block_size: int, val: bool = False, kind: str = "dflash") -> list[str]:
+    """The CSV's columns: the family `kind`'s metrics; `val` (train.val_samples): the validation's too,
+    empty where it did not run."""
+    names = family(kind).metric_names(block_size)
+    fields = ["step", "epoch", *names, "lr", "grad_norm", "tokens_per_s"]
+    return fields + [f"val_{k}" for k in names] if val else fields
 
 
 def tensorboard(log_dir: Path, step: int, d: Dist):
@@ -49,10 +48,10 @@ class MetricsLogger:
     resumed window lives on rank 0: the ranks' sum is what counts). close() ends the bar and TensorBoard."""
 
     def __init__(self, run_dir: Path, d: Dist, block_size: int, step: int, total: int, rows: list[dict],
-                 window: list[float] | None, val: bool = False):
-        self.d, self.block_size, self.rows = d, block_size, rows
-        self.fields = metric_fields(block_size, val)
-        width = stats_size(block_size) + 1  # + tokens
+                 window: list[float] | None, val: bool = False, kind: str = "dflash"):
+        self.d, self.block_size, self.rows, self.family = d, block_size, rows, family(kind)
+        self.fields = metric_fields(block_size, val, kind)
+        width = self.family.stats_size(block_size) + 1  # + tokens
         self.window = torch.zeros(width, dtype=torch.float64, device=d.device)
         if window and d.main:
             self.window += torch.tensor(window, dtype=torch.float64, device=d.device)
@@ -77,7 +76,7 @@ class MetricsLogger:
         validation's metrics at this step (val_*), in the same row."""
         summed = all_sum(self.window, self.d).cpu()
         dt, self.t_window = time.perf_counter() - self.t_window, time.perf_counter()
-        row = {"step": step, "epoch": epoch, **summarize(summed[:-1], self.block_size), "lr": lr,
+        row = {"step": step, "epoch": epoch, **self.family.summarize(summed[:-1], self.block_size), "lr": lr,
                "grad_norm": grad_norm, "tokens_per_s": float(summed[-1]) / max(dt, 1e-9), **(val or {})}
         self.rows.append(row)
         self.window.zero_()

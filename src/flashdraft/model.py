@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from .target import feature_layer_ids, mask_token_id, num_layers
 
 @dataclass
 class DrafterSpec:
+    family: ClassVar[str] = "dflash"  # the families.FAMILIES key of the drafter this spec shapes
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -53,6 +55,11 @@ class DrafterSpec:
     def num_features(self) -> int:
         """Target layers fused by `fc` (K in `[S, K*H]`)."""
         return len(self.target_layer_ids)
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens one verify step scores: the anchor and the drafts of one block (B-1 of them here)."""
+        return self.block_size
 
     @classmethod
     def from_target(cls, target_config, tokenizer, drafter_cfg: DrafterConfig) -> DrafterSpec:
@@ -391,8 +398,10 @@ class DFlashDrafter(nn.Module):
 def meta_drafter(spec: DrafterSpec) -> DFlashDrafter:
     """The drafter's structure without its weights (meta tensors, not initialized: the meta device's
     normal_ imports Dynamo, a second of a trainer's start): its parameter count and shapes."""
+    from .families import family
+
     with torch.device("meta"):
-        return DFlashDrafter(spec, init=False)
+        return family(spec.family).drafter(spec, init=False)
 
 
 class DraftCache:
@@ -488,7 +497,7 @@ def init_weights(path, spec: DrafterSpec) -> dict[str, torch.Tensor]:
     path, key = Path(path), "config key drafter.init_from"
     files = init_files(path)
     try:
-        theirs = DrafterSpec.from_config_dict(json.loads(files[0].read_text()))
+        theirs = type(spec).from_config_dict(json.loads(files[0].read_text()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"{key}: {files[0]} is not a DFlash drafter's config ({type(e).__name__}: {e})") \
             from e
@@ -519,10 +528,15 @@ def init_weights(path, spec: DrafterSpec) -> dict[str, torch.Tensor]:
 
 
 def load_drafter(path, device="cpu") -> tuple[DFlashDrafter, DrafterSpec]:
-    """The drafter of an export directory, in the dtype it was saved in."""
+    """The drafter of an export directory (of the family its config.json names), in the dtype it was
+    saved in."""
+    from .families import family_of_export
+
     path = Path(path)
-    spec = DrafterSpec.from_config_dict(json.loads((path / "config.json").read_text()))
+    config = json.loads((path / "config.json").read_text())
+    kind = family_of_export(config)
+    spec = kind.spec.from_config_dict(config)
     state = load_file(path / "model.safetensors", device=str(device))
-    drafter = DFlashDrafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
+    drafter = kind.drafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
     drafter.load_state_dict(state, strict=True)
     return drafter, spec

@@ -328,7 +328,7 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
         raise UserError(f"the run is trained to step {step} of {total}: train every chunk of the plan "
                         f"{plan_dir} first (the train_chunk jobs)")
     metrics = MetricsLogger(run.checkpointer.run_dir, d, run.spec.block_size, step, total, state["rows"],
-                            state["window"], val=bool(cfg.val_samples))
+                            state["window"], val=bool(cfg.val_samples), kind=run.spec.family)
     best = (Best(run.checkpointer.run_dir, d, state.get("best"), run.step_fn.amp_dtype) if cfg.val_samples
             else None)
     seen: set[int] = set()

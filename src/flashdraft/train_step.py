@@ -11,10 +11,11 @@ import torch
 
 from .config import DrafterConfig, TrainConfig, fp8_problem
 from .errors import UserError
+from .families import Family, family
 from .hf_config import plain_target_config, read_target_config
 from .io import torch_dtype
-from .loss import block_labels, dflash_loss, resolve_attention, sample_anchors
-from .model import DFlashDrafter, DrafterSpec, init_weights
+from .loss import resolve_attention, sample_anchors
+from .model import DrafterSpec, init_weights
 from .objectives import Objective, objective_for
 from .target import load_target_head
 
@@ -25,6 +26,7 @@ class Step:
 
     model: torch.nn.Module  # the drafter, compiled in place, maybe wrapped in DDP
     spec: DrafterSpec
+    family: Family  # the drafter's family: its loss
     embed: torch.Tensor  # frozen target embedding [V, H]
     head: torch.Tensor  # frozen target LM head [V, H]
     objective: Objective  # train.loss with its keys (objectives.objective_for)
@@ -51,7 +53,7 @@ def load_spec(target_dir, drafter_cfg: DrafterConfig, tokenizer_length: int | No
         from transformers import AutoTokenizer
 
         tokens = len(AutoTokenizer.from_pretrained(target_dir))
-    return DrafterSpec.from_target(config, tokens, drafter_cfg)
+    return family(drafter_cfg.family).spec.from_target(config, tokens, drafter_cfg)
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,9 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
     `init`: weights to start from (model.init_weights of drafter.init_from); `head`: frozen_head's, read
     in the background while the drafter is built (None: read here)."""
     torch.manual_seed(cfg.seed)
+    kind = family(spec.family)
     with torch.device(device):  # initialized where it runs, not on one CPU core and then moved
-        drafter = DFlashDrafter(spec)
+        drafter = kind.drafter(spec)
     if init is not None:
         drafter.load_state_dict(init, strict=True)
     if cfg.fp8:
@@ -96,11 +99,11 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
         compile_drafter(drafter, cfg.compile_scope)
     run = resolve(cfg, device)
     embed, head = head.result() if head is not None else frozen_head(target_dir, device, run.amp_dtype)
-    return Step(drafter, spec, embed, head, objective_for(cfg, spec.block_size), run.attention,
+    return Step(drafter, spec, kind, embed, head, objective_for(cfg, spec.block_size), run.attention,
                 cfg.max_anchors, cfg.compile_loss, device, run.amp_dtype)
 
 
-def compile_drafter(drafter: DFlashDrafter, scope: str) -> None:
+def compile_drafter(drafter: torch.nn.Module, scope: str) -> None:
     """torch.compile the drafter in place, one graph per length bucket (dynamic=False keeps shapes static,
     the buckets bound the recompiles). scope "layer": the decoder layers share one compiled graph (one
     code object, the parameters are its inputs), so Dynamo traces one layer instead of all of them."""
@@ -209,21 +212,26 @@ def anchors_for(step: Step, loss_mask, generator=None, seeds=None):
     return anchors.to(step.device), valid.to(step.device)
 
 
+def batch_tensors(step: Step, batch: dict) -> dict:
+    """The batch's tensors the loss reads, on the step's device."""
+    return {k: batch[k].to(step.device, non_blocking=True) for k in LOSS_INPUTS if k in batch}
+
+
+LOSS_INPUTS = ("input_ids", "loss_mask", "hidden", "last_hidden")
+
+
 def batch_normalizer(step: Step, batch: dict, anchors, valid) -> torch.Tensor:
-    """This micro-batch's share of the loss normalizer (`Objective.normalizer`), known before its forward."""
-    ids, mask = (batch[k].to(step.device, non_blocking=True) for k in ("input_ids", "loss_mask"))
-    _, weights, _ = block_labels(ids, mask, anchors, valid, step.spec.block_size, step.objective.decay())
-    return step.objective.normalizer(weights, valid).double()
+    """This micro-batch's share of the loss normalizer (the family's), known before its forward."""
+    t = {k: batch[k].to(step.device, non_blocking=True) for k in ("input_ids", "loss_mask")}
+    return step.family.normalizer(step, t, anchors, valid).double()
 
 
 def forward_backward(step: Step, batch: dict, anchors, valid, normalizer=None):
     """Loss, backward; returns (detached loss, stats). The optimizer step is the caller's. normalizer:
-    what the summed weighted CE is divided by (None: this batch's own, `Objective.normalizer`)."""
+    what the summed loss is divided by (None: this batch's own, the family's `normalizer`)."""
     dev = step.device
-    ids, mask, hidden = (batch[k].to(dev, non_blocking=True) for k in ("input_ids", "loss_mask", "hidden"))
+    t = batch_tensors(step, batch)
     with torch.autocast(dev.type, dtype=step.amp_dtype or torch.bfloat16, enabled=step.amp_dtype is not None):
-        loss, stats = dflash_loss(step.model, ids, mask, hidden, anchors, valid, step.embed, step.head,
-                                  step.objective, step.attention, normalizer=normalizer,
-                                  compile_loss=step.compile_loss)
+        loss, stats = step.family.loss(step, t, anchors, valid, normalizer)
     loss.backward()
     return loss.detach(), stats

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,8 +32,7 @@ from .errors import UserError
 from .hidden import StoreView
 from .holdout import anchor_seed, val_split
 from .io import atomic_path
-from .loss import dflash_loss, stats_size, summarize
-from .train_step import anchors_for
+from .train_step import anchors_for, batch_tensors
 
 VAL_PREFIX = "val_"
 
@@ -82,6 +82,9 @@ class Validator:
         if sharded:  # every rank runs as many forwards (FSDP gathers weights in each); extras count nothing
             mine += [None] * (-(-n // d.world) - len(mine))
         per = None
+        # SDPA: flex_attention outside a compiled graph computes every score densely (20 GiB for one
+        # micro-batch at the production shape); SDPA's kernels take the dense mask
+        view = replace(step_fn, model=drafter, attention="sdpa", compile_loss=False)
         drafter.eval()
         amp = step_fn.amp_dtype
         try:
@@ -90,14 +93,12 @@ class Validator:
                 for k in mine:
                     rows = self.batches[0 if k is None else k]
                     batch = self.collate([self.store[i] for i in rows])
-                    ids, mask, hidden = (batch[x].to(d.device) for x in ("input_ids", "loss_mask", "hidden"))
+                    tensors = batch_tensors(view, batch)
                     # the training's anchor sampling, with fixed seeds
-                    seeds = [anchor_seed(self.ids[i]) for i in rows] + [None] * (len(mask) - len(rows))
+                    pad = len(batch["loss_mask"]) - len(rows)
+                    seeds = [anchor_seed(self.ids[i]) for i in rows] + [None] * pad
                     anchors, valid = anchors_for(step_fn, batch["loss_mask"], seeds=seeds)
-                    # SDPA: flex_attention outside a compiled graph computes every score densely (20 GiB
-                    # for one micro-batch at the production shape); SDPA's kernels take the dense mask
-                    _, stats = dflash_loss(drafter, ids, mask, hidden, anchors, valid, step_fn.embed,
-                                           step_fn.head, step_fn.objective, "sdpa")
+                    _, stats = view.family.loss(view, tensors, anchors, valid)
                     if per is None:
                         per = torch.zeros(n, len(stats), dtype=torch.float64, device=d.device)
                     if k is not None:
@@ -105,12 +106,13 @@ class Validator:
         finally:
             drafter.train()
         if per is None:  # this rank had no batch: its rows are zeros
-            per = torch.zeros(n, stats_size(step_fn.spec.block_size), dtype=torch.float64, device=d.device)
+            size = view.family.stats_size(step_fn.spec.block_size)
+            per = torch.zeros(n, size, dtype=torch.float64, device=d.device)
         total = all_sum(per, d).cpu()  # each row comes from one rank; the rest add exact zeros
         summed = torch.zeros(total.shape[1], dtype=torch.float64)
         for row in total:  # in batch order: the same sum on any number of ranks
             summed += row
-        return {VAL_PREFIX + k: v for k, v in summarize(summed, step_fn.spec.block_size).items()}
+        return {VAL_PREFIX + k: v for k, v in view.family.summarize(summed, step_fn.spec.block_size).items()}
 
 
 def best_dirs(run_dir: Path) -> list[Path]:
