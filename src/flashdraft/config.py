@@ -497,7 +497,12 @@ def run_config(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
     # keys change nothing (and runs keep the keys they had before those keys existed)
     skip = {"parallel", "export"} | ({"val_samples", "val_every"} if not cfg.val_samples else set())
     same_run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
-    return json.dumps(same_run, sort_keys=True) + to_json(drafter_cfg)
+    # a DFlash run keeps the key it had before drafter families existed; another family's options count
+    drafter = {k: v for k, v in dataclasses.asdict(drafter_cfg).items()
+               if drafter_cfg.family != "dflash" or k not in ("family", "dspark")}
+    if drafter_cfg.family != "dspark":
+        drafter.pop("dspark", None)
+    return json.dumps(same_run, sort_keys=True) + json.dumps(drafter, sort_keys=True)
 
 
 def run_config_digest(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
