@@ -47,9 +47,12 @@ VARIANTS = {  # each names its loss: the baseline is the paper's recipe whatever
 
 def write_config(path: Path, overrides: dict) -> Path:
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    for key, value in overrides.items():
-        section, name = key.split(".")
-        cfg.setdefault(section, {})[name] = value
+    for key, value in overrides.items():  # "section.name" or deeper ("drafter.dspark.markov_rank")
+        *path, name = key.split(".")
+        node = cfg
+        for part in path:
+            node = node.setdefault(part, {})
+        node[name] = value
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -65,7 +68,9 @@ def stage_seconds(work: Path) -> dict:
     return out
 
 
-def run_one(work: Path, name: str, overrides: dict) -> dict:
+def run_one(work: Path, name: str, overrides: dict, drafter: str = "dflash") -> dict:
+    """One run of the workflow with `overrides`; `drafter`: the evaluation summary's name of the trained
+    drafter (its family's)."""
     done = work / "runs" / name / "result.json"
     if done.exists():
         return json.loads(done.read_text())
@@ -88,13 +93,13 @@ def run_one(work: Path, name: str, overrides: dict) -> dict:
     bench = work / "results" / "benchmarks"
     ran = {s: v for s, v in stage_seconds(work).items()
            if (bench / f"{s}.tsv").stat().st_mtime != before.get(bench / f"{s}.tsv")}
-    d = summary["dflash"]
+    d = summary[drafter]
     result = {
         "name": name, "overrides": overrides,
         "tau_pooled": d["tau_pooled"], "tau_prompt_mean": d["tau_prompt_mean"],
         "lossless_all": d["lossless_all"], "speedup_cpu": d["speedup"],
         "per_position_acceptance": d["per_position_acceptance"],
-        "untrained_tau_pooled": summary["dflash_untrained"]["tau_pooled"],
+        "untrained_tau_pooled": summary[f"{drafter}_untrained"]["tau_pooled"],
         "train_steps": int(rows[-1]["step"]), "final_train_loss": float(rows[-1]["loss"]),
         "final_sim_tau": float(rows[-1]["sim_tau"]),
         "global_batch_line": next(
