@@ -7,6 +7,7 @@ training loss, export and loader, and its evaluation proposer. Adding one: a mod
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -16,6 +17,23 @@ class FamilyInfo:
     # the target's last hidden state (after its final norm, what its LM head reads) stored per token beside
     # the K layers' features: the teacher distribution a distribution-matching loss needs
     last_hidden: bool
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family's implementation, its module's `FAMILY`: what the trainer, the evaluator and the export
+    call. The callables keep their family's own signatures (a loss takes its family's weights)."""
+
+    spec: type  # the DrafterSpec subclass: from_target, to_config_dict, from_config_dict
+    drafter: type  # the nn.Module
+    loss: Callable  # (drafter, batch tensors, anchors, ...) -> (loss, stats)
+    normalizer: Callable  # a micro-batch's loss normalizer, known before its forward
+    summarize: Callable  # (summed stats, block_size) -> metrics
+    stats_size: Callable  # block_size -> length of the stats vector
+    proposer: type  # a speculative.Proposer
+    export: Callable  # (drafter, spec, out_dir, dtype=None, state=None)
+    load: Callable  # (export dir, device) -> (drafter, spec)
+    init_weights: Callable  # (drafter.init_from, spec) -> state dict
 
 
 FAMILIES: dict[str, FamilyInfo] = {
