@@ -296,7 +296,7 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
     if sharded:
         _say(f"training shards the drafter over {world} processes (FSDP); its graphs are not this "
              "unsharded step's, so nothing is compiled here and every rank compiles")
-    step = None if sharded else build_step(cfg, spec, target_dir, dev)
+    step = None if sharded else build_step(cfg, spec, target_dir, dev, drafter_cfg=drafter_cfg)
     g = torch.Generator().manual_seed(cfg.seed)
     seconds = {}
     for bucket in [] if sharded else sorted(set(cfg.buckets)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .families import Family
 from .loss import block_labels, dflash_loss, stats_size, summarize
-from .model import DFlashDrafter, DrafterSpec
+from .model import DFlashDrafter, DrafterSpec, init_weights
 
 
 def loss(step, t: dict, anchors, valid, normalizer=None):
@@ -35,5 +35,5 @@ def metric_names(block_size: int) -> list[str]:
 FAMILY = Family(
     name="dflash", architecture="DFlashDraftModel", spec=DrafterSpec, drafter=DFlashDrafter, loss=loss,
     normalizer=normalizer, summarize=summarize, metric_names=metric_names, stats_size=stats_size,
-    proposer=proposer,
+    proposer=proposer, init_weights=init_weights,
 )

@@ -289,6 +289,9 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    spec_class = DrafterSpec  # the spec its export's config.json reads into
+    foreign_keys: tuple[str, ...] = ()  # tensors a checkpoint of its family may carry that are not its own
+
     def __init__(self, spec: DrafterSpec, init: bool = True):
         super().__init__()
         self.spec = spec
@@ -395,13 +398,14 @@ class DFlashDrafter(nn.Module):
         return out[1:] @ lm_head_weight.to(out.dtype).T
 
 
-def meta_drafter(spec: DrafterSpec) -> DFlashDrafter:
+def meta_drafter(spec: DrafterSpec, cls: type[DFlashDrafter] | None = None) -> DFlashDrafter:
     """The drafter's structure without its weights (meta tensors, not initialized: the meta device's
-    normal_ imports Dynamo, a second of a trainer's start): its parameter count and shapes."""
+    normal_ imports Dynamo, a second of a trainer's start): its parameter count and shapes. `cls`: the
+    family's drafter class (default: that of the spec's family)."""
     from .families import family
 
     with torch.device("meta"):
-        return family(spec.family).drafter(spec, init=False)
+        return (cls or family(spec.family).drafter)(spec, init=False)
 
 
 class DraftCache:
@@ -491,17 +495,20 @@ INIT_KEYS = {"block_size": "drafter.block_size", "num_layers": "drafter.num_laye
              "num_heads": None, "num_kv_heads": None, "head_dim": None, "vocab_size": None}
 
 
-def init_weights(path, spec: DrafterSpec) -> dict[str, torch.Tensor]:
+def init_weights(path, spec: DrafterSpec, cls: type[DFlashDrafter] = DFlashDrafter,
+                 keys: dict[str, str | None] = INIT_KEYS) -> dict[str, torch.Tensor]:
     """drafter.init_from: the fp32 weights of the export at `path` for a drafter of `spec`, or a UserError
-    naming what differs (a key and both values) or what is missing."""
+    naming what differs (a key and both values) or what is missing. `cls`: the family's drafter class (its
+    spec class reads the config; its foreign keys are dropped), `keys`: the fields that must agree."""
     path, key = Path(path), "config key drafter.init_from"
     files = init_files(path)
+    family = cls.__name__.removesuffix("Drafter")
     try:
-        theirs = type(spec).from_config_dict(json.loads(files[0].read_text()))
+        theirs = cls.spec_class.from_config_dict(json.loads(files[0].read_text()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"{key}: {files[0]} is not a DFlash drafter's config ({type(e).__name__}: {e})") \
+        raise UserError(f"{key}: {files[0]} is not a {family} drafter's config ({type(e).__name__}: {e})") \
             from e
-    for field, setting in INIT_KEYS.items():
+    for field, setting in keys.items():
         mine, other = getattr(spec, field), getattr(theirs, field)
         if mine != other:
             fix = (f"set {setting}: {other}" if setting else
@@ -512,7 +519,8 @@ def init_weights(path, spec: DrafterSpec) -> dict[str, torch.Tensor]:
         state = load_file(files[1])
     except Exception as e:  # safetensors raises its own error types for a corrupt file
         raise UserError(f"{key}: {files[1]} cannot be read ({type(e).__name__}: {e})") from e
-    want = {k: v.shape for k, v in meta_drafter(spec).state_dict().items()}
+    state = {k: v for k, v in state.items() if k not in cls.foreign_keys}
+    want = {k: v.shape for k, v in meta_drafter(spec, cls).state_dict().items()}
     missing, extra = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
     wrong = [f"{k} {tuple(state[k].shape)} (want {tuple(want[k])})"
              for k in sorted(want.keys() & state.keys()) if state[k].shape != want[k]]
@@ -537,6 +545,7 @@ def load_drafter(path, device="cpu") -> tuple[DFlashDrafter, DrafterSpec]:
     kind = family_of_export(config)
     spec = kind.spec.from_config_dict(config)
     state = load_file(path / "model.safetensors", device=str(device))
+    state = {k: v for k, v in state.items() if k not in kind.drafter.foreign_keys}
     drafter = kind.drafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
     drafter.load_state_dict(state, strict=True)
     return drafter, spec

@@ -176,7 +176,7 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
     init = initial_weights(drafter_cfg, spec) if latest is None else None
     if init is not None:
         log(d, f"drafter: starting from drafter.init_from {drafter_cfg.init_from}")
-    step_fn = build_step(cfg, spec, target_dir, d.device, init, head)
+    step_fn = build_step(cfg, spec, target_dir, d.device, init, head, drafter_cfg)
     drafter = step_fn.model
     step_fn.model = parallelize(drafter, mode, d.device)
     if mode != "single":

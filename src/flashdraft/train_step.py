@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from concurrent.futures import Future
 from dataclasses import dataclass, is_dataclass
+from typing import Any
 
 import torch
 
@@ -15,7 +16,7 @@ from .families import Family, family
 from .hf_config import plain_target_config, read_target_config
 from .io import torch_dtype
 from .loss import resolve_attention, sample_anchors
-from .model import DrafterSpec, init_weights
+from .model import DrafterSpec
 from .objectives import Objective, objective_for
 from .target import load_target_head
 
@@ -35,6 +36,7 @@ class Step:
     compile_loss: bool  # train.compile_loss: the LM head's chunked CE compiled
     device: torch.device
     amp_dtype: torch.dtype | None  # autocast dtype (GPU), None: plain float32 (CPU)
+    options: Any = None  # what the family's loss reads besides the objective (Family.loss_options)
 
 
 def load_spec(target_dir, drafter_cfg: DrafterConfig, tokenizer_length: int | None = None) -> DrafterSpec:
@@ -83,7 +85,8 @@ def frozen_head(target_dir, device: torch.device, dtype: torch.dtype | None) -> 
 
 
 def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.device,
-               init: dict | None = None, head: Future | None = None) -> Step:
+               init: dict | None = None, head: Future | None = None,
+               drafter_cfg: DrafterConfig | None = None) -> Step:
     """A seeded fp32 drafter on `device` (compiled in place when cfg.compile) and the target's frozen head;
     `init`: weights to start from (model.init_weights of drafter.init_from); `head`: frozen_head's, read
     in the background while the drafter is built (None: read here)."""
@@ -99,8 +102,9 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
         compile_drafter(drafter, cfg.compile_scope)
     run = resolve(cfg, device)
     embed, head = head.result() if head is not None else frozen_head(target_dir, device, run.amp_dtype)
+    options = kind.loss_options(cfg, drafter_cfg or DrafterConfig(family=spec.family), spec)
     return Step(drafter, spec, kind, embed, head, objective_for(cfg, spec.block_size), run.attention,
-                cfg.max_anchors, cfg.compile_loss, device, run.amp_dtype)
+                cfg.max_anchors, cfg.compile_loss, device, run.amp_dtype, options)
 
 
 def compile_drafter(drafter: torch.nn.Module, scope: str) -> None:
@@ -204,7 +208,7 @@ def _apply_name(fn_cls) -> str:
 
 def initial_weights(drafter_cfg: DrafterConfig, spec: DrafterSpec) -> dict | None:
     """drafter.init_from's weights, checked against `spec` (None: a fresh drafter)."""
-    return init_weights(drafter_cfg.init_from, spec) if drafter_cfg.init_from else None
+    return family(spec.family).init_weights(drafter_cfg.init_from, spec) if drafter_cfg.init_from else None
 
 
 def anchors_for(step: Step, loss_mask, generator=None, seeds=None):

@@ -1,0 +1,421 @@
+"""The DSpark drafter family (DeepSeek's DeepSpec): DFlash's backbone plus a Markov head and a confidence
+head, its distribution-matching loss, its proposer and its export. docs/dspark.md lists the facts this
+follows, with their sources.
+
+The block `[token at anchor, MASK x (B-1)]` sits at positions anchor..anchor+B-1 and sees the context
+strictly before its anchor (model.py's backbone and mask, unchanged), but here **slot k predicts the token
+at anchor+k+1**: B inputs give B drafts. Slot k's logits are `h_k @ W.T + markov_w2(markov_w1[prev_k])`,
+W the target's frozen LM head and prev_k the token before slot k's: the anchor token for k=0, then the
+true token at anchor+k in training and the token picked for slot k-1 when drafting. The confidence head
+reads `[h_k ; markov_w1[prev_k]]` and predicts the acceptance rate 1 - L1/2 of its slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import model as backbone
+from .config import DrafterConfig, DSparkConfig
+from .families import Family
+from .loss import simulated_tau, train_forward
+from .model import DFlashDrafter, DraftCache, DrafterSpec
+from .proposer import Proposer
+
+NUM_ANCHORS = 512  # DeepSpec's loader requires config.num_anchors (its training sampler's): its recipe's
+
+
+@dataclass
+class DSparkSpec(DrafterSpec):
+    family: ClassVar[str] = "dspark"
+    markov_rank: int = 256  # r: markov_w1 [V, r], markov_w2 [r -> V]
+    confidence_head: bool = True
+    confidence_with_markov: bool = True  # the confidence head reads markov_w1[prev] beside h
+
+    def __post_init__(self):
+        if self.sliding_window is not None:
+            raise ValueError("a DSpark drafter has no sliding window")
+
+    @property
+    def verify_width(self) -> int:
+        """The anchor is the first prediction slot: B drafts, B+1 tokens per verify step."""
+        return self.block_size + 1
+
+    @classmethod
+    def from_target(cls, target_config, tokenizer, drafter_cfg: DrafterConfig,
+                    dspark_cfg: DSparkConfig | None = None) -> DSparkSpec:
+        """DrafterSpec.from_target plus the heads of `dspark_cfg` (default drafter_cfg.dspark); the
+        confidence head exists where its loss weight is not 0."""
+        d = drafter_cfg.dspark if dspark_cfg is None else dspark_cfg
+        return dataclasses.replace(super().from_target(target_config, tokenizer, drafter_cfg),
+                                   markov_rank=d.markov_rank, confidence_head=d.confidence_weight > 0,
+                                   confidence_with_markov=d.confidence_with_markov)
+
+    def to_config_dict(self, dtype: str = "bfloat16") -> dict:
+        """config.json in DeepSpec's layout (what SGLang and vLLM load): the Qwen3 fields, with the DSpark
+        keys at the top level instead of DFlash's dflash_config."""
+        d = super().to_config_dict(dtype)
+        del d["dflash_config"]
+        d.update(architectures=["Qwen3DSparkModel"], mask_token_id=self.mask_token_id,
+                 target_layer_ids=list(self.target_layer_ids), num_anchors=NUM_ANCHORS,
+                 markov_rank=self.markov_rank, markov_head_type="vanilla",
+                 enable_confidence_head=self.confidence_head,
+                 confidence_head_with_markov=self.confidence_with_markov)
+        return d
+
+    @classmethod
+    def from_config_dict(cls, d: dict) -> DSparkSpec:
+        """The spec of a DSpark export's config.json (ours or DeepSpec's, which leaves
+        confidence_head_with_markov out where it has no confidence head); only the vanilla Markov head."""
+        rank, kind = d["markov_rank"], d.get("markov_head_type")
+        if int(rank) <= 0 or kind != "vanilla":
+            raise ValueError(f"markov_rank {rank}, markov_head_type {kind!r}: only DSpark's vanilla Markov "
+                             "head (markov_rank > 0, markov_head_type 'vanilla') is supported")
+        confidence = bool(d.get("enable_confidence_head", False))
+        with_markov = bool(d.get("confidence_head_with_markov", True))
+        return dataclasses.replace(super().from_config_dict(d), markov_rank=int(rank),
+                                   confidence_head=confidence, confidence_with_markov=with_markov)
+
+
+# what an init_from checkpoint must share beyond the backbone's fields (a confidence head present in one
+# and not the other shows as missing or extra tensors)
+INIT_KEYS = {**backbone.INIT_KEYS, "markov_rank": "drafter.dspark.markov_rank",
+             "confidence_with_markov": "drafter.dspark.confidence_with_markov"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the network
+
+
+class MarkovHead(nn.Module):
+    """The vanilla Markov head: the logit bias markov_w2(markov_w1[previous token])."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        # an uninitialized table (DSparkDrafter initializes it): the meta device's random init imports Dynamo
+        self.markov_w1 = nn.Embedding(vocab_size, rank, _weight=torch.empty(vocab_size, rank))
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, 1)
+
+
+class DSparkDrafter(DFlashDrafter):
+    """DFlashDrafter (its block_hidden / block_hidden_cached give the slots' hidden states) with the Markov
+    and confidence heads. Initialized as DeepSpec's (HF's _init_weights): every Linear weight and the
+    embedding normal(0, 0.02), the confidence bias 0, norms 1."""
+
+    spec_class = DSparkSpec
+    foreign_keys = ("embed_tokens.weight", "lm_head.weight")  # DeepSpec's checkpoints carry the target's
+
+    def __init__(self, spec: DSparkSpec, init: bool = True):
+        super().__init__(spec, init)
+        self.markov_head = MarkovHead(spec.vocab_size, spec.markov_rank)
+        dim = spec.hidden_size + spec.markov_rank * spec.confidence_with_markov
+        self.confidence_head = ConfidenceHead(dim) if spec.confidence_head else None
+        if init:
+            nn.init.normal_(self.markov_head.markov_w1.weight, std=0.02)
+            nn.init.normal_(self.markov_head.markov_w2.weight, std=0.02)
+            if self.confidence_head is not None:
+                nn.init.normal_(self.confidence_head.proj.weight, std=0.02)
+                nn.init.zeros_(self.confidence_head.proj.bias)
+
+    def markov_bias(self, prev):
+        """The logit bias `[.., V]` of the previous tokens `prev` `[..]`."""
+        return self.markov_head.markov_w2(self.markov_head.markov_w1(prev))
+
+    def confidence(self, h, prev_embeds):
+        """Confidence logits `[..]` of slot hidden states `[.., H]` and markov_w1 of their previous tokens."""
+        x = torch.cat([h, prev_embeds.to(h.dtype)], -1) if self.spec.confidence_with_markov else h
+        return self.confidence_head.proj(x).squeeze(-1)
+
+    @torch.no_grad()
+    def pick_block(self, h, last_token: int, lm_head_weight, temperature: float = 0.0, generator=None):
+        """Drafts for the slots' hidden states h `[n, H]`, left to right: slot k's logits are its base
+        logits plus the Markov bias of the token before it (`last_token`, the anchor, for slot 0, then each
+        pick). T=0: argmax; T>0: a sample of softmax(logits/T). Returns (draft tensor `[n]`, distributions
+        `[n, V]` at T>0 else None, the logits `[n, V]` float32)."""
+        base = (h @ lm_head_weight.to(h.dtype).T).float()
+        prev = torch.tensor([last_token], device=h.device)
+        picks, qs = [], []
+        for k in range(h.shape[0]):
+            base[k] += self.markov_bias(prev)[0].float()
+            if temperature == 0:
+                prev = base[k].argmax(-1, keepdim=True)
+            else:
+                qs.append(torch.softmax(base[k] / temperature, -1))
+                prev = torch.multinomial(qs[-1], 1, generator=generator)
+            picks.append(prev)
+        return torch.cat(picks), torch.stack(qs) if qs else None, base
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the training objective
+
+
+def dspark_labels(input_ids, loss_mask, anchors, valid, block_size: int, gamma: float):
+    """Per block slot k=0..B-1, each `[b, A, B]`: the label token[anchor+k+1]; the previous token
+    token[anchor+k] (the Markov head's input: the anchor token at k=0), at position anchor+k, where the
+    target's last hidden state gives the teacher distribution; the eval mask, the contiguous prefix of slots
+    whose label is inside the sequence and in the loss mask (none for a padded block); and the weights
+    eval_mask * exp(-k/gamma). Returns (labels, prev, pos, weights, eval_mask)."""
+    s = input_ids.shape[1]
+    k = torch.arange(block_size, device=anchors.device)
+    pos = anchors.clamp(min=0)[:, :, None] + k
+    idx = pos + 1
+
+    def at(t, i):
+        return t.gather(1, i.clamp(max=s - 1).flatten(1)).view_as(i)
+
+    labels, prev = at(input_ids, idx), at(input_ids, pos)
+    inside = (idx < s) & valid[:, :, None] & (at(loss_mask, idx) > 0)
+    eval_mask = inside.int().cumprod(-1).bool()
+    weights = eval_mask.float() * torch.exp(-k.float() / gamma)
+    return labels, prev, pos.clamp(max=s - 1), weights, eval_mask
+
+
+def dspark_normalizer(input_ids, loss_mask, anchors, valid, block_size: int, gamma: float):
+    """This micro-batch's sum of loss weights (the loss's own normalizer), known before its forward."""
+    return dspark_labels(input_ids, loss_mask, anchors, valid, block_size, gamma)[3].sum()
+
+
+def dspark_chunk(h, e, w2, head, teacher, y, w, ce_weight: float, l1_weight: float):
+    """One chunk of MarkovLinearLoss: (sum of w*(ce_weight*CE + l1_weight*L1), CE, L1, argmax == label, and
+    the gradients for h, e and w2). Softmaxes and the gradient are made in place: the `[chunk, V]` float32
+    buffers are the draft softmax p, and the teacher's q turned into p - q, its sign, then the gradient."""
+    dt = head.dtype
+    z = (h.to(dt) @ head.T).float()
+    z += e.to(dt) @ w2.T
+    lse = z.logsumexp(-1)
+    ce = lse - z.gather(1, y[:, None]).squeeze(1)
+    correct = z.argmax(-1) == y
+    p = z.sub_(lse[:, None]).exp_()
+    q = (teacher.to(dt) @ head.T).float()
+    d = q.sub_(q.logsumexp(-1, keepdim=True)).exp_().sub_(p).neg_()  # p - q
+    l1 = torch.linalg.vector_norm(d, 1, -1)
+    s = d.sign_()
+    # d L1 / d z = p * (sign(p - q) - <p, sign(p - q)>);  d CE / d z = p - onehot(y)
+    grad = s.sub_(torch.linalg.vecdot(p, s)[:, None]).mul_(p).mul_(l1_weight).add_(p, alpha=ce_weight)
+    grad[torch.arange(len(y), device=y.device), y] -= ce_weight
+    g = grad.mul_(w[:, None]).to(dt)
+    total = (w * (ce_weight * ce + l1_weight * l1)).sum()
+    return total, ce, l1, correct, (g @ head).to(h.dtype), (g @ w2).to(e.dtype), (g.T @ e.to(dt)).float()
+
+
+class MarkovLinearLoss(torch.autograd.Function):
+    """sum_i w_i * (ce_weight * CE(z_i, y_i) + l1_weight * |softmax(z_i) - softmax(t_i @ W.T)|_1) over rows
+    z_i = h_i @ W.T + e_i @ W2.T (e_i = markov_w1[prev_i], W2 = markov_w2's weight), W the frozen head
+    `[V, H]`, t_i the target's last hidden state at the row's position: `chunk` rows at a time, with the
+    gradients for h, e and W2 made in the forward while each chunk's logits exist (as LinearCrossEntropy;
+    W and t get none). Also returns, without gradient, each row's CE, L1 and whether its argmax is its
+    label. Matmuls in W's dtype, softmaxes in float32."""
+
+    @staticmethod
+    def forward(ctx, h, e, w2, head, teacher, labels, weights, ce_weight: float, l1_weight: float,
+                chunk: int):
+        n, dev = h.shape[0], h.device
+        grad_h, grad_e = torch.empty_like(h), torch.empty_like(e)
+        grad_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=dev)
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+        ce, l1 = torch.empty(n, device=dev), torch.empty(n, device=dev)
+        correct = torch.empty(n, dtype=torch.bool, device=dev)
+        with torch.autocast(dev.type, enabled=False):
+            w2h = w2.to(head.dtype)
+            for i in range(0, n, chunk):
+                j = slice(i, i + chunk)
+                out = dspark_chunk(h[j], e[j], w2h, head, teacher[j], labels[j], weights[j].float(),
+                                   ce_weight, l1_weight)
+                total += out[0]
+                ce[j], l1[j], correct[j], grad_h[j], grad_e[j] = out[1:6]
+                grad_w2 += out[6]
+        ctx.save_for_backward(grad_h, grad_e, grad_w2.to(w2.dtype))
+        ctx.mark_non_differentiable(ce, l1, correct)
+        return total, ce, l1, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, *_):
+        grad_h, grad_e, grad_w2 = ctx.saved_tensors
+        return grad_h * grad_total, grad_e * grad_total, grad_w2 * grad_total, *[None] * 7
+
+
+def dspark_loss(model, input_ids, loss_mask, hidden, last_hidden, anchors, valid, embed_weight,
+                lm_head_weight, *, gamma: float, ce_weight: float, l1_weight: float, confidence_weight: float,
+                attention: str = "sdpa", chunk_blocks: int = 128, normalizer=None):
+    """DeepSpec's DSpark loss: (ce_weight * sum w*CE + l1_weight * sum w*L1 + confidence_weight * sum w*BCE)
+    / normalizer, per slot k with w = eval_mask * exp(-k/gamma) (`dspark_labels`); CE of the Markov-corrected
+    logits against token[anchor+k+1]; L1 = |p_draft - p_target|_1, p_target the target's softmax over its
+    last hidden state `last_hidden` `[b, S, H]` at anchor+k; BCE of the confidence logit against 1 - L1/2
+    (detached). normalizer: a given one (a global batch's) instead of this batch's sum(w). The vocabulary
+    side runs `chunk_blocks` blocks at a time (MarkovLinearLoss). `model`: a DSparkDrafter, maybe in DDP.
+
+    Returns (loss, stats): stats a detached float vector of sums, summable across steps and ranks
+    (`dspark_summarize`): [loss numerator, sum w*CE, sum w*L1, sum w*BCE, sum w, sum sim_tau,
+    sum expected_tau, blocks, correct_k (B), counted_k (B)]."""
+    drafter = model.module if hasattr(model, "module") else model
+    bs = drafter.spec.block_size
+    out = train_forward(model, input_ids, hidden, anchors, valid, embed_weight, attention)
+    labels, prev, pos, weights, eval_mask = dspark_labels(input_ids, loss_mask, anchors, valid, bs, gamma)
+    own = weights.sum()
+    sel = valid.flatten()  # only real blocks go through the heads
+    h = out.flatten(0, 1)[sel]  # [n, B, H]
+    labels, prev, pos, weights, eval_mask = (t.flatten(0, 1)[sel] for t in (labels, prev, pos, weights,
+                                                                              eval_mask))
+    rows_of = torch.arange(anchors.shape[0], device=anchors.device)[:, None].expand_as(anchors).flatten()[sel]
+    teacher = last_hidden[rows_of[:, None], pos]  # [n, B, H]
+    rows, w, y = h.flatten(0, 1), weights.flatten(), labels.flatten()
+    e = drafter.markov_head.markov_w1(prev.flatten())
+    w2 = drafter.markov_head.markov_w2.weight
+    total, ce, l1, correct = MarkovLinearLoss.apply(rows, e, w2, lm_head_weight, teacher.flatten(0, 1), y, w,
+                                                    ce_weight, l1_weight, chunk_blocks * bs)
+    accept = (1.0 - l1 / 2).clamp(0.0, 1.0)  # the acceptance rate of rejection sampling, per slot
+    bce_sum = torch.zeros((), device=rows.device)
+    if drafter.confidence_head is not None:
+        conf = drafter.confidence(rows, e).float()
+        bce_sum = (w * F.binary_cross_entropy_with_logits(conf, accept, reduction="none")).sum()
+        total = total + confidence_weight * bce_sum
+    loss = total / (own if normalizer is None else normalizer).clamp(min=1e-6)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        # a degenerate batch (no anchors) must still touch every parameter, or DDP's all-reduce waits forever
+        loss = loss + sum(p.sum() for p in model.parameters()) * 0.0
+    with torch.no_grad():
+        hit = correct.view_as(labels) & eval_mask
+        expected = (accept.view_as(labels) * eval_mask).cumprod(1).sum(1) + 1.0
+        blocks = torch.tensor(float(h.shape[0]), device=h.device)
+        head = torch.stack([total.detach(), (w * ce).sum(), (w * l1).sum(), bce_sum.detach(), own,
+                            simulated_tau(hit).sum(), expected.sum(), blocks])
+        stats = torch.cat([head, hit.sum(0).float(), eval_mask.sum(0).float()])
+    return loss, stats
+
+
+def dspark_stats_size(block_size: int) -> int:
+    return 8 + 2 * block_size
+
+
+def dspark_summarize(stats, block_size: int) -> dict:
+    """Metrics from summed `dspark_loss` stats: loss and its terms ce, l1, confidence (each per unit of
+    weight; confidence 0 without a head), acc, acc_pos_1..B (acc_pos_j: the token at anchor+j, slot j-1),
+    sim_tau (greedy: drafts up to the first miss + the bonus) and expected_tau (DeepSpec's
+    tau_probabilistic: sum of the cumulative products of 1 - L1/2, + the bonus), per block."""
+    s = stats.double().cpu().tolist()
+    total, ce, l1, bce, w, tau, expected, blocks = s[:8]
+    correct, counted = s[8 : 8 + block_size], s[8 + block_size : 8 + 2 * block_size]
+
+    def per(x, n):
+        return x / n if n else math.nan
+
+    row = {"loss": per(total, w), "ce": per(ce, w), "l1": per(l1, w), "confidence": per(bce, w),
+           "acc": sum(correct) / max(1.0, sum(counted))}
+    for k in range(block_size):
+        row[f"acc_pos_{k + 1}"] = per(correct[k], counted[k])
+    row["sim_tau"], row["expected_tau"] = per(tau, blocks), per(expected, blocks)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------
+# drafting
+
+
+class DSparkProposer(Proposer):
+    """A DSpark drafter: one parallel block over the target features of the verified context, then its
+    slots picked left to right with the Markov bias (`DSparkDrafter.pick_block`); min(B, max_draft) drafts.
+    The context's keys/values live in a `DraftCache` (`cached=False`: recomputed every step, the
+    reference). `confidence_threshold` > 0: the proposal stops before the first slot whose confidence
+    (sigmoid) is below it, as DeepSpec's evaluator can (default off). No static (CUDA-graph) variant yet:
+    `static()` keeps this one."""
+
+    uses_features = True
+
+    def __init__(self, drafter, embed_weight, lm_head_weight, cached: bool = True,
+                 confidence_threshold: float = 0.0):
+        self.drafter, self.embed, self.head, self.cached = drafter, embed_weight, lm_head_weight, cached
+        self.block_size, self.threshold = drafter.spec.block_size, confidence_threshold
+        self.reset()
+
+    def reset(self):
+        self.cache, self.features = DraftCache(), None
+
+    def propose(self, tokens, new_features, max_draft, temperature, generator):
+        size = min(self.block_size, max(max_draft, 1))  # the block always runs: it takes in the new features
+        if self.cached:
+            h = self.drafter.block_hidden_cached(new_features, tokens[-1], self.embed, self.cache,
+                                                 len(tokens) - 1, size)
+        else:
+            f = self.features
+            self.features = new_features if f is None else torch.cat([f, new_features], 1)
+            h = self.drafter.block_hidden(self.features, tokens[-1], self.embed, size)
+        drafts, q, _ = self.drafter.pick_block(h, tokens[-1], self.head, temperature, generator)
+        n = min(max_draft, self._confident(h, tokens[-1], drafts))
+        return drafts[:n].tolist(), None if q is None else q[:n]
+
+    @torch.no_grad()
+    def _confident(self, h, last_token: int, drafts) -> int:
+        """Slots before the first below the confidence threshold (all without a threshold or a head)."""
+        if self.threshold <= 0 or self.drafter.confidence_head is None:
+            return len(drafts)
+        prev = torch.cat([torch.tensor([last_token], device=drafts.device), drafts[:-1]])
+        conf = self.drafter.confidence(h, self.drafter.markov_head.markov_w1(prev)).float().sigmoid()
+        low = (conf < self.threshold).nonzero()
+        return int(low[0, 0]) if len(low) else len(drafts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the family: the trainer's calls (train_step.Step carries the run's loss options) and init_from
+
+
+@dataclass(frozen=True)
+class DSparkLoss:
+    """The run's loss options: drafter.dspark's weights and train.gamma's decay."""
+
+    gamma: float
+    ce_weight: float
+    l1_weight: float
+    confidence_weight: float
+
+
+def loss_options(train_cfg, drafter_cfg: DrafterConfig, spec: DSparkSpec) -> DSparkLoss:
+    d = drafter_cfg.dspark
+    return DSparkLoss(train_cfg.loss_gamma(spec.block_size), d.ce_weight, d.l1_weight, d.confidence_weight)
+
+
+def loss(step, t: dict, anchors, valid, normalizer=None):
+    """dspark_loss of one micro-batch."""
+    if "last_hidden" not in t:
+        raise ValueError("a DSpark drafter trains on hidden shards holding the target's last hidden state")
+    o = step.options
+    return dspark_loss(step.model, t["input_ids"], t["loss_mask"], t["hidden"], t["last_hidden"], anchors,
+                       valid, step.embed, step.head, gamma=o.gamma, ce_weight=o.ce_weight,
+                       l1_weight=o.l1_weight, confidence_weight=o.confidence_weight, attention=step.attention,
+                       normalizer=normalizer)
+
+
+def normalizer(step, t: dict, anchors, valid):
+    return dspark_normalizer(t["input_ids"], t["loss_mask"], anchors, valid, step.spec.block_size,
+                             step.options.gamma)
+
+
+def metric_names(block_size: int) -> list[str]:
+    return ["loss", "ce", "l1", "confidence", "acc", *(f"acc_pos_{k}" for k in range(1, block_size + 1)),
+            "sim_tau", "expected_tau"]
+
+
+def init_weights(path, spec: DSparkSpec) -> dict[str, torch.Tensor]:
+    """drafter.init_from for a DSpark drafter: model.init_weights with DSpark's config and keys; a DeepSpec
+    checkpoint's embed_tokens.weight and lm_head.weight (the target's) are ignored."""
+    return backbone.init_weights(path, spec, DSparkDrafter, INIT_KEYS)
+
+
+FAMILY = Family(
+    name="dspark", architecture="Qwen3DSparkModel", spec=DSparkSpec, drafter=DSparkDrafter, loss=loss,
+    normalizer=normalizer, summarize=dspark_summarize, metric_names=metric_names,
+    stats_size=dspark_stats_size, proposer=DSparkProposer, init_weights=init_weights,
+    loss_options=loss_options,
+)
