@@ -200,7 +200,7 @@ class TrainConfig:
     def loss_gamma(self, block_size: int) -> float:
         if self.gamma is not None:
             return self.gamma
-        return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
+        return {16: 7.0, 10: 5.0, 8: 4.0, 7: 4.0}.get(block_size, max(1.0, block_size / 2.3))
 
 
 # The train fields the compiled step depends on (compile_cache.cache_key holds them), and what else the
