@@ -546,3 +546,27 @@ def test_the_family_seam():
     assert family_of_export(spec.to_config_dict()) is FAMILY and spec.family == "dspark"
     assert spec.verify_width == spec.block_size + 1  # B drafts and the anchor
     assert spec.confidence_head is False and spec.markov_rank == 256 and spec.mask_token_id == 90
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_flex_and_sdpa_agree_and_bf16_tracks_float32(data):
+    """On CUDA: flex_attention (training's GPU kernel) and SDPA give one loss and one gradient in float32,
+    and a bf16-autocast step (training's dtype) stays within bf16's error of it, its gradients finite."""
+    dev = torch.device("cuda")
+    ids, loss_mask, hidden, last, embed, head, anchors, _ = (t.to(dev) for t in data)
+    # flex_attention's kernels take block queries in multiples of 128 (loss.num_anchor_slots pads so)
+    anchors = torch.cat([anchors, anchors.new_full((2, 128 // B - anchors.shape[1]), -1)], 1)
+    valid = anchors >= 0
+    results = {}
+    for name, attention, amp in (("sdpa", "sdpa", False), ("flex", "flex", False), ("bf16", "flex", True)):
+        d = drafter().to(dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            loss, stats = dspark_loss(d, ids, loss_mask, hidden, last, anchors, valid, embed, head,
+                                      **{**KW, "attention": attention})
+        loss.backward()
+        results[name] = (loss.item(), torch.cat([p.grad.flatten() for p in d.parameters()]), stats.cpu())
+    assert results["sdpa"][0] == pytest.approx(results["flex"][0], rel=1e-4)
+    torch.testing.assert_close(results["sdpa"][1], results["flex"][1], atol=1e-4, rtol=1e-3)
+    assert results["bf16"][0] == pytest.approx(results["sdpa"][0], rel=0.05)
+    assert results["bf16"][1].isfinite().all() and results["bf16"][1].abs().sum() > 0
