@@ -523,3 +523,31 @@ def test_a_changed_export_key_exports_again_without_a_chunk_job_or_a_lost_checkp
     assert [j.rule for j in job_times(latest_log(work))] == ["train"]
     assert sorted(str(p.relative_to(ckpts)) for p in ckpts.glob("*/step-*")) == before
     assert json.loads((work / "results" / "train" / "export.json").read_text())["export"] == "best"
+
+
+@pytest.mark.slow
+def test_a_dspark_drafter_trains_in_stream_mode(store_run, tmp_path):
+    """drafter.family dspark in stream mode: every chunk and the validation shard carry the target's last
+    hidden state, the chunks train one run to a DSpark export, and the chunks' hidden states are gone."""
+    from flashdraft.hidden import HiddenStore
+    from flashdraft.model import load_drafter
+
+    work = _fresh_copy(store_run, tmp_path / "run")
+    dspark = {k: v for k, v in STREAM_SMALL.items() if k != "drafter.init_from"}
+    dspark.update({"drafter.family": "dspark", "drafter.block_size": 7, "drafter.dspark": {"markov_rank": 64},
+                   "train.gamma": 4.0})
+    config = write_config(work / "config.yaml", dspark)
+    data = yaml.safe_load(config.read_text())
+    data["hidden"].update({"mode": "stream", "disk_budget": "1.6MB"})
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config)
+    plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
+    assert len(plan["chunks"]) >= 4
+    val = HiddenStore([work / "results" / "hidden" / "val.arrow"])
+    assert val[0]["last_hidden"].shape[0] == len(val[0]["input_ids"])
+    assert [p.name for p in (work / "results" / "hidden").rglob("*.arrow")] == ["val.arrow"]
+    drafter, spec = load_drafter(work / "results" / "drafter")
+    assert spec.family == "dspark" and spec.block_size == 7
+    metrics = _metrics(work)
+    assert metrics["step"].iloc[-1] == plan["chunks"][-1]["end_step"]
+    assert metrics[["loss", "l1", "val_expected_tau"]].iloc[-1].notna().all()

@@ -379,3 +379,39 @@ def test_snakemake_report_renders_with_plots(small_run, tmp_path):
     dom = headless_dom(out, tmp_path)
     for name in ("acceptance.png", "tau-hist.png", "train-loss.png", "report.html"):
         assert name in dom, name
+
+
+DSPARK = {"drafter.family": "dspark", "drafter.block_size": 7, "drafter.dspark": {"markov_rank": 64},
+          "train.gamma": 4.0}
+
+
+@pytest.mark.slow
+def test_a_dspark_drafter_runs_the_whole_dag_on_the_answers_already_there(small_run, tmp_path):
+    """drafter.family dspark on a finished DFlash run: the hidden states again (now holding the target's
+    last hidden state), then the warmup, training, a DSpark export and a lossless evaluation; the prompts
+    and the regenerated answers are kept."""
+    from flashdraft.hidden import HiddenStore
+    from flashdraft.model import load_drafter
+
+    work = tmp_path / "dspark"
+    shutil.copytree(small_run[0], work, symlinks=True)
+    config = write_config(work / "dspark.yaml", {**SMALL, **DSPARK})
+    planned = set(job_counts(snakemake(work, "-n", "--cores", "2", config=config).stdout))
+    assert {"hidden_shard", "warmup", "train", "evaluate", "report"} <= planned
+    assert not {"prompts", "regenerate"} & planned
+    snakemake(work, "--cores", "2", config=config)
+    results = work / "results"
+    shards = sorted((results / "hidden").glob("shard-*.arrow"))
+    sample = HiddenStore(shards)[0]
+    assert sample["last_hidden"].shape == (len(sample["input_ids"]), sample["hidden"].shape[1] // 2)
+    export = json.loads((results / "drafter" / "config.json").read_text())
+    assert export["architectures"] == ["Qwen3DSparkModel"] and export["block_size"] == 7
+    assert export["markov_rank"] == 64 and export["enable_confidence_head"] is True
+    drafter, spec = load_drafter(results / "drafter")
+    assert spec.family == "dspark" and drafter.markov_head.markov_w1.weight.shape[1] == 64
+    metrics = pd.read_csv(results / "train" / "metrics.csv")
+    assert {"l1", "confidence", "expected_tau", "acc_pos_7"} <= set(metrics.columns)
+    assert metrics[["loss", "l1", "expected_tau"]].notna().all().all()
+    summary = json.loads((results / "eval" / "summary.json").read_text())
+    assert summary["dspark"]["lossless_all"] is True
+    assert len(summary["dspark"]["tau_hist"]) == 8  # 1..B+1 tokens per verify step: B drafts and the bonus
