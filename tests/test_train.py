@@ -319,6 +319,26 @@ def test_collate_pads_to_bucket_and_truncates_to_the_largest(data):
     assert small["loss_mask"][1:].eq(0).all()
 
 
+def test_collate_pads_last_hidden_like_hidden_and_only_when_the_samples_carry_it(tmp_path):
+    root = tmp_path / "toy"
+    root.mkdir()
+    store = HiddenStore(toy_hidden_shards(root, DRAFTER, shards=1, rows=4, last_hidden=True))
+    samples = [store[i] for i in range(3)]
+    collate = Collate([128, 256, 512], 2048, torch.float32)
+    batch = collate(samples)
+    s, rows = batch["bucket"], batch["input_ids"].shape[0]
+    assert batch["last_hidden"].shape == (rows, s, store.hidden_size)
+    assert batch["last_hidden"].dtype == torch.float32 and batch["hidden"].shape[:2] == (rows, s)
+    for r, x in enumerate(samples):
+        n = min(len(x["input_ids"]), s)
+        assert torch.equal(batch["last_hidden"][r, :n], x["last_hidden"][:n].float())
+        assert batch["last_hidden"][r, n:].eq(0).all()
+    assert batch["last_hidden"][len(samples):].eq(0).all()
+    without = collate([{k: v for k, v in x.items() if k != "last_hidden"} for x in samples])
+    assert list(without) == ["input_ids", "loss_mask", "hidden", "tokens", "bucket"]
+    assert all(torch.equal(without[k], batch[k]) for k in ("input_ids", "loss_mask", "hidden"))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # real runs
 
