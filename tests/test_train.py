@@ -39,7 +39,7 @@ from flashdraft.checkpoint import (
     start_reading,
 )
 from flashdraft.compile_cache import set_compile_workers, warmup
-from flashdraft.config import DrafterConfig, TrainConfig, to_json
+from flashdraft.config import DrafterConfig, TrainConfig, run_config, to_json
 from flashdraft.distributed import Dist, parallel_mode
 from flashdraft.hidden import HiddenStore, manifest_path
 from flashdraft.launch import torchrun_argv
@@ -291,6 +291,10 @@ def test_run_key_changes_with_config_and_data(data, tmp_path):
     assert key == run_key(TrainConfig(), DrafterConfig(), shards) and len(key) == 12
     assert key != run_key(TrainConfig(lr=1e-3), dcfg, shards)
     assert key != run_key(cfg, DrafterConfig(block_size=8), shards)
+    assert key != run_key(cfg, DrafterConfig(family="dspark"), shards)
+    # a dflash run keeps the key it had before drafter.family existed (the drafter's keys without it)
+    assert '"family"' not in run_config(cfg, dcfg)
+    assert '"family": "dspark"' in run_config(cfg, DrafterConfig(family="dspark"))
     copy = [str(tmp_path / Path(p).name) for p in shards]
     for src, dst in zip(shards, copy, strict=True):
         shutil.copy(src, dst)

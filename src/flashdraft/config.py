@@ -494,10 +494,13 @@ def run_config(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
     """What of the train and drafter sections makes a run: checkpoint.run_key hashes it with the data, and
     stream mode's train_chunk jobs rerun when it changes (run_config_digest), not on the other keys."""
     # DDP and FSDP resume each other; the export's choice is made after training; without validation its
-    # keys change nothing (and runs keep the keys they had before those keys existed)
+    # keys change nothing (and runs keep the keys they had before those keys existed: so does a dflash run
+    # its drafter key, from before drafter.family)
     skip = {"parallel", "export"} | ({"val_samples", "val_every"} if not cfg.val_samples else set())
     same_run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
-    return json.dumps(same_run, sort_keys=True) + to_json(drafter_cfg)
+    drafter = {k: v for k, v in dataclasses.asdict(drafter_cfg).items()
+               if k != "family" or v != DrafterConfig.family}
+    return json.dumps(same_run, sort_keys=True) + json.dumps(drafter, sort_keys=True)
 
 
 def run_config_digest(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
