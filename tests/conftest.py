@@ -128,10 +128,11 @@ def toy_prompt_set(root, num_docs: int = 200, total: int = 40):
 
 
 def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24, seed: int = 0, stride: int = 3,
-                      name: str = "shard") -> list[str]:
+                      name: str = "shard", last_hidden: bool = False) -> list[str]:
     """A random toy target (root/target) and real hidden-state shards of learnable token patterns (token
     j of a sample: start + stride * j, modulo 97); another `seed` or `stride` gives other data for the
-    same target."""
+    same target. `last_hidden`: the shards hold a random last_hidden column [n, H] too (the rows' other
+    values are then drawn differently)."""
     import torch
 
     from flashdraft.config import DrafterConfig, ToyConfig
@@ -148,14 +149,16 @@ def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24, seed
     for s in range(shards):
         path = root / f"{name}-{s:05d}.arrow"
         meta = ShardMeta(target="toy", target_layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
-                         dtype="bfloat16")
+                         dtype="bfloat16", last_hidden=last_hidden)
         with open_shard(path, meta) as w:
             for i in range(rows):
                 n = int(torch.randint(40, 300, (1,), generator=g))  # some longer than the largest bucket
                 start = int(torch.randint(0, 50, (1,), generator=g))
                 ids = [(start + stride * j) % 97 + 10 for j in range(n)]  # an arithmetic pattern: learnable
                 mask = [0] * (n // 3) + [1] * (n - n // 3)  # a "prompt" third, then the "answer"
-                w.write(f"s{s}-{i}", ids, mask, torch.randn(n, width, generator=g).to(torch.bfloat16))
+                h = torch.randn(n, width, generator=g).to(torch.bfloat16)
+                last = torch.randn(n, spec.hidden_size, generator=g).bfloat16() if last_hidden else None
+                w.write(f"s{s}-{i}", ids, mask, h, last_hidden=last)
         write_manifest(manifest_path(path), w)
         paths.append(str(path))
     return paths

@@ -128,6 +128,170 @@ def test_shard_meta_is_what_schema_and_manifest_both_say(tmp_path):
         ShardMeta.from_dict({**manifest, "num_features": 2})
 
 
+# ------------------------------------------------------------------------ the target's last hidden state
+
+
+def last_hidden_rows(n, dtype, width=16, hidden_size=8, seed=0):
+    """random_rows, each with a last hidden state [t, hidden_size] of O(1) values: another range than the
+    features' (up to 3e38), as a final-norm state is beside the mid-layer residual stream."""
+    g = torch.Generator().manual_seed(seed + 100)
+    return [(sid, ids, mask, h, torch.randn(len(ids), hidden_size, generator=g).to(dtype))
+            for sid, ids, mask, h in random_rows(n, dtype, width, seed)]
+
+
+def write_last_hidden_shard(path, rows, dtype="bfloat16", rows_at_once=False, **kw):
+    """Write (id, input_ids, loss_mask, hidden, last_hidden) rows to a shard with the last_hidden column,
+    one row at a time or all as one write_rows; return the manifest."""
+    def stored(x):
+        return quantize_fp8(x) if dtype == FP8 else (x, None)
+
+    with open_shard(path, ShardMeta("tgt", [1, 3], dtype, 8, last_hidden=True), **kw) as w:
+        if rows_at_once:
+            feats, last = (torch.cat([r[k] for r in rows]) for k in (3, 4))
+            w.write_rows([r[:3] for r in rows], *stored(feats), *stored(last))
+        else:
+            for sid, ids, mask, h, last in rows:
+                w.write(sid, ids, mask, *stored(h), *stored(last))
+    return write_manifest(manifest_path(path), w)
+
+
+@pytest.mark.parametrize("rows_at_once", [False, True], ids=["write", "write_rows"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", FP8])
+def test_last_hidden_round_trip(tmp_path, dtype, rows_at_once):
+    torch_dtype = torch.float32 if dtype == FP8 else getattr(torch, dtype)
+    rows = last_hidden_rows(5, torch_dtype)
+    path = tmp_path / "shard-00000.arrow"
+    manifest = write_last_hidden_shard(path, rows, dtype, rows_at_once, max_rows=2)
+    assert manifest["last_hidden"] is True
+    assert verify_shard(path) == {"shard": str(path), "ok": True, "errors": []}
+    schema = pa.ipc.open_file(pa.memory_map(str(path))).schema
+    fp8 = dtype == FP8
+    columns = ["hidden", "scale", "last_hidden", "last_scale"] if fp8 else ["hidden", "last_hidden"]
+    assert schema.names[4:] == columns
+    assert schema.metadata[b"flashdraft.last_hidden"] == b"true"
+
+    store = HiddenStore([path])
+    assert store.last_hidden and store.meta == ShardMeta("tgt", [1, 3], dtype, 8, last_hidden=True)
+    assert ShardMeta.from_dict(manifest) == store.meta
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}.get(torch_dtype)
+    for i, (sid, ids, mask, h, last) in enumerate(rows):
+        item = store[i]
+        assert item["id"] == sid and item["input_ids"].tolist() == ids and item["loss_mask"].tolist() == mask
+        assert item["last_hidden"].shape == last.shape == (len(ids), 8) and item["hidden"].shape == h.shape
+        if fp8:  # dequantized to bf16; each column by its own per-token scales
+            assert item["last_hidden"].dtype == item["hidden"].dtype == torch.bfloat16
+            assert torch.equal(store.stored(i, "last_scale"), quantize_fp8(last)[1])
+            assert torch.equal(store.stored(i, "scale"), quantize_fp8(h)[1])
+            # within e4m3's 3 mantissa bits of its own range (the features' scale would flush it to zero)
+            err = (item["last_hidden"].float() - last).abs()
+            assert (err <= 2**-3 * last.abs().amax(-1, keepdim=True)).all()
+            assert (err <= 2**-4 * last.abs() + 2**-9 * last.abs().amax(-1, keepdim=True) / 448).all()
+        else:  # bit-exact, zero copy
+            assert item["last_hidden"].dtype == torch_dtype
+            assert torch.equal(item["last_hidden"].view(bits), last.view(bits))
+            assert torch.equal(item["hidden"].view(bits), h.view(bits))
+            ptr = item["last_hidden"].data_ptr()
+            assert any(lo <= ptr < hi for lo, hi in mapped_ranges(path)), "last_hidden was copied"
+    assert torch.equal(pickle.loads(pickle.dumps(store))[3]["last_hidden"], store[3]["last_hidden"])
+
+
+def test_a_shard_without_last_hidden_is_the_format_as_it_was(tmp_path):
+    """Without the column: no `last_hidden` key in the schema metadata or the manifest, and the very bytes
+    of a shard written with pyarrow alone in the format as it was before the key existed; such a shard
+    reads without a last_hidden item and verifies."""
+    rows = random_rows(3, torch.bfloat16)
+    path = tmp_path / "new.arrow"
+    manifest = write_shard(path, rows)  # one record batch
+    assert set(manifest) == {"format", "target", "target_layer_ids", "dtype", "hidden_size", "num_features",
+                             "rows", "tokens", "bytes", "sha256_tree", "checksum_chunk_bytes", "shard",
+                             "num_shards", "truncated", "skipped"}
+    metadata = {"flashdraft.format": "flashdraft.hidden/1", "flashdraft.target": "tgt",
+                "flashdraft.target_layer_ids": "[1, 3]", "flashdraft.dtype": "bfloat16",
+                "flashdraft.hidden_size": "8", "flashdraft.num_features": "2"}
+    schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8())), ("num_tokens", pa.int32()),
+                        ("hidden", pa.large_binary())], metadata=metadata)
+    batch = pa.record_batch([
+        [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [len(r[1]) for r in rows],
+        [r[3].view(torch.uint8).numpy().tobytes() for r in rows]], schema=schema)
+    old = tmp_path / "old.arrow"
+    with pa.OSFile(str(old), "wb") as f, pa.ipc.new_file(f, schema) as w:
+        w.write_batch(batch)
+    assert old.read_bytes() == path.read_bytes()
+
+    shutil.copy(manifest_path(path), manifest_path(old))
+    store = HiddenStore([old])
+    assert store.meta == ShardMeta("tgt", [1, 3], "bfloat16", 8) and not store.last_hidden
+    assert "last_hidden" not in store[0] and verify_shard(old)["ok"]
+
+
+def test_shards_with_and_without_last_hidden_do_not_mix(tmp_path):
+    with_it, without = tmp_path / "with.arrow", tmp_path / "without.arrow"
+    write_last_hidden_shard(with_it, last_hidden_rows(2, torch.bfloat16))
+    write_shard(without, random_rows(2, torch.bfloat16))
+    with pytest.raises(ValueError, match=r"shard .*without\.arrow has last_hidden=False but .*with\.arrow "
+                                         r"has last_hidden=True: shards differ"):
+        HiddenStore([with_it, without])
+    with pytest.raises(ValueError, match=r"shard .*with\.arrow has last_hidden=True but .*without\.arrow"):
+        HiddenStore([without, with_it])
+    assert len(HiddenStore([with_it, with_it])) == 4
+
+
+def test_verify_checks_the_last_hidden_column_and_its_manifest_key(tmp_path):
+    rows = last_hidden_rows(3, torch.float32)
+    good = tmp_path / "good.arrow"
+    write_last_hidden_shard(good, rows, FP8)
+    manifest = json.loads(manifest_path(good).read_text())
+    del manifest["last_hidden"]  # a manifest that says the shard has no such column
+    manifest_path(good).write_text(json.dumps(manifest))
+    want = f"{good}: schema metadata last_hidden=True but manifest says False"
+    assert verify_shard(good)["errors"] == [want]
+
+    bad = tmp_path / "bad.arrow"  # NaN in one row's last hidden state, a zero scale of another's
+    with open_shard(bad, ShardMeta("tgt", [1, 3], FP8, 8, last_hidden=True)) as w:
+        for k, (sid, ids, mask, h, last) in enumerate(rows):
+            q, scale = quantize_fp8(last)
+            if k == 0:
+                q.view(torch.uint8)[1, 2] = 0x7F
+            if k == 2:
+                scale[0] = 0
+            w.write(sid, ids, mask, *quantize_fp8(h), q, scale)
+    write_manifest(manifest_path(bad), w)
+    assert verify_shard(bad)["errors"] == [
+        f"{bad}: row 0 (id '0-0'): last_hidden has NaN or Inf values",
+        f"{bad}: row 2 (id '0-2'): last_scale has values that are not finite and > 0",
+    ]
+
+
+def test_writer_takes_last_hidden_exactly_when_the_shard_holds_it(tmp_path):
+    sid, ids, mask, h, last = last_hidden_rows(1, torch.bfloat16)[0]
+    with_it = ShardMeta("t", [1, 3], "bfloat16", 8, last_hidden=True)
+    cases = [(ShardMeta("t", [1, 3], "bfloat16", 8), (h, None, last)),  # a shard without the column
+             (with_it, (h,)),  # the column missing
+             (with_it, (h, None, torch.cat([last, last], 1))),  # [n, 2H]
+             (with_it, (h, None, last.float())),  # another dtype
+             (ShardMeta("t", [1, 3], FP8, 8, last_hidden=True),  # fp8 values without their last_scale
+              (*quantize_fp8(h.float()), quantize_fp8(last)[0]))]
+    for meta, tensors in cases:
+        with pytest.raises(ValueError, match="last_"), open_shard(tmp_path / "x.arrow", meta) as w:
+            w.write(sid, ids, mask, *tensors)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_family_that_needs_last_hidden_refuses_a_store_without_it(tmp_path):
+    from flashdraft.hidden import StoreView, require_last_hidden
+
+    without, with_it = tmp_path / "shard-00000.arrow", tmp_path / "shard-00001.arrow"
+    write_shard(without, random_rows(2, torch.bfloat16))
+    write_last_hidden_shard(with_it, last_hidden_rows(2, torch.bfloat16))
+    for store in (HiddenStore([without]), StoreView(HiddenStore([without]), [1])):
+        with pytest.raises(UserError, match=rf"hidden shard {without} has no last_hidden column "
+                                            r".*drafter\.family dspark .*rerun the hidden stage") as e:
+            require_last_hidden(store, "dspark")
+        assert "\n" not in str(e.value)
+    require_last_hidden(StoreView(HiddenStore([with_it]), [1]), "dspark")
+
+
 def test_writer_rejects_bad_rows_and_leaves_no_file(tmp_path):
     path = tmp_path / "shard.arrow"
     (sid, ids, mask, h) = random_rows(1, torch.bfloat16)[0]
@@ -241,15 +405,16 @@ def test_verify_cli_names_bad_shard(tmp_path):
 
 
 def test_preflight_and_storage_dtype(tmp_path):
-    assert preflight(1000, "float32", 10, tmp_path / "not" / "yet") == 1000 * 45 * 11 // 10
+    fp32 = ShardMeta("t", [1, 3], "float32", 5)
+    assert preflight(1000, fp32, tmp_path / "not" / "yet") == 1000 * 45 * 11 // 10
     with pytest.raises(UserError, match=r"need about [\d.]+ [kMGTP]B .*but only [\d.]+ [kMGTP]B") as e:
-        preflight(10**15, "bfloat16", 4, tmp_path)
+        preflight(10**15, ShardMeta("t", [2], "bfloat16", 4), tmp_path)
     assert f"({int(10**15 * 13 * 1.1)} bytes" in str(e.value) and "x 13 bytes/token" in str(e.value)
     with pytest.raises(ValueError, match=r"'float8_e4m3fn' is not supported; use one of .*'float8_e4m3'"):
         hidden.storage_dtype("float8_e4m3fn")
     assert hidden.storage_dtype(FP8) == torch.float8_e4m3fn
     # features + the int32 id and int8 mask; fp8 adds one float32 scale per token
-    assert [hidden.bytes_per_token(d, 2048) for d in ("float32", "bfloat16", FP8)] == [8197, 4101, 2057]
+    assert [hidden.bytes_per_token(d, 2, 1024) for d in ("float32", "bfloat16", FP8)] == [8197, 4101, 2057]
 
 
 def activations(t, width, g):
@@ -437,8 +602,7 @@ def test_precompute_matches_direct_forward(precomputed, toy_target, train_parque
 def test_precompute_fp8_end_to_end(precomputed, toy_target, train_parquet, tmp_path, monkeypatch):
     shards, manifests = precomputed
     need = []
-    monkeypatch.setattr(precompute, "preflight", lambda tokens, dtype, width, d, margin: need.append(
-        hidden.bytes_per_token(dtype, width)))
+    monkeypatch.setattr(precompute, "preflight", lambda tokens, meta, d, m: need.append(meta.token_bytes))
     out = tmp_path / "shard-00001.arrow"
     cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=CFG.batch_tokens, dtype=FP8)
     manifest = hidden_shard(target_section(toy_target), train_parquet, 1, 2, out, cfg, LAYERS)
@@ -456,6 +620,43 @@ def test_precompute_fp8_end_to_end(precomputed, toy_target, train_parquet, tmp_p
         assert item["hidden"].dtype == torch.bfloat16 and item["hidden"].shape == want["hidden"].shape
         err = (item["hidden"].float() - want["hidden"].float()).norm(dim=-1)
         assert (err / want["hidden"].float().norm(dim=-1)).max() < 0.05
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_precompute_stores_the_target_s_last_hidden_state(precomputed, toy_target, train_parquet, tmp_path,
+                                                           dtype):
+    """With --last-hidden: the target's last hidden state (after its final norm, where the LM head reads:
+    the head over it gives the target's logits) beside the features, which stay those of a shard without
+    it (the bf16 store's, bit for bit)."""
+    shards, manifests = precomputed
+    out = tmp_path / "shard-00001.arrow"
+    cli = runpy.run_path(str(REPO / "scripts" / "hidden_shard.py"))  # the script's main(), in-process
+    cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=CFG.batch_tokens, dtype=dtype)
+    cli["main"](["--cfg", to_json(cfg), "--drafter-cfg", to_json(LAYERS), "--target-cfg",
+                 to_json(target_section(toy_target)), "--data", str(train_parquet), "--shard", "1",
+                 "--num-shards", "2", "--out", str(out), "--last-hidden"])
+    manifest = json.loads(manifest_path(out).read_text())
+    assert manifest["last_hidden"] is True and verify_shard(out)["ok"]
+    assert (manifest["rows"], manifest["tokens"]) == (manifests[1]["rows"], manifests[1]["tokens"])
+    store, ref = HiddenStore([out]), HiddenStore([shards[1]])
+    model, _ = load_target(str(toy_target), "float32")
+    tight = dtype == "float32"
+    for i in range(len(store)):
+        item = store[i]
+        assert item["id"] == ref[i]["id"] and item["last_hidden"].shape == (len(item["input_ids"]), 128)
+        if not tight:
+            assert torch.equal(item["hidden"], ref[i]["hidden"])  # the whole decoder ran, same features
+        with torch.inference_mode():
+            ids = item["input_ids"][None]
+            last = model.base_model(input_ids=ids).last_hidden_state[0]
+            logits = model(input_ids=ids).logits[0]
+            head = model.lm_head(item["last_hidden"].float())
+        tol = {"rtol": 1e-5, "atol": 1e-5} if tight else {"rtol": 2**-7, "atol": 1e-5}
+        torch.testing.assert_close(item["last_hidden"].float(), last, **tol)
+        if tight:
+            torch.testing.assert_close(head, logits, rtol=1e-5, atol=1e-4)
+        else:  # within bf16 rounding of the head's input
+            assert (head - logits).abs().max() < 0.05 * logits.abs().max()
 
 
 def _rows(path):
@@ -554,7 +755,8 @@ def test_gpu_features_packed_quantized_on_device_copied_async_to_pinned(toy_targ
     layer_ids = [1, 2, 3]
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (37, 5, 64, 20)]
-    feats, scales, event = precompute.forward_features(model, batch, layer_ids, dtype, 0, torch.cuda.Stream())
+    feats, scales, _, _, event = precompute.forward_features(model, batch, layer_ids, dtype, 0,
+                                                             torch.cuda.Stream())
     assert event is not None and feats.device.type == "cpu" and feats.is_pinned()
     event.synchronize()
     assert feats.shape == (sum(map(len, batch)), 3 * model.config.hidden_size)
@@ -592,8 +794,17 @@ def test_forward_runs_only_the_layers_the_features_need(toy_target):
     seen = []
     layers = model.model.layers
     hooks = [layer.register_forward_hook(lambda *a, i=i: seen.append(i)) for i, layer in enumerate(layers)]
-    feats, _, _ = precompute.forward_features(model, [[5, 6, 7, 8]], [1, 2], "float32", 0)
-    assert seen == [0, 1, 2, 3] and feats.shape == (4, 2 * model.config.hidden_size)
+    feats = precompute.forward_features(model, [[5, 6, 7, 8]], [1, 2], "float32", 0)
+    assert seen == [0, 1, 2, 3] and feats.hidden.shape == (4, 2 * model.config.hidden_size)
+    assert feats.last_hidden is None and feats.last_scale is None
+    seen.clear()  # the target's last hidden state: the whole decoder runs
+    feats = precompute.forward_features(model, [[5, 6, 7, 8], [9]], [1, 2], FP8, 0, last_hidden=True)
+    assert seen == [0, 1, 2, 3, 4, 5] and feats.last_hidden.shape == (5, model.config.hidden_size)
+    assert feats.last_hidden.dtype == torch.float8_e4m3fn and feats.last_scale.shape == (5,)
+    exact = precompute.forward_features(model, [[5, 6, 7, 8], [9]], [1, 2], "float32", 0, last_hidden=True)
+    for got, want in ((feats[2:4], quantize_fp8(exact.last_hidden)), (feats[:2], quantize_fp8(exact.hidden))):
+        assert torch.equal(got[1], want[1])  # each column quantized on its own scales
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     with pytest.raises(RuntimeError), decoder_prefix(model, 2):
         assert len(model.model.layers) == 2
         raise RuntimeError("inside")

@@ -160,22 +160,51 @@ def test_bad_config_is_one_line(tmp_path, text, expected):
     assert line.startswith("plan: error: ") and expected in line, line
 
 
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
 @pytest.mark.parametrize("dtype", ["bfloat16", FP8])
-def test_precompute_preflight_refuses_with_the_plans_estimate(tmp_path, dtype):
+def test_precompute_preflight_refuses_with_the_plans_estimate(tmp_path, dtype, family):
     target = tmp_path / "target"
     build_toy_target(ToyConfig(steps=0, num_docs=200), str(target))
     convs = task_conversations(6, seed=1)
     pd.DataFrame({"id": [f"s{i}" for i in range(6)], "messages": convs}).to_parquet(tmp_path / "data.parquet")
-    hidden, drafter = HiddenConfig(dtype=dtype, max_length=96, disk_margin=1e12), DrafterConfig(num_layers=2)
+    hidden = HiddenConfig(dtype=dtype, max_length=96, disk_margin=1e12)
+    drafter = DrafterConfig(num_layers=2, family=family)
     with pytest.raises(UserError, match="not enough disk space") as e:
         out = tmp_path / "h" / "shard-00000.arrow"
         section = TargetConfig(path=str(target), dtype="float32")
-        hidden_shard(section, tmp_path / "data.parquet", 0, 1, out, hidden, drafter)
+        hidden_shard(section, tmp_path / "data.parquet", 0, 1, out, hidden, drafter,
+                     last_hidden=family == "dspark")
     need, tokens = map(int, re.search(r"\((\d+) bytes: (\d+) tokens x", str(e.value)).groups())
     cfg = Config(target=TargetConfig(path=str(target)), hidden=hidden, drafter=drafter)
-    width = P.hidden_width(cfg, P.target_shapes(cfg))
-    assert need == int(P.hidden_disk(tokens, width)[dtype] * (1 + hidden.disk_margin))
+    assert need == int(P.hidden_disk(cfg, P.target_shapes(cfg), tokens)[dtype] * (1 + hidden.disk_margin))
     assert not out.exists()
+
+
+def test_a_dspark_token_holds_the_target_s_last_hidden_state_too():
+    """Qwen3-8B's shapes (K=5 fused layers of H=4096) in bf16: a DFlash token is 40,960 bytes of hidden
+    states, a DSpark token one more H-wide column, 49,152 (DESIGN.md 3a); each + its int32 id and int8
+    mask. In fp8: a byte a value, and a float32 scale per column. Every estimate counts so."""
+    from dataclasses import replace
+
+    from flashdraft.io import bytes_per_token
+
+    dflash = P.load(PRODUCTION, target=QWEN3_8B)
+    dspark = replace(dflash, drafter=replace(dflash.drafter, family="dspark"))
+    k, h = len(P.feature_layers(QWEN3_8B["num_hidden_layers"], dflash.drafter)), QWEN3_8B["hidden_size"]
+    assert (k, h) == (5, 4096)
+    bf16 = "bfloat16"
+    assert bytes_per_token(bf16, k, h) == P.token_bytes(dflash, QWEN3_8B, bf16) == 40_960 + 5
+    assert bytes_per_token(bf16, k, h, True) == P.token_bytes(dspark, QWEN3_8B, bf16) == 49_152 + 5
+    assert P.token_bytes(dflash, QWEN3_8B, FP8) == 20_480 + 4 + 5
+    assert P.token_bytes(dspark, QWEN3_8B, FP8) == 20_480 + 4 + 4096 + 4 + 5
+    plans = {c.drafter.family: P.plan(c, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
+             for c in (dflash, dspark)}
+    p, tokens = plans["dspark"], plans["dspark"]["tokens"].total
+    assert p["hidden_bytes"] == {"bfloat16": tokens * (49_152 + 5), FP8: tokens * (20_480 + 4096 + 13)}
+    assert dspark.hidden.dtype == FP8 and p["modes"]["store"].peak_disk == p["hidden_bytes"][FP8]
+    cap = {f: plans[f]["modes"]["stream"].chunks.cap for f in plans}  # a disk budget holds fewer tokens
+    assert cap["dspark"] == 2 * 10**12 // (2 * (20_480 + 4096 + 13)) < cap["dflash"]
+    assert "x 20,480 values + the target's last hidden state" in P.render(p, "production.yaml")
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -212,14 +241,14 @@ def test_stream_chunk_tokens_from_the_budget_or_the_key():
 
     for dtype in STORAGE_DTYPES:  # the torch-free arithmetic is torch's itemsize
         scale = 4 if dtype == FP8 else 0
-        assert bytes_per_token(dtype, 10) == 10 * storage_dtype(dtype).itemsize + scale + 5
-    width = 5 * 4096
-    per_token = bytes_per_token(FP8, width)
+        assert bytes_per_token(dtype, 2, 5) == 10 * storage_dtype(dtype).itemsize + scale + 5
+    per_token = bytes_per_token(FP8, 5, 4096)
     budget = HiddenConfig(dtype=FP8, disk_budget="2TB")
-    assert stream_chunk_tokens(budget, width) == 2 * 10**12 // (2 * per_token)
-    assert stream_chunk_tokens(HiddenConfig(dtype=FP8, disk_budget="2TB", chunk_tokens=1000), width) == 1000
+    assert stream_chunk_tokens(budget, per_token) == 2 * 10**12 // (2 * per_token)
+    keyed = HiddenConfig(dtype=FP8, disk_budget="2TB", chunk_tokens=1000)
+    assert stream_chunk_tokens(keyed, per_token) == 1000
     with pytest.raises(UserError, match="config key hidden.disk_budget"):
-        stream_chunk_tokens(HiddenConfig(mode="stream"), width)
+        stream_chunk_tokens(HiddenConfig(mode="stream"), per_token)
 
 
 def test_pipeline_waits_for_the_slower_side_and_the_ring():

@@ -132,6 +132,43 @@ def test_a_chunk_store_reads_the_run_s_sample_numbers_and_pickles_for_loader_wor
     assert store.ids() == [store[j]["id"] for j in range(len(store))]
 
 
+def test_stream_shards_hold_the_last_hidden_state_when_the_family_needs_it(tmp_path):
+    """The plan counts the last hidden state's bytes; a chunk part and the validation shard (hidden_chunk,
+    hidden_val, through their scripts' --last-hidden) hold it, and the chunk's store gives it per sample."""
+    import runpy
+
+    from flashdraft.config import TargetConfig, ToyConfig, to_json
+    from flashdraft.hidden import HiddenStore, manifest_path
+    from flashdraft.stream import planned_store
+    from flashdraft.toy import build_toy_target
+
+    target = tmp_path / "toy"
+    build_toy_target(ToyConfig(steps=0, num_docs=200), str(target))  # H=128, 6 layers
+    files = _tokens(tmp_path, [[40 + (13 * i) % 60 for i in range(24)]])
+    train = TrainConfig(epochs=1, batch_tokens=256, global_batch_tokens=512, buckets=[128], val_samples=3)
+    hidden = HiddenConfig(mode="stream", disk_budget="2MB")
+    plans = {last: data_plan(target, files, hidden, DRAFT, train, 1, tmp_path / f"plan-{last}",
+                             last_hidden=last) for last in (False, True)}
+    assert plans[True]["bytes_per_token"] == plans[False]["bytes_per_token"] + 2 * 128  # bf16, H more
+    assert plans[True]["last_hidden"] and plans[True]["chunk_tokens"] < plans[False]["chunk_tokens"]
+
+    plan_dir = tmp_path / "plan-True"
+    args = ["--cfg", to_json(hidden), "--drafter-cfg", to_json(DRAFT), "--last-hidden", "--target-cfg",
+            to_json(TargetConfig(path=str(target), dtype="float32")), "--plan", str(plan_dir)]
+    part, val = tmp_path / "chunk" / "part-00000.arrow", tmp_path / "val.arrow"
+    runpy.run_path(str(REPO / "scripts" / "hidden_chunk.py"))["main"](
+        [*args, "--epoch", "0", "--chunk", "0", "--part", "0", "--parts", "1", "--out", str(part)])
+    runpy.run_path(str(REPO / "scripts" / "hidden_val.py"))["main"]([*args, "--out", str(val)])
+    for shard in (part, val):
+        assert json.loads(manifest_path(shard).read_text())["last_hidden"] is True
+    plan = Plan(plan_dir)
+    chunk = planned_store(plan, plan.find(0, 0), [str(part)])
+    for i in plan.chunk_samples(plan.find(0, 0))[:3]:
+        item = chunk[i]
+        assert item["last_hidden"].shape == (len(item["input_ids"]), 128) and item["hidden"].shape[1] == 256
+    assert plan.val_store([str(val)]).last_hidden and "last_hidden" in HiddenStore([val])[0]
+
+
 def _checkpoints(run_dir, steps):
     for step in steps:
         (run_dir / f"step-{step:08d}").mkdir(parents=True)

@@ -39,7 +39,7 @@ from flashdraft.checkpoint import (
     start_reading,
 )
 from flashdraft.compile_cache import set_compile_workers, warmup
-from flashdraft.config import DrafterConfig, TrainConfig, to_json
+from flashdraft.config import DrafterConfig, TrainConfig, run_config, to_json
 from flashdraft.distributed import Dist, parallel_mode
 from flashdraft.hidden import HiddenStore, manifest_path
 from flashdraft.launch import torchrun_argv
@@ -291,6 +291,10 @@ def test_run_key_changes_with_config_and_data(data, tmp_path):
     assert key == run_key(TrainConfig(), DrafterConfig(), shards) and len(key) == 12
     assert key != run_key(TrainConfig(lr=1e-3), dcfg, shards)
     assert key != run_key(cfg, DrafterConfig(block_size=8), shards)
+    assert key != run_key(cfg, DrafterConfig(family="dspark"), shards)
+    # a dflash run keeps the key it had before drafter.family existed (the drafter's keys without it)
+    assert '"family"' not in run_config(cfg, dcfg)
+    assert '"family": "dspark"' in run_config(cfg, DrafterConfig(family="dspark"))
     copy = [str(tmp_path / Path(p).name) for p in shards]
     for src, dst in zip(shards, copy, strict=True):
         shutil.copy(src, dst)
@@ -317,6 +321,26 @@ def test_collate_pads_to_bucket_and_truncates_to_the_largest(data):
     small = collate([store[short]])
     assert small["bucket"] == 128 and small["input_ids"].shape == (4, 128)  # padding rows keep one shape
     assert small["loss_mask"][1:].eq(0).all()
+
+
+def test_collate_pads_last_hidden_like_hidden_and_only_when_the_samples_carry_it(tmp_path):
+    root = tmp_path / "toy"
+    root.mkdir()
+    store = HiddenStore(toy_hidden_shards(root, DRAFTER, shards=1, rows=4, last_hidden=True))
+    samples = [store[i] for i in range(3)]
+    collate = Collate([128, 256, 512], 2048, torch.float32)
+    batch = collate(samples)
+    s, rows = batch["bucket"], batch["input_ids"].shape[0]
+    assert batch["last_hidden"].shape == (rows, s, store.hidden_size)
+    assert batch["last_hidden"].dtype == torch.float32 and batch["hidden"].shape[:2] == (rows, s)
+    for r, x in enumerate(samples):
+        n = min(len(x["input_ids"]), s)
+        assert torch.equal(batch["last_hidden"][r, :n], x["last_hidden"][:n].float())
+        assert batch["last_hidden"][r, n:].eq(0).all()
+    assert batch["last_hidden"][len(samples):].eq(0).all()
+    without = collate([{k: v for k, v in x.items() if k != "last_hidden"} for x in samples])
+    assert list(without) == ["input_ids", "loss_mask", "hidden", "tokens", "bucket"]
+    assert all(torch.equal(without[k], batch[k]) for k in ("input_ids", "loss_mask", "hidden"))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -92,6 +92,49 @@ def test_remote_code_target_fails_before_any_job(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("mode, target, script", [
+    ("store", "results/hidden/shard-00000.arrow", "hidden_shard.py"),
+    ("stream", "results/plan", "data_plan.py"),
+])
+def test_the_last_hidden_flag_reaches_the_hidden_stages_only_for_families_that_need_it(tmp_path, mode,
+                                                                                      target, script):
+    commands = {}
+    for family in ("dflash", "dspark"):
+        config = write_config(tmp_path / f"{family}.yaml", {"drafter.family": family, "hidden.mode": mode,
+                                                            "hidden.chunk_tokens": 6000})
+        proc = snakemake(tmp_path, "-n", "-p", "--cores", "1", target, config=config)
+        [commands[family]] = [line for line in proc.stdout.splitlines() if f"/{script} " in line]
+    assert "--last-hidden" in commands["dspark"] and "--last-hidden" not in commands["dflash"]
+    assert commands["dspark"].replace(f"{script} --last-hidden ", f"{script} ") == commands["dflash"]
+
+
+def test_shards_without_the_last_hidden_state_are_refused_before_any_job_when_they_would_be_reused(tmp_path):
+    """drafter.family dspark and a store made without the last hidden state that Snakemake would not make
+    again (its files copied in: no record of their params): the run stops before its first job, naming the
+    key and the rerun; a store with the column goes on to the job that reads it."""
+    config = write_config(tmp_path / "config.yaml", {"drafter.family": "dspark", "hidden.shards": 1})
+    target = "results/hidden/verify.json"
+    dry = snakemake(tmp_path, "-n", "--cores", "1", target, config=config).stdout
+    outputs = [o.strip() for line in dry.splitlines() if line.strip().startswith("output:")
+               for o in line.split(":", 1)[1].split(",")]
+    for out in outputs[:-1]:  # everything up to the shard, as if copied in (the verification is to do)
+        (tmp_path / out).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / out).mkdir() if out.endswith("target") else (tmp_path / out).write_text("{}")
+    manifest = tmp_path / "results" / "hidden" / "shard-00000.json"
+    for made, refused in (({}, True), ({"last_hidden": True}, False)):
+        manifest.write_text(json.dumps({"format": "flashdraft.hidden/1", **made}))
+        for f in (tmp_path / "results").rglob("*"):
+            os.utime(f, (1e9, 1e9))  # none newer than what it was made from
+        proc = snakemake(tmp_path, "--cores", "1", target, config=config, check=False)
+        out = proc.stdout + proc.stderr
+        line = ("config key drafter.family: dspark trains on the target's last hidden state, but the hidden "
+                "shard results/hidden/shard-00000.arrow was made without it; rerun the hidden stage "
+                "(snakemake --forcerun hidden_shard)")
+        assert (line in out.splitlines()) == refused, out
+        assert proc.returncode != 0 and "Traceback" not in out  # with the column: the fake fails to verify
+        assert (tmp_path / "results" / "logs" / "hidden_verify.log").exists() != refused  # no job ran
+
+
 def test_a_model_type_of_transformers_in_a_package_of_another_name_is_not_remote_code(tmp_path):
     """gemma3_text's classes live in transformers' gemma3 package: it ships, though an auto_map is there."""
     model = tmp_path / "models" / "gemma"
@@ -370,6 +413,19 @@ def test_changed_train_param_reruns_train_onward_only(small_run, tmp_path):
     changed.write_text(yaml.safe_dump(cfg))
     proc = snakemake(work, "-n", "--cores", "2", config=changed)
     assert set(job_counts(proc.stdout)) == {"train", "evaluate", "evaluate_merge", "report", "all"}
+
+
+def test_a_family_that_needs_the_last_hidden_state_remakes_the_hidden_shards(small_run, tmp_path):
+    """The small run's (DFlash) shards hold no last hidden state: drafter.family dspark makes them again by
+    itself (the flag is one of the hidden stage's params); the DFlash run's own params are unchanged."""
+    work, config, _ = small_run
+    changed = tmp_path / "dspark.yaml"
+    cfg = yaml.safe_load(config.read_text())
+    cfg.setdefault("drafter", {})["family"] = "dspark"
+    changed.write_text(yaml.safe_dump(cfg))
+    proc = snakemake(work, "-n", "--cores", "2", config=changed)
+    assert job_counts(proc.stdout)["hidden_shard"] == cfg.get("hidden", {}).get("shards", 2)
+    assert "params" in proc.stdout.lower() and "hidden_shard" in proc.stdout
 
 
 def test_snakemake_report_renders_with_plots(small_run, tmp_path):

@@ -84,7 +84,9 @@ def anchor_seeds(seed: int, epoch: int, samples: list[int], rows: int) -> list[i
 
 
 class Collate:
-    """Pads a micro-batch to its bucket: input_ids, loss_mask, hidden [rows, bucket, K*H]; counts tokens.
+    """Pads a micro-batch to its bucket: input_ids, loss_mask, hidden [rows, bucket, K*H], and when the
+    samples carry it (a store with the target's last hidden state) last_hidden [rows, bucket, H]; counts
+    tokens.
 
     Rows beyond the samples are all padding (no anchors), so every batch of a bucket has one shape."""
 
@@ -94,18 +96,19 @@ class Collate:
     def __call__(self, samples: list[dict]) -> dict:
         s = bucket_for(max(len(x["input_ids"]) for x in samples), self.buckets)
         rows = rows_per_batch(s, self.batch_tokens)
-        width = samples[0]["hidden"].shape[-1]
         ids = torch.zeros(rows, s, dtype=torch.long)
         mask = torch.zeros(rows, s)
-        hidden = torch.zeros(rows, s, width, dtype=self.hidden_dtype)
+        padded = {k: torch.zeros(rows, s, samples[0][k].shape[-1], dtype=self.hidden_dtype)
+                  for k in ("hidden", "last_hidden") if k in samples[0]}
         tokens = 0
         for r, x in enumerate(samples):
             n = min(len(x["input_ids"]), s)
             ids[r, :n] = x["input_ids"][:n]
             mask[r, :n] = x["loss_mask"][:n].float()
-            hidden[r, :n] = x["hidden"][:n].to(self.hidden_dtype)
+            for k, t in padded.items():
+                t[r, :n] = x[k][:n].to(self.hidden_dtype)
             tokens += n
-        return {"input_ids": ids, "loss_mask": mask, "hidden": hidden, "tokens": tokens, "bucket": s}
+        return {"input_ids": ids, "loss_mask": mask, **padded, "tokens": tokens, "bucket": s}
 
 
 def batch_loader(store, batches: list[list[int]], collate: Collate, device: torch.device):

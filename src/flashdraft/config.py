@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .families import family_info
 from .hf_config import read_target_config, target_max_positions, target_num_layers
-from .io import bytes_per_token, parse_bytes
+from .io import parse_bytes
 from .objectives import OBJECTIVES
 
 
@@ -452,16 +453,15 @@ def check_validation(t: TrainConfig, samples: int | None = None, steps: int | No
 STREAM_RING = 2
 
 
-def stream_chunk_tokens(hidden: HiddenConfig, width: int) -> int:
+def stream_chunk_tokens(hidden: HiddenConfig, per_token: int) -> int:
     """Hidden-state tokens per chunk in stream mode: hidden.chunk_tokens, else what half of
     hidden.disk_budget holds (two chunks are on disk at once: one trains while the next is written).
-    `width`: values stored per token (K fused layers x H)."""
+    `per_token`: the bytes one token takes in a shard (io.bytes_per_token)."""
     if hidden.chunk_tokens:
         return hidden.chunk_tokens
     if not hidden.disk_budget:
         raise UserError("config key hidden.disk_budget: stream mode needs the bytes of hidden states allowed "
                         "on disk at once (e.g. 2TB), or hidden.chunk_tokens")
-    per_token = bytes_per_token(hidden.dtype, width)
     tokens = hidden.disk_budget // (STREAM_RING * per_token)
     if tokens < 1:
         raise UserError(f"config key hidden.disk_budget: {hidden.disk_budget} bytes do not hold two tokens "
@@ -494,7 +494,8 @@ def run_config(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
     """What of the train and drafter sections makes a run: checkpoint.run_key hashes it with the data, and
     stream mode's train_chunk jobs rerun when it changes (run_config_digest), not on the other keys."""
     # DDP and FSDP resume each other; the export's choice is made after training; without validation its
-    # keys change nothing (and runs keep the keys they had before those keys existed)
+    # keys change nothing (and runs keep the keys they had before those keys existed: so does a dflash run
+    # its drafter key, from before drafter.family)
     skip = {"parallel", "export"} | ({"val_samples", "val_every"} if not cfg.val_samples else set())
     same_run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
     # a DFlash run keeps the key it had before drafter families existed; another family's options count
@@ -508,6 +509,12 @@ def run_config(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
 def run_config_digest(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
     """A short digest of run_config (for the workflow, which does not import torch)."""
     return hashlib.sha256(run_config(cfg, drafter_cfg).encode()).hexdigest()[:12]
+
+
+def needs_last_hidden(drafter: DrafterConfig) -> bool:
+    """Whether drafter.family trains on the target's last hidden state, which its hidden shards then hold
+    per token beside the K layers' features (the `last_hidden` column; families.FamilyInfo.last_hidden)."""
+    return family_info(drafter.family).last_hidden
 
 
 def feature_layers(num_target_layers: int, drafter: DrafterConfig) -> list[int]:

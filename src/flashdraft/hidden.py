@@ -4,13 +4,21 @@ verification (the pipeline that fills the shards is precompute.py).
 A shard is one Arrow IPC file with one row per sample:
   id (string), input_ids (list<int32>), loss_mask (list<int8>), num_tokens (int32),
   hidden (large_binary: the [num_tokens, K*H] features row-major in the storage dtype; bf16 as raw bits),
-  and for float8_e4m3 shards only, scale (large_binary: float32[num_tokens], one scale per token).
-FP8 shards store e4m3 values x / scale with scale = amax(|x|) / 448 per token (the row of K*H features);
-the reader dequantizes them to bf16. bf16 and fp32 shards have no scale column and are unchanged, so the
-format stays version 1: the schema that goes with a dtype is fixed, and readers that predate fp8 reject
-such shards by their dtype. The schema metadata names the format, dtype, K, H, the target and its layer
-ids, so a shard describes itself; the manifest next to it (`shard-00000.arrow` -> `shard-00000.json`)
-adds counts and a checksum (`sha256_tree`: sha256 over the digests of 64 MiB chunks, see tree_digest).
+  and for float8_e4m3 shards only, scale (large_binary: float32[num_tokens], one scale per token);
+  then, in a shard made for a drafter family that trains on it (`last_hidden` in the metadata, see
+  families.py), last_hidden (large_binary: the [num_tokens, H] last hidden state of the target, after its
+  final norm: what its LM head reads, in the same storage dtype) and for float8_e4m3 last_scale
+  (large_binary: float32[num_tokens], its own scale per token: the final-norm state's range is far from
+  the mid-layer features').
+FP8 shards store e4m3 values x / scale with scale = amax(|x|) / 448 per token (the row of K*H features;
+the row of H for last_hidden); the reader dequantizes them to bf16. bf16 and fp32 shards have no scale
+column and are unchanged, so the format stays version 1: the schema that goes with a dtype (and
+last_hidden) is fixed, and readers that predate fp8 reject such shards by their dtype. The schema metadata
+names the format, dtype, K, H, the target and its layer ids (and `last_hidden: true` only for a shard that
+has the column: one without the key has none, so a shard without it is written as before the key
+existed), so a shard describes itself; the manifest next to it (`shard-00000.arrow` ->
+`shard-00000.json`) adds counts and a checksum (`sha256_tree`: sha256 over the digests of 64 MiB chunks,
+see tree_digest).
 Files appear under their final name only when complete (written to a temporary sibling, then renamed).
 """
 
@@ -32,6 +40,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
+from .errors import UserError
 from .io import FP8 as FP8  # the storage dtype names, re-exported for the shard format's users
 from .io import StorageDtype, atomic_path, log, write_json
 from .io import bytes_per_token as bytes_per_token
@@ -44,9 +53,9 @@ def storage_dtype(name: str | StorageDtype) -> torch.dtype:
     return StorageDtype.of(name).torch_dtype
 
 
-def hidden_bytes(tokens: int, dtype: str | StorageDtype, width: int) -> int:
-    """The estimate of a shard's bytes (or a whole run's): the precompute preflight's and the plan's."""
-    return tokens * StorageDtype.of(dtype).bytes_per_token(width)
+def hidden_bytes(tokens: int, meta: ShardMeta) -> int:
+    """The estimate of a shard's bytes (or a whole run's): the precompute preflight's, as the plan's."""
+    return tokens * meta.token_bytes
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,20 +80,24 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, rows: int = 64) -> torc
 @dataclass
 class ShardMeta:
     """What a shard holds: the target it came from, the decoder layers whose features it concatenates,
-    the storage dtype and H. The field names are the keys on disk, in the schema metadata
-    (`flashdraft.<key>`) and in the manifest, which adds `num_features` (K, derived here). `dtype` is
-    given by its name (or parsed) and held parsed; on disk it is its name."""
+    the storage dtype, H, and whether it also holds the target's last hidden state (the `last_hidden`
+    column). The field names are the keys on disk, in the schema metadata (`flashdraft.<key>`) and in the
+    manifest, which adds `num_features` (K, derived here); `last_hidden` is on disk only when true (absent
+    reads as false). `dtype` is given by its name (or parsed) and held parsed; on disk it is its name."""
 
     target: str
     target_layer_ids: list[int]
     dtype: StorageDtype
     hidden_size: int
+    last_hidden: bool = False
 
     def __post_init__(self):
         self.target = str(self.target)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         self.dtype = StorageDtype.of(self.dtype)
         self.hidden_size = int(self.hidden_size)
+        if not isinstance(self.last_hidden, bool):
+            raise ValueError(f"last_hidden {self.last_hidden!r} is not a bool")
 
     @property
     def num_features(self) -> int:
@@ -95,15 +108,29 @@ class ShardMeta:
         """K*H: the features of one token."""
         return self.num_features * self.hidden_size
 
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token takes in the shard (io.bytes_per_token)."""
+        return self.dtype.bytes_per_token(self.num_features, self.hidden_size, self.last_hidden)
+
     def to_dict(self) -> dict:
-        """The manifest's keys for it (and the metadata a reader compares between shards)."""
-        return {"target": self.target, "target_layer_ids": list(self.target_layer_ids),
-                "dtype": self.dtype.name, "hidden_size": self.hidden_size, "num_features": self.num_features}
+        """The manifest's keys for it; `last_hidden` only when true, so a shard without the column (and its
+        manifest) is written byte for byte as before the key existed."""
+        d = {"target": self.target, "target_layer_ids": list(self.target_layer_ids),
+             "dtype": self.dtype.name, "hidden_size": self.hidden_size, "num_features": self.num_features}
+        return {**d, "last_hidden": True} if self.last_hidden else d
+
+    def compared(self) -> dict:
+        """What a reader compares between shards, and verify between a shard and its manifest: to_dict
+        with `last_hidden` always there."""
+        return {**self.to_dict(), "last_hidden": self.last_hidden}
 
     @classmethod
     def from_dict(cls, d: dict) -> ShardMeta:
-        """From a manifest (or any dict with the fields); a `num_features` that disagrees is an error."""
-        meta = cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        """From a manifest (or any dict with the fields; no `last_hidden`: false); a `num_features` that
+        disagrees is an error."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "last_hidden"]
+        meta = cls(**{k: d[k] for k in names}, last_hidden=d.get("last_hidden", False))
         if "num_features" in d and int(d["num_features"]) != meta.num_features:
             raise ValueError(f"num_features {d['num_features']} but {meta.num_features} target_layer_ids")
         return meta
@@ -124,6 +151,7 @@ class ShardMeta:
             "dtype": StorageDtype.of(raw["flashdraft.dtype"]),
             "hidden_size": int(raw["flashdraft.hidden_size"]),
             "num_features": int(raw["flashdraft.num_features"]),
+            "last_hidden": json.loads(raw.get("flashdraft.last_hidden", "false")),
         }
         try:
             return cls.from_dict(fields)
@@ -144,9 +172,15 @@ def shard_schema(meta: ShardMeta) -> pa.Schema:
         ("num_tokens", pa.int32()),
         ("hidden", pa.large_binary()),
     ]
-    if meta.dtype.quantized:
-        fields.append(("scale", pa.large_binary()))
+    fields += [(name, pa.large_binary()) for name in binary_columns(meta)[1:]]
     return pa.schema(fields, metadata=meta.schema_metadata())
+
+
+def binary_columns(meta: ShardMeta) -> list[str]:
+    """A shard's large_binary columns, in schema order: hidden, then scale (fp8), last_hidden and
+    last_scale (fp8) when it holds the target's last hidden state."""
+    fp8 = meta.dtype.quantized
+    return ["hidden"] + ["scale"] * fp8 + (["last_hidden"] + ["last_scale"] * fp8) * meta.last_hidden
 
 
 def read_meta(schema: pa.Schema, path) -> ShardMeta:
@@ -249,6 +283,7 @@ class ShardWriter:
     def __init__(self, path, meta: ShardMeta, *, max_rows=8, max_bytes=256 << 20):
         self.torch_dtype = meta.dtype.torch_dtype
         self.meta, self.width = meta, meta.width
+        self.columns = binary_columns(meta)
         self.schema = shard_schema(meta)
         self.sink = _HashingSink(path)
         self.writer = ipc.new_file(pa.PythonFile(self.sink, mode="w"), self.schema)
@@ -261,35 +296,48 @@ class ShardWriter:
     def _check(self, sample_id, n: int, mask_len: int, got, want) -> None:
         if n == 0 or mask_len != n or got != want:
             raise ValueError(
-                f"row {sample_id!r}: {n} input ids, {mask_len} mask values, (hidden, scale) {got}; "
-                f"expected a non-empty row with (hidden, scale) {want}"
+                f"row {sample_id!r}: {n} input ids, {mask_len} mask values, (shape, dtype) of {got}; "
+                f"expected a non-empty row with {want}"
             )
 
-    def _want(self, n: int):
-        return (n, self.width), self.torch_dtype, ((n,), torch.float32) if self.meta.dtype.quantized else None
+    def _want(self, n: int) -> dict:
+        """(shape, dtype) of each binary column of n tokens."""
+        shapes = {"hidden": (n, self.width), "scale": (n,), "last_hidden": (n, self.meta.hidden_size),
+                  "last_scale": (n,)}
+        return {k: (shapes[k], self.torch_dtype if "hidden" in k else torch.float32) for k in self.columns}
 
-    def write(self, sample_id: str, input_ids, loss_mask, hidden: torch.Tensor, scale=None) -> None:
-        """One row; fp8 shards take the quantized hidden with its float32 scale [n] (see quantize_fp8)."""
+    def _raws(self, sample_id, n: int, mask_len: int, tensors: dict) -> list[np.ndarray]:
+        """The given binary columns' bytes, in schema order, once they are what the shard holds."""
+        got = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items() if t is not None}
+        self._check(sample_id, n, mask_len, got, self._want(n))
+        return [_raw(tensors[k]) for k in self.columns]
+
+    def write(self, sample_id: str, input_ids, loss_mask, hidden: torch.Tensor, scale=None, last_hidden=None,
+              last_scale=None) -> None:
+        """One row; fp8 shards take the quantized hidden with its float32 scale [n] (see quantize_fp8); a
+        shard with `meta.last_hidden` takes the target's last hidden state [n, H] too (fp8: quantized on its
+        own, with its own last_scale [n])."""
         n = len(input_ids)
-        self._check(sample_id, n, len(loss_mask), _signature(hidden, scale), self._want(n))
-        raws = [_raw(hidden)] + ([_raw(scale)] if scale is not None else [])
+        tensors = {"hidden": hidden, "scale": scale, "last_hidden": last_hidden, "last_scale": last_scale}
+        raws = self._raws(sample_id, n, len(loss_mask), tensors)
         self.pending.append((str(sample_id), list(input_ids), list(loss_mask), raws))
         self.pending_bytes += sum(r.size for r in raws)
         self.rows, self.tokens = self.rows + 1, self.tokens + n
         if len(self.pending) >= self.max_rows or self.pending_bytes >= self.max_bytes:
             self.flush()
 
-    def write_rows(self, rows, hidden: torch.Tensor, scale=None) -> None:
+    def write_rows(self, rows, hidden: torch.Tensor, scale=None, last_hidden=None, last_scale=None) -> None:
         """Rows (id, input_ids, loss_mask) whose features lie back to back in `hidden` [T, W] (and fp8
-        `scale` [T]), as one record batch that points at `hidden`'s memory: no copy before the file."""
+        `scale` [T]; the last hidden state [T, H] and its fp8 scale when the shard holds it), as one record
+        batch that points at the tensors' memory: no copy before the file."""
         self.flush()
         lengths = [len(r[1]) for r in rows]
         total = sum(lengths)
         for sid, ids, mask in rows:
             self._check(sid, len(ids), len(mask), None, None)
         first_last = f"{rows[0][0]}..{rows[-1][0]}"
-        self._check(first_last, total, total, _signature(hidden, scale), self._want(total))
-        raws = [_raw(hidden)] + ([_raw(scale)] if scale is not None else [])
+        tensors = {"hidden": hidden, "scale": scale, "last_hidden": last_hidden, "last_scale": last_scale}
+        raws = self._raws(first_last, total, total, tensors)
         ids, input_ids, masks = zip(*((str(a), list(b), list(c)) for a, b, c in rows), strict=True)
         binaries = [_binary(r, [n * (r.size // total) for n in lengths]) for r in raws]  # bytes per token
         self._write_batch(ids, input_ids, masks, binaries)
@@ -299,7 +347,7 @@ class ShardWriter:
         if not self.pending:
             return
         ids, input_ids, masks, raws = zip(*self.pending, strict=True)
-        # hidden (and scale): one copy into a contiguous buffer each
+        # each binary column (hidden, scale, ...): one copy into a contiguous buffer
         binaries = [_binary(np.concatenate(col), [r.size for r in col]) for col in zip(*raws, strict=True)]
         self._write_batch(ids, input_ids, masks, binaries)
         self.pending, self.pending_bytes = [], 0
@@ -310,7 +358,7 @@ class ShardWriter:
             pa.array(input_ids, pa.list_(pa.int32())),
             pa.array(masks, pa.list_(pa.int8())),
             pa.array([len(x) for x in input_ids], pa.int32()),
-            *binaries,  # hidden (and scale)
+            *binaries,  # hidden (scale, last_hidden, last_scale)
         ]
         self.writer.write_batch(pa.record_batch(columns, schema=self.schema))
 
@@ -325,11 +373,6 @@ class ShardWriter:
         with contextlib.suppress(Exception):
             self.writer.close()
         self.sink.close()
-
-
-def _signature(hidden: torch.Tensor, scale):
-    scale_sig = None if scale is None else (tuple(scale.shape), scale.dtype)
-    return tuple(hidden.shape), hidden.dtype, scale_sig
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -416,7 +459,7 @@ class HiddenStore:
             meta = read_meta(reader.schema, path)
             if self.meta is None:
                 self.meta = meta
-            mine, first = meta.to_dict(), self.meta.to_dict()
+            mine, first = meta.compared(), self.meta.compared()  # with and without last_hidden: an error
             diff = [k for k in first if mine[k] != first[k]]
             if diff:
                 got = ", ".join(f"{k}={mine[k]!r}" for k in diff)
@@ -447,10 +490,10 @@ class HiddenStore:
         return [sid for batches in self._batches for b in batches for sid in b.column("id").to_pylist()]
 
     def stored(self, i: int, name: str = "hidden") -> torch.Tensor:
-        """Sample i's `name` column (hidden, or an fp8 shard's scale) flat as the file stores it, before any
-        dequantizing: a view over the mapped file."""
+        """Sample i's `name` column (hidden, last_hidden, or an fp8 shard's scale, last_scale) flat as the
+        file stores it, before any dequantizing: a view over the mapped file."""
         s, b, r = self._locs[range(len(self))[i]]
-        dtype = self._dtype if name == "hidden" else torch.float32
+        dtype = self._dtype if name in ("hidden", "last_hidden") else torch.float32
         return self._column(s, self._batches[s][b], r, name, dtype)
 
     def _column(self, s: int, batch, r: int, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -466,15 +509,22 @@ class HiddenStore:
         s, b, r = self._locs[range(len(self))[i]]  # range() handles negative indices and bounds
         batch = self._batches[s][b]
         n = int(batch.column("num_tokens")[r].as_py())
-        hidden = self._column(s, batch, r, "hidden", self._dtype).view(n, -1)
-        if self.meta.dtype.quantized:
-            hidden = dequantize_fp8(hidden, self._column(s, batch, r, "scale", torch.float32))
-        return {
+        item = {
             "id": batch.column("id")[r].as_py(),
             "input_ids": torch.tensor(int_values(batch.column("input_ids")[r].values), dtype=torch.long),
             "loss_mask": torch.tensor(int_values(batch.column("loss_mask")[r].values), dtype=torch.long),
-            "hidden": hidden,
+            "hidden": self._values(s, batch, r, n, "hidden", "scale"),
         }
+        if self.meta.last_hidden:
+            item["last_hidden"] = self._values(s, batch, r, n, "last_hidden", "last_scale")
+        return item
+
+    def _values(self, s: int, batch, r: int, n: int, name: str, scale: str) -> torch.Tensor:
+        """Row r of `name` as [n, -1]: a view over the mapped file, or fp8 dequantized by `scale` to bf16."""
+        x = self._column(s, batch, r, name, self._dtype).view(n, -1)
+        if self.meta.dtype.quantized:
+            x = dequantize_fp8(x, self._column(s, batch, r, scale, torch.float32))
+        return x
 
     @property
     def hidden_size(self) -> int:
@@ -483,6 +533,11 @@ class HiddenStore:
     @property
     def num_features(self) -> int:
         return self.meta.num_features
+
+    @property
+    def last_hidden(self) -> bool:
+        """Whether its items carry `last_hidden` (the target's last hidden state [n, H])."""
+        return self.meta.last_hidden
 
     @property
     def dtype(self) -> str:
@@ -523,6 +578,17 @@ class StoreView:
         if name in ("store", "index"):  # not yet set (unpickling)
             raise AttributeError(name)
         return getattr(self.store, name)
+
+
+def require_last_hidden(store, family: str) -> None:
+    """For a drafter family that trains on the target's last hidden state: one line naming the shard and
+    drafter.family when the store (or view) was made without it."""
+    if not store.meta.last_hidden:
+        raise UserError(
+            f"hidden shard {store.paths[0]} has no last_hidden column (the target's last hidden state), "
+            f"which drafter.family {family} trains on: it was made for a family that does not store it; "
+            "rerun the hidden stage (snakemake --forcerun hidden_shard; in stream mode hidden_chunk "
+            "hidden_val)")
 
 
 # --------------------------------------------------------------------------------------------- verifying
@@ -573,38 +639,43 @@ def verify_shard(arrow_path, manifest_file=None, max_errors=20) -> dict:
     except (pa.ArrowException, OSError, ValueError, KeyError) as e:
         err(f"cannot be read as a hidden shard: {e}")
         return result
-    for k, v in store.meta.to_dict().items():
-        if v != manifest.get(k):
-            err(f"schema metadata {k}={v!r} but manifest says {manifest.get(k)!r}")
+    listed = {**manifest, "last_hidden": manifest.get("last_hidden", False)}  # absent: a shard without it
+    for k, v in store.meta.compared().items():
+        if v != listed.get(k):
+            err(f"schema metadata {k}={v!r} but manifest says {listed.get(k)!r}")
     if len(store) != manifest.get("rows"):
         err(f"{len(store)} rows, manifest says {manifest.get('rows')}")
     if int(store.lengths.sum()) != manifest.get("tokens"):
         err(f"{int(store.lengths.sum())} tokens, manifest says {manifest.get('tokens')}")
 
-    fp8 = store.meta.dtype.quantized
-    row_bytes = store.num_features * store.hidden_size * store.meta.dtype.itemsize
+    meta = store.meta
+    fp8, itemsize = meta.dtype.quantized, meta.dtype.itemsize
+    # (values column, its fp8 scale column, values per token)
+    checked = [("hidden", "scale", meta.width)]
+    checked += [("last_hidden", "last_scale", meta.hidden_size)] * meta.last_hidden
     row, bad_rows = 0, 0
     for batch in store._batches[0]:
         ids = batch.column("id")
-        hidden_bytes, scale_bytes = _sizes(batch, "hidden"), _sizes(batch, "scale") if fp8 else None
+        sizes = {name: _sizes(batch, name) for name in binary_columns(meta)}
         for r in range(len(batch)):
             n = batch.column("num_tokens")[r].as_py()
             problems = []
             lens = (len(batch.column("input_ids")[r]), len(batch.column("loss_mask")[r]))
             if lens != (n, n):
                 problems.append(f"{lens[0]} input ids and {lens[1]} mask values for num_tokens={n}")
-            sized = hidden_bytes[r] == n * row_bytes
-            if not sized:
-                problems.append(f"hidden has {hidden_bytes[r]} bytes, expected {n} x {row_bytes}")
-            if fp8 and scale_bytes[r] != n * 4:
-                sized = False
-                problems.append(f"scale has {scale_bytes[r]} bytes, expected {n} x 4")
-            elif fp8 and sized:
-                scale = store._column(0, batch, r, "scale", torch.float32)
-                if not (torch.isfinite(scale) & (scale > 0)).all():
-                    problems.append("scale has values that are not finite and > 0")
-            if sized and not torch.isfinite(store[row]["hidden"]).all():
-                problems.append("hidden has NaN or Inf values")
+            for name, scale_name, width in checked:
+                sized = sizes[name][r] == n * width * itemsize
+                if not sized:
+                    problems.append(f"{name} has {sizes[name][r]} bytes, expected {n} x {width * itemsize}")
+                if fp8 and sizes[scale_name][r] != n * 4:
+                    sized = False
+                    problems.append(f"{scale_name} has {sizes[scale_name][r]} bytes, expected {n} x 4")
+                elif fp8 and sized:
+                    scale = store._column(0, batch, r, scale_name, torch.float32)
+                    if not (torch.isfinite(scale) & (scale > 0)).all():
+                        problems.append(f"{scale_name} has values that are not finite and > 0")
+                if sized and not torch.isfinite(store._values(0, batch, r, n, name, scale_name)).all():
+                    problems.append(f"{name} has NaN or Inf values")
             if problems:
                 bad_rows += 1
                 if bad_rows <= max_errors:

@@ -52,10 +52,11 @@ class StorageDtype:
 
         return getattr(torch, TORCH_NAMES[self.name])
 
-    def bytes_per_token(self, width: int) -> int:
-        """Bytes one token takes in a shard: K*H = `width` features (+ an fp32 scale when quantized),
-        int32 id, int8 mask."""
-        return width * self.itemsize + (4 if self.quantized else 0) + 5
+    def bytes_per_token(self, num_features: int, hidden_size: int, last_hidden: bool = False) -> int:
+        """Bytes one token takes in a shard: its K*H features and, when the shard holds it, the target's
+        last hidden state (H more), each column with a float32 scale when quantized; int32 id, int8 mask."""
+        columns = [num_features * hidden_size] + ([hidden_size] if last_hidden else [])
+        return sum(width * self.itemsize + (4 if self.quantized else 0) for width in columns) + 5
 
     def __str__(self) -> str:
         return self.name
@@ -64,10 +65,12 @@ class StorageDtype:
 _STORAGE = {name: StorageDtype(name, ITEMSIZE[name], name == FP8) for name in STORAGE_DTYPES}
 
 
-def bytes_per_token(dtype: str | StorageDtype, width: int) -> int:
-    """Bytes one token takes in a hidden-state shard: K*H features (+ an fp32 scale for fp8), int32 id,
-    int8 mask. Without torch, so the config and the plan can size chunks and disks."""
-    return StorageDtype.of(dtype).bytes_per_token(width)
+def bytes_per_token(dtype: str | StorageDtype, num_features: int, hidden_size: int,
+                    last_hidden: bool = False) -> int:
+    """Bytes one token takes in a hidden-state shard (StorageDtype.bytes_per_token): every estimate of
+    hidden-state bytes (the precompute preflight, the plan, stream mode's chunks) counts with it. Without
+    torch, so the config and the plan can size chunks and disks."""
+    return StorageDtype.of(dtype).bytes_per_token(num_features, hidden_size, last_hidden)
 
 
 # "2TB", "500 GB", "1.5TiB", "2e12", "4096": decimal units are powers of 1000, binary (KiB..) of 1024

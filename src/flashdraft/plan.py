@@ -37,7 +37,15 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import Config, check, check_schema, feature_layers, from_dict, stream_chunk_tokens
+from .config import (
+    Config,
+    check,
+    check_schema,
+    feature_layers,
+    from_dict,
+    needs_last_hidden,
+    stream_chunk_tokens,
+)
 from .errors import UserError, cli
 from .hf_config import attention_shape, read_target_config
 from .io import FP8, bytes_per_token, human_bytes, parse_bytes
@@ -318,9 +326,18 @@ def token_stats(cfg: Config, results) -> Tokens:
     return Tokens(samples, prompt, answer, total, min(cfg.eval.num_prompts, evals), notes)
 
 
-def hidden_disk(tokens: int, width: int) -> dict[str, int]:
+def token_bytes(cfg: Config, shapes: dict, dtype: str | None = None) -> int:
+    """Bytes one token takes in the hidden-state shards of this config, in hidden.dtype or `dtype`: its K
+    fused layers of H values, and H more when drafter.family trains on the target's last hidden state
+    (io.bytes_per_token, as the precompute preflight counts)."""
+    k = len(feature_layers(shapes["num_hidden_layers"], cfg.drafter))
+    last = needs_last_hidden(cfg.drafter)
+    return bytes_per_token(dtype or cfg.hidden.dtype, k, shapes["hidden_size"], last)
+
+
+def hidden_disk(cfg: Config, shapes: dict, tokens: int) -> dict[str, int]:
     """Bytes of the hidden-state shards in bf16 and in fp8: the precompute preflight's estimate."""
-    return {dtype: tokens * bytes_per_token(dtype, width) for dtype in ("bfloat16", FP8)}
+    return {dtype: tokens * token_bytes(cfg, shapes, dtype) for dtype in ("bfloat16", FP8)}
 
 
 def rate(key: str, scale: float) -> float:
@@ -352,6 +369,11 @@ class Run:
     @property
     def width(self) -> int:
         return hidden_width(self.cfg, self.shapes)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes a hidden-state token takes on disk, in hidden.dtype."""
+        return token_bytes(self.cfg, self.shapes)
 
     def world(self, split: Split) -> int:
         return max(1, split.drafter) * self.cfg.gpus.drafter_nodes
@@ -487,7 +509,7 @@ def _wall(hours: list[float | None]) -> float | None:
 def store_mode(run: Run, split: Split) -> ModePlan:
     table = stage_table(run, split)
     hours = {k: v["hours"] for k, v in table.items()}
-    peak = run.tok.total * bytes_per_token(run.cfg.hidden.dtype, run.width)
+    peak = run.tok.total * run.token_bytes
     gpus = {k: v["gpus"] for k, v in table.items()}
     return ModePlan("store", split, hours, gpus, _wall(list(hours.values())), peak,
                     run.gpu_hours(split, run.tok.total))
@@ -511,8 +533,8 @@ def chunk_sizes(run: Run, split: Split, budget: int) -> tuple[int, str, tuple[in
     whole optimizer steps (counted at their full budget, so a chunk holds at least this many steps)."""
     h = run.cfg.hidden
     hidden = h if h.chunk_tokens else replace(h, disk_budget=budget)
-    cap = stream_chunk_tokens(hidden, run.width)
-    per_token = bytes_per_token(h.dtype, run.width)
+    per_token = run.token_bytes
+    cap = stream_chunk_tokens(hidden, per_token)
     step = run.step_tokens(split)
     if cap < step:
         key, need = (("hidden.chunk_tokens", f"{step:,} tokens") if h.chunk_tokens else
@@ -570,7 +592,7 @@ def stream_mode(run: Run, split: Split, budget: int) -> ModePlan:
             "pipeline": max(1, split.target) + run.world(split), "evaluation": table["evaluation"]["gpus"]}
     chunks = Chunks(cap, source, step, len(sizes) and math.ceil(len(sizes) / cfg.train.epochs), sizes,
                     pre[0], train[0], startup[0])
-    peak = 2 * max(sizes, default=0) * bytes_per_token(cfg.hidden.dtype, run.width)
+    peak = 2 * max(sizes, default=0) * run.token_bytes
     wall = _wall([hours["regeneration"], pipeline, hours["evaluation"]])
     return ModePlan("stream", split, hours, gpus, wall, peak, run.gpu_hours(split, sum(sizes)), chunks)
 
@@ -640,7 +662,9 @@ def plan(cfg: Config, results="results", gpus: int | None = None, budget: int | 
     rec = recommend(run, budget, source) if g and total is not None else None
     return {"parameters": params, "reference_parameters": ref, "scale": scale, "gpus": g, "tokens": run.tok,
             "stages": stages, "total_hours": total, "slowest": slowest, "hidden_width": run.width,
-            "hidden_bytes": hidden_disk(run.tok.total, run.width), "hidden_dtype": cfg.hidden.dtype,
+            "hidden_bytes": hidden_disk(cfg, shapes, run.tok.total), "hidden_dtype": cfg.hidden.dtype,
+            "hidden_token_bytes": {d: token_bytes(cfg, shapes, d) for d in ("bfloat16", FP8)},
+            "last_hidden": needs_last_hidden(cfg.drafter),
             "drafter_parameters": drafter_parameters(cfg, shapes), "checkpoint_bytes": run.checkpoint_bytes(),
             "save_s": run.save_s(), "last_save_s": run.last_save_s(), "load_s": run.load_s(),
             "disk_budget": budget, "budget_source": source,
@@ -703,9 +727,10 @@ def render(p: dict, configfile) -> str:
     lines += ["", "rates (per second, before scaling) from benchmarks/results/:", *sources]
     if any(s["hours"] is None for s in p["stages"].values()):
         lines.append("  -: the stage runs on the CPU (gpus.* 0) or on a server elsewhere: no measured rate")
-    b, w = p["hidden_bytes"], p["hidden_width"]
-    disk = ", ".join(f"{b[d] / 1e12:,.2f} TB in {d} ({bytes_per_token(d, w):,} bytes/token)" for d in b)
-    lines += ["", f"hidden states ({p['tokens'].total:,} tokens x {w:,} values): {disk}; "
+    b, w, per_token = p["hidden_bytes"], p["hidden_width"], p["hidden_token_bytes"]
+    disk = ", ".join(f"{b[d] / 1e12:,.2f} TB in {d} ({per_token[d]:,} bytes/token)" for d in b)
+    last = " + the target's last hidden state (drafter.family)" if p["last_hidden"] else ""
+    lines += ["", f"hidden states ({p['tokens'].total:,} tokens x {w:,} values{last}): {disk}; "
               f"configured hidden.dtype: {p['hidden_dtype']}",
               f"checkpoints: {human_bytes(p['checkpoint_bytes'])} (the drafter's "
               f"{_num(p['drafter_parameters'])} parameters in fp32 + AdamW's two moments), "

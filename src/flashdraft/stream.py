@@ -125,15 +125,17 @@ def cut_chunks(step_sizes: list[int], capacity: int) -> list[tuple[int, int]]:
 
 
 def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig,
-              train_cfg: TrainConfig, world: int, out_dir) -> dict:
-    """Write the run's plan into `out_dir`; returns plan.json's content."""
+              train_cfg: TrainConfig, world: int, out_dir, last_hidden: bool = False) -> dict:
+    """Write the run's plan into `out_dir`; returns plan.json's content. `last_hidden`: the chunks' shards
+    hold the target's last hidden state too (config.needs_last_hidden), so a token takes more bytes."""
     from .hf_config import read_target_config, target_num_layers
 
     target = read_target_config(target_path)
     layer_ids = feature_layers(target_num_layers(target), drafter_cfg)
-    width = len(layer_ids) * (target.get("hidden_size") or target["text_config"]["hidden_size"])
-    per_token = bytes_per_token(hidden_cfg.dtype, width)
-    chunk_tokens = stream_chunk_tokens(hidden_cfg, width)
+    hidden_size = target.get("hidden_size") or target["text_config"]["hidden_size"]
+    width = len(layer_ids) * hidden_size
+    per_token = bytes_per_token(hidden_cfg.dtype, len(layer_ids), hidden_size, last_hidden)
+    chunk_tokens = stream_chunk_tokens(hidden_cfg, per_token)
     key = "hidden.chunk_tokens" if hidden_cfg.chunk_tokens else "hidden.disk_budget"
 
     out = Path(out_dir)
@@ -191,7 +193,8 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
     plan = {
         "format": FORMAT, "world": world, "micro_per_step": g, "total_steps": total, "train": train,
         "samples": len(ids), "tokens": sum(lengths), "target_layer_ids": layer_ids, "width": width,
-        "dtype": hidden_cfg.dtype, "bytes_per_token": per_token, "chunk_tokens": chunk_tokens,
+        "last_hidden": last_hidden, "dtype": hidden_cfg.dtype, "bytes_per_token": per_token,
+        "chunk_tokens": chunk_tokens,
         "chunk_tokens_from": key, "disk_budget": hidden_cfg.disk_budget, "ring": RING,
         "peak_bytes": _peak_bytes(chunks) + val_bytes, "val_bytes": val_bytes,
         "tokens_files": [str(f) for f in tokens_files],
@@ -402,7 +405,8 @@ def part_samples(samples: list[int], part: int, parts: int) -> list[int]:
 
 
 def hidden_chunk(target: TargetConfig, plan_dir, epoch: int, chunk: int, part: int, parts: int,
-                 hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig, out_arrow) -> dict:
+                 hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig, out_arrow,
+                 last_hidden: bool = False) -> dict:
     """Forward part `part` of `parts` of a chunk's samples through the target into the shard `out_arrow`
     (and its manifest); returns the manifest."""
     plan = Plan(plan_dir)
@@ -410,12 +414,15 @@ def hidden_chunk(target: TargetConfig, plan_dir, epoch: int, chunk: int, part: i
     rows = plan.tokens_rows(part_samples(plan.chunk_samples(c), part, parts))
     return precompute_rows(target, plan, rows, hidden_cfg, drafter_cfg, out_arrow,
                            desc=f"hidden {c.name} part {part}/{parts}",
-                           counts={"epoch": epoch, "chunk": chunk, "part": part, "parts": parts})
+                           counts={"epoch": epoch, "chunk": chunk, "part": part, "parts": parts},
+                           last_hidden=last_hidden)
 
 
 def precompute_rows(target: TargetConfig, plan: Plan, rows: list[int], hidden_cfg: HiddenConfig,
-                    drafter_cfg: DrafterConfig, out_arrow, desc: str, counts: dict) -> dict:
-    """Rows `rows` of the plan's tokens files through the target into the shard `out_arrow`."""
+                    drafter_cfg: DrafterConfig, out_arrow, desc: str, counts: dict,
+                    last_hidden: bool = False) -> dict:
+    """Rows `rows` of the plan's tokens files through the target into the shard `out_arrow` (with
+    `last_hidden`, the target's last hidden state too: precompute.write_hidden)."""
     from .io import device
     from .precompute import write_hidden
     from .target import load_target
@@ -424,7 +431,7 @@ def precompute_rows(target: TargetConfig, plan: Plan, rows: list[int], hidden_cf
     samples = token_rows(plan.meta["tokens_files"], rows)
     model, tokenizer = load_target(str(target.path), target.dtype, device())
     return write_hidden(model, tokenizer, target.path, samples, out_arrow, hidden_cfg, drafter_cfg, desc=desc,
-                        counts=counts)
+                        counts=counts, last_hidden=last_hidden)
 
 
 def token_rows(files, rows: list[int]) -> list[tuple]:
@@ -445,10 +452,11 @@ def token_rows(files, rows: list[int]) -> list[tuple]:
 
 
 def hidden_val(target: TargetConfig, plan_dir, hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig,
-               out_arrow) -> dict:
+               out_arrow, last_hidden: bool = False) -> dict:
     """The validation samples of the plan (train.val_samples) through the target, into one shard that
     lives through every chunk; returns its manifest."""
     plan = Plan(plan_dir)
     ids, rows, _ = plan.val_samples()
     return precompute_rows(target, plan, rows, hidden_cfg, drafter_cfg, out_arrow,
-                           desc="hidden validation", counts={"val_samples": len(ids)})
+                           desc="hidden validation", counts={"val_samples": len(ids)},
+                           last_hidden=last_hidden)

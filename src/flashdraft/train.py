@@ -42,7 +42,7 @@ from .checkpoint import (
     saved_position,
     start_reading,
 )
-from .config import DrafterConfig, TrainConfig, check_validation
+from .config import DrafterConfig, TrainConfig, check_validation, needs_last_hidden
 from .distributed import (
     Dist,
     all_sum,
@@ -59,7 +59,7 @@ from .distributed import (
     teardown_dist,
 )
 from .errors import UserError
-from .hidden import HiddenStore
+from .hidden import HiddenStore, require_last_hidden
 from .io import background, process_age, write_json
 from .metrics import MetricsLogger
 from .model import DrafterSpec, export_drafter, meta_drafter
@@ -126,6 +126,10 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
         store = planned_store(plan, chunk, shards) if chunk else None
         val_store = plan.val_store(val_shards) if chunk and cfg.val_samples else None
         lengths = plan.lengths
+    if needs_last_hidden(drafter_cfg):  # the family's loss reads the target's last hidden state
+        for s in (store, val_store):
+            if s is not None:
+                require_last_hidden(s, drafter_cfg.family)
     mismatch = store is not None and (store.layer_ids, store.hidden_size) != (spec.target_layer_ids,
                                                                                spec.hidden_size)
     if mismatch:

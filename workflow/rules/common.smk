@@ -20,6 +20,7 @@ from flashdraft.config import (  # noqa: E402
     check_fp8_gpus,
     check_schema,
     from_dict,
+    needs_last_hidden,
     run_config_digest,
 )
 from flashdraft.errors import UserError  # noqa: E402
@@ -51,6 +52,9 @@ BENCH = f"{RESULTS}/benchmarks"
 
 # Hidden states depend on which layers are fused, not on the drafter's block size.
 HIDDEN_DRAFTER_KEYS = ("num_layers", "target_layer_ids")
+# drafter.family trains on the target's last hidden state: the hidden shards hold it too (one more column)
+LAST_HIDDEN = needs_last_hidden(CFG.drafter)
+LAST_HIDDEN_FLAGS = ["--last-hidden"] if LAST_HIDDEN else []  # the stages' flag (see last_hidden_params)
 
 
 def check_config():
@@ -102,6 +106,35 @@ def check_config():
 check_config()
 
 
+def check_last_hidden():
+    """Before the first job (onstart, once Snakemake knows which jobs run): when drafter.family trains on
+    the target's last hidden state, a hidden shard on disk made without it that a job of this run reads
+    and no job of it makes again. Snakemake makes such shards again by itself when it recorded their
+    params (last_hidden_params); not for shards it has no record of (copied in), nor under
+    --rerun-triggers without params."""
+    if not LAST_HIDDEN:
+        return
+    jobs = list(workflow.dag.needrun_jobs())
+    made = {str(f) for job in jobs for f in job.output}
+    read = {str(f) for job in jobs for f in job.input} - made
+    for arrow in sorted(f for f in read if f.startswith(f"{RESULTS}/hidden/") and f.endswith(".arrow")):
+        manifest = Path(arrow).with_suffix(".json")
+        try:
+            old = not json.loads(manifest.read_text()).get("last_hidden", False)
+        except (OSError, ValueError, AttributeError):  # no readable manifest: verification names it
+            continue
+        if old:
+            rules = "hidden_shard" if Path(arrow).name.startswith("shard-") else "hidden_chunk hidden_val"
+            raise WorkflowError(
+                f"config key drafter.family: {CFG.drafter.family} trains on the target's last hidden state, "
+                f"but the hidden shard {arrow} was made without it; rerun the hidden stage (snakemake "
+                f"--forcerun {rules})")
+
+
+onstart:
+    check_last_hidden()
+
+
 def section(name, keys=None):
     """A config section as JSON (defaults filled in), passed to a stage as --cfg and as its params.
 
@@ -118,6 +151,16 @@ def untracked(param):
     Snakemake leaves params functions that take the job's `input` out of its params comparison (it counts
     them as derived from the inputs, whose changes rerun the job themselves)."""
     return lambda wildcards, input: param(wildcards)
+
+
+def last_hidden_params():
+    """Params of the stages that make or size hidden shards (hidden_shard; data_plan, hidden_chunk,
+    hidden_val): `last_hidden` when drafter.family trains on the target's last hidden state, a rerun
+    trigger (shards made without the column are made again once the family needs it, and the other way
+    round); none otherwise, so such a run's params, and its shell commands (the flag goes in the untracked
+    `cmd`, see stage), are what they were before the flag existed. Its value is the flag itself: Snakemake
+    compares a job's params as a set of values, so a value another param has would trigger nothing."""
+    return {"last_hidden": " ".join(LAST_HIDDEN_FLAGS)} if LAST_HIDDEN else {}
 
 
 def run_config():
@@ -137,11 +180,12 @@ def source_digests(wildcards):
     return file_digests(paths, Path(".snakemake") / "flashdraft-source-digests.json")
 
 
-def stage(script, gpus=None, nproc=None, nodes=1):
-    """The command that runs scripts/<script>: on `gpus` leased GPUs (see src/flashdraft/gpu.py),
-    under torchrun with `nproc` processes (per node) when given, on `nodes` nodes through srun."""
+def stage(script, gpus=None, nproc=None, nodes=1, flags=()):
+    """The command that runs scripts/<script> (with `flags`, for a stage without torchrun): on `gpus`
+    leased GPUs (see src/flashdraft/gpu.py), under torchrun with `nproc` processes (per node) when given,
+    on `nodes` nodes through srun."""
     q = shlex.quote  # paths and config values may hold spaces, quotes or $(...)
-    cmd = f"{q(PY)} {q(str(SCRIPTS / script))}"
+    cmd = shlex.join([PY, str(SCRIPTS / script), *flags])
     if nproc is not None:
         # One process per GPU; --virtual-local-rank makes every rank see its GPU as cuda:0, so the
         # warmup's compile-cache entries (keyed by device index) hit on every rank.

@@ -12,7 +12,8 @@ rule hidden_shard:
         drafter=section("drafter", HIDDEN_DRAFTER_KEYS),
         target=section("target"),
         num_shards=CFG.hidden.shards,
-        cmd=stage("hidden_shard.py", gpus=target_gpus()),
+        **last_hidden_params(),
+        cmd=stage("hidden_shard.py", gpus=target_gpus(), flags=LAST_HIDDEN_FLAGS),
     resources:
         gpu=target_gpus(),
     conda:

@@ -37,7 +37,8 @@ checkpoint data_plan:
         drafter=section("drafter", HIDDEN_DRAFTER_KEYS),
         train=section("train", PLAN_TRAIN_KEYS),
         world=train_world(),
-        cmd=stage("data_plan.py"),
+        **last_hidden_params(),
+        cmd=stage("data_plan.py", flags=LAST_HIDDEN_FLAGS),
     conda:
         CONDA_ENV
     log:
@@ -68,7 +69,8 @@ rule hidden_chunk:
         epoch=lambda wc: int(wc.chunk[6:9]),
         chunk=lambda wc: int(wc.chunk[-5:]),
         parts=chunk_parts(),
-        cmd=stage("hidden_chunk.py", gpus=target_gpus()),
+        **last_hidden_params(),
+        cmd=stage("hidden_chunk.py", gpus=target_gpus(), flags=LAST_HIDDEN_FLAGS),
     resources:
         gpu=target_gpus(),
     conda:
@@ -96,7 +98,8 @@ rule hidden_val:
         cfg=section("hidden"),
         drafter=section("drafter", HIDDEN_DRAFTER_KEYS),
         target=section("target"),
-        cmd=stage("hidden_val.py", gpus=target_gpus()),
+        **last_hidden_params(),
+        cmd=stage("hidden_val.py", gpus=target_gpus(), flags=LAST_HIDDEN_FLAGS),
     resources:
         gpu=target_gpus(),
     conda:
