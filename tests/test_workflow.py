@@ -132,6 +132,8 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
     assert counts["evaluate"] == 8 and counts["evaluate_merge"] == 1  # eval.shards: 8, every GPU of the node
     assert "nproc_per_node 3 --virtual-local-rank" in proc.stdout
     assert "--gpus 3" in proc.stdout and "--gpus 1" in proc.stdout
+    # the prompts stage measures the prompts against the target it reads (tokenizer, positions)
+    assert re.search(r"scripts/prompts\.py .*--target models/Qwen3-8B", proc.stdout)
 
 
 def test_server_backend_leases_the_server_gpus(tmp_path):
@@ -169,7 +171,8 @@ def test_a_source_rewritten_under_its_old_mtime_reruns_the_prompts(tmp_path):
     src = tmp_path / "mine.jsonl"
     src.write_text(source("cats"))
     mine = [{"name": "mine", "path": "mine.jsonl"}]
-    config = write_config(tmp_path / "config.yaml", {"prompts.sources": mine, "prompts.total": 20})
+    cheap = {"toy.num_docs": 200, "toy.steps": 0}  # the prompts read the toy target's tokenizer
+    config = write_config(tmp_path / "config.yaml", {"prompts.sources": mine, "prompts.total": 20, **cheap})
     stats = "results/prompts/stats.json"
     snakemake(tmp_path, "--cores", "1", stats, config=config)
 

@@ -83,6 +83,14 @@ def target_max_positions(cfg: dict) -> int | None:
     return cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
 
 
+def past_positions(prompt_tokens: int, new_tokens: int, limit: int | None) -> bool:
+    """Whether a prompt of `prompt_tokens` tokens, answered with `new_tokens` more, needs positions past the
+    target's `limit` (its max_position_embeddings; None or 0: it does not say, and nothing is refused).
+    Past them a model gives garbage, not an error. The one test of a prompt too long for the target: the
+    prompts stage asks it for one answer token, regeneration for regenerate.max_new_tokens."""
+    return bool(limit) and prompt_tokens + new_tokens > limit
+
+
 def _get(cfg, key: str):
     """A key of a config.json dict (a multimodal one's text_config) or of a transformers config object."""
     if isinstance(cfg, dict):
