@@ -78,6 +78,11 @@ def target_num_layers(cfg: dict) -> int | None:
     return cfg.get("num_hidden_layers") or (cfg.get("text_config") or {}).get("num_hidden_layers")
 
 
+def target_hidden_size(cfg: dict) -> int | None:
+    """The hidden size from a config.json dict (multimodal configs keep it in text_config)."""
+    return cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size")
+
+
 def target_max_positions(cfg: dict) -> int | None:
     """The longest sequence the target takes, from a config.json dict (None when it does not say)."""
     return cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")

@@ -37,7 +37,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import Config, check, check_schema, feature_layers, from_dict, stream_chunk_tokens
+from .config import Config, check, check_schema, check_stream, feature_layers, from_dict, stream_chunk_tokens
 from .errors import UserError, cli
 from .hf_config import attention_shape, read_target_config
 from .io import FP8, bytes_per_token, human_bytes, parse_bytes
@@ -514,15 +514,10 @@ def chunk_sizes(run: Run, split: Split, budget: int) -> tuple[int, str, tuple[in
     cap = stream_chunk_tokens(hidden, run.width)
     per_token = bytes_per_token(h.dtype, run.width)
     step = run.step_tokens(split)
-    if cap < step:
-        key, need = (("hidden.chunk_tokens", f"{step:,} tokens") if h.chunk_tokens else
-                     ("hidden.disk_budget", human_bytes(2 * step * per_token)))
-        raise UserError(f"config key {key}: a stream-mode chunk of {cap:,} hidden-state tokens holds less "
-                        f"than one optimizer step ({step:,} tokens, train.global_batch_tokens): give at "
-                        f"least {need}")
+    check_stream(hidden, run.cfg.train, step // run.cfg.train.batch_tokens, run.width)  # the workflow's check
     source = (f"hidden.chunk_tokens {cap:,}" if h.chunk_tokens else
               f"hidden.disk_budget {human_bytes(budget)} / 2 chunks / {per_token:,} bytes per token")
-    full = cap // step * step
+    full = max(cap // step, 1) * step  # the check's bound of a step may fall below its token budget
     epoch = [full] * (run.tok.total // full) + ([run.tok.total % full] if run.tok.total % full else [])
     sizes, left = [], run.train_tokens(split)
     while left > 0 and epoch:
