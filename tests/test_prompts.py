@@ -324,3 +324,70 @@ def test_cli(sources, tmp_path):
         text=True,
     )
     assert bad.returncode != 0 and "unknown key" in bad.stderr
+
+
+def test_cli_with_the_target_logs_the_prompts_too_long_for_it(short_target, tmp_path):
+    rows = [{"prompt": "7" * 60}, {"prompt": "Name a lake."}, {"prompt": "Name a sea."}]
+    src = SourceConfig(name="a", path=_write_jsonl(tmp_path / "a.jsonl", rows))
+    cfg = to_json(PromptsConfig(sources=[src], total=1, eval_count=1, near_dup=False))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/prompts.py"), "--cfg", cfg, "--out-dir",
+                          str(tmp_path / "out"), "--target", str(short_target)],
+                         capture_output=True, text=True, check=True).stdout
+    assert ("prompts: 1 longer than the target's positions (max_position_embeddings 40, in tokens of its "
+            "tokenizer, one answer token left), rejected") in out
+
+
+@pytest.fixture(scope="module")
+def short_target(tmp_path_factory):
+    """The toy's tokenizer (a token per digit) in a target directory whose config.json allows 40 positions."""
+    d = tmp_path_factory.mktemp("target")
+    toy.build_tokenizer(toy.task_conversations(200, 0), 512).save_pretrained(d)
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "max_position_embeddings": 40}))
+    return d
+
+
+def test_a_prompt_longer_than_the_target_takes_is_a_counted_reject(short_target, tmp_path):
+    """Measured in the target's tokens as its chat template renders the prompt: one that leaves no room for
+    an answer token within max_position_embeddings is rejected with its reason (counted per source, in
+    rejects.parquet), and neither the train nor the eval set holds it; one token fewer is kept. The test is
+    regeneration's (hf_config.past_positions)."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.chat import prompt_ids
+    from flashdraft.hf_config import past_positions
+
+    tok = AutoTokenizer.from_pretrained(short_target)
+    overhead = len(prompt_ids(tok, [{"role": "user", "content": "7"}])) - 1  # the template's tokens
+    fits, over = "7" * (39 - overhead), "7" * (40 - overhead)  # 39 and 40 tokens: 40 positions
+    assert len(prompt_ids(tok, [{"role": "user", "content": over}])) == 40
+    assert not past_positions(39, 1, 40) and past_positions(40, 1, 40)
+    records = [{"prompt": fits}, {"prompt": over}] + [{"prompt": f"Name the number {i}."} for i in range(6)]
+    src = SourceConfig(name="a", path=_write_jsonl(tmp_path / "a.jsonl", records))
+    cfg = PromptsConfig(sources=[src], total=5, eval_count=2, near_dup=False, augment=[])
+    s = prompts.expand(cfg, str(tmp_path / "out"), target=short_target)
+    reason = "longer than the target's positions (40)"
+    assert s["sources"]["a"]["rejected"] == {reason: 1} and s["sources"]["a"]["kept"] == 7
+    assert s["target"] == {"path": str(short_target), "max_position_embeddings": 40, "too_long": 1}
+    [reject] = pq.read_table(tmp_path / "out" / "rejects.parquet").to_pylist()
+    assert (reject["row"], reject["reason"]) == (1, reason)
+    kept = [r["prompt"] for f in ("train", "eval") for r in pq.read_table(tmp_path / "out" / f"{f}.parquet")
+            .to_pylist()]
+    assert over not in kept and fits in kept and len(kept) == 7
+    # without the target (a library call), characters alone decide, as before
+    assert prompts.expand(cfg, str(tmp_path / "chars"))["sources"]["a"]["rejected"] == {}
+
+
+def test_a_prompt_the_target_s_chat_template_cannot_render_is_a_counted_reject(short_target, tmp_path):
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(short_target, target)
+    (target / "chat_template.jinja").write_text(  # a template that refuses system turns, as some do
+        "{%- for m in messages %}{%- if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+        "{%- endif %}{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}")
+    records = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]},
+               {"prompt": "Name a river."}]
+    src = SourceConfig(name="a", path=_write_jsonl(tmp_path / "a.jsonl", records))
+    cfg = PromptsConfig(sources=[src], total=1, eval_count=0, near_dup=False, augment=[])
+    s = prompts.expand(cfg, str(tmp_path / "out"), target=target)
+    assert s["sources"]["a"]["rejected"] == {prompts.NO_RENDER: 1} and s["sources"]["a"]["kept"] == 1

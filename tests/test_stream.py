@@ -96,6 +96,45 @@ def test_a_chunk_smaller_than_one_step_is_one_line_naming_the_key(tmp_path, hidd
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("key", ["hidden.disk_budget", "hidden.chunk_tokens"])
+def test_a_chunk_too_small_for_one_step_fails_before_any_job_with_the_data_plan_s_least(tmp_path, key):
+    """config.check (before any job), the planner and the data plan size a step's chunk with one function
+    (config.stream_least): the check from the config's bound of a step, the data plan from its real steps.
+    Samples as long as the bucket and hidden.max_length fill every step to that bound, so all three name the
+    same smallest value, in one line; that value passes the check and makes a plan, one less fails."""
+    from flashdraft.config import Config, check, from_dict
+    from flashdraft.io import human_bytes
+    from flashdraft.plan import plan
+
+    files = _tokens(tmp_path, [[128] * 20])
+    target = {"model_type": "qwen3", "num_hidden_layers": 6, "hidden_size": 128, "intermediate_size": 384,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 576,
+              "max_position_embeddings": 4096}
+    train = {"epochs": 1, "batch_tokens": 256, "global_batch_tokens": 512, "buckets": [128], "val_samples": 0}
+
+    def config(value):
+        return from_dict(Config, {"hidden": {"mode": "stream", "max_length": 128, key.split(".")[1]: value},
+                                  "drafter": {"num_layers": 2}, "train": train, "prompts": {"total": 20}})
+
+    per_token = 2 * 128 * 2 + 5  # 2 fused layers of 128 in bf16, the id and the mask
+    step = 2 * 2 * (128 * per_token + ROW_BYTES)  # 2 micro-batches of 2 rows of 128 tokens
+    tokens = -(-step // per_token)
+    least = tokens if key == "hidden.chunk_tokens" else 2 * tokens * per_token
+    want = f">= {least}" if key == "hidden.chunk_tokens" else f">= {human_bytes(least)} ({least} bytes"
+    small = config(least - 1)
+    with pytest.raises(UserError, match=re.escape(f"config key {key}")) as before_any_job:
+        check(small, target)
+    line = str(before_any_job.value)
+    assert "\n" not in line and want in line and "one optimizer step" in line
+    assert plan(small, tmp_path / "no-results", 2, None, target)["modes"]["stream"] == line  # the planner's
+    with pytest.raises(UserError, match=re.escape(f"config key {key}")) as in_the_job:
+        data_plan(_target(tmp_path), files, small.hidden, DRAFT, small.train, 1, tmp_path / "small")
+    assert want in str(in_the_job.value)
+    check(config(least), target)
+    made = data_plan(_target(tmp_path), files, config(least).hidden, DRAFT, small.train, 1, tmp_path / "plan")
+    assert made["peak_bytes"] <= (least if key == "hidden.disk_budget" else least * per_token * 2)
+
+
 def test_a_plan_made_for_another_training_names_the_key(tmp_path):
     files = _tokens(tmp_path, [[60] * 30])
     train = TrainConfig(epochs=2, batch_tokens=256, global_batch_tokens=512, buckets=[64], val_samples=0)
@@ -300,8 +339,11 @@ def test_disk_watch_keeps_the_peak_while_files_and_folders_come_and_go(tmp_path)
 # One training thread in both (set below), so that a chunk's hidden parts can run beside its training.
 # 2 validation samples: their shard, kept through the run, fits the disk budget beside the ring of chunks.
 # Both modes fine-tune the drafter in init/ (a new one of another seed, exported into the work dir).
+# hidden.max_length 64 (the toy's samples run to 65 tokens): the check before any job counts a step at
+# samples of up to that length, so a 1.2 MB budget (three chunks per epoch) holds its bound of one step
 STREAM_SMALL = {**SMALL, "train.epochs": 2, "hidden.batch_tokens": 1, "train.checkpoint_every": 1,
-                "train.val_samples": 2, "train.val_every": 2, "drafter.init_from": "init"}
+                "train.val_samples": 2, "train.val_every": 2, "drafter.init_from": "init",
+                "hidden.max_length": 64}
 THREADS = ["--set-threads", "train=1", "train_chunk=1", "warmup=1"]
 DRAFTER = "results/drafter/config.json"
 INIT_LINE = "drafter: starting from drafter.init_from init"

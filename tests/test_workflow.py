@@ -66,10 +66,16 @@ def test_bad_config_fails_before_any_job(tmp_path, overrides, expected):
      "config key train.fp8 (tensorwise) needs a GPU with FP8 matmuls (compute capability 8.9 or newer), but "
      "the drafter trains on the CPU; set train.fp8: null"),
     ({"train.lrr": 1.0}, "config key train: Additional properties are not allowed ('lrr' was unexpected)"),
-], ids=["fp8-on-the-cpu", "unknown-key"])
+    ({"hidden.mode": "stream", "hidden.disk_budget": "1MB"},
+     "config key hidden.disk_budget: 1 MB does not hold 2 stream-mode chunks of one optimizer step (up to "
+     "2,080 tokens' worth of hidden states: 2 micro-batch(es) of train.batch_tokens 1024 in train.buckets "
+     "[128, 256], samples of up to hidden.max_length 256 tokens); set hidden.disk_budget >= 2.15 MB "
+     "(2150720 bytes)"),
+], ids=["fp8-on-the-cpu", "unknown-key", "stream-budget-below-one-step"])
 def test_a_config_mistake_is_one_line_before_any_job(tmp_path, overrides, expected):
-    """production.yaml's float8 on a CPU run, an unknown key: the line that names it, and no job (neither
-    hours of work before the warmup refuses float8, nor a dump of the whole schema)."""
+    """production.yaml's float8 on a CPU run, an unknown key, a stream-mode disk budget too small for one
+    step: the line that names it, and no job (neither hours of work before the warmup refuses float8 or
+    the data plan the budget, nor a dump of the whole schema)."""
     config = write_config(tmp_path / "config.yaml", overrides)
     proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
     out = proc.stdout + proc.stderr
@@ -175,6 +181,8 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
     assert counts["evaluate"] == 8 and counts["evaluate_merge"] == 1  # eval.shards: 8, every GPU of the node
     assert "nproc_per_node 3 --virtual-local-rank" in proc.stdout
     assert "--gpus 3" in proc.stdout and "--gpus 1" in proc.stdout
+    # the prompts stage measures the prompts against the target it reads (tokenizer, positions)
+    assert re.search(r"scripts/prompts\.py .*--target models/Qwen3-8B", proc.stdout)
 
 
 def test_server_backend_leases_the_server_gpus(tmp_path):
@@ -212,7 +220,8 @@ def test_a_source_rewritten_under_its_old_mtime_reruns_the_prompts(tmp_path):
     src = tmp_path / "mine.jsonl"
     src.write_text(source("cats"))
     mine = [{"name": "mine", "path": "mine.jsonl"}]
-    config = write_config(tmp_path / "config.yaml", {"prompts.sources": mine, "prompts.total": 20})
+    cheap = {"toy.num_docs": 200, "toy.steps": 0}  # the prompts read the toy target's tokenizer
+    config = write_config(tmp_path / "config.yaml", {"prompts.sources": mine, "prompts.total": 20, **cheap})
     stats = "results/prompts/stats.json"
     snakemake(tmp_path, "--cores", "1", stats, config=config)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import TrainConfig
+from .config import TrainConfig, micro_per_step, rows_per_batch
 from .distributed import Dist, ignore_stop_signals
 
 
@@ -24,25 +24,6 @@ def bucket_for(length: int, buckets: list[int]) -> int:
         if length <= b:
             return b
     return max(buckets)
-
-
-def micro_per_step(cfg: TrainConfig, world: int) -> int:
-    """Micro-batches in one optimizer step, over all ranks: global_batch_tokens // batch_tokens, or one
-    per rank when global_batch_tokens is 0 (then the global batch grows with the process count)."""
-    if not cfg.global_batch_tokens:
-        return world
-    g, rem = divmod(cfg.global_batch_tokens, cfg.batch_tokens)
-    if rem or g < world:
-        raise ValueError(
-            f"train.global_batch_tokens ({cfg.global_batch_tokens}) must be a multiple of train.batch_tokens "
-            f"({cfg.batch_tokens}) and hold at least one micro-batch per process ({world}): "
-            f"use {cfg.batch_tokens * max(world, g or 1)} or lower train.batch_tokens"
-        )
-    return g
-
-
-def rows_per_batch(bucket: int, batch_tokens: int) -> int:
-    return max(1, batch_tokens // bucket)
 
 
 def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:

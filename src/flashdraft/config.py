@@ -19,8 +19,8 @@ from typing import Any
 
 from .errors import UserError
 from .families import family_info
-from .hf_config import read_target_config, target_max_positions, target_num_layers
-from .io import parse_bytes
+from .hf_config import read_target_config, target_hidden_size, target_max_positions, target_num_layers
+from .io import bytes_per_token, human_bytes, parse_bytes
 from .objectives import OBJECTIVES
 
 
@@ -375,6 +375,12 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
     if problem:
         raise UserError(problem)
     check_validation(t, p.total)
+    if cfg.hidden.mode == "stream":  # the data plan's sizing, before the hours of regeneration it follows
+        h = cfg.toy.hidden_size if target is None else target_hidden_size(target)
+        if n and h:
+            per_token = bytes_per_token(cfg.hidden.dtype, len(feature_layers(n, cfg.drafter)), h,
+                                        needs_last_hidden(cfg.drafter))
+            check_stream(cfg.hidden, t, micro_per_step(t, world), per_token)
     warnings = []
     if t.fp8 is not None and importlib.util.find_spec("torchao") is None:
         warnings.append(f"config key train.fp8 ({t.fp8}) needs torchao, which this environment lacks: "
@@ -449,6 +455,26 @@ def check_validation(t: TrainConfig, samples: int | None = None, steps: int | No
                         f"optimizer steps): use at most {steps}, or 0 (every train.checkpoint_every steps)")
 
 
+# The step's arithmetic, torch-free for the config check; flashdraft.batches makes the batches from it.
+def micro_per_step(cfg: TrainConfig, world: int) -> int:
+    """Micro-batches in one optimizer step, over all ranks: global_batch_tokens // batch_tokens, or one
+    per rank when global_batch_tokens is 0 (then the global batch grows with the process count)."""
+    if not cfg.global_batch_tokens:
+        return world
+    g, rem = divmod(cfg.global_batch_tokens, cfg.batch_tokens)
+    if rem or g < world:
+        raise ValueError(
+            f"train.global_batch_tokens ({cfg.global_batch_tokens}) must be a multiple of train.batch_tokens "
+            f"({cfg.batch_tokens}) and hold at least one micro-batch per process ({world}): "
+            f"use {cfg.batch_tokens * max(world, g or 1)} or lower train.batch_tokens"
+        )
+    return g
+
+
+def rows_per_batch(bucket: int, batch_tokens: int) -> int:
+    return max(1, batch_tokens // bucket)
+
+
 # Stream mode keeps this many chunks' hidden states on disk at once: one trains while the next is written.
 STREAM_RING = 2
 
@@ -467,6 +493,58 @@ def stream_chunk_tokens(hidden: HiddenConfig, per_token: int) -> int:
         raise UserError(f"config key hidden.disk_budget: {hidden.disk_budget} bytes do not hold two tokens "
                         f"of hidden states ({per_token} bytes each); give at least {STREAM_RING * per_token}")
     return tokens
+
+
+# Bytes a shard row takes beyond its tokens' (Arrow offsets, the id, record-batch metadata), counted
+# generously so that chunks sized from hidden.disk_budget stay within it on disk.
+STREAM_ROW_BYTES = 1024
+
+
+def stream_least(step_bytes: int, per_token: int, kept: int = 0) -> tuple[int, int]:
+    """The smallest hidden.chunk_tokens and hidden.disk_budget whose chunks hold an optimizer step of
+    `step_bytes` bytes of hidden states (`per_token` bytes a token): the step's tokens (rounded up), and
+    STREAM_RING chunks of them plus `kept` bytes that stay on disk beside the ring (the validation shard).
+    The one place this is computed: the data plan gives it its largest step, the check before any job and
+    the planner the config's bound of one (check_stream)."""
+    tokens = -(-step_bytes // per_token)
+    return tokens, STREAM_RING * tokens * per_token + kept
+
+
+def stream_step_bound(train: TrainConfig, micro: int, max_length: int, per_token: int) -> int:
+    """The most bytes of hidden states one optimizer step of `micro` micro-batches can take, from the config
+    alone: the samples' lengths are known only once tokenized (the data plan checks its real steps), so each
+    micro-batch is counted at the bucket whose full batch takes the most, each of its rows a sample as long as
+    that bucket holds, at most hidden.max_length tokens (the largest bucket also takes the longer samples,
+    kept whole on disk), with its row allowance."""
+    top = max(train.buckets)
+    most = max(rows_per_batch(b, train.batch_tokens)
+               * ((max_length if b == top else min(b, max_length)) * per_token + STREAM_ROW_BYTES)
+               for b in train.buckets)
+    return micro * most
+
+
+def check_stream(hidden: HiddenConfig, train: TrainConfig, micro: int, per_token: int) -> None:
+    """Stream mode's chunks against one optimizer step, before any job: a UserError in one line naming the
+    key and the smallest value that holds any step the config allows (stream_step_bound; the validation
+    shard at train.val_samples samples of hidden.max_length tokens). The data plan makes the same check on
+    the steps its data gives, which the bound covers. `micro`: micro-batches per optimizer step
+    (micro_per_step); `per_token`: the bytes one token takes in a shard (io.bytes_per_token)."""
+    cap = stream_chunk_tokens(hidden, per_token)  # no budget at all, or one that holds no two tokens
+    step = stream_step_bound(train, micro, hidden.max_length, per_token)
+    kept = train.val_samples * (hidden.max_length * per_token + STREAM_ROW_BYTES)
+    tokens, budget = stream_least(step, per_token, kept)
+    step_is = (f"one optimizer step (up to {tokens:,} tokens' worth of hidden states: {micro} "
+               f"micro-batch(es) of train.batch_tokens {train.batch_tokens} in train.buckets "
+               f"{train.buckets}, samples of up to hidden.max_length {hidden.max_length} tokens)")
+    if hidden.chunk_tokens and cap < tokens:
+        raise UserError(f"config key hidden.chunk_tokens ({cap}): a stream-mode chunk does not hold "
+                        f"{step_is}; set hidden.chunk_tokens >= {tokens}")
+    if not hidden.chunk_tokens and hidden.disk_budget < budget:
+        raise UserError(
+            f"config key hidden.disk_budget: {human_bytes(hidden.disk_budget)} does not hold {STREAM_RING} "
+            f"stream-mode chunks of {step_is}"
+            + (f" and a validation shard of train.val_samples {train.val_samples}" if kept else "")
+            + f"; set hidden.disk_budget >= {human_bytes(budget)} ({budget} bytes)")
 
 
 def load_section(cls, text: str | None, where: str):

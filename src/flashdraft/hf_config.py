@@ -78,9 +78,22 @@ def target_num_layers(cfg: dict) -> int | None:
     return cfg.get("num_hidden_layers") or (cfg.get("text_config") or {}).get("num_hidden_layers")
 
 
+def target_hidden_size(cfg: dict) -> int | None:
+    """The hidden size from a config.json dict (multimodal configs keep it in text_config)."""
+    return cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size")
+
+
 def target_max_positions(cfg: dict) -> int | None:
     """The longest sequence the target takes, from a config.json dict (None when it does not say)."""
     return cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
+
+
+def past_positions(prompt_tokens: int, new_tokens: int, limit: int | None) -> bool:
+    """Whether a prompt of `prompt_tokens` tokens, answered with `new_tokens` more, needs positions past the
+    target's `limit` (its max_position_embeddings; None or 0: it does not say, and nothing is refused).
+    Past them a model gives garbage, not an error. The one test of a prompt too long for the target: the
+    prompts stage asks it for one answer token, regeneration for regenerate.max_new_tokens."""
+    return bool(limit) and prompt_tokens + new_tokens > limit
 
 
 def _get(cfg, key: str):

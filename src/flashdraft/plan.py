@@ -41,6 +41,7 @@ from .config import (
     Config,
     check,
     check_schema,
+    check_stream,
     feature_layers,
     from_dict,
     needs_last_hidden,
@@ -536,15 +537,10 @@ def chunk_sizes(run: Run, split: Split, budget: int) -> tuple[int, str, tuple[in
     per_token = run.token_bytes
     cap = stream_chunk_tokens(hidden, per_token)
     step = run.step_tokens(split)
-    if cap < step:
-        key, need = (("hidden.chunk_tokens", f"{step:,} tokens") if h.chunk_tokens else
-                     ("hidden.disk_budget", human_bytes(2 * step * per_token)))
-        raise UserError(f"config key {key}: a stream-mode chunk of {cap:,} hidden-state tokens holds less "
-                        f"than one optimizer step ({step:,} tokens, train.global_batch_tokens): give at "
-                        f"least {need}")
+    check_stream(hidden, run.cfg.train, step // run.cfg.train.batch_tokens, per_token)  # the workflow's check
     source = (f"hidden.chunk_tokens {cap:,}" if h.chunk_tokens else
               f"hidden.disk_budget {human_bytes(budget)} / 2 chunks / {per_token:,} bytes per token")
-    full = cap // step * step
+    full = max(cap // step, 1) * step  # the check's bound of a step may fall below its token budget
     epoch = [full] * (run.tok.total // full) + ([run.tok.total % full] if run.tok.total % full else [])
     sizes, left = [], run.train_tokens(split)
     while left > 0 and epoch:

@@ -20,10 +20,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .chat import prompt_messages
+from .chat import prompt_messages, render
 from .config import PromptsConfig
 from .dedup import MinHasher, near_duplicates
 from .errors import UserError, disk_full, disk_full_error
+from .hf_config import past_positions, read_target_config, target_max_positions
 from .io import atomic_path, log, progress, write_json, write_parquet
 from .sources import MESSAGES, ParseError, Rejected, load_source, to_messages
 
@@ -140,11 +141,48 @@ class _Rejects:
 
 
 NO_ANSWER = "no assistant answer (regenerate.enabled is false)"
+NO_RENDER = "the target's chat template cannot render it"
 
 
-def _read_pool(cfg: PromptsConfig, spool: str, rejects: _Rejects, need_answers: bool = False):
+class TargetFit:
+    """Whether a prompt fits the target: its tokens as the target's chat template renders it (with the
+    generation prompt, as regeneration and evaluation give it; each `thinking` mode they render it in, the
+    longest counting) leave room for one answer token within its max_position_embeddings
+    (hf_config.past_positions, the test regeneration makes with regenerate.max_new_tokens). A longer one
+    would size every slot of the static engines to itself, or fail downstream."""
+
+    def __init__(self, target, thinking: bool = False):
+        from transformers import AutoTokenizer
+
+        self.limit = target_max_positions(read_target_config(target))  # refuses remote code first
+        self.tokenizer = AutoTokenizer.from_pretrained(str(target))
+        self.modes = sorted({False, thinking})  # evaluation renders without thinking
+        self.too_long = f"longer than the target's positions ({self.limit})"
+
+    def check(self, messages: list[dict]) -> None:
+        """Raise Rejected with the reason when the prompt of `messages` does not fit."""
+        if not self.limit:
+            return
+        for thinking in self.modes:
+            try:
+                text = render(self.tokenizer, prompt_messages(messages), True, thinking)
+                # a token covers a byte of the text at least (byte-level BPE, byte fallback; one more for a
+                # dummy prefix): a text this short fits, and most are, so they need no tokenizing
+                if len(text.encode("utf-8")) + 2 <= self.limit:
+                    continue
+                n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            except Exception as e:  # a row this template cannot render: no stage could prompt the target
+                raise Rejected(NO_RENDER) from e
+            if past_positions(n, 1, self.limit):
+                raise Rejected(self.too_long)
+
+
+def _read_pool(cfg: PromptsConfig, spool: str, rejects: _Rejects, need_answers: bool = False,
+               fit: TargetFit | None = None):
     """Pass 1: read, clean and exact-dedup every source; kept rows go to the spool file in order.
-    `need_answers`: rows without an assistant answer are rejected (nothing will answer them).
+    `need_answers`: rows without an assistant answer are rejected (nothing will answer them). `fit`: rows
+    whose prompt does not fit the target are rejected (tokenized once per new prompt: a duplicate of a kept
+    one fits).
     Returns (stats, source index per spooled row, MinHash signatures or None, prompt hashes seen)."""
     hasher = MinHasher(cfg.near_dup_num_perm, cfg.near_dup_ngram) if cfg.near_dup else None
     seen: set[int] = set()
@@ -174,6 +212,9 @@ def _read_pool(cfg: PromptsConfig, spool: str, rejects: _Rejects, need_answers: 
                         raise Rejected("too short")
                     if len(prompt) > cfg.max_chars:
                         raise Rejected("too long")
+                    key = prompt_hash(messages)
+                    if fit is not None and key not in seen:
+                        fit.check(messages)
                 except Rejected as e:
                     st["rejected"][str(e)] += 1
                     raw = (
@@ -184,7 +225,6 @@ def _read_pool(cfg: PromptsConfig, spool: str, rejects: _Rejects, need_answers: 
                     raw = raw[:200].encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates
                     rejects.add({"source": src.name, "row": i, "reason": str(e), "raw": raw})
                     continue
-                key = prompt_hash(messages)
                 if key in seen:
                     st["duplicates"] += 1
                     continue
@@ -254,12 +294,14 @@ def _write(pool, base: np.ndarray, tpl: np.ndarray, templates: list[str], path):
             w.write_table(chunk)
 
 
-def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False) -> dict:
+def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False, target=None,
+           thinking: bool = False) -> dict:
     """Read, clean, dedup (exact, then near) and mix every source; write train/eval/rejects parquet,
     stats.json and stats.parquet.
 
     `need_answers` (regeneration disabled: training uses the sources' own answers): keep only rows with
-    an assistant answer, and augment nothing, since an augmented prompt has no answer."""
+    an assistant answer, and augment nothing, since an augmented prompt has no answer. `target` (its HF
+    directory): reject the prompts that do not fit it (TargetFit; `thinking`: regenerate.thinking)."""
     if not cfg.sources:
         raise UserError("prompts.sources is empty: list at least one prompt source")
     names = [s.name for s in cfg.sources]
@@ -267,11 +309,12 @@ def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False) -> dict
         raise UserError(f"prompts.sources: duplicate source names {names}; give each a unique name")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    fit = None if target is None else TargetFit(target, thinking)
     with tempfile.TemporaryDirectory(dir=out, prefix=".tmp-spool-") as tmp:
         with atomic_path(out / "rejects.parquet") as rejects_tmp:
             rejects = _Rejects(rejects_tmp)
             try:
-                stats, src, sig, seen = _read_pool(cfg, f"{tmp}/pool.arrow", rejects, need_answers)
+                stats, src, sig, seen = _read_pool(cfg, f"{tmp}/pool.arrow", rejects, need_answers, fit)
             except OSError as e:  # the spool's temporary name would tell the user nothing
                 if disk_full(e):
                     raise disk_full_error(out) from e
@@ -332,6 +375,11 @@ def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False) -> dict
         "pool": len(alive),
         "need_answers": need_answers,
     }
+    if fit is not None:  # what the prompts were measured against, and how many did not fit
+        summary["target"] = {
+            "path": str(target), "max_position_embeddings": fit.limit,
+            "too_long": sum(st["rejected"].get(fit.too_long, 0) for st in stats.values()),
+        }
     if warnings:
         summary["warnings"] = warnings
     if totals["sampled_train"] + n_eval < want:

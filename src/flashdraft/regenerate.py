@@ -31,7 +31,7 @@ from .chat import prompt_messages, render
 from .chat_client import ChatClient, GiveUp
 from .config import RegenerateConfig, TargetConfig, to_json
 from .errors import UserError, rerun_command
-from .hf_config import read_target_config
+from .hf_config import past_positions, read_target_config
 from .io import log, progress, write_json, write_parquet
 from .managed_server import ManagedServer, ServerError
 from .shards import shard_of
@@ -139,7 +139,7 @@ def _past_positions(model, n: int, cfg: RegenerateConfig) -> str | None:
     max_position_embeddings a model gives garbage, not an error, and the static engine would size every
     slot to the longest prompt."""
     limit = getattr(model.config, "max_position_embeddings", None)
-    if not limit or n + cfg.max_new_tokens <= limit:
+    if not past_positions(n, cfg.max_new_tokens, limit):
         return None
     return (f"longer than the target's positions: the prompt is {n} tokens, with regenerate.max_new_tokens "
             f"({cfg.max_new_tokens}) {n + cfg.max_new_tokens}, over its max_position_embeddings ({limit})")

@@ -30,16 +30,15 @@ from .config import (
     check_validation,
     feature_layers,
     stream_chunk_tokens,
+    stream_least,
 )
 from .config import STREAM_RING as RING
+from .config import STREAM_ROW_BYTES as ROW_BYTES
 from .errors import UserError
 from .holdout import val_split
 from .io import StorageDtype, bytes_per_token, human_bytes, log, write_json, write_parquet
 
 FORMAT = "flashdraft.plan/1"
-# Bytes a shard row takes beyond its tokens' (Arrow offsets, the id, record-batch metadata), counted
-# generously so that chunks sized from hidden.disk_budget stay within it on disk.
-ROW_BYTES = 1024
 
 
 def chunk_name(epoch: int, chunk: int) -> str:
@@ -171,14 +170,13 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
         steps = min(len(batches) // g, total - step)
         step_rows = [[i for b in batches[s * g:(s + 1) * g] for i in b] for s in range(steps)]
         step_bytes = [sum(lengths[i] for i in r) * per_token + len(r) * ROW_BYTES for r in step_rows]
-        if max(step_bytes) > chunk_tokens * per_token:
-            need = -(-max(step_bytes) // per_token)  # in tokens, with the rows' allowance
+        if max(step_bytes) > chunk_tokens * per_token:  # the check before any job bounds this from the config
+            need, least = stream_least(max(step_bytes), per_token, val_bytes)  # with the rows' allowance
             raise UserError(
                 f"config key {key}: a chunk of {chunk_tokens} hidden-state tokens cannot hold one optimizer "
                 f"step of epoch {epoch} ({need} tokens' worth); "
                 + (f"set hidden.chunk_tokens >= {need}" if key == "hidden.chunk_tokens" else
-                   f"set hidden.disk_budget >= {human_bytes(RING * need * per_token + val_bytes)} "
-                   f"({RING * need * per_token + val_bytes} bytes: {RING} chunks of one step"
+                   f"set hidden.disk_budget >= {human_bytes(least)} ({least} bytes: {RING} chunks of one step"
                    + (" and the validation shard)" if val_bytes else ")")))
         for c, (a, b) in enumerate(cut_chunks(step_bytes, chunk_tokens * per_token)):
             rows = [(s, k, i) for s in range(a, b) for k in range(s * g, (s + 1) * g) for i in batches[k]]
