@@ -36,7 +36,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir as _inductor_cache
 from torch.utils._triton import has_triton, triton_hash_with_backend
 
 from .batches import rows_per_batch
-from .config import COMPILED_TRAIN_KEYS, DrafterConfig, TrainConfig
+from .config import COMPILED_TRAIN_KEYS, DrafterConfig, TrainConfig, needs_last_hidden
 from .distributed import Dist, gpu_bytes, log, parallel_mode
 from .errors import UserError
 from .hidden import ShardMeta, manifest_path
@@ -262,14 +262,20 @@ def feature_width(shards: list[str]) -> int | None:
     return widths.pop() if widths else None
 
 
-def random_batch(bucket: int, rows: int, width: int, vocab: int, dtype, generator) -> dict:
-    return {
+def random_batch(bucket: int, rows: int, width: int, vocab: int, dtype, generator,
+                 last_hidden: int = 0) -> dict:
+    """A micro-batch of the training step's shapes; `last_hidden`: H of the target's last hidden state, for
+    a family whose loss reads it (0: none)."""
+    batch = {
         "input_ids": torch.randint(0, vocab, (rows, bucket), generator=generator),
         "loss_mask": torch.ones(rows, bucket),
         "hidden": torch.randn(rows, bucket, width, generator=generator).to(dtype),
         "tokens": rows * bucket,
         "bucket": bucket,
     }
+    if last_hidden:
+        batch["last_hidden"] = torch.randn(rows, bucket, last_hidden, generator=generator).to(dtype)
+    return batch
 
 
 def warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list[str], out_dir,
@@ -301,7 +307,8 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
     seconds = {}
     for bucket in [] if sharded else sorted(set(cfg.buckets)):
         batch = random_batch(bucket, rows_per_batch(bucket, cfg.batch_tokens), width, spec.vocab_size,
-                             step.amp_dtype or torch.float32, g)
+                             step.amp_dtype or torch.float32, g,
+                             spec.hidden_size if needs_last_hidden(drafter_cfg) else 0)
         anchors, valid = anchors_for(step, batch["loss_mask"], g)
         t0 = time.perf_counter()
         loss, _ = forward_backward(step, batch, anchors, valid)
