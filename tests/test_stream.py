@@ -617,11 +617,11 @@ def test_a_dspark_drafter_trains_in_stream_mode(store_run, tmp_path):
                    "train.gamma": 4.0})
     config = write_config(work / "config.yaml", dspark)
     data = yaml.safe_load(config.read_text())
-    data["hidden"].update({"mode": "stream", "disk_budget": "1.6MB"})
+    data["hidden"].update({"mode": "stream", "disk_budget": "2MB"})
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config)
     plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
-    assert len(plan["chunks"]) >= 4
+    assert len(plan["chunks"]) >= 3  # several chunks: at least one boundary inside an epoch
     val = HiddenStore([work / "results" / "hidden" / "val.arrow"])
     assert val[0]["last_hidden"].shape[0] == len(val[0]["input_ids"])
     assert [p.name for p in (work / "results" / "hidden").rglob("*.arrow")] == ["val.arrow"]
