@@ -54,7 +54,10 @@ features, frozen head) need no gradient.
 
 Usage: python benchmarks/train_drafter.py --preset tiny|qwen3-8b [--gpus 1,2] [--steps N]
            [--log-every N] [--work DIR] [--out benchmarks/results/train_drafter_<preset>.json]
-           [--set JSON] [--baseline JSON] [--profile PATH] [--runs throughput cold resumed]
+           [--set JSON] [--drafter JSON] [--baseline JSON] [--profile PATH] [--runs throughput cold resumed]
+A drafter family against another on the same data (one shard, with the target's last hidden state when
+either trains on it): --drafter '{"family": "dspark", "block_size": 7}' --baseline
+'{"drafter": {"family": "dflash"}}'.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ from safetensors.torch import save_file
 from shapes import QWEN3_8B, TOY
 from transformers import Qwen3Config
 
-from flashdraft.config import DrafterConfig
+from flashdraft.config import DrafterConfig, needs_last_hidden
 from flashdraft.hidden import ShardMeta, manifest_path, open_shard, write_manifest
 from flashdraft.launch import launch_argv
 from flashdraft.loss import num_anchor_slots, sample_anchors
@@ -131,6 +134,9 @@ MILESTONES = {
 def setup(preset: dict, work: Path) -> dict:
     """Target dir + one shard in `work`; skipped when `work/setup.json` records the same parameters."""
     params = {k: preset[k] for k in ("target", "mask_token_id", "drafter", "seq_len", "samples")}
+    # the target's last hidden state too where either side of a comparison trains on it (DSpark)
+    last = preset.get("last_hidden", False) or needs_last_hidden(drafter_config(preset))
+    params["last_hidden"] = last
     marker = work / "setup.json"
     if marker.exists() and json.loads(marker.read_text()) == params:
         print(f"setup: reusing {work}", flush=True)
@@ -152,11 +158,13 @@ def setup(preset: dict, work: Path) -> dict:
     width, s = spec.num_features * spec.hidden_size, preset["seq_len"]
     path = work / "hidden" / "shard-00000.arrow"
     meta = ShardMeta(target="random", target_layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
-                     dtype="bfloat16")
+                     dtype="bfloat16", last_hidden=last)
     with open_shard(path, meta) as w:
         for i in range(preset["samples"]):
             ids = torch.randint(0, spec.mask_token_id, (s,), generator=g).tolist()
-            w.write(f"r{i}", ids, [1] * s, torch.randn(s, width, generator=g, dtype=torch.bfloat16))
+            lh = torch.randn(s, spec.hidden_size, generator=g, dtype=torch.bfloat16) if last else None
+            w.write(f"r{i}", ids, [1] * s, torch.randn(s, width, generator=g, dtype=torch.bfloat16),
+                    last_hidden=lh)
     write_manifest(manifest_path(path), w)
     marker.write_text(json.dumps(params))
     print(f"setup: target and {preset['samples']} samples x {s} tokens x {width} features "
@@ -539,9 +547,13 @@ def main():
                    help="after the measurements, profile one warm process's start to its first step here")
     p.add_argument("--set", type=json.loads, default={}, metavar="JSON",
                    help="train config overrides of every run, e.g. '{\"compile_loss\": true}'")
+    p.add_argument("--drafter", type=json.loads, default={}, metavar="JSON",
+                   help="drafter section overrides of every run, e.g. '{\"family\": \"dspark\", "
+                        "\"block_size\": 7}'")
     p.add_argument("--baseline", type=json.loads, default=None, metavar="JSON",
                    help="also measure one process with these overrides on top of --set (e.g. today's "
-                        "default), side by side on the same data: the `comparison` key")
+                        "default), side by side on the same data: the `comparison` key; its \"drafter\" "
+                        "key, if any, overrides the drafter section instead (another family or block)")
     p.add_argument("--rescore", default=None, metavar="JSON",
                    help="derive the ratios and goals of a saved result again from its raw measurements")
     args = p.parse_args()
@@ -552,6 +564,11 @@ def main():
         saved.write_text(json.dumps(result, indent=2) + "\n")
         return print_table(result, saved)
     preset = dict(PRESETS[args.preset])
+    preset["drafter"] = preset["drafter"] | args.drafter
+    base_drafter = (args.baseline or {}).get("drafter")
+    if base_drafter is not None:  # one shard serves both sides
+        preset["last_hidden"] = needs_last_hidden(drafter_config({**preset, "drafter": preset["drafter"]
+                                                                  | base_drafter}))
     cuda = preset["device"] == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit(f"preset {args.preset} needs a CUDA GPU")
@@ -626,6 +643,9 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
                  "shard_bytes": Path(shard).stat().st_size},
         "world_sizes": sizes,
         "flops": fl,
+        "flops_note": "DFlash's matmuls (module docstring); another family's own heads (DSpark: the Markov "
+                      "and confidence heads, the target's distribution over the last hidden state) are "
+                      "not counted, so its MFU is a lower bound",
         "errors": [],
     }
     throughput, warmup_meta, cold, resumed, baseline = {}, None, None, None, None
@@ -650,8 +670,10 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
             except (Failed, TimeoutError) as e:
                 result["errors"].append(str(e))
         if args.baseline is not None and "1" in throughput:
+            base = {k: v for k, v in args.baseline.items() if k != "drafter"}
+            base_preset = {**preset, "drafter": preset["drafter"] | args.baseline.get("drafter", {})}
             try:
-                baseline = run_baseline(preset, cfg | args.baseline, work, shard, shards, fl, peak, timeout)
+                baseline = run_baseline(base_preset, cfg | base, work, shard, shards, fl, peak, timeout)
             except (Failed, TimeoutError) as e:
                 result["errors"].append(str(e))
         if args.profile:
