@@ -154,10 +154,18 @@ def test_plan_on_the_embedded_default_reads_the_stages_already_run(tmp_path):
 def test_bad_config_is_one_line(tmp_path, text, expected):
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
-    proc = plan_cli("--configfile", bad, cwd=tmp_path)
+    proc = plan_cli("--configfile", EMBEDDED, bad, cwd=tmp_path)  # a bad overlay on the embedded default
     assert proc.returncode == 1 and proc.stdout == ""
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("plan: error: ") and expected in line, line
+
+
+def test_a_config_without_a_target_is_one_line_not_the_toy(tmp_path):
+    """A config file is read on its own: one that names no target is refused, not run on the toy's."""
+    partial = tmp_path / "mine.yaml"
+    partial.write_text("train:\n  lr: 0.001\n")
+    proc = plan_cli("--configfile", partial, cwd=REPO)
+    assert proc.returncode == 1 and "config key (top level): 'target' is a required property" in proc.stderr
 
 
 @pytest.mark.parametrize("family", ["dflash", "dspark"])
@@ -404,3 +412,23 @@ def test_target_config_preset_is_qwen3_8b():
     assert {k: shapes[k] for k in P.REFERENCE_TARGET} == P.REFERENCE_TARGET
     with pytest.raises(UserError, match="no such file, nor a preset"):
         P.read_shapes("nope")
+
+
+def test_production_yaml_leaves_out_only_what_takes_the_documented_default():
+    """config/production.yaml is read on its own, not on top of the toy's config/config.yaml: every key it
+    leaves out is the dataclasses' default (train.val_every 0: a validation at each checkpoint, where the toy
+    validates every 10 steps)."""
+    import dataclasses
+
+    import yaml
+
+    from flashdraft.config import Config
+
+    written = yaml.safe_load(PRODUCTION.read_text())
+    loaded, default = P.load(PRODUCTION, target=QWEN3_8B), Config()
+    for section in dataclasses.fields(Config):
+        got, want = getattr(loaded, section.name), getattr(default, section.name)
+        for f in dataclasses.fields(got):
+            if f.name not in (written.get(section.name) or {}):
+                assert getattr(got, f.name) == getattr(want, f.name), f"{section.name}.{f.name}"
+    assert loaded.train.val_every == 0 and loaded.train.log_every == default.train.log_every

@@ -4,6 +4,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -174,6 +175,7 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
         (tmp_path / "data" / f).write_text("")
     config = write_config(tmp_path / "prod.yaml", {"gpus.check_visible": False},
                           base=REPO / "config" / "production.yaml")
+    shutil.copytree(REPO / "config", tmp_path / "config")  # as in a clone: the embedded default is there
     proc = snakemake(tmp_path, "-n", "--cores", "8", "--resources", "gpu=8", config=config)
     counts = job_counts(proc.stdout)
     assert counts["hidden_shard"] == 40 and counts["regenerate"] == 40
@@ -183,6 +185,11 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
     assert "--gpus 3" in proc.stdout and "--gpus 1" in proc.stdout
     # the prompts stage measures the prompts against the target it reads (tokenizer, positions)
     assert re.search(r"scripts/prompts\.py .*--target models/Qwen3-8B", proc.stdout)
+    # production.yaml is not read on top of the toy's config/config.yaml: the keys it leaves out are the
+    # documented defaults (a validation at each checkpoint), not the toy's (every 10 steps, logs every 5)
+    [train] = [shlex.split(line) for line in proc.stdout.splitlines() if "scripts/train.py" in line]
+    cfg = json.loads(train[train.index("--cfg") + 1])
+    assert (cfg["val_every"], cfg["log_every"]) == (0, 10)
 
 
 def test_server_backend_leases_the_server_gpus(tmp_path):

@@ -6,7 +6,8 @@ budget.
     python -m flashdraft.plan --configfile my.yaml [more.yaml ...] [--gpus N] [--disk-budget 2TB]
         [--results results] [--target-config config.json] [--json plan.json]
 
-The config is read as the workflow reads it (config/config.yaml, then each --configfile on top, checked
+The config is read as the workflow reads it (each --configfile on top of the one before, every key left out
+taking the dataclasses' default; config/config.yaml only where no file is given; checked
 against workflow/schemas/config.schema.yaml and config.check); a mistake is one line naming the key.
 Token statistics come from what earlier stages left under --results (prompt counts from
 prompts/stats.json, prompt tokens from prompts/train.parquet, answer tokens from regenerated/train/,
@@ -126,14 +127,15 @@ CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's two fp32 moments (
 
 def load(configfile, base=DEFAULT_CONFIG, target: dict | None = None) -> Config:
     """The config as the workflow sees it, or a UserError naming the file or key (`configfile`: one file or
-    several, each on top of the one before, as Snakemake reads `--configfile a.yaml b.yaml`; `target`: the
+    several, each on top of the one before, as Snakemake reads `--configfile a.yaml b.yaml`; `base`, the
+    embedded default, only where none is given, as the Snakefile; `target`: the
     target's config.json when it is not at target.path)."""
     import yaml
 
     files = [configfile] if isinstance(configfile, (str, os.PathLike)) else list(configfile)
     configfile = " + ".join(map(str, files))  # what the errors name
     data = {}
-    for f in ([base] if base else []) + files:
+    for f in files or [base]:  # the embedded default only where no file is given, as the Snakefile
         try:
             loaded = yaml.safe_load(Path(f).read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
