@@ -269,7 +269,10 @@ def prompts_section(stats_json) -> str:
     sources = stats.get("sources") if isinstance(stats.get("sources"), dict) else {}
     rows = {k: _counts_row(v) for k, v in sources.items() if isinstance(v, dict)}
     if isinstance(stats.get("totals"), dict):
-        rows["total"] = _counts_row(stats["totals"])
+        total = _counts_row(stats["totals"])
+        # a count the totals hold only as a sum (rejected) is summed per reason over the sources
+        by_reason = {c for r in rows.values() for c in r if c not in total}
+        rows["total"] = total | {c: sum(r.get(c, 0) for r in rows.values()) for c in sorted(by_reason)}
     out = "<h2>Prompts</h2>"
     if rows:
         cols = list(dict.fromkeys(c for r in rows.values() for c in r))
