@@ -629,7 +629,9 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
         "what": "drafter training throughput, MFU, scaling over GPUs and first-step time with a cold vs "
                 "warm compile cache; real warmup.py / train.py processes as the workflow launches them, "
                 "random features",
-        "preset": args.preset,
+        "preset": args.preset, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                 cwd=REPO).stdout.strip(),
         "machine": {"torch": torch.__version__, "transformers": transformers.__version__,
                     "python": platform.python_version(), "platform": platform.platform(),
                     "cpu_cores": os.cpu_count(), "gpus_visible": torch.cuda.device_count() if cuda else 0},
