@@ -10,6 +10,12 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Two test workers share the cores, each starting jobs that run as many OpenMP threads as its `--cores`:
+# threads that spin while they wait for work then take the cores from the other worker's threads (a toy
+# target trained by two jobs at once took 31 s each against 16 s). Waiting threads sleep instead; the
+# numbers computed are the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 SNAKEFILE = REPO / "workflow" / "Snakefile"
 
 # ---- the suite's shape: `slow` marks what starts a DAG, torchrun or SLURM, and those modules run first ----

@@ -614,14 +614,14 @@ def test_a_dspark_drafter_trains_in_stream_mode(store_run, tmp_path):
     work = _fresh_copy(store_run, tmp_path / "run")
     dspark = {k: v for k, v in STREAM_SMALL.items() if k != "drafter.init_from"}
     dspark.update({"drafter.family": "dspark", "drafter.block_size": 7, "drafter.dspark": {"markov_rank": 64},
-                   "train.gamma": 4.0})
+                   "train.gamma": 4.0, "train.epochs": 1, "train.compile": False})  # compiled: test_workflow
     config = write_config(work / "config.yaml", dspark)
     data = yaml.safe_load(config.read_text())
     data["hidden"].update({"mode": "stream", "disk_budget": "2MB"})
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config)
     plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
-    assert len(plan["chunks"]) >= 3  # several chunks: at least one boundary inside an epoch
+    assert len(plan["chunks"]) >= 2  # one epoch in several chunks: a boundary inside it
     val = HiddenStore([work / "results" / "hidden" / "val.arrow"])
     assert val[0]["last_hidden"].shape[0] == len(val[0]["input_ids"])
     assert [p.name for p in (work / "results" / "hidden").rglob("*.arrow")] == ["val.arrow"]
