@@ -432,3 +432,16 @@ def test_production_yaml_leaves_out_only_what_takes_the_documented_default():
             if f.name not in (written.get(section.name) or {}):
                 assert getattr(got, f.name) == getattr(want, f.name), f"{section.name}.{f.name}"
     assert loaded.train.val_every == 0 and loaded.train.log_every == default.train.log_every
+
+
+def test_a_dspark_drafter_is_planned_at_its_measured_training_factor(tmp_path):
+    """drafter.family dspark trains at the factor measured against dflash on the same data (and stores the
+    target's last hidden state too): the training hours are the dflash plan's over that factor."""
+    dspark = tmp_path / "dspark.yaml"
+    dspark.write_text("drafter: {family: dspark}\n")
+    plans = [P.plan(P.load(files, target=QWEN3_8B), "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
+             for files in ([PRODUCTION], [PRODUCTION, dspark])]
+    factor = P.RATES["train_dspark_factor"].value
+    assert 0 < factor < 1
+    assert plans[1]["stages"]["training"]["hours"] == pytest.approx(
+        plans[0]["stages"]["training"]["hours"] / factor)

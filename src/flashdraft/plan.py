@@ -69,8 +69,9 @@ class Rate:
     scaled: bool = True  # a per-GPU throughput, scaled by the target's size (else used as measured)
 
 
-# Per-GPU rates measured on one H200 with a Qwen3-8B-shaped target (tests/test_plan.py checks every value
-# against its file and key: after rerunning a benchmark, copy its new value here).
+# Per-GPU rates measured on one H200 (where noted, an H100) with a Qwen3-8B-shaped target
+# (tests/test_plan.py checks every value against its file and key: after rerunning a benchmark, copy its
+# new value here).
 RATES = {
     # at answers of up to 1,024 new tokens (1,018 on average): production's answers run to 2,048 (550 mean)
     "regenerate": Rate(12246.6, "regenerate_1024_qwen3-8b.json", "tokens_per_s_per_gpu", "new tokens/s"),
@@ -89,6 +90,10 @@ RATES = {
     # layer scope and the compiled loss (production.yaml's keys) beside bf16's
     "train_fp8_speedup": Rate(1.3762, "train_drafter_qwen3-8b_fp8.json", "comparison.speedup_vs_baseline",
                               "x", scaled=False),
+    # drafter.family dspark against dflash, the same block (7) and data, one process, bf16 (measured on
+    # one H100): the factor on the training rates above (its heads and the target's distribution cost more)
+    "train_dspark_factor": Rate(0.6543, "train_drafter_qwen3-8b_dspark_vs_dflash.json",
+                                "comparison.speedup_vs_baseline", "x", scaled=False),
     "train_launch_fp8": Rate(10.44, "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
                              "first_step.warm.launch_to_first_step_s", "s", scaled=False),
     "train_launch_resumed_fp8": Rate(11.58, "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
@@ -385,8 +390,10 @@ class Run:
         return "train_1gpu" if self.world(split) == 1 else "train_per_gpu"
 
     def train_keys(self, split: Split) -> list[str]:
-        """The rates training is planned with: the per-GPU rate, and train.fp8's measured factor."""
-        return [self.train_key(split)] + (["train_fp8_speedup"] if self.cfg.train.fp8 else [])
+        """The rates training is planned with: the per-GPU rate, and the measured factors of train.fp8 and
+        of a drafter family other than dflash."""
+        return [self.train_key(split)] + (["train_fp8_speedup"] if self.cfg.train.fp8 else []) + \
+            (["train_dspark_factor"] if self.cfg.drafter.family == "dspark" else [])
 
     def train_rate(self, split: Split) -> float:
         """Training tokens/s per GPU."""
