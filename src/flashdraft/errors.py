@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import faulthandler
 import functools
-import logging
 import os
 import sys
 from pathlib import Path
@@ -48,12 +47,6 @@ EXIT_GRACE_S = 120
 stopped_by: int | None = None
 
 
-# Import-time noise in every job's log, none of it about what the job does: transformers imports torchao
-# wherever it is installed (its quantizers), and torchao then reports each optional C kernel it cannot load
-# on this machine and registers its enums the way torch now deprecates. No stage uses those kernels.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
 def cli(main):
     """Wrap a script's `main(argv)`: a UserError (or a full disk) exits with one line; `--verbose` in the
     arguments re-raises it with its traceback. Once an exception leaves the program's `main` (argv None),
@@ -65,8 +58,6 @@ def cli(main):
     @functools.wraps(main)
     def run(argv=None):
         entry = argv is None  # the program's own main, not a call from Python (a test)
-        for logger in QUIET_LOGGERS:
-            logging.getLogger(logger).setLevel(logging.ERROR)
         argv = list(sys.argv[1:] if argv is None else argv)
         verbose = "--verbose" in argv
         argv = [a for a in argv if a != "--verbose"]
