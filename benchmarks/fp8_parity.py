@@ -40,15 +40,9 @@ from train_drafter import PRESETS, REPO, drafter_config, setup, train_config
 
 from flashdraft.batches import Collate, anchor_seeds
 from flashdraft.config import TrainConfig, from_dict
+from flashdraft.float8 import to_float8
 from flashdraft.hidden import HiddenStore
-from flashdraft.train_step import (
-    anchors_for,
-    batch_normalizer,
-    build_step,
-    forward_backward,
-    load_spec,
-    to_float8,
-)
+from flashdraft.train_step import anchors_for, batch_normalizer, build_step, forward_backward, load_spec
 
 # production.yaml's keys of the step's arithmetic; the data's shape comes from the preset
 PRODUCTION_KEYS = ("lr", "grad_clip", "weight_decay", "loss", "gamma", "dpace_alpha", "compile",

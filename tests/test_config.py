@@ -188,7 +188,7 @@ def test_a_global_batch_the_training_processes_cannot_share_is_refused_before_an
 def test_fp8_takes_a_known_recipe_and_a_gpu_with_fp8_matmuls():
     import torch
 
-    from flashdraft.train_step import float8_linears
+    from flashdraft.float8 import float8_linears
 
     cfg = load_config(str(REPO / "config" / "config.yaml"))
     assert cfg.train.fp8 is None  # the embedded default trains as it always has

@@ -809,7 +809,7 @@ FLOAT8_STEP = """
 import json, sys, torch
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from flashdraft.compile_cache import cache_counters
-from flashdraft.train_step import float8_graphs_cacheable
+from flashdraft.float8 import float8_graphs_cacheable
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.SiLU(), torch.nn.Linear(128, 64))
 convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(sys.argv[1]))

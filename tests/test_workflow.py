@@ -48,11 +48,13 @@ pytestmark = pytest.mark.slow
         ({"drafter.init_from": "no/such/drafter"},
          "config key drafter.init_from: no/such/drafter is not a drafter export"),
         ({"train.val_samples": 360}, "config key train.val_samples (360) leaves none of the 360 samples"),
+        ({"prompts.sources": [{"name": "hub", "path": "HuggingFaceH4/ultrachat_200k"}]},
+         "'HuggingFaceH4/ultrachat_200k' does not exist; for a Hugging Face Hub dataset id, set format: hf"),
     ],
     ids=["unknown-key", "wrong-type", "missing-model", "too-many-gpus", "too-many-server-gpus",
          "layer-beyond-target", "min-over-max-chars", "schema-max-new-tokens", "regenerate-over-positions",
          "eval-over-positions", "max-length-over-positions", "server-cmd-placeholder", "server-cmd-empty",
-         "source-is-a-directory", "init-from-missing", "val-split-of-every-prompt"],
+         "source-is-a-directory", "init-from-missing", "val-split-of-every-prompt", "hub-id-without-format"],
 )
 def test_bad_config_fails_before_any_job(tmp_path, overrides, expected):
     config = write_config(tmp_path / "config.yaml", overrides)

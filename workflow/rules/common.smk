@@ -67,7 +67,9 @@ def check_config():
         )
     for s in CFG.prompts.sources:
         if s.format != "hf" and not Path(s.path).exists() and not s.path.startswith(f"{RESULTS}/toy/"):
-            raise WorkflowError(f"config key prompts.sources[{s.name}].path: {s.path!r} does not exist")
+            hub = len(Path(s.path).parts) == 2 and not Path(s.path).suffix  # an id such as org/dataset
+            hint = "; for a Hugging Face Hub dataset id, set format: hf" if hub else ""
+            raise WorkflowError(f"config key prompts.sources[{s.name}].path: {s.path!r} does not exist{hint}")
         if s.format != "hf" and Path(s.path).is_dir():
             raise WorkflowError(
                 f"config key prompts.sources[{s.name}].path: {s.path!r} is a directory; point it at a file "
