@@ -48,9 +48,9 @@ VARIANTS = {  # each names its loss: the baseline is the paper's recipe whatever
 def write_config(path: Path, overrides: dict) -> Path:
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     for key, value in overrides.items():  # "section.name" or deeper ("drafter.dspark.markov_rank")
-        *path, name = key.split(".")
+        *sections, name = key.split(".")
         node = cfg
-        for part in path:
+        for part in sections:
             node = node.setdefault(part, {})
         node[name] = value
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
