@@ -428,6 +428,9 @@ def test_production_yaml_leaves_out_only_what_takes_the_documented_default():
     loaded, default = P.load(PRODUCTION, target=QWEN3_8B), Config()
     for section in dataclasses.fields(Config):
         got, want = getattr(loaded, section.name), getattr(default, section.name)
+        if not dataclasses.is_dataclass(got):  # a top-level key (results)
+            assert section.name in written or got == want, section.name
+            continue
         for f in dataclasses.fields(got):
             if f.name not in (written.get(section.name) or {}):
                 assert getattr(got, f.name) == getattr(want, f.name), f"{section.name}.{f.name}"

@@ -209,9 +209,16 @@ def test_training_on_the_sources_answers(tmp_path):
     than prompts.total, which would otherwise be filled with answerless augmented prompts."""
     cheap = {"toy.num_docs": 200, "toy.steps": 0, "toy.source_rows": 20, "regenerate.enabled": False,
              "hidden.shards": 1, "train.max_steps": 2, "train.compile": False}
-    config = write_config(tmp_path / "config.yaml", {**SMALL, **cheap})
-    snakemake(tmp_path, "--cores", "2", "results/eval/summary.json", config=config)
-    r = tmp_path / "results"
+    # in a run directory of its own (results: a key), the toy and its sources included
+    own = {"results": "runs/sources", "target.path": "runs/sources/toy/target",
+           "prompts.sources": [{**s, "path": s["path"].replace("results/", "runs/sources/", 1)}
+                               for s in yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+                               ["prompts"]["sources"]]}
+    config = write_config(tmp_path / "config.yaml", {**SMALL, **cheap, **own})
+    snakemake(tmp_path, "--cores", "2", "runs/sources/eval/summary.json", config=config)
+    assert not (tmp_path / "results").exists()
+    r = tmp_path / "runs" / "sources"
+    assert (r / "logs" / "train.log").exists() and list((r / "checkpoints").glob("*/step-*"))
     stats = json.loads((r / "prompts" / "stats.json").read_text())
     assert stats["need_answers"] and stats["totals"]["augmented"] == 0
     train = pd.read_parquet(r / "prompts" / "train.parquet")

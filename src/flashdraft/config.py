@@ -240,6 +240,7 @@ class GpusConfig:
 
 @dataclass
 class Config:
+    results: str = "results"  # the run's directory: every output, log, checkpoint and the report
     target: TargetConfig = field(default_factory=TargetConfig)
     toy: ToyConfig = field(default_factory=ToyConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)

@@ -838,7 +838,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configfile", required=True, nargs="+",
                     help="the config the workflow will run with (several: each on top of the one before)")
-    ap.add_argument("--results", default="results", help="results of stages already run (token statistics)")
+    ap.add_argument("--results", default=None,
+                    help="results of stages already run (token statistics); default: the config's `results`")
     ap.add_argument("--gpus", type=int, default=None,
                     help="GPUs the one-GPU jobs (regeneration, precompute, evaluation) share at once, "
                          "e.g. the node's (the profile's gpu resource), and the GPUs the recommendation "
@@ -862,7 +863,8 @@ def main(argv=None):
     if a.json not in (None, "-") and not Path(a.json).resolve().parent.is_dir():
         raise UserError(f"--json {a.json}: no folder {Path(a.json).resolve().parent}; create it first")
     target = read_shapes(a.target_config) if a.target_config else None
-    p = plan(load(a.configfile, target=target), a.results, a.gpus, budget, target)
+    cfg = load(a.configfile, target=target)
+    p = plan(cfg, a.results or cfg.results, a.gpus, budget, target)
     if a.json == "-":
         print(json.dumps(summary(p), indent=2))
         return

@@ -39,7 +39,7 @@ CFG = from_dict(Config, config)
 
 PY = sys.executable
 SCRIPTS = REPO / "scripts"
-RESULTS = "results"
+RESULTS = CFG.results.rstrip("/")
 LOGS = f"{RESULTS}/logs"
 # Every stage's Python keeps its compiled bytecode in .snakemake/pycache. Images often set
 # PYTHONDONTWRITEBYTECODE (or install read-only): each process then compiles torch's and Dynamo's
