@@ -219,6 +219,12 @@ def test_training_on_the_sources_answers(tmp_path):
     assert not (tmp_path / "results").exists()
     r = tmp_path / "runs" / "sources"
     assert (r / "logs" / "train.log").exists() and list((r / "checkpoints").glob("*/step-*"))
+    # the run directory (a hash) says what it trained with; the export names it
+    [run] = (r / "checkpoints").iterdir()
+    recorded = json.loads((run / "run.json").read_text())
+    assert recorded["train"]["max_steps"] == 2 and recorded["drafter"]["block_size"] == SMALL.get(
+        "drafter.block_size", 8) and recorded["data"]["shards"]
+    assert json.loads((r / "train" / "export.json").read_text())["run"] == run.name
     stats = json.loads((r / "prompts" / "stats.json").read_text())
     assert stats["need_answers"] and stats["totals"]["augmented"] == 0
     train = pd.read_parquet(r / "prompts" / "train.parquet")

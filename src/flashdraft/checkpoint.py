@@ -24,7 +24,7 @@ import shutil
 import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ from .config import DrafterConfig, TrainConfig, run_config
 from .distributed import Dist, barrier
 from .errors import UserError
 from .hidden import manifest_path
-from .io import atomic_path, background
+from .io import atomic_path, background, write_json
 
 
 def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str], plan: str | None = None) -> str:
@@ -47,6 +47,20 @@ def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str], pla
         m = manifest_path(path)
         h.update(m.read_bytes() if m.exists() else str(Path(path).stat().st_size).encode())
     return h.hexdigest()[:12]
+
+
+def record_run(run_dir: Path, cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str],
+               plan: str | None = None) -> None:
+    """run.json in a run directory, written when the run starts: the train and drafter sections it trains
+    with and its data (the shards, or stream mode's plan fingerprint), so that a directory named by a hash
+    says what it holds."""
+    path = run_dir / "run.json"
+    if path.exists():
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = {"plan": plan} if plan is not None else {"shards": [str(p) for p in shards]}
+    write_json(path, {"run": run_dir.name, "train": asdict(cfg), "drafter": asdict(drafter_cfg),
+                      "data": data})
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:

@@ -38,6 +38,7 @@ from .checkpoint import (
     chunk_resume_point,
     chunk_trained,
     prune_chunk,
+    record_run,
     run_key,
     saved_position,
     start_reading,
@@ -197,6 +198,8 @@ def setup(d: Dist, cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, sha
                                   fused=d.device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
     ends = frozenset(c.end_step for c in plan.chunks) if plan else frozenset()  # where chunks start again
+    if d.main:  # every check passed: the run starts (or goes on) here
+        record_run(run_dir, cfg, drafter_cfg, shards, plan.fingerprint if plan else None)
     ckpt = Checkpointer(run_dir, d, drafter, optimizer, scheduler, sharded, cfg.keep_checkpoints, ends)
     val = Validator(val_store, cfg, d, step_fn.amp_dtype or torch.float32) if val_store is not None else None
     run = Run(d, cfg, spec, store, lengths, step_fn, drafter, sharded, optimizer, scheduler, ckpt, g, collate,
@@ -271,10 +274,10 @@ def check_finite(row: dict, cfg: TrainConfig, run_dir: Path) -> None:
         f"checkpoints before this step stay in {run_dir})")
 
 
-def write_export_info(out: Path, chosen: dict, split: dict | None) -> None:
-    """export.json (which step was exported and why) and, with validation, val_split.json (its samples)
-    beside the metrics."""
-    write_json(out / "export.json", chosen)
+def write_export_info(out: Path, chosen: dict, split: dict | None, run_dir: Path) -> None:
+    """export.json (which step of which run was exported and why) and, with validation, val_split.json (its
+    samples) beside the metrics."""
+    write_json(out / "export.json", {**chosen, "run": run_dir.name})  # its checkpoints/<run>
     if split is not None:
         write_json(out / "val_split.json", split)
 
@@ -411,7 +414,7 @@ def _train(d: Dist, cfg: TrainConfig, drafter_cfg, target_dir, shards, checkpoin
         export_drafter(run.drafter, run.spec, out_dir, dtype=run.step_fn.amp_dtype, state=model)
         metrics.write(metrics_path)
         split = run.val.split() if run.val else plan.val_split() if plan and cfg.val_samples else None
-        write_export_info(Path(metrics_path).parent, chosen, split)
+        write_export_info(Path(metrics_path).parent, chosen, split, run.checkpointer.run_dir)
         log(d, f"exported {out_dir}: step {chosen['step']} of {step} ({chosen['why']}); metrics in "
                f"{metrics_path}")
     barrier(d)
