@@ -59,7 +59,9 @@ from flashdraft.config import TrainConfig, from_dict
 from flashdraft.distributed import setup_dist
 from flashdraft.metrics import MetricsLogger
 from flashdraft.train import accumulate, global_normalizer
-from flashdraft.train import setup as train_setup
+from flashdraft.train_data import StoreData, run_dir
+from flashdraft.train_setup import TrainJob
+from flashdraft.train_setup import setup as train_setup
 from flashdraft.train_step import anchors_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,9 +126,11 @@ def build(preset: dict, work: Path, steps: int, changes: dict):
     d = setup_dist()  # no RANK in the environment: one process, cuda:0 or the CPU
     checkpoints = work / "profile" / "checkpoints"
     shutil.rmtree(checkpoints, ignore_errors=True)  # never resume: every run starts at step 0
-    run, total, _ = train_setup(d, cfg, drafter_config(preset), work / "target", shards, checkpoints, None)
-    run.checkpointer.run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsLogger(run.checkpointer.run_dir, d, run.spec.block_size, 0, total, [], None)
+    drafter = drafter_config(preset)
+    job = TrainJob(cfg, drafter, work / "target", StoreData(shards, cfg), checkpoints)
+    run, _ = train_setup(d, job, run_dir(checkpoints, cfg, drafter, job.data))
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsLogger(run.run_dir, d, run.spec.block_size, 0, run.total, [], None)
     return run, metrics
 
 
@@ -146,7 +150,7 @@ class Loop:
             ks, micro = next(self.it)
             self.data_wait += time.perf_counter() - t
         with record_function("prep"):
-            anchors = [anchors_for(run.step_fn, b["loss_mask"], seeds=anchor_seeds(
+            anchors = [anchors_for(run.step, b["loss_mask"], seeds=anchor_seeds(
                 cfg.seed, 0, self.batches[k], len(b["loss_mask"]))) for k, b in zip(ks, micro, strict=True)]
             norm = global_normalizer(run, micro, anchors)
         with record_function("fwd_bwd"):
@@ -385,7 +389,7 @@ def main():
                    "target_layer_ids": spec.target_layer_ids, "seq_len": preset["seq_len"],
                    "rows_per_micro_batch": preset["rows"], "micro_batches_per_step": run.g,
                    "tokens_per_step": run.cfg.batch_tokens * run.g,
-                   "dtype": preset["dtype"] if cuda else "float32", "attention": run.step_fn.attention,
+                   "dtype": preset["dtype"] if cuda else "float32", "attention": run.step.attention,
                    "compile": run.cfg.compile, "device": preset["device"]},
         "steps": {"warmup": args.warmup, "timed": args.steps, "profiled": args.steps,
                   "log_every": run.cfg.log_every},

@@ -14,11 +14,15 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from flashdraft.config import DrafterConfig, TrainConfig, load_section
 from flashdraft.errors import cli
+from flashdraft.export import export_stream
 from flashdraft.io import log, write_json
 from flashdraft.train import train
+from flashdraft.train_data import train_data
+from flashdraft.train_setup import TrainJob
 
 
 @cli
@@ -50,14 +54,16 @@ def main(argv=None):
         p.error("--metrics and --out are needed to export the drafter")
     cfg = load_section(TrainConfig, args.cfg, "train")
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
-    result = train(cfg, drafter_cfg, args.target, args.shards, args.checkpoints, args.metrics, args.out,
-                   compile_cache=args.compile_cache, stop_at=args.stop_at, plan=args.plan, chunk=args.chunk,
-                   val_shards=args.val)
+    data = train_data(cfg, args.shards, args.plan, args.chunk, args.val)
+    opt = lambda path: path and Path(path)  # noqa: E731
+    job = TrainJob(cfg, drafter_cfg, Path(args.target), data, Path(args.checkpoints), opt(args.metrics),
+                   opt(args.out), opt(args.compile_cache), args.stop_at)
+    result = train(job) if data.trains else export_stream(job)
     if result["stopped"]:
         sys.exit(128 + result["signal"] if result["signal"] else 0)  # stopped by a signal: not finished
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    if "chunk" in result:
+    if not data.exports:
         keys = ("chunk", "step", "first_step_done_s", "first_step_done_at", "seconds", "compile_cache",
                 "trained_already")
         summary = {k: result[k] for k in keys}

@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 from flashdraft.batches import epoch_batches, micro_per_step
 from flashdraft.config import DrafterConfig, HiddenConfig, TrainConfig
 from flashdraft.errors import UserError
-from flashdraft.stream import ROW_BYTES, Chunk, Plan, cut_chunks, data_plan, write_tokens
+from flashdraft.stream import ROW_BYTES, cut_chunks, data_plan, write_tokens
 from flashdraft.timeline import DiskWatch, job_times, latest_log, overlap_s
+from flashdraft.train_data import Chunk, Plan
 
 DRAFT = DrafterConfig(num_layers=2)
 
@@ -178,8 +179,8 @@ def test_stream_shards_hold_the_last_hidden_state_when_the_family_needs_it(tmp_p
 
     from flashdraft.config import TargetConfig, ToyConfig, to_json
     from flashdraft.hidden import HiddenStore, manifest_path
-    from flashdraft.stream import planned_store
     from flashdraft.toy import build_toy_target
+    from flashdraft.train_data import planned_store
 
     target = tmp_path / "toy"
     build_toy_target(ToyConfig(steps=0, num_docs=200), str(target))  # H=128, 6 layers
@@ -221,7 +222,7 @@ def _steps(run_dir):
 
 
 def test_a_chunk_resumes_a_killed_attempt_or_starts_where_the_previous_chunk_ended(tmp_path):
-    from flashdraft.checkpoint import chunk_resume_point, chunk_trained, prune_chunk
+    from flashdraft.train_data import chunk_resume_point, chunk_trained, prune_chunk
 
     run = tmp_path / "killed"
     _checkpoints(run, [10, 12, 14])  # chunk [10, 20) was killed after step 14

@@ -45,7 +45,7 @@ from flashdraft.distributed import Dist, parallel_mode
 from flashdraft.hidden import HiddenStore, manifest_path
 from flashdraft.launch import torchrun_argv
 from flashdraft.model import load_drafter
-from flashdraft.train import lr_factor
+from flashdraft.train_setup import lr_factor
 from flashdraft.train_step import load_spec
 
 REPO = Path(__file__).resolve().parents[1]

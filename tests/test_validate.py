@@ -17,8 +17,8 @@ from flashdraft.config import HiddenConfig, TrainConfig, check, load_config
 from flashdraft.errors import UserError
 from flashdraft.hidden import HiddenStore
 from flashdraft.holdout import val_split
-from flashdraft.stream import Plan, data_plan, write_tokens
-from flashdraft.validate import split_store
+from flashdraft.stream import data_plan, write_tokens
+from flashdraft.train_data import Plan, split_store
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = {"num_layers": 2, "block_size": 8}

@@ -31,7 +31,6 @@ import torch
 
 from .config import DrafterConfig, TrainConfig, run_config
 from .distributed import Dist, barrier
-from .errors import UserError
 from .hidden import manifest_path
 from .io import atomic_path, background, write_json
 
@@ -70,45 +69,6 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
 
 def checkpoint_step(path: Path) -> int:
     return int(path.name.split("-")[1])
-
-
-def chunk_trained(run_dir: Path, end: int) -> Path | None:
-    """The first checkpoint at or past a chunk's end, if any: the run got past the chunk, whose steps
-    are then trained (the run dir's key holds the configs and the plan, and a resumed run replays exactly
-    what an uninterrupted one would have)."""
-    return next((p for p in checkpoint_dirs(run_dir) if checkpoint_step(p) >= end), None)
-
-
-def chunk_resume_point(run_dir: Path, start: int, end: int, chunks=()) -> Path | None:
-    """Where the training of a chunk of steps [start, end) begins, for a chunk not trained yet (nothing at
-    or past its end, chunk_trained): the latest checkpoint inside it (an attempt that was stopped or
-    killed), else the one at `start` (None at step 0). Removes nothing. Without either, one line names
-    the chunk to rerun from: of `chunks` (the plan's), the one holding the latest checkpoint kept."""
-    found = checkpoint_dirs(run_dir)
-    inside = [p for p in found if start < checkpoint_step(p) < end]
-    at = inside[-1] if inside else next((p for p in found if checkpoint_step(p) == start), None)
-    if at is None and start > 0:
-        kept = [checkpoint_step(p) for p in found]
-        last = max([s for s in kept if s < start], default=0)
-        c = next((c for c in chunks if c.start_step <= last < c.end_step), None)
-        frm = f"the chunk that holds step {last}" if c is None else \
-            f"chunk {c.name}, which {'starts' if c.start_step == last else 'resumes'} at step {last}"
-        raise UserError(f"no checkpoint at step {start} in {run_dir} (kept: "
-                        f"{', '.join(map(str, kept)) or 'none'}) to train steps {start}..{end} from: the "
-                        f"previous chunk did not finish, or its checkpoint was removed; rerun from {frm} "
-                        "(snakemake --forcerun on its train_chunk output)")
-    return at
-
-
-def prune_chunk(run_dir: Path, start: int, end: int, keep: int = 0) -> None:
-    """A finished chunk keeps its end only: the next chunk starts there, and chunk_resume_point reads a
-    checkpoint inside a chunk as an attempt of that chunk that did not finish. Of the chunks' ends, the
-    last `keep` stay (0: all): a rerun can start from any of them."""
-    for p in checkpoint_dirs(run_dir):
-        if start < checkpoint_step(p) < end:
-            shutil.rmtree(p, ignore_errors=True)
-    for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def full_state(drafter, optimizer, sharded: bool) -> tuple[dict, dict]:

@@ -10,14 +10,14 @@ steps, whose hidden states exist on disk only while the chunk waits for or is in
 - `hidden_chunk`: one part of a chunk's samples through the target, into an ordinary hidden shard.
 
 Training then runs one job per chunk (train.py --plan --chunk), each resuming from the previous one's
-checkpoint; Plan is what those jobs read.
+checkpoint; train_data.Plan is what those jobs read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from .batches import epoch_batches, micro_per_step, steps_left
@@ -37,13 +37,7 @@ from .config import STREAM_ROW_BYTES as ROW_BYTES
 from .errors import UserError
 from .holdout import val_split
 from .io import StorageDtype, bytes_per_token, human_bytes, log, write_json, write_parquet
-
-FORMAT = "flashdraft.plan/1"
-
-
-def chunk_name(epoch: int, chunk: int) -> str:
-    return f"epoch-{epoch:03d}/chunk-{chunk:05d}"
-
+from .train_data import FORMAT, Chunk, Plan, chunk_name
 
 # ------------------------------------------------------------------------------------------- tokenize
 
@@ -92,22 +86,6 @@ def read_samples(tokens_files, columns=("id", "num_tokens")):
 
 
 # ----------------------------------------------------------------------------------------------- plan
-
-
-@dataclass
-class Chunk:
-    epoch: int
-    chunk: int  # within its epoch
-    index: int  # in the run, over all epochs
-    start_step: int  # optimizer steps of the run: [start_step, end_step)
-    end_step: int
-    samples: int
-    tokens: int  # hidden-state tokens the chunk's shards hold
-    bytes: int  # their shards' size on disk at most (tokens x bytes per token + an allowance per row)
-
-    @property
-    def name(self) -> str:
-        return chunk_name(self.epoch, self.chunk)
 
 
 def cut_chunks(step_sizes: list[int], capacity: int) -> list[tuple[int, int]]:
@@ -259,138 +237,6 @@ def fingerprint(ids, lengths, train: dict, world: int, chunk_tokens: int) -> str
     for i, n in zip(ids, lengths, strict=True):
         h.update(f"{i}\0{n}\0".encode())
     return h.hexdigest()[:16]
-
-
-class Plan:
-    """plan.json and the samples' numbering, as a training job reads them."""
-
-    def __init__(self, plan_dir):
-        self.dir = Path(plan_dir)
-        path = self.dir / "plan.json"
-        try:
-            self.meta = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"{path}: not a readable data plan ({e}); rerun the data_plan rule") from e
-        if self.meta.get("format") != FORMAT:
-            raise UserError(f"{path}: not a {FORMAT} plan; rerun the data_plan rule")
-        self.chunks = [Chunk(**c) for c in self.meta["chunks"]]
-        self._samples = None
-
-    @property
-    def fingerprint(self) -> str:
-        return self.meta["fingerprint"]
-
-    @property
-    def tokenizer_length(self) -> int | None:
-        """len(tokenizer) of the target (None in a plan written before it was kept)."""
-        return self.meta.get("tokenizer_length")
-
-    def _load_samples(self):
-        if self._samples is None:
-            import pyarrow.parquet as pq
-
-            t = pq.read_table(self.dir / "samples.parquet", columns=["id", "num_tokens"])
-            self._samples = t.column("id").to_pylist(), t.column("num_tokens").to_pylist()
-        return self._samples
-
-    @property
-    def lengths(self) -> list[int]:
-        return self._load_samples()[1]
-
-    def index_of(self) -> dict[str, int]:
-        return {sid: i for i, sid in enumerate(self._load_samples()[0])}
-
-    def tokens_rows(self, samples: list[int]) -> list[int]:
-        """The rows in the tokens files of the run's samples `samples` (the validation split renumbers)."""
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(self.dir / "samples.parquet", columns=["row"]).column("row").to_pylist()
-        return [rows[i] for i in samples]
-
-    def val_samples(self) -> tuple[list[str], list[int], list[int]]:
-        """The validation split (train.val_samples): ids, their tokens rows and lengths."""
-        import pyarrow.parquet as pq
-
-        path = self.dir / "val.parquet"
-        if not path.exists():
-            raise UserError(f"the data plan {self.dir} has no validation split (train.val_samples was 0 when "
-                            "it was made); rerun the plan (snakemake --forcerun data_plan)")
-        t = pq.read_table(path, columns=["id", "row", "num_tokens"])
-        return (t.column("id").to_pylist(), t.column("row").to_pylist(), t.column("num_tokens").to_pylist())
-
-    def val_split(self) -> dict:
-        ids = self.val_samples()[0]
-        return {"val_samples": len(ids), "seed": self.meta["train"]["seed"], "ids": sorted(ids)}
-
-    def val_store(self, shards):
-        """The validation shard(s), checked to hold exactly the plan's validation samples."""
-        from .hidden import HiddenStore
-
-        if not shards:
-            raise UserError("train.val_samples is set but no validation shard was given (--val)")
-        store = HiddenStore(shards)
-        ids, _, lengths = self.val_samples()
-        got = dict(zip(store.ids(), (store.num_tokens(i) for i in range(len(store))), strict=True))
-        if got != dict(zip(ids, lengths, strict=True)):
-            raise UserError(f"the validation shard {shards[0]} does not hold the validation samples of the "
-                            f"data plan {self.dir}; rerun it (snakemake --forcerun hidden_val)")
-        return store
-
-    def named(self, name: str) -> Chunk:
-        for c in self.chunks:
-            if c.name == name:
-                return c
-        raise UserError(f"{self.dir}/plan.json has no chunk {name} (it has {self.chunks[0].name}.."
-                        f"{self.chunks[-1].name})")
-
-    def find(self, epoch: int, chunk: int) -> Chunk:
-        return self.named(chunk_name(epoch, chunk))
-
-    def chunk_samples(self, c: Chunk) -> list[int]:
-        """The run's sample indices the chunk trains on, in plan order (an epoch sees a sample once)."""
-        import pyarrow.parquet as pq
-
-        return pq.read_table(self.dir / f"{c.name}.parquet", columns=["sample"]).column("sample").to_pylist()
-
-    def check(self, cfg: TrainConfig, world: int) -> None:
-        """One line naming the key when the plan was made for another training than this one."""
-        planned = self.meta["train"]
-        for k in PLAN_TRAIN_KEYS:
-            if planned.get(k, 0) != getattr(cfg, k):  # a plan made before a key existed had its default
-                raise UserError(
-                    f"config key train.{k}: {getattr(cfg, k)!r}, but the data plan {self.dir}/plan.json was "
-                    f"made for {planned.get(k, 0)!r}; rerun the plan (snakemake --forcerun data_plan): "
-                    "nothing trained is lost")
-        if micro_per_step(cfg, world) != self.meta["micro_per_step"]:  # one micro-batch per process
-            raise UserError(f"the data plan {self.dir}/plan.json was made for {self.meta['world']} training "
-                            f"process(es), this run has {world}: rerun the plan "
-                            "(snakemake --forcerun data_plan)")
-
-
-def planned_store(plan: Plan, c: Chunk, shards):
-    """The chunk's shards under the run's sample numbers (what the epoch plan holds, for the loader), checked
-    to hold exactly the chunk's samples at the planned lengths."""
-    from .hidden import HiddenStore, StoreView
-
-    if not shards:
-        raise UserError(f"no hidden shards given for {c.name}")
-    store = HiddenStore(shards)
-    index = plan.index_of()
-    local, unknown = {}, []
-    for j, sid in enumerate(store.ids()):
-        i = index.get(sid)
-        if i is None or plan.lengths[i] != store.num_tokens(j):
-            unknown.append(sid)
-        else:
-            local[i] = j
-    missing = set(plan.chunk_samples(c)) - set(local)
-    if unknown or missing:
-        raise UserError(
-            f"the hidden shards of {c.name} ({shards[0]}, ...) do not match the data plan {plan.dir}: "
-            f"{len(unknown)} sample(s) not in the plan or of another length, {len(missing)} of the chunk's "
-            "missing; rerun the chunk's hidden_chunk jobs (after a data change: snakemake --forcerun "
-            "data_plan)")
-    return StoreView(store, local)
 
 
 # --------------------------------------------------------------------------------------- chunk shards

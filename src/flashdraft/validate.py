@@ -29,22 +29,11 @@ from .checkpoint import read_safetensors, write_safetensors
 from .config import TrainConfig
 from .distributed import Dist, all_sum, barrier
 from .errors import UserError
-from .hidden import StoreView
-from .holdout import anchor_seed, val_split
+from .holdout import anchor_seed
 from .io import atomic_path
 from .train_step import anchors_for, batch_tensors
 
 VAL_PREFIX = "val_"
-
-
-def split_store(store, cfg: TrainConfig):
-    """Store mode: (the training samples, the validation samples or None) of the shards' store."""
-    if not cfg.val_samples:
-        return store, None
-    ids = store.ids()
-    val = set(val_split(ids, cfg.val_samples, cfg.seed))
-    train = [i for i, sid in enumerate(ids) if sid not in val]
-    return StoreView(store, train), StoreView(store, [i for i, sid in enumerate(ids) if sid in val])
 
 
 def val_every(cfg: TrainConfig) -> int:
@@ -70,10 +59,6 @@ class Validator:
                         for b, rows in sorted(by_bucket.items())
                         for j in range(0, len(rows), rows_per_batch(b, cfg.batch_tokens))]
         self.collate = Collate(cfg.buckets, cfg.batch_tokens, hidden_dtype)
-
-    def split(self) -> dict:
-        """What the split is, for a user to inspect."""
-        return {"val_samples": len(self.ids), "seed": self.cfg.seed, "ids": sorted(self.ids)}
 
     def evaluate(self, step_fn, drafter, sharded: bool) -> dict:
         """val_loss, val_acc, val_acc_pos_k and val_sim_tau of `drafter` (a collective: every rank calls)."""

@@ -1,0 +1,70 @@
+"""The export of a trained run: the drafter's weights (the last step's, or with train.export: best the
+best validation's) in its family's format, the final metrics CSV, export.json (which step of which run,
+and why) and, with validation, val_split.json (its samples) beside the metrics.
+
+Store mode exports at the end of its training job (train.py); stream mode's train job exports the run
+that every chunk trained (`export_stream`), from its last checkpoint, building no optimizer or step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .checkpoint import checkpoint_dirs, checkpoint_step, read_checkpoint
+from .distributed import Dist, barrier, log, setup_dist, teardown_dist
+from .errors import UserError
+from .io import write_json
+from .metrics import metric_fields, write_metrics
+from .model import DrafterSpec, export_drafter
+from .train_data import run_dir
+from .train_step import load_spec, resolve
+from .validate import Best, export_choice
+
+
+def export_run(d: Dist, job, spec: DrafterSpec, run: Path, model: dict, best: Best | None, step: int,
+               rows: list[dict], dtype: torch.dtype | None, drafter=None) -> None:
+    """Write the export of `job` (a train.TrainJob) from its run dir `run` trained to `step`: `model` is the
+    last step's full state dict, `best` the validation's best so far (every rank calls: they read it)."""
+    chosen = export_choice(job.cfg, best, step)
+    if chosen["step"] != step:
+        model = best.weights()
+    if d.main:
+        export_drafter(drafter, spec, job.out, dtype=dtype, state=model)
+        fields = metric_fields(spec.block_size, bool(job.cfg.val_samples), spec.family)
+        write_metrics(job.metrics, rows, fields)
+        info = Path(job.metrics).parent
+        write_json(info / "export.json", {**chosen, "run": run.name})  # its checkpoints/<run>
+        if (split := job.data.val_split()) is not None:
+            write_json(info / "val_split.json", split)
+        log(d, f"exported {job.out}: step {chosen['step']} of {step} ({chosen['why']}); metrics in "
+               f"{job.metrics}")
+
+
+def export_stream(job) -> dict:
+    """Stream mode's train job (job.data: a train_data.PlanData): export the run that every chunk of the
+    plan trained, from its last checkpoint; returns the summary train.train returns."""
+    d = setup_dist()
+    try:
+        cfg, data = job.cfg, job.data
+        data.check(cfg, d.world)
+        run = run_dir(job.checkpoints, cfg, job.drafter, data)
+        found = checkpoint_dirs(run)
+        step = checkpoint_step(found[-1]) if found else 0
+        if step < data.total:
+            raise UserError(f"the run is trained to step {step} of {data.total}: train every chunk of the "
+                            f"plan {data.plan.dir} first (the train_chunk jobs)")
+        spec = load_spec(job.target, job.drafter, data.tokenizer_length)
+        dtype = resolve(cfg, d.device).amp_dtype
+        snap = read_checkpoint(found[-1])
+        state = json.loads(snap.state)
+        log(d, f"resumed from {found[-1]}: step {step}/{data.total}, saved by {state['world']} rank(s)")
+        best = Best(run, d, state.get("best"), dtype) if cfg.val_samples else None
+        export_run(d, job, spec, run, snap.model, best, step, state["rows"], dtype)
+        barrier(d)
+        return {"step": step, "stopped": False, "run_dir": str(run), "rows": state["rows"],
+                "compile_cache": {}}
+    finally:
+        teardown_dist(d)
