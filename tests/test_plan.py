@@ -408,8 +408,13 @@ def test_plan_json_into_a_missing_folder_is_one_line_before_the_plan(tmp_path):
 
 
 def test_target_config_preset_is_qwen3_8b():
+    import runpy
+
+    from flashdraft.shapes import QWEN3_8B as PRESET
+
     shapes = P.read_shapes("qwen3-8b")
-    assert {k: shapes[k] for k in P.REFERENCE_TARGET} == P.REFERENCE_TARGET
+    assert {k: shapes[k] for k in P.REFERENCE_TARGET} == P.REFERENCE_TARGET and shapes == PRESET
+    assert runpy.run_path(str(REPO / "benchmarks" / "shapes.py"))["QWEN3_8B"] is PRESET  # the benchmarks' too
     with pytest.raises(UserError, match="no such file, nor a preset"):
         P.read_shapes("nope")
 

@@ -51,6 +51,7 @@ from .config import (
 from .errors import UserError, cli
 from .hf_config import attention_shape, read_target_config
 from .io import FP8, bytes_per_token, human_bytes, parse_bytes
+from .shapes import PRESETS
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "config" / "config.yaml"  # the Snakefile's `configfile:`
@@ -168,26 +169,17 @@ def merge_into(base: dict, update: dict) -> None:
 
 
 def read_shapes(source: str) -> dict:
-    """A target's config.json from a file, or a preset of benchmarks/shapes.py by name (qwen3-8b, toy)."""
+    """A target's config.json from a file, or a preset of flashdraft.shapes by name (qwen3-8b, toy)."""
     if Path(source).is_file():
         try:
             shapes = json.loads(Path(source).read_text())
         except ValueError as e:
             raise UserError(f"--target-config {source}: not a config.json ({e})") from e
         return checked_shapes(shapes, source)
-    import importlib.util
-
-    presets = {}
-    file = REPO / "benchmarks" / "shapes.py"
-    if file.exists():
-        spec = importlib.util.spec_from_file_location("benchmark_shapes", file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        presets = {k.lower().replace("_", "-"): v for k, v in vars(module).items() if k.isupper()}
-    if source not in presets:
-        raise UserError(f"--target-config {source}: no such file, nor a preset of {file} "
-                        f"({', '.join(sorted(presets)) or 'none'})")
-    return dict(presets[source])
+    if source not in PRESETS:
+        raise UserError(f"--target-config {source}: no such file, nor a preset of flashdraft.shapes "
+                        f"({', '.join(sorted(PRESETS))})")
+    return dict(PRESETS[source])
 
 
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -849,7 +841,7 @@ def main(argv=None):
                          f"hidden.disk_budget, else {human_bytes(DEFAULT_DISK_BUDGET)}")
     ap.add_argument("--target-config", default=None,
                     help="the target's config.json when target.path does not hold it yet, or a preset of "
-                         "benchmarks/shapes.py (qwen3-8b, toy)")
+                         "flashdraft.shapes (qwen3-8b, toy)")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write both modes, the recommendation and the floor as JSON to PATH "
                          "(-: print only that)")
