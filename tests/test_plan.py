@@ -8,10 +8,27 @@ import pandas as pd
 import pytest
 import yaml
 
-from flashdraft import plan as P
-from flashdraft.config import Config, DrafterConfig, HiddenConfig, TargetConfig, ToyConfig
+from flashdraft.config import Config, DrafterConfig, HiddenConfig, TargetConfig, ToyConfig, feature_layers
 from flashdraft.errors import UserError
+from flashdraft.estimate import (
+    RATES,
+    REFERENCE_TARGET,
+    Split,
+    hidden_disk,
+    num_parameters,
+    pipeline_seconds,
+    token_bytes,
+)
+from flashdraft.estimate_inputs import (
+    ASSUMED_ANSWER_TOKENS,
+    ASSUMED_PROMPT_TOKENS,
+    load,
+    read_shapes,
+    target_shapes,
+    token_stats,
+)
 from flashdraft.hidden import FP8
+from flashdraft.plan import plan, render
 from flashdraft.precompute import hidden_shard
 from flashdraft.toy import build_toy_target, task_conversations
 
@@ -55,21 +72,21 @@ def with_keys(tmp_path, base, **overrides):
 
 
 def test_every_rate_is_its_benchmarks_figure():
-    for name, rate in P.RATES.items():
+    for name, rate in RATES.items():
         measured = lookup(json.loads((RESULTS / rate.file).read_text()), rate.key)
         assert rate.value == pytest.approx(measured, rel=1e-3), name
     for f in ("eval_decode_qwen3-8b.json", "train_drafter_qwen3-8b.json"):
         shapes = json.loads((RESULTS / f).read_text())["shapes"]["target"]
-        assert {k: shapes[k] for k in P.REFERENCE_TARGET} == P.REFERENCE_TARGET, f
-    assert P.num_parameters(QWEN3_8B) == pytest.approx(8.19e9, rel=0.01)  # Qwen3-8B's model card: 8.2B
+        assert {k: shapes[k] for k in REFERENCE_TARGET} == REFERENCE_TARGET, f
+    assert num_parameters(QWEN3_8B) == pytest.approx(8.19e9, rel=0.01)  # Qwen3-8B's model card: 8.2B
 
 
 def test_plan_on_production_on_one_node(qwen3_8b_dir, tmp_path):
-    cfg = P.load(PRODUCTION)
-    p = P.plan(cfg, qwen3_8b_dir / "results", gpus=8)
+    cfg = load(PRODUCTION)
+    p = plan(cfg, qwen3_8b_dir / "results", gpus=8)
     tok = p["tokens"]
     assert p["scale"] == 1.0 and tok.samples == cfg.prompts.total
-    assert tok.total == cfg.prompts.total * (P.ASSUMED_PROMPT_TOKENS + P.ASSUMED_ANSWER_TOKENS)  # assumed
+    assert tok.total == cfg.prompts.total * (ASSUMED_PROMPT_TOKENS + ASSUMED_ANSWER_TOKENS)  # assumed
     # 5 fused layers of H=4096: bf16 2 bytes a value, fp8 1 byte + a float32 scale; + int32 id, int8 mask
     width = 5 * 4096
     assert p["hidden_bytes"] == {"bfloat16": tok.total * (2 * width + 5), FP8: tok.total * (width + 4 + 5)}
@@ -78,15 +95,15 @@ def test_plan_on_production_on_one_node(qwen3_8b_dir, tmp_path):
     assert all(h > 0 for h in hours.values()) and p["total_hours"] == pytest.approx(sum(hours.values()))
     assert p["slowest"] == max(hours, key=hours.get)
     # precompute: tokens / (per-GPU rate x 8 GPUs), 40 shards in 5 waves
-    rate = P.RATES[f"precompute_{cfg.hidden.dtype}"].value
+    rate = RATES[f"precompute_{cfg.hidden.dtype}"].value
     assert hours["precompute"] == pytest.approx(tok.total / (rate * 8) / 3600)
 
     # half the GPUs: twice the hours (40 and 8 shard jobs in whole waves; training on gpus.drafter)
     def on(gpus, drafter):
         # a global batch both 3 and 6 training processes can share (6 micro-batches of 16384 tokens)
-        cfg = P.load(with_keys(tmp_path, PRODUCTION, gpus__drafter=drafter, eval__shards=8,
+        cfg = load(with_keys(tmp_path, PRODUCTION, gpus__drafter=drafter, eval__shards=8,
                                train__global_batch_tokens=6 * 16384))
-        return P.plan(cfg, "results", gpus=gpus)
+        return plan(cfg, "results", gpus=gpus)
 
     half, full = on(4, 3), on(8, 6)
     for stage in ("regeneration", "precompute", "training", "evaluation"):
@@ -94,8 +111,8 @@ def test_plan_on_production_on_one_node(qwen3_8b_dir, tmp_path):
     # a target twice as deep: about twice the parameters, every rate scaled down by the ratio
     deep = dict(QWEN3_8B, num_hidden_layers=72)
     (qwen3_8b_dir / "models" / "Qwen3-8B" / "config.json").write_text(json.dumps(deep))
-    bigger = P.plan(cfg, "results", gpus=8)
-    ratio = P.num_parameters(deep) / P.num_parameters(QWEN3_8B)
+    bigger = plan(cfg, "results", gpus=8)
+    ratio = num_parameters(deep) / num_parameters(QWEN3_8B)
     assert bigger["stages"]["regeneration"]["hours"] == pytest.approx(ratio * hours["regeneration"])
 
 
@@ -105,17 +122,17 @@ def test_plan_command_prints_the_table_and_the_goal(qwen3_8b_dir):
     out = proc.stdout
     for stage in ("regeneration", "precompute", "training", "evaluation", "total"):
         assert re.search(rf"^\| {stage} \|.*\| [\d.]+ \|$", out, re.M), stage
-    assert "ASSUMED" in out and f"{P.RATES['regenerate'].file}: tokens_per_s_per_gpu" in out
+    assert "ASSUMED" in out and f"{RATES['regenerate'].file}: tokens_per_s_per_gpu" in out
     assert re.search(r"36\.05 TB in bfloat16 \(40,965 bytes/token\), 18\.03 TB in float8_e4m3", out)
     goal = r"^goal \(whole DAG <= 36 h\): (met|NOT met), [\d.]+ h; .*: \w+ \([\d.]+ h\)$"
     assert re.search(goal, out, re.M)
 
 
 def test_plan_on_the_embedded_default_reads_the_stages_already_run(tmp_path):
-    cfg = P.load(EMBEDDED)
-    p = P.plan(cfg, tmp_path / "results")  # nothing has run: the assumptions, and the CPU has no rate
+    cfg = load(EMBEDDED)
+    p = plan(cfg, tmp_path / "results")  # nothing has run: the assumptions, and the CPU has no rate
     width = 2 * cfg.toy.hidden_size  # drafter.num_layers 2
-    per_sample = min(P.ASSUMED_PROMPT_TOKENS + cfg.regenerate.max_new_tokens, cfg.hidden.max_length)
+    per_sample = min(ASSUMED_PROMPT_TOKENS + cfg.regenerate.max_new_tokens, cfg.hidden.max_length)
     tokens = cfg.prompts.total * per_sample
     assert p["tokens"].total == tokens
     assert p["hidden_bytes"] == {"bfloat16": tokens * (2 * width + 5), FP8: tokens * (width + 9)}
@@ -130,15 +147,15 @@ def test_plan_on_the_embedded_default_reads_the_stages_already_run(tmp_path):
     for i, lengths in enumerate([[10, 20], [30]]):
         path = r / "regenerated" / "train" / f"shard-{i:05d}.parquet"
         pd.DataFrame({"response_tokens": lengths}).to_parquet(path)
-    p = P.plan(cfg, r, gpus=2)
+    p = plan(cfg, r, gpus=2)
     assert (p["tokens"].samples, p["tokens"].answer_tokens, p["tokens"].eval_prompts) == (300, 20.0, 9)
-    assert p["tokens"].total == 300 * min(P.ASSUMED_PROMPT_TOKENS + 20, cfg.hidden.max_length)
+    assert p["tokens"].total == 300 * min(ASSUMED_PROMPT_TOKENS + 20, cfg.hidden.max_length)
     assert p["stages"]["precompute"]["hours"] > 0
     assert p["stages"]["training"]["hours"] is None  # gpus.drafter 0: on the CPU
     (r / "hidden").mkdir()
     for i in range(cfg.hidden.shards):
         (r / "hidden" / f"shard-{i:05d}.json").write_text(json.dumps({"tokens": 1000 + i}))
-    assert P.plan(cfg, r)["tokens"].total == 2001
+    assert plan(cfg, r)["tokens"].total == 2001
 
     proc = plan_cli("--configfile", EMBEDDED, "--results", tmp_path / "none")
     assert proc.returncode == 0, proc.stderr
@@ -184,7 +201,7 @@ def test_precompute_preflight_refuses_with_the_plans_estimate(tmp_path, dtype, f
                      last_hidden=family == "dspark")
     need, tokens = map(int, re.search(r"\((\d+) bytes: (\d+) tokens x", str(e.value)).groups())
     cfg = Config(target=TargetConfig(path=str(target)), hidden=hidden, drafter=drafter)
-    assert need == int(P.hidden_disk(cfg, P.target_shapes(cfg), tokens)[dtype] * (1 + hidden.disk_margin))
+    assert need == int(hidden_disk(cfg, target_shapes(cfg), tokens)[dtype] * (1 + hidden.disk_margin))
     assert not out.exists()
 
 
@@ -196,23 +213,23 @@ def test_a_dspark_token_holds_the_target_s_last_hidden_state_too():
 
     from flashdraft.io import bytes_per_token
 
-    dflash = P.load(PRODUCTION, target=QWEN3_8B)
+    dflash = load(PRODUCTION, target=QWEN3_8B)
     dspark = replace(dflash, drafter=replace(dflash.drafter, family="dspark"))
-    k, h = len(P.feature_layers(QWEN3_8B["num_hidden_layers"], dflash.drafter)), QWEN3_8B["hidden_size"]
+    k, h = len(feature_layers(QWEN3_8B["num_hidden_layers"], dflash.drafter)), QWEN3_8B["hidden_size"]
     assert (k, h) == (5, 4096)
     bf16 = "bfloat16"
-    assert bytes_per_token(bf16, k, h) == P.token_bytes(dflash, QWEN3_8B, bf16) == 40_960 + 5
-    assert bytes_per_token(bf16, k, h, True) == P.token_bytes(dspark, QWEN3_8B, bf16) == 49_152 + 5
-    assert P.token_bytes(dflash, QWEN3_8B, FP8) == 20_480 + 4 + 5
-    assert P.token_bytes(dspark, QWEN3_8B, FP8) == 20_480 + 4 + 4096 + 4 + 5
-    plans = {c.drafter.family: P.plan(c, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
+    assert bytes_per_token(bf16, k, h) == token_bytes(dflash, QWEN3_8B, bf16) == 40_960 + 5
+    assert bytes_per_token(bf16, k, h, True) == token_bytes(dspark, QWEN3_8B, bf16) == 49_152 + 5
+    assert token_bytes(dflash, QWEN3_8B, FP8) == 20_480 + 4 + 5
+    assert token_bytes(dspark, QWEN3_8B, FP8) == 20_480 + 4 + 4096 + 4 + 5
+    plans = {c.drafter.family: plan(c, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
              for c in (dflash, dspark)}
     p, tokens = plans["dspark"], plans["dspark"]["tokens"].total
     assert p["hidden_bytes"] == {"bfloat16": tokens * (49_152 + 5), FP8: tokens * (20_480 + 4096 + 13)}
     assert dspark.hidden.dtype == FP8 and p["modes"]["store"].peak_disk == p["hidden_bytes"][FP8]
     cap = {f: plans[f]["modes"]["stream"].chunks.cap for f in plans}  # a disk budget holds fewer tokens
     assert cap["dspark"] == 2 * 10**12 // (2 * (20_480 + 4096 + 13)) < cap["dflash"]
-    assert "x 20,480 values + the target's last hidden state" in P.render(p, "production.yaml")
+    assert "x 20,480 values + the target's last hidden state" in render(p, "production.yaml")
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -260,20 +277,20 @@ def test_stream_chunk_tokens_from_the_budget_or_the_key():
 
 
 def test_pipeline_waits_for_the_slower_side_and_the_ring():
-    assert P.pipeline_seconds([2, 2, 2], [1, 1, 1]) == 2 + 2 + 2 + 1  # precompute-bound: + the drain
-    assert P.pipeline_seconds([1, 1, 1], [3, 3, 3]) == 1 + 3 + 3 + 3  # training-bound: the fill +
+    assert pipeline_seconds([2, 2, 2], [1, 1, 1]) == 2 + 2 + 2 + 1  # precompute-bound: + the drain
+    assert pipeline_seconds([1, 1, 1], [3, 3, 3]) == 1 + 3 + 3 + 3  # training-bound: the fill +
     # chunk 2's shards wait for chunk 0's training (two chunks on disk): 11 + 5, then its training
-    assert P.pipeline_seconds([1, 1, 5], [10, 1, 1]) == 17
+    assert pipeline_seconds([1, 1, 5], [10, 1, 1]) == 17
 
 
 def test_both_modes_and_the_recommendation_on_production():
-    cfg = P.load(PRODUCTION, target=QWEN3_8B)  # production's target.path does not exist here
-    p = P.plan(cfg, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
+    cfg = load(PRODUCTION, target=QWEN3_8B)  # production's target.path does not exist here
+    p = plan(cfg, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
     store, stream, tok = p["modes"]["store"], p["modes"]["stream"], p["tokens"]
     per_token = 5 * 4096 + 9  # fp8
     assert store.peak_disk == p["hidden_bytes"][FP8] == tok.total * per_token
     assert store.wall_hours == pytest.approx(p["total_hours"])
-    assert store.split == P.Split(cfg.gpus.target, cfg.gpus.drafter)
+    assert store.split == Split(cfg.gpus.target, cfg.gpus.drafter)
 
     c = stream.chunks
     assert c.cap == 2 * 10**12 // (2 * per_token)
@@ -281,7 +298,7 @@ def test_both_modes_and_the_recommendation_on_production():
     assert max(c.sizes) == c.cap // c.step_tokens * c.step_tokens
     assert sum(c.sizes) == cfg.train.epochs * tok.total and c.per_epoch == -(-tok.total // max(c.sizes))
     assert stream.peak_disk == 2 * max(c.sizes) * per_token <= 2 * 10**12
-    rate = P.RATES[f"precompute_{FP8}"].value
+    rate = RATES[f"precompute_{FP8}"].value
     assert stream.hours["precompute"] == pytest.approx(sum(c.sizes) / (cfg.gpus.target * rate) / 3600)
     busy = stream.hours["training"] + stream.hours["start-up and checkpoints"]
     pre = stream.hours["precompute"]
@@ -290,7 +307,7 @@ def test_both_modes_and_the_recommendation_on_production():
                                               + stream.hours["evaluation"])
     # the first chunk job: the measured launch, its last save (waited for) and the saves within it (copies)
     within = c.sizes[0] / c.step_tokens / cfg.train.checkpoint_every
-    launch = P.RATES["train_launch_fp8" if cfg.train.fp8 else "train_launch"].value
+    launch = RATES["train_launch_fp8" if cfg.train.fp8 else "train_launch"].value
     assert c.startup_s == pytest.approx(launch + p["last_save_s"] + within * p["save_s"])
     assert p["last_save_s"] > p["save_s"] > 0
 
@@ -301,22 +318,22 @@ def test_both_modes_and_the_recommendation_on_production():
     assert "store" not in {m.mode for m in fits} and rec.best.wall_hours == min(m.wall_hours for m in fits)
     assert rec.floor_hours == pytest.approx(rec.best.gpu_hours / 8) and rec.floor_hours < rec.best.wall_hours
     # with disk for store mode, every stage on all 8 GPUs one after another beats the pipeline
-    roomy = P.plan(cfg, "no-results", gpus=8, budget=20 * 10**12, target=QWEN3_8B)["recommendation"]
-    assert roomy.best.mode == "store" and roomy.best.split == P.Split(8, 8)
+    roomy = plan(cfg, "no-results", gpus=8, budget=20 * 10**12, target=QWEN3_8B)["recommendation"]
+    assert roomy.best.mode == "store" and roomy.best.split == Split(8, 8)
 
 
 def test_fp8_training_is_planned_at_its_measured_factor_and_start(tmp_path):
     bf16 = tmp_path / "bf16.yaml"
     bf16.write_text("train: {fp8: null, compile_loss: false, compile_scope: model}\n")
-    base = P.load([PRODUCTION, bf16], target=QWEN3_8B)
-    fp8 = P.load(PRODUCTION, target=QWEN3_8B)  # production.yaml trains in float8
-    overlay = P.load([PRODUCTION, bf16, PRODUCTION.parent / "fp8.yaml"], target=QWEN3_8B)
+    base = load([PRODUCTION, bf16], target=QWEN3_8B)
+    fp8 = load(PRODUCTION, target=QWEN3_8B)  # production.yaml trains in float8
+    overlay = load([PRODUCTION, bf16, PRODUCTION.parent / "fp8.yaml"], target=QWEN3_8B)
     assert (fp8.train.fp8, fp8.train.compile_loss) == ("tensorwise", True) and base.train.fp8 is None
     assert overlay.train == fp8.train  # config/fp8.yaml sets what production.yaml does
-    plans = [P.plan(c, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B) for c in (base, fp8)]
+    plans = [plan(c, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B) for c in (base, fp8)]
     (bf16_store, bf16_stream), (fp8_store, fp8_stream) = ((p["modes"]["store"], p["modes"]["stream"])
                                                           for p in plans)
-    factor = P.RATES["train_fp8_speedup"].value
+    factor = RATES["train_fp8_speedup"].value
     assert factor > 1
     assert plans[1]["stages"]["training"]["hours"] == pytest.approx(
         plans[0]["stages"]["training"]["hours"] / factor)
@@ -324,11 +341,11 @@ def test_fp8_training_is_planned_at_its_measured_factor_and_start(tmp_path):
     assert fp8_stream.chunks.sizes == bf16_stream.chunks.sizes  # the same chunks, trained faster
     # the first chunk job starts fresh, every later one from a checkpoint: float8's measured starts
     c, p = fp8_stream.chunks, plans[1]
-    launches = [P.RATES["train_launch_resumed_fp8" if i else "train_launch_fp8"].value
+    launches = [RATES["train_launch_resumed_fp8" if i else "train_launch_fp8"].value
                 for i in range(len(c.sizes))]
     saves = [n / c.step_tokens / fp8.train.checkpoint_every * p["save_s"] + p["last_save_s"] for n in c.sizes]
     assert fp8_stream.hours["start-up and checkpoints"] == pytest.approx((sum(launches) + sum(saves)) / 3600)
-    assert P.RATES["train_launch_resumed_fp8"].value != P.RATES["train_launch_resumed"].value
+    assert RATES["train_launch_resumed_fp8"].value != RATES["train_launch_resumed"].value
     assert fp8_store.wall_hours < bf16_store.wall_hours
 
 
@@ -359,7 +376,7 @@ def test_plan_command_writes_both_modes_and_refuses_a_budget_nothing_fits(tmp_pa
 
 
 def test_results_of_another_target_are_ignored(tmp_path):
-    cfg = P.load(EMBEDDED)
+    cfg = load(EMBEDDED)
     r = tmp_path / "results"
     (r / "prompts").mkdir(parents=True)
     stats = {"totals": {"sampled_train": 300, "sampled_eval": 9}, "requested_train": cfg.prompts.total}
@@ -368,17 +385,17 @@ def test_results_of_another_target_are_ignored(tmp_path):
     for i in range(cfg.hidden.shards):
         manifest = {"tokens": 1000 + i, "target": cfg.target.path}
         (r / "hidden" / f"shard-{i:05d}.json").write_text(json.dumps(manifest))
-    tok = P.token_stats(cfg, r)
+    tok = token_stats(cfg, r)
     assert (tok.samples, tok.total) == (300, 2001) and not any("IGNORED" in n for n in tok.notes)
 
     (r / "hidden" / "shard-00000.json").write_text(json.dumps({"tokens": 5, "target": "models/Other"}))
-    tok = P.token_stats(cfg, r)
+    tok = token_stats(cfg, r)
     assert tok.samples == cfg.prompts.total and tok.total != 2001
     assert any(n.startswith("IGNORED") and "models/Other" in n for n in tok.notes)
 
     (r / "hidden" / "shard-00000.json").unlink()  # the target matches again; the prompts asked for differ
     (r / "prompts" / "stats.json").write_text(json.dumps({**stats, "requested_train": 5}))
-    tok = P.token_stats(cfg, r)
+    tok = token_stats(cfg, r)
     assert tok.samples == cfg.prompts.total and any("prompts.total 5" in n for n in tok.notes)
 
 
@@ -408,10 +425,15 @@ def test_plan_json_into_a_missing_folder_is_one_line_before_the_plan(tmp_path):
 
 
 def test_target_config_preset_is_qwen3_8b():
-    shapes = P.read_shapes("qwen3-8b")
-    assert {k: shapes[k] for k in P.REFERENCE_TARGET} == P.REFERENCE_TARGET
+    import runpy
+
+    from flashdraft.shapes import QWEN3_8B as PRESET
+
+    shapes = read_shapes("qwen3-8b")
+    assert {k: shapes[k] for k in REFERENCE_TARGET} == REFERENCE_TARGET and shapes == PRESET
+    assert runpy.run_path(str(REPO / "benchmarks" / "shapes.py"))["QWEN3_8B"] is PRESET  # the benchmarks' too
     with pytest.raises(UserError, match="no such file, nor a preset"):
-        P.read_shapes("nope")
+        read_shapes("nope")
 
 
 def test_production_yaml_leaves_out_only_what_takes_the_documented_default():
@@ -425,7 +447,7 @@ def test_production_yaml_leaves_out_only_what_takes_the_documented_default():
     from flashdraft.config import Config
 
     written = yaml.safe_load(PRODUCTION.read_text())
-    loaded, default = P.load(PRODUCTION, target=QWEN3_8B), Config()
+    loaded, default = load(PRODUCTION, target=QWEN3_8B), Config()
     for section in dataclasses.fields(Config):
         got, want = getattr(loaded, section.name), getattr(default, section.name)
         if not dataclasses.is_dataclass(got):  # a top-level key (results)
@@ -442,9 +464,9 @@ def test_a_dspark_drafter_is_planned_at_its_measured_training_factor(tmp_path):
     target's last hidden state too): the training hours are the dflash plan's over that factor."""
     dspark = tmp_path / "dspark.yaml"
     dspark.write_text("drafter: {family: dspark}\n")
-    plans = [P.plan(P.load(files, target=QWEN3_8B), "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
+    plans = [plan(load(files, target=QWEN3_8B), "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
              for files in ([PRODUCTION], [PRODUCTION, dspark])]
-    factor = P.RATES["train_dspark_factor"].value
+    factor = RATES["train_dspark_factor"].value
     assert 0 < factor < 1
     assert plans[1]["stages"]["training"]["hours"] == pytest.approx(
         plans[0]["stages"]["training"]["hours"] / factor)

@@ -1,0 +1,411 @@
+"""The planner's cost model: the per-GPU rates measured by the committed benchmarks (RATES), the target's
+and drafter's parameters and the bytes of a hidden-state token from the shapes, each store-mode stage's
+work, rate, GPUs and hours (`stage_table`), both hidden-state modes on a split of the GPUs (`store_mode`,
+`stream_mode` with its chunks and pipeline) and the recommended mode and split under a disk budget
+(`recommend`). It reads nothing from disk: a `Run` holds what the estimate reads (estimate_inputs)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .config import Config, check_stream, feature_layers, needs_last_hidden, stream_chunk_tokens
+from .errors import UserError
+from .estimate_inputs import Tokens
+from .hf_config import attention_shape
+from .io import FP8, bytes_per_token, human_bytes
+
+
+@dataclass(frozen=True)
+class Rate:
+    value: float
+    file: str  # under benchmarks/results/
+    key: str  # dotted path of the value in that JSON
+    unit: str
+    scaled: bool = True  # a per-GPU throughput, scaled by the target's size (else used as measured)
+
+
+# Per-GPU rates measured on one H200 (where noted, an H100) with a Qwen3-8B-shaped target
+# (tests/test_plan.py checks every value against its file and key: after rerunning a benchmark, copy its
+# new value here).
+RATES = {
+    # at answers of up to 1,024 new tokens (1,018 on average): production's answers run to 2,048 (550 mean)
+    "regenerate": Rate(12246.6, "regenerate_1024_qwen3-8b.json", "tokens_per_s_per_gpu", "new tokens/s"),
+    "precompute_bfloat16": Rate(30533.3, "precompute_hidden_gpu_qwen3-8b.json", "bfloat16.tokens_per_s",
+                                "tokens/s"),
+    "precompute_float8_e4m3": Rate(31208.6, "precompute_hidden_gpu_qwen3-8b.json",
+                                   "float8_e4m3.tokens_per_s", "tokens/s"),
+    "train_1gpu": Rate(20005.5, "train_drafter_qwen3-8b.json", "throughput.1.tokens_per_s_per_gpu",
+                       "tokens/s"),
+    # with 2 or more processes (DDP): the per-GPU rate of the 2-GPU run, assumed to hold at any count
+    "train_per_gpu": Rate(18686.2, "train_drafter_qwen3-8b_2gpu.json", "throughput.2.tokens_per_s_per_gpu",
+                          "tokens/s"),
+    # train.fp8 (tensorwise, with train.compile_loss) against bf16 in the same one-GPU run: the factor on
+    # the training rates above, assumed to hold on any GPU count (train.compile_scope: layer, as
+    # config/fp8.yaml sets it, ran 1.04x faster again: not counted); a float8 job's start, measured with
+    # layer scope and the compiled loss (production.yaml's keys) beside bf16's
+    "train_fp8_speedup": Rate(1.3762, "train_drafter_qwen3-8b_fp8.json", "comparison.speedup_vs_baseline",
+                              "x", scaled=False),
+    # drafter.family dspark against dflash, the same block (7) and data, one process, bf16 (measured on
+    # one H100): the factor on the training rates above (its heads and the target's distribution cost more)
+    "train_dspark_factor": Rate(0.6543, "train_drafter_qwen3-8b_dspark_vs_dflash.json",
+                                "comparison.speedup_vs_baseline", "x", scaled=False),
+    "train_launch_fp8": Rate(10.44, "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
+                             "first_step.warm.launch_to_first_step_s", "s", scaled=False),
+    "train_launch_resumed_fp8": Rate(11.58, "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
+                                     "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
+    "eval_target_only": Rate(160.41, "eval_decode_qwen3-8b.json", "modes.target_only.tokens_per_s",
+                             "new tokens/s"),
+    # each speculative decoder (dflash, dflash_untrained, ngram), as measured at tau 1 (random weights)
+    "eval_speculative": Rate(117.85, "eval_decode_qwen3-8b.json", "modes.dflash.tokens_per_s",
+                             "new tokens/s"),
+    # a training job's start-up, warm compile cache, production drafter shape, one process: imports, data
+    # open, cache load, drafter built, first step (stream mode pays it once per chunk; several processes
+    # start through torchrun, which adds its own start). A resumed job (every chunk after a run's first)
+    # also reads and loads the previous chunk's checkpoint, in part while it starts: measured as a whole.
+    "train_launch": Rate(9.98, "train_drafter_qwen3-8b.json", "first_step.warm.launch_to_first_step_s",
+                         "s", scaled=False),
+    "train_launch_resumed": Rate(11.42, "train_drafter_qwen3-8b.json",
+                                 "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
+    # checkpoints (flashdraft.checkpoint): a save holds training up for its copy into the host buffers, then
+    # writes in the background; a job's last save is waited for
+    "checkpoint_stage": Rate(54.553, "checkpoint_io_qwen3-8b.json", "stage_gb_per_s", "GB/s", scaled=False),
+    "checkpoint_write": Rate(1.4315, "checkpoint_io_qwen3-8b.json", "write_gb_per_s", "GB/s", scaled=False),
+    "checkpoint_read": Rate(1.9076, "checkpoint_io_qwen3-8b.json", "read_gb_per_s", "GB/s", scaled=False),
+}
+# The target those benchmarks ran (`shapes.target` of eval_decode_qwen3-8b.json): rates scale from it.
+REFERENCE_TARGET = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                    "vocab_size": 151936}
+EVAL_DECODERS = 3  # speculative decoders per prompt, beside target-only (evaluate.run_rows)
+CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's two fp32 moments (checkpoint.save_checkpoint)
+
+
+def layer_parameters(c: dict) -> int:
+    """Parameters of one decoder layer of the target's shapes: attention, MLP, its two norms."""
+    h = c["hidden_size"]
+    n, kv, d = attention_shape(c)
+    return 2 * h * n * d + 2 * h * kv * d + 3 * h * c["intermediate_size"] + 2 * h
+
+
+def num_parameters(c: dict) -> int:
+    """Parameters of a dense decoder-only LM from its config.json: attention, MLP, norms, embeddings."""
+    h = c["hidden_size"]
+    embeddings = c["vocab_size"] * h * (1 if c.get("tie_word_embeddings") else 2)
+    return c["num_hidden_layers"] * layer_parameters(c) + embeddings + h
+
+
+def drafter_parameters(cfg: Config, shapes: dict) -> int:
+    """The drafter's trained parameters (model.DFlashDrafter): its layers in the target's shapes, the fc
+    over the K fused layers, two norms; the embedding and LM head are the target's, frozen, not saved."""
+    h = shapes["hidden_size"]
+    return cfg.drafter.num_layers * layer_parameters(shapes) + hidden_width(cfg, shapes) * h + 2 * h
+
+
+def hidden_width(cfg: Config, shapes: dict) -> int:
+    """Values stored per token: K fused target layers x the hidden size."""
+    return len(feature_layers(shapes["num_hidden_layers"], cfg.drafter)) * shapes["hidden_size"]
+
+
+def token_bytes(cfg: Config, shapes: dict, dtype: str | None = None) -> int:
+    """Bytes one token takes in the hidden-state shards of this config, in hidden.dtype or `dtype`: its K
+    fused layers of H values, and H more when drafter.family trains on the target's last hidden state
+    (io.bytes_per_token, as the precompute preflight counts)."""
+    k = len(feature_layers(shapes["num_hidden_layers"], cfg.drafter))
+    last = needs_last_hidden(cfg.drafter)
+    return bytes_per_token(dtype or cfg.hidden.dtype, k, shapes["hidden_size"], last)
+
+
+def hidden_disk(cfg: Config, shapes: dict, tokens: int) -> dict[str, int]:
+    """Bytes of the hidden-state shards in bf16 and in fp8: the precompute preflight's estimate."""
+    return {dtype: tokens * token_bytes(cfg, shapes, dtype) for dtype in ("bfloat16", FP8)}
+
+
+def rate(key: str, scale: float) -> float:
+    r = RATES[key]
+    return r.value * scale if r.scaled else r.value
+
+
+def _waves_hours(work: float, jobs: int, gpus: int, rate: float) -> float:
+    """`jobs` equal shard jobs of one GPU each, `gpus` at a time: whole waves, each one job's work."""
+    return math.ceil(jobs / gpus) * (work / jobs) / rate / 3600
+
+
+@dataclass(frozen=True)
+class Split:
+    target: int  # gpus.target
+    drafter: int  # gpus.drafter (per node, on gpus.drafter_nodes nodes)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What every stage estimate reads: the config, its token counts, the target's shapes, how much slower
+    than the benchmarks' target it runs (scale), and the GPUs one-GPU jobs share at once (gpus)."""
+    cfg: Config
+    tok: Tokens
+    shapes: dict
+    scale: float
+    gpus: int
+
+    @property
+    def width(self) -> int:
+        return hidden_width(self.cfg, self.shapes)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes a hidden-state token takes on disk, in hidden.dtype."""
+        return token_bytes(self.cfg, self.shapes)
+
+    def world(self, split: Split) -> int:
+        return max(1, split.drafter) * self.cfg.gpus.drafter_nodes
+
+    def train_key(self, split: Split) -> str:
+        return "train_1gpu" if self.world(split) == 1 else "train_per_gpu"
+
+    def train_keys(self, split: Split) -> list[str]:
+        """The rates training is planned with: the per-GPU rate, and the measured factors of train.fp8 and
+        of a drafter family other than dflash."""
+        return [self.train_key(split)] + (["train_fp8_speedup"] if self.cfg.train.fp8 else []) + \
+            (["train_dspark_factor"] if self.cfg.drafter.family == "dspark" else [])
+
+    def train_rate(self, split: Split) -> float:
+        """Training tokens/s per GPU."""
+        return math.prod(rate(k, self.scale) for k in self.train_keys(split))
+
+    def launch_s(self, resumed: bool) -> float:
+        """A training job's start to its first step (warm compile cache); `resumed`: from a checkpoint."""
+        key = "train_launch_resumed" if resumed else "train_launch"
+        return rate(key + ("_fp8" if self.cfg.train.fp8 else ""), 1)
+
+    def train_tokens(self, split: Split) -> float:
+        t = self.cfg.train
+        work = t.epochs * self.tok.total
+        return min(work, t.max_steps * self.step_tokens(split)) if t.max_steps else work
+
+    def step_tokens(self, split: Split) -> int:
+        """Tokens of one optimizer step at their full budget (real steps hold padding too)."""
+        t = self.cfg.train
+        return t.global_batch_tokens or t.batch_tokens * self.world(split)
+
+    def precompute_key(self) -> str:
+        dtype = self.cfg.hidden.dtype if f"precompute_{self.cfg.hidden.dtype}" in RATES else "bfloat16"
+        return f"precompute_{dtype}"
+
+    def checkpoint_bytes(self) -> int:
+        return drafter_parameters(self.cfg, self.shapes) * CHECKPOINT_BYTES_PER_PARAMETER
+
+    def save_s(self) -> float:
+        """What a save holds training up for: its copy into the host buffers (written in the background)."""
+        return self.checkpoint_bytes() / (rate("checkpoint_stage", 1) * 1e9)
+
+    def last_save_s(self) -> float:
+        """A job's last save, which the job waits for: the copy and the write."""
+        return self.save_s() + self.checkpoint_bytes() / (rate("checkpoint_write", 1) * 1e9)
+
+    def load_s(self) -> float:
+        return self.checkpoint_bytes() / (rate("checkpoint_read", 1) * 1e9)
+
+    def eval_prompt_s(self) -> float:
+        """One evaluation prompt on one GPU: target-only and every speculative decoder."""
+        return self.cfg.eval.max_new_tokens * (1 / rate("eval_target_only", self.scale)
+                                               + EVAL_DECODERS / rate("eval_speculative", self.scale))
+
+    def gpu_hours(self, split: Split, precompute_tokens: float) -> float:
+        """The work of regeneration, precompute, training and evaluation on one GPU (what no overlap or
+        split can shorten), hidden states precomputed for `precompute_tokens` tokens."""
+        rg = self.cfg.regenerate
+        local = rg.enabled and rg.backend != "openai"
+        new_tokens = self.tok.samples * self.tok.answer_tokens if local else 0.0
+        seconds = new_tokens / rate("regenerate", self.scale)
+        seconds += precompute_tokens / rate(self.precompute_key(), self.scale)
+        seconds += self.train_tokens(split) / self.train_rate(split)
+        seconds += self.tok.eval_prompts * self.eval_prompt_s()
+        return seconds / 3600
+
+
+def stage_table(run: Run, split: Split) -> dict:
+    """Store mode's stages, one after another: work, per-GPU rates, GPUs and hours (None: on the CPU, or
+    on a server the plan cannot see)."""
+    cfg, tok, scale, g = run.cfg, run.tok, run.scale, run.gpus
+    stages = {}
+
+    def stage(name, work, unit, rate_keys, hours, gpus_used):
+        stages[name] = {"work": work, "unit": unit, "rates": {k: rate(k, scale) for k in rate_keys},
+                        "sources": [f"{RATES[k].file}: {RATES[k].key}" for k in rate_keys],
+                        "gpus": gpus_used, "hours": hours}
+
+    rg = cfg.regenerate
+    new_tokens = tok.samples * tok.answer_tokens if rg.enabled else 0
+    jobs = rg.shards or cfg.hidden.shards
+    r = rate("regenerate", scale)
+    if not rg.enabled:
+        hours, used = 0.0, 0
+    elif rg.backend == "openai":
+        hours, used = None, 0  # answered by a server elsewhere
+    elif rg.backend == "server":
+        per_job = rg.server_gpus
+        used = max(g // per_job, 0) * per_job
+        hours = _waves_hours(new_tokens, jobs, g // per_job, r * per_job) if g >= per_job else None
+    else:
+        hours, used = (_waves_hours(new_tokens, jobs, g, r) if g else None), g
+    stage("regeneration", new_tokens, "new tokens", ["regenerate"], hours, used)
+
+    key = run.precompute_key()
+    hours = _waves_hours(tok.total, cfg.hidden.shards, g, rate(key, scale)) if g else None
+    stage("precompute", tok.total, "tokens", [key], hours, g)
+
+    world = run.world(split)
+    work = run.train_tokens(split)
+    hours = work / (run.train_rate(split) * world) / 3600 if split.drafter else None
+    stage("training", work, "tokens", run.train_keys(split), hours, split.drafter * cfg.gpus.drafter_nodes)
+
+    saves = int(work / run.step_tokens(split)) // cfg.train.checkpoint_every
+    hours = (saves * run.save_s() + run.last_save_s()) / 3600 if split.drafter else None
+    stage("checkpoints", (saves + 1) * run.checkpoint_bytes(), "bytes",
+          ["checkpoint_stage", "checkpoint_write"], hours, split.drafter * cfg.gpus.drafter_nodes)
+
+    e = cfg.eval
+    jobs = e.shards or max(1, split.target)
+    work = tok.eval_prompts * e.max_new_tokens * (1 + EVAL_DECODERS)
+    hours = _waves_hours(tok.eval_prompts * run.eval_prompt_s(), jobs, g, 1.0) if g else None
+    stage("evaluation", work, "new tokens", ["eval_target_only", "eval_speculative"], hours, min(g, jobs))
+    return stages
+
+
+@dataclass
+class ModePlan:
+    """One hidden-state mode on one split: busy hours per stage, wall time, peak hidden-state disk."""
+    mode: str  # store | stream
+    split: Split
+    hours: dict[str, float | None]  # stream: precompute and training overlap, the pipeline row holds both
+    gpus: dict[str, int]
+    wall_hours: float | None
+    peak_disk: int  # bytes of hidden states on disk at once
+    gpu_hours: float  # regeneration, precompute, training and evaluation work on one GPU
+    chunks: Chunks | None = None
+
+
+def _wall(hours: list[float | None]) -> float | None:
+    return None if any(h is None for h in hours) else sum(hours)
+
+
+def store_mode(run: Run, split: Split) -> ModePlan:
+    table = stage_table(run, split)
+    hours = {k: v["hours"] for k, v in table.items()}
+    peak = run.tok.total * run.token_bytes
+    gpus = {k: v["gpus"] for k, v in table.items()}
+    return ModePlan("store", split, hours, gpus, _wall(list(hours.values())), peak,
+                    run.gpu_hours(split, run.tok.total))
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Stream mode's chunks: every epoch cut into whole optimizer steps of at most `cap` tokens."""
+    cap: int  # hidden-state tokens a chunk may hold
+    source: str  # where the cap comes from
+    step_tokens: int
+    per_epoch: int
+    sizes: tuple[int, ...]  # hidden-state tokens of every chunk of the run, in order
+    precompute_s: float  # the first (a full) chunk's, on gpus.target GPUs
+    train_s: float  # its training on gpus.drafter GPUs
+    startup_s: float  # its job's launch to first step, checkpoint load and save
+
+
+def chunk_sizes(run: Run, split: Split, budget: int) -> tuple[int, str, tuple[int, ...]]:
+    """The chunk cap, where it comes from, and every chunk's tokens: each epoch's hidden-state tokens in
+    whole optimizer steps (counted at their full budget, so a chunk holds at least this many steps)."""
+    h = run.cfg.hidden
+    hidden = h if h.chunk_tokens else replace(h, disk_budget=budget)
+    per_token = run.token_bytes
+    cap = stream_chunk_tokens(hidden, per_token)
+    step = run.step_tokens(split)
+    check_stream(hidden, run.cfg.train, step // run.cfg.train.batch_tokens, per_token)  # the workflow's check
+    source = (f"hidden.chunk_tokens {cap:,}" if h.chunk_tokens else
+              f"hidden.disk_budget {human_bytes(budget)} / 2 chunks / {per_token:,} bytes per token")
+    full = max(cap // step, 1) * step  # the check's bound of a step may fall below its token budget
+    epoch = [full] * (run.tok.total // full) + ([run.tok.total % full] if run.tok.total % full else [])
+    sizes, left = [], run.train_tokens(split)
+    while left > 0 and epoch:
+        for size in epoch:
+            sizes.append(int(min(size, left)))
+            left -= sizes[-1]
+            if left <= 0:
+                break
+    return cap, source, tuple(sizes)
+
+
+def pipeline_seconds(precompute: list[float], train: list[float]) -> float:
+    """Chunk c's shard jobs start once chunk c-1's are written and chunk c-2 has trained (two chunks on
+    disk at once); its training once its shards are written and chunk c-1 has trained."""
+    pre_end, train_end = [], []
+    for c, (p, t) in enumerate(zip(precompute, train, strict=True)):
+        start = max(pre_end[c - 1] if c else 0.0, train_end[c - 2] if c >= 2 else 0.0)
+        pre_end.append(start + p)
+        train_end.append(max(pre_end[c], train_end[c - 1] if c else 0.0) + t)
+    return train_end[-1] if train_end else 0.0
+
+
+def stream_mode(run: Run, split: Split, budget: int) -> ModePlan:
+    """Regeneration, then the chunk pipeline, then evaluation; a UserError when a chunk cannot hold one
+    optimizer step."""
+    cfg = run.cfg
+    table = stage_table(run, split)
+    cap, source, sizes = chunk_sizes(run, split, budget)
+    on_gpus = split.target > 0 and split.drafter > 0 and run.gpus > 0
+    pre_rate = rate(run.precompute_key(), run.scale) * max(1, split.target)
+    train_rate = run.train_rate(split) * run.world(split)
+    step, every = run.step_tokens(split), cfg.train.checkpoint_every
+    pre = [n / pre_rate for n in sizes]
+    train = [n / train_rate for n in sizes]
+    startup = [run.launch_s(resumed=c > 0) + run.last_save_s()
+               + run.save_s() * (n / step / every) for c, n in enumerate(sizes)]  # + the saves within it
+    chunk_train = [t + s for t, s in zip(train, startup, strict=True)]
+    pipeline = pipeline_seconds(pre, chunk_train) / 3600 if on_gpus else None
+    busy = (lambda xs: sum(xs) / 3600) if on_gpus else (lambda xs: None)
+    hours = {"regeneration": table["regeneration"]["hours"], "precompute": busy(pre), "training": busy(train),
+             "start-up and checkpoints": busy(startup), "pipeline": pipeline,
+             "evaluation": table["evaluation"]["hours"]}
+    gpus = {"regeneration": table["regeneration"]["gpus"], "precompute": max(1, split.target),
+            "training": run.world(split), "start-up and checkpoints": run.world(split),
+            "pipeline": max(1, split.target) + run.world(split), "evaluation": table["evaluation"]["gpus"]}
+    chunks = Chunks(cap, source, step, len(sizes) and math.ceil(len(sizes) / cfg.train.epochs), sizes,
+                    pre[0], train[0], startup[0])
+    peak = 2 * max(sizes, default=0) * run.token_bytes
+    wall = _wall([hours["regeneration"], pipeline, hours["evaluation"]])
+    return ModePlan("stream", split, hours, gpus, wall, peak, run.gpu_hours(split, sum(sizes)), chunks)
+
+
+@dataclass
+class Recommendation:
+    gpus: int
+    budget: int
+    budget_source: str
+    candidates: list[ModePlan]
+    refused: dict[str, str]  # mode and split -> why it cannot run
+    best: ModePlan | None
+
+    @property
+    def floor_hours(self) -> float | None:
+        """All the recommended plan's GPU-hours spread over every GPU: what no schedule can beat."""
+        return self.best.gpu_hours / self.gpus if self.best else None
+
+
+def recommend(run: Run, budget: int, budget_source: str) -> Recommendation:
+    """Every split of the `run.gpus` GPUs in both modes; the shortest wall time whose hidden states fit
+    `budget`. Store mode runs its stages one after another, so each may take all N GPUs; stream mode runs
+    precompute and training at once, on gpus.target + gpus.drafter = N."""
+    n = run.gpus
+    candidates, refused = [store_mode(run, Split(n, n))], {}
+    for t in range(1, n):
+        try:
+            candidates.append(stream_mode(run, Split(t, n - t), budget))
+        except UserError as e:
+            refused[f"stream {t}+{n - t}"] = str(e)
+    fits = [c for c in candidates if c.wall_hours is not None and c.peak_disk <= budget]
+    best = min(fits, key=lambda c: c.wall_hours, default=None)
+    if best is None and n and all(c.wall_hours is not None for c in candidates):
+        stream = next(iter(refused.values()), "").removeprefix("config key hidden.disk_budget: ")
+        raise UserError(f"config key hidden.disk_budget: {human_bytes(budget)} ({budget_source}) fits no "
+                        f"plan on {n} GPUs: store mode keeps {human_bytes(candidates[0].peak_disk)} of "
+                        f"hidden states" + (f"; in stream mode {stream}" if stream else ""))
+    return Recommendation(n, budget, budget_source, candidates, refused, best)
