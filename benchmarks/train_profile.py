@@ -130,7 +130,7 @@ def build(preset: dict, work: Path, steps: int, changes: dict):
     job = TrainJob(cfg, drafter, work / "target", StoreData(shards, cfg), checkpoints)
     run, _ = train_setup(d, job, run_dir(checkpoints, cfg, drafter, job.data))
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsLogger(run.run_dir, d, run.spec.block_size, 0, run.total, [], None)
+    metrics = MetricsLogger(run.run_dir, d, run.spec.block_size, 0, run.total)
     return run, metrics
 
 
@@ -166,7 +166,8 @@ class Loop:
         self.tokens += sum(b["tokens"] for b in micro)
         if self.step % cfg.log_every == 0:
             with record_function("log"):
-                self.metrics.log(self.step, self.step * run.g / len(self.batches), lr, float(grad_norm))
+                epoch = self.step * run.micro_per_step / len(self.batches)
+                self.metrics.log(self.step, epoch, lr, float(grad_norm))
 
     def timed(self, steps: int, prof=None) -> dict:
         """`steps` steps between two device syncs: wall time, tokens, time in the loader's next()."""
@@ -387,8 +388,8 @@ def main():
         "preset": args.preset, "set": args.set,
         "shapes": {"target": preset["target"], "drafter": drafter_json(preset),
                    "target_layer_ids": spec.target_layer_ids, "seq_len": preset["seq_len"],
-                   "rows_per_micro_batch": preset["rows"], "micro_batches_per_step": run.g,
-                   "tokens_per_step": run.cfg.batch_tokens * run.g,
+                   "rows_per_micro_batch": preset["rows"], "micro_batches_per_step": run.micro_per_step,
+                   "tokens_per_step": run.cfg.batch_tokens * run.micro_per_step,
                    "dtype": preset["dtype"] if cuda else "float32", "attention": run.step.attention,
                    "compile": run.cfg.compile, "device": preset["device"]},
         "steps": {"warmup": args.warmup, "timed": args.steps, "profiled": args.steps,

@@ -58,13 +58,14 @@ def test_a_resumed_run_keeps_its_checkpoints_rows_and_window(tmp_path):
     run.add(first, 10)
     run.log(1, 0.1, 1e-3, 1.0)
     run.add(second, 10)  # step 2: checkpointed mid-window
-    rows, window = [dict(r) for r in run.rows], run.window_state()
+    saved = run.state_dict()
+    saved = {"rows": [dict(r) for r in saved["rows"]], "window": saved["window"]}  # as state.json holds it
     run.add(third, 10)
     logged = run.log(3, 0.3, 1e-3, 1.0)
     run.close()
     assert [r["step"] for r in read_csv(a / "metrics.csv")] == ["1", "3"]
 
-    resumed = logger(a, step=2, rows=rows, window=window)
+    resumed = logger(a, step=2, **saved)
     assert [r["step"] for r in read_csv(a / "metrics.csv")] == ["1"]  # the row after the checkpoint is gone
     resumed.add(third, 10)
     again = resumed.log(3, 0.3, 1e-3, 1.0)

@@ -209,7 +209,8 @@ class Snapshot:
 def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int, protect=frozenset()) -> Path:
     """`snap` as run_dir/step-NNNNNNNN, atomically. The last `keep` checkpoints stay, and those at the
     steps in `protect` (stream mode's chunk boundaries, which prune_chunk thins out)."""
-    path = run_dir / f"step-{json.loads(snap.state)['step']:08d}"
+    state = json.loads(snap.state)
+    path = run_dir / f"step-{state.get('position', state)['step']:08d}"
     with atomic_path(path) as tmp:
         tmp.mkdir(parents=True)
         optim = background(write_safetensors, tmp / "optim.safetensors", snap.optim, name="optim-writer")
@@ -318,10 +319,33 @@ def start_reading(path: Path | None, optim_device=None) -> Future | None:
     return background(read_checkpoint, path, optim_device, True, name="checkpoint-reader")
 
 
-def saved_position(path: Path) -> dict:
-    """A checkpoint's state.json: its step and data position (epoch, cursor, world), read without its
-    tensors, so the data loader can start before they are loaded."""
-    return json.loads((path / "state.json").read_text())
+@dataclass
+class Position:
+    """Where a run is: optimizer steps done, the data position (epoch, micro-batches into it) and the
+    processes that got there (one micro-batch per process sizes the global batch)."""
+
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    world: int = 1
+
+
+def read_state(state: dict) -> dict:
+    """A checkpoint's state.json (parsed) as the states saved by name: `position` (a Position), `metrics`
+    (metrics.MetricsLogger's), `best` (validate.Best's, None without validation) and `spec`. A checkpoint
+    written before the states had names (step, epoch, cursor, world, rows, window, best and spec side by
+    side) reads the same."""
+    if "position" not in state:
+        state = {"position": {k: state[k] for k in ("step", "epoch", "cursor", "world")},
+                 "metrics": {"rows": state["rows"], "window": state["window"]}, "best": state.get("best"),
+                 "spec": state.get("spec")}
+    return {**state, "position": Position(**state["position"])}
+
+
+def saved_position(path: Path) -> Position:
+    """A checkpoint's position (step, epoch, cursor, world), read without its tensors, so the data loader
+    can start before they are loaded."""
+    return read_state(json.loads((path / "state.json").read_text()))["position"]
 
 
 class Checkpointer:

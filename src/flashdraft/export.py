@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import checkpoint_dirs, checkpoint_step, read_checkpoint
+from .checkpoint import checkpoint_dirs, checkpoint_step, read_checkpoint, read_state
 from .distributed import Dist, barrier, log, setup_dist, teardown_dist
 from .errors import UserError
 from .io import write_json
@@ -59,12 +59,14 @@ def export_stream(job) -> dict:
         spec = load_spec(job.target, job.drafter, data.tokenizer_length)
         dtype = resolve(cfg, d.device).amp_dtype
         snap = read_checkpoint(found[-1])
-        state = json.loads(snap.state)
-        log(d, f"resumed from {found[-1]}: step {step}/{data.total}, saved by {state['world']} rank(s)")
-        best = Best(run, d, state.get("best"), dtype) if cfg.val_samples else None
-        export_run(d, job, spec, run, snap.model, best, step, state["rows"], dtype)
+        state = read_state(json.loads(snap.state))
+        log(d, f"resumed from {found[-1]}: step {step}/{data.total}, saved by {state['position'].world} "
+               "rank(s)")
+        best = Best(run, d, state["best"], dtype) if cfg.val_samples else None
+        rows = state["metrics"]["rows"]
+        export_run(d, job, spec, run, snap.model, best, step, rows, dtype)
         barrier(d)
-        return {"step": step, "stopped": False, "run_dir": str(run), "rows": state["rows"],
+        return {"step": step, "stopped": False, "run_dir": str(run), "rows": rows,
                 "compile_cache": {}}
     finally:
         teardown_dist(d)

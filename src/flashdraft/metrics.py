@@ -47,9 +47,10 @@ class MetricsLogger:
     """One run's metrics from `step` on; `rows` and `window` come from the checkpoint on a resume (a
     resumed window lives on rank 0: the ranks' sum is what counts). close() ends the bar and TensorBoard."""
 
-    def __init__(self, run_dir: Path, d: Dist, block_size: int, step: int, total: int, rows: list[dict],
-                 window: list[float] | None, val: bool = False, kind: str = "dflash"):
-        self.d, self.block_size, self.rows, self.family = d, block_size, rows, family(kind)
+    def __init__(self, run_dir: Path, d: Dist, block_size: int, step: int, total: int,
+                 rows: list[dict] | None = None, window: list[float] | None = None, val: bool = False,
+                 kind: str = "dflash"):
+        self.d, self.block_size, self.rows, self.family = d, block_size, rows or [], family(kind)
         self.fields = metric_fields(block_size, val, kind)
         width = self.family.stats_size(block_size) + 1  # + tokens
         self.window = torch.zeros(width, dtype=torch.float64, device=d.device)
@@ -58,7 +59,7 @@ class MetricsLogger:
         self.live_csv = run_dir / "metrics.csv"
         if d.main:
             # drops the rows a killed run logged after its last checkpoint
-            write_metrics(self.live_csv, rows, self.fields)
+            write_metrics(self.live_csv, self.rows, self.fields)
         self.tb = tensorboard(run_dir / "tensorboard", step, d)
         self.bar = progress(total=total, initial=step, desc="train", unit="step", disable=not d.main)
         self.t_window = time.perf_counter()
@@ -67,9 +68,10 @@ class MetricsLogger:
         self.window[:-1] += stats.double()
         self.window[-1] += tokens
 
-    def window_state(self) -> list[float]:
-        """The open window summed over ranks, for a checkpoint (a collective)."""
-        return all_sum(self.window, self.d).tolist()
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (by the name `metrics`): the logged rows and the open window summed over
+        ranks (a collective); the constructor's `rows` and `window` take it back."""
+        return {"rows": self.rows, "window": all_sum(self.window, self.d).tolist()}
 
     def log(self, step: int, epoch: float, lr: float, grad_norm: float, val: dict | None = None) -> dict:
         """Close the window into a row (a collective): CSV, TensorBoard and the bar on rank 0. `val`: the

@@ -25,13 +25,13 @@ import contextlib
 import math
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from .batches import anchor_seeds, epoch_steps
-from .checkpoint import checkpoint_step
+from .checkpoint import Position, checkpoint_step
 from .config import TrainConfig
 from .distributed import (
     Dist,
@@ -53,15 +53,6 @@ from .train_data import TrainData, run_dir
 from .train_setup import Run, TrainJob, setup
 from .train_step import anchors_for, batch_normalizer, forward_backward
 from .validate import Best, due
-
-
-@dataclass
-class Position:
-    """Where the run is: optimizer steps done, and the data position (epoch, micro-batches into it)."""
-
-    step: int = 0
-    epoch: int = 0
-    cursor: int = 0
 
 
 def global_normalizer(run: Run, micro: list[dict], anchors: list) -> torch.Tensor:
@@ -147,9 +138,9 @@ def after_step(run: Run, job: TrainJob, at: Position, epoch_len: int, lr: float,
     signalled = stop_signal(d) if step % cfg.log_every == 0 and step < run.total else 0
     stopping = bool(signalled) or (job.stop_at is not None and step >= job.stop_at)
     if step % cfg.checkpoint_every == 0 or step == run.stop or stopping:
-        run.checkpointer.save({**asdict(at), "world": d.world, "rows": metrics.rows,
-                               "window": metrics.window_state(), "spec": asdict(run.spec),
-                               **({"best": best.state()} if best else {})}, wait=stopping)
+        run.checkpointer.save({"position": asdict(at), "metrics": metrics.state_dict(),
+                               "best": best.state_dict() if best else None, "spec": asdict(run.spec)},
+                              wait=stopping)
     if not stopping:
         return None
     why = f"on {signal.Signals(signalled).name}" if signalled else "as asked (--stop-at)"
@@ -226,9 +217,9 @@ def _train(d: Dist, job: TrainJob) -> dict:
     if (past := data.trained(run_path)) is not None:
         return trained_already(d, data, run_path, past)
     run, state = setup(d, job, run_path)
-    at = Position(state["step"], state["epoch"], state["cursor"])
-    metrics = MetricsLogger(run_path, d, run.spec.block_size, at.step, run.total, state["rows"],
-                            state["window"], val=bool(cfg.val_samples), kind=run.spec.family)
+    at = replace(state["position"], world=d.world)  # saved by this job's processes from here on
+    metrics = MetricsLogger(run_path, d, run.spec.block_size, at.step, run.total, **(state["metrics"] or {}),
+                            val=bool(cfg.val_samples), kind=run.spec.family)
     best = Best(run_path, d, state.get("best"), run.step.amp_dtype) if cfg.val_samples else None
     run.drafter.train()
     try:

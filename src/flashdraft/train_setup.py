@@ -20,7 +20,15 @@ from pathlib import Path
 import torch
 
 from .batches import Collate, epoch_steps, micro_per_step, steps_left
-from .checkpoint import Checkpointer, checkpoint_dirs, record_run, saved_position, start_reading
+from .checkpoint import (
+    Checkpointer,
+    Position,
+    checkpoint_dirs,
+    read_state,
+    record_run,
+    saved_position,
+    start_reading,
+)
 from .config import DrafterConfig, TrainConfig, check_validation
 from .distributed import Dist, barrier, gpu_bytes, log, parallel_mode, parallelize
 from .errors import UserError
@@ -79,12 +87,12 @@ class Run:
     first_step_done: tuple | None = None  # (process age, time) when this job's first step ended
 
 
-def total_steps(cfg: TrainConfig, lengths: list[int], world: int, at: dict | None) -> int:
+def total_steps(cfg: TrainConfig, lengths: list[int], world: int, at: Position | None) -> int:
     """The run's optimizer steps. One micro-batch per process: a run resumed on another process count
     changes the global batch, so its steps are counted from where it is."""
     total = cfg.max_steps or steps_left(lengths, cfg, world)
-    if at and not cfg.max_steps and at["world"] != world and not cfg.global_batch_tokens:
-        total = at["step"] + steps_left(lengths, cfg, world, at["epoch"], at["cursor"])
+    if at and not cfg.max_steps and at.world != world and not cfg.global_batch_tokens:
+        total = at.step + steps_left(lengths, cfg, world, at.epoch, at.cursor)
     check_validation(cfg, steps=total)  # before anything trains
     if total == 0:  # nothing would train: the export would be the initial weights
         raise UserError(
@@ -96,8 +104,8 @@ def total_steps(cfg: TrainConfig, lengths: list[int], world: int, at: dict | Non
 
 
 def setup(d: Dist, job: TrainJob, run: Path) -> tuple[Run, dict]:
-    """The run and its state: a fresh one, or the latest checkpoint's (resume: model, optimizer, schedule,
-    data position, logged rows and the open metrics window)."""
+    """The run and its state by name (checkpoint.read_state): a fresh one, or the latest checkpoint's
+    (resume: model, optimizer, schedule, the position, the metrics' rows and open window, the best)."""
     cfg, data = job.cfg, job.data
     spec = load_spec(job.target, job.drafter, data.tokenizer_length)
     check_stores(data, spec, job.drafter)
@@ -109,7 +117,7 @@ def setup(d: Dist, job: TrainJob, run: Path) -> tuple[Run, dict]:
     barrier(d)
     found = checkpoint_dirs(run)
     latest = found[-1] if found else None
-    at = saved_position(latest) if latest else {"step": 0, "epoch": 0, "cursor": 0, "world": d.world}
+    at = saved_position(latest) if latest else Position(world=d.world)
     total = total_steps(cfg, lengths, d.world, at if latest else None)
     # the slow reads start first: the checkpoint, the target's head and the first micro-batches are read
     # while Dynamo is imported, the compile cache loads and the drafter is built
@@ -124,8 +132,8 @@ def setup(d: Dist, job: TrainJob, run: Path) -> tuple[Run, dict]:
     head = background(frozen_head, job.target, d.device, amp, name="head-reader")
     stop = data.stop(total)
     collate = Collate(cfg.buckets, cfg.batch_tokens, amp or torch.float32)
-    ahead = epoch_steps(data.store, lengths, cfg, at["epoch"], at["cursor"], stop - at["step"], d,
-                        collate) if at["step"] < stop else None
+    ahead = epoch_steps(data.store, lengths, cfg, at.epoch, at.cursor, stop - at.step, d,
+                        collate) if at.step < stop else None
     # Dynamo: seconds of imports
     from .compile_cache import cache_key, load_compile_cache, set_compile_workers, warm_triton
 
@@ -159,10 +167,11 @@ def setup(d: Dist, job: TrainJob, run: Path) -> tuple[Run, dict]:
     if triton is not None:
         with contextlib.suppress(Exception):  # the first step meets the same error, where torch reports it
             triton.result()
-    state = {"step": 0, "epoch": 0, "cursor": 0, "rows": [], "window": None}
+    state = {"position": Position(world=d.world), "metrics": None, "best": None}
     if latest:
-        state = ckpt.resume(latest, reading)
-        log(d, f"resumed from {latest}: step {state['step']}/{total}, saved by {state['world']} rank(s)")
+        state = read_state(ckpt.resume(latest, reading))
+        at = state["position"]
+        log(d, f"resumed from {latest}: step {at.step}/{total}, saved by {at.world} rank(s)")
     else:
         log(d, f"new run in {run}: {total} steps")
     log(d, f"global batch: {g} micro-batches of {cfg.batch_tokens} tokens, {-(-g // d.world)} or fewer per "

@@ -119,8 +119,9 @@ class Best:
                 if int(p.name.split("-")[1]) != self.step:
                     shutil.rmtree(p, ignore_errors=True)
 
-    def state(self) -> dict | None:
-        """For state.json: the best so far, which that checkpoint then keeps."""
+    def state_dict(self) -> dict | None:
+        """What a checkpoint keeps (by the name `best`): the best so far, which that checkpoint then keeps;
+        the constructor's `state` takes it back."""
         self.kept = self.step
         return None if self.step is None else {"step": self.step, "sim_tau": self.sim_tau}
 
