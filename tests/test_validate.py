@@ -148,7 +148,8 @@ def test_validation_does_not_change_what_trains(data, tmp_path):
     root, shards = data
     store = HiddenStore(shards)
     held = set(val_split(store.ids(), 8, 0))
-    from flashdraft.hidden import ShardMeta, manifest_path, open_shard, write_manifest
+    from flashdraft.hidden import ShardMeta, manifest_path
+    from flashdraft.hidden_write import open_shard, write_manifest
 
     path = tmp_path / "train-only.arrow"
     meta = ShardMeta(target="toy", target_layer_ids=store.layer_ids, hidden_size=store.hidden_size,
