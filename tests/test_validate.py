@@ -13,7 +13,8 @@ import pytest
 from conftest import toy_hidden_shards
 from safetensors.torch import load_file
 
-from flashdraft.config import HiddenConfig, TrainConfig, check, load_config
+from flashdraft.config import HiddenConfig, TrainConfig, load_config
+from flashdraft.config_check import check
 from flashdraft.errors import UserError
 from flashdraft.hidden import HiddenStore
 from flashdraft.holdout import val_split
