@@ -45,7 +45,8 @@ import torch
 import yaml
 from train_drafter import PRESETS, REPO, Proc, base_env, drafter_config, launch, live_rows, setup
 
-from flashdraft.hidden import ShardMeta, manifest_path, open_shard, quantize_fp8, write_manifest
+from flashdraft.hidden import ShardMeta, manifest_path, quantize_fp8
+from flashdraft.hidden_write import open_shard, write_manifest
 from flashdraft.train_step import load_spec
 
 SHAPES = {  # the curve's data and step on each preset

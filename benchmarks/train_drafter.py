@@ -86,7 +86,8 @@ from shapes import QWEN3_8B, TOY
 from transformers import Qwen3Config
 
 from flashdraft.config import DrafterConfig, needs_last_hidden
-from flashdraft.hidden import ShardMeta, manifest_path, open_shard, write_manifest
+from flashdraft.hidden import ShardMeta, manifest_path
+from flashdraft.hidden_write import open_shard, write_manifest
 from flashdraft.launch import launch_argv
 from flashdraft.loss import num_anchor_slots, sample_anchors
 from flashdraft.toy import build_tokenizer, task_conversations

@@ -10,7 +10,8 @@ import argparse
 import sys
 
 from flashdraft.errors import RERUN_ENV, cli, rerun_command
-from flashdraft.hidden import manifest_path, move_aside, verify_shard
+from flashdraft.hidden import manifest_path
+from flashdraft.hidden_verify import move_aside, verify_shard
 from flashdraft.io import write_json
 
 

@@ -142,7 +142,8 @@ def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24, seed
     import torch
 
     from flashdraft.config import DrafterConfig, ToyConfig
-    from flashdraft.hidden import ShardMeta, manifest_path, open_shard, write_manifest
+    from flashdraft.hidden import ShardMeta, manifest_path
+    from flashdraft.hidden_write import open_shard, write_manifest
     from flashdraft.toy import build_toy_target
     from flashdraft.train_step import load_spec
 

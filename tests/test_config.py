@@ -15,12 +15,12 @@ from flashdraft.config import (
     Config,
     TargetConfig,
     TrainConfig,
-    check,
     from_dict,
     load_config,
     load_section,
     target_layer_ids,
 )
+from flashdraft.config_check import check
 from flashdraft.errors import UserError
 from flashdraft.io import DTYPES, STORAGE_DTYPES, torch_dtype
 from flashdraft.objectives import OBJECTIVES
@@ -94,7 +94,7 @@ def test_unknown_key_named():
 def test_a_schema_mistake_is_one_line_naming_the_key():
     """What the workflow checks first (and the planner): an unknown key names its section and itself, a
     wrong value its key, in one line rather than jsonschema's dump of the schema."""
-    from flashdraft.config import check_schema
+    from flashdraft.config_check import check_schema
 
     def config(section, key, value):
         data = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
@@ -235,7 +235,7 @@ NEED = ("config key train.fp8 (tensorwise) needs a GPU with FP8 matmuls (compute
      "or set train.fp8: null"),
 ])
 def test_fp8_problem_names_what_is_missing(recipe, on_gpu, gpus, torchao, expected):
-    from flashdraft.config import fp8_problem
+    from flashdraft.config_check import fp8_problem
 
     assert fp8_problem(recipe, on_gpu, gpus, torchao) == expected
 
@@ -253,7 +253,7 @@ def test_fp8_on_the_cpu_is_refused_by_the_check_before_any_job():
 def test_fp8_against_this_node_s_gpus_and_torchao(monkeypatch):
     """check_fp8_gpus, which the workflow runs when gpus.check_visible: the GPUs nvidia-smi reports, and
     torchao in this environment."""
-    import flashdraft.config as C
+    import flashdraft.config_check as C
 
     cfg = load_config(str(REPO / "config" / "config.yaml"))
     cfg.train.fp8, cfg.gpus.drafter = "tensorwise", 1

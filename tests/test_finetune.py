@@ -11,7 +11,8 @@ import torch
 from conftest import toy_hidden_shards
 from safetensors.torch import load_file, save_file
 
-from flashdraft.config import DrafterConfig, check, load_config
+from flashdraft.config import DrafterConfig, load_config
+from flashdraft.config_check import check
 from flashdraft.errors import UserError
 from flashdraft.model import DFlashDrafter, export_drafter, init_weights
 from flashdraft.train_step import load_spec

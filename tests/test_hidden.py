@@ -15,22 +15,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from flashdraft import hidden, precompute
+from flashdraft import hidden, hidden_write, precompute
 from flashdraft.chat import tokenize_conversation
 from flashdraft.config import DrafterConfig, HiddenConfig, TargetConfig, ToyConfig, to_json
 from flashdraft.errors import UserError
-from flashdraft.hidden import (
-    FP8,
-    HiddenStore,
-    ShardMeta,
-    ShardWriter,
-    int_values,
-    manifest_path,
-    open_shard,
-    quantize_fp8,
-    verify_shard,
-    write_manifest,
-)
+from flashdraft.hidden import FP8, HiddenStore, ShardMeta, int_values, manifest_path, quantize_fp8
+from flashdraft.hidden_verify import verify_shard
+from flashdraft.hidden_write import ShardWriter, open_shard, write_manifest
 from flashdraft.precompute import hidden_shard, preflight, token_batches
 from flashdraft.shards import shard_of, shard_sources
 from flashdraft.target import load_target, select_features
@@ -104,9 +95,9 @@ def test_round_trip_bit_exact_and_zero_copy(tmp_path, dtype):
         store[9]
 
     # the mapping is copy-on-write: an in-place op changes this process's pages, never the shard
-    digest = hidden.file_checksum(paths[0])
+    digest = hidden_write.file_checksum(paths[0])
     store[0]["hidden"].add_(1)
-    assert hidden.file_checksum(paths[0]) == digest
+    assert hidden_write.file_checksum(paths[0]) == digest
     assert torch.equal(HiddenStore(paths[:1])[0]["hidden"].view(bits), flat[0][3].view(bits))
 
 
@@ -303,13 +294,13 @@ def test_writer_rejects_bad_rows_and_leaves_no_file(tmp_path):
 
 
 def test_an_error_while_aborting_is_logged_and_the_first_is_raised(tmp_path, monkeypatch, capsys):
-    close = hidden._HashingSink.close
+    close = hidden_write._HashingSink.close
 
     def failing_close(self):  # the file is closed, then closing fails (as a full disk can make it)
         close(self)
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(hidden._HashingSink, "close", failing_close)
+    monkeypatch.setattr(hidden_write._HashingSink, "close", failing_close)
     (sid, ids, mask, h) = random_rows(1, torch.bfloat16)[0]
     with pytest.raises(ValueError, match="mask") as e:
         write_shard(tmp_path / "shard.arrow", [(sid, ids, mask[:-1], h)])
@@ -325,14 +316,14 @@ def test_checksum_is_a_sha256_tree_over_file_chunks(tmp_path, monkeypatch, chunk
     equals one computed from the file alone, and the definition: sha256 over the chunks' sha256 digests."""
     import hashlib
 
-    monkeypatch.setattr(hidden, "CHECKSUM_CHUNK", chunk)
+    monkeypatch.setattr(hidden_write, "CHECKSUM_CHUNK", chunk)
     path = tmp_path / "shard-00000.arrow"
     manifest = write_shard(path, random_rows(60, torch.bfloat16), max_rows=4)
     data = path.read_bytes()
     assert len(data) > 10_000
     digests = [hashlib.sha256(data[i : i + chunk]).digest() for i in range(0, len(data), chunk)]
     want = hashlib.sha256(b"".join(digests)).hexdigest()
-    assert manifest["sha256_tree"] == hidden.file_checksum(path, threads=3) == want
+    assert manifest["sha256_tree"] == hidden_write.file_checksum(path, threads=3) == want
     assert manifest["checksum_chunk_bytes"] == chunk
 
 
@@ -476,7 +467,7 @@ def test_fp8_writer_and_verify_check_scales(tmp_path):
     manifest = json.loads(manifest_path(good).read_text())
     manifest_path(bad).write_text(json.dumps(manifest))
     assert "checksum" in " ".join(verify_shard(bad)["errors"])
-    manifest.update(sha256_tree=hidden.file_checksum(bad))
+    manifest.update(sha256_tree=hidden_write.file_checksum(bad))
     manifest_path(bad).write_text(json.dumps(manifest))
     assert verify_shard(bad)["errors"] == [
         f"{bad}: row 0 (id 'r0'): scale has values that are not finite and > 0"
@@ -673,7 +664,7 @@ def test_precompute_cli_is_deterministic(precomputed, toy_target, train_parquet,
     cli["main"](["--cfg", cfg, "--drafter-cfg", '{"num_layers": 3}', "--target-cfg", target, *args.split(),
                  "--out", str(out)])
     again = json.loads(manifest_path(out).read_text())
-    assert again["sha256_tree"] == manifests[1]["sha256_tree"] == hidden.file_checksum(shards[1])
+    assert again["sha256_tree"] == manifests[1]["sha256_tree"] == hidden_write.file_checksum(shards[1])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == manifests[1]["rows"]
 
 
@@ -738,7 +729,8 @@ def test_killed_shard_leaves_no_file_and_rerun_equals_uninterrupted(toy_target, 
 
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     again = json.loads(manifest_path(out).read_text())
-    assert again == ref and again["sha256_tree"] == hidden.file_checksum(out) and verify_shard(out)["ok"]
+    assert again == ref and again["sha256_tree"] == hidden_write.file_checksum(out)
+    assert verify_shard(out)["ok"]
     assert partial < again["bytes"]
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name, manifest_path(out).name]  # temp gone
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import job_counts, snakemake, write_config
 
-from flashdraft.hidden import verify_shard
+from flashdraft.hidden_verify import verify_shard
 
 pytestmark = pytest.mark.slow
 

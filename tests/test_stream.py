@@ -99,11 +99,13 @@ def test_a_chunk_smaller_than_one_step_is_one_line_naming_the_key(tmp_path, hidd
 
 @pytest.mark.parametrize("key", ["hidden.disk_budget", "hidden.chunk_tokens"])
 def test_a_chunk_too_small_for_one_step_fails_before_any_job_with_the_data_plan_s_least(tmp_path, key):
-    """config.check (before any job), the planner and the data plan size a step's chunk with one function
-    (config.stream_least): the check from the config's bound of a step, the data plan from its real steps.
-    Samples as long as the bucket and hidden.max_length fill every step to that bound, so all three name the
-    same smallest value, in one line; that value passes the check and makes a plan, one less fails."""
-    from flashdraft.config import Config, check, from_dict
+    """config_check.check (before any job), the planner and the data plan size a step's chunk with one
+    function (config.stream_least): the check from the config's bound of a step, the data plan from its real
+    steps. Samples as long as the bucket and hidden.max_length fill every step to that bound, so all three
+    name the same smallest value, in one line; that value passes the check and makes a plan, one less
+    fails."""
+    from flashdraft.config import Config, from_dict
+    from flashdraft.config_check import check
     from flashdraft.io import human_bytes
     from flashdraft.plan import plan
 

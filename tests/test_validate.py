@@ -13,7 +13,8 @@ import pytest
 from conftest import toy_hidden_shards
 from safetensors.torch import load_file
 
-from flashdraft.config import HiddenConfig, TrainConfig, check, load_config
+from flashdraft.config import HiddenConfig, TrainConfig, load_config
+from flashdraft.config_check import check
 from flashdraft.errors import UserError
 from flashdraft.hidden import HiddenStore
 from flashdraft.holdout import val_split
@@ -148,7 +149,8 @@ def test_validation_does_not_change_what_trains(data, tmp_path):
     root, shards = data
     store = HiddenStore(shards)
     held = set(val_split(store.ids(), 8, 0))
-    from flashdraft.hidden import ShardMeta, manifest_path, open_shard, write_manifest
+    from flashdraft.hidden import ShardMeta, manifest_path
+    from flashdraft.hidden_write import open_shard, write_manifest
 
     path = tmp_path / "train-only.arrow"
     meta = ShardMeta(target="toy", target_layer_ids=store.layer_ids, hidden_size=store.hidden_size,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .config import Config, check_stream, feature_layers, needs_last_hidden, stream_chunk_tokens
+from .config import Config, feature_layers, needs_last_hidden, stream_chunk_tokens
+from .config_check import check_stream
 from .errors import UserError
 from .estimate_inputs import Tokens
 from .hf_config import attention_shape

@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, check, check_schema, from_dict
+from .config import Config, from_dict
+from .config_check import check, check_schema
 from .errors import UserError
 from .hf_config import read_target_config
 from .shapes import PRESETS

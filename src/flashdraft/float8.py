@@ -8,7 +8,7 @@ from dataclasses import is_dataclass
 
 import torch
 
-from .config import fp8_problem
+from .config_check import fp8_problem
 from .errors import UserError
 
 
@@ -25,7 +25,7 @@ def float8_linears(model: torch.nn.Module, recipe: str, device: torch.device) ->
         torchao = True
     except ImportError:
         torchao = False
-    # the workflow checked this before its first job (flashdraft.config.check_fp8_gpus): here again for
+    # the workflow checked this before its first job (flashdraft.config_check.check_fp8_gpus): here again for
     # whatever runs the trainer another way
     problem = fp8_problem(recipe, on_gpu, gpus, torchao)
     if problem:

@@ -1,7 +1,7 @@
 """The target's config.json as data: read without running model code, and the shapes taken from it
 with their fallbacks, in one place (attention heads, KV heads, head dim, layers, positions, bytes of KV
 cache per token). The functions take the file's dict or a transformers config object alike. Low in the
-import graph (no torch, no transformers at import): config.check, the planner, the data plan, the
+import graph (no torch, no transformers at import): config_check.check, the planner, the data plan, the
 training step and the decode engines read it."""
 
 from __future__ import annotations

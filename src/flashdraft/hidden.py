@@ -1,5 +1,6 @@
-"""Hidden-state store: Arrow IPC shards of target features, their manifests, a memory-mapped reader and
-verification (the pipeline that fills the shards is precompute.py).
+"""Hidden-state store: the format of the Arrow IPC shards of target features and their manifests, and the
+memory-mapped reader training uses (hidden_write.py writes a shard and its manifest, hidden_verify.py
+checks one against it; the pipeline that fills the shards is precompute.py).
 
 A shard is one Arrow IPC file with one row per sample:
   id (string), input_ids (list<int32>), loss_mask (list<int8>), num_tokens (int32),
@@ -18,20 +19,15 @@ names the format, dtype, K, H, the target and its layer ids (and `last_hidden: t
 has the column: one without the key has none, so a shard without it is written as before the key
 existed), so a shard describes itself; the manifest next to it (`shard-00000.arrow` ->
 `shard-00000.json`) adds counts and a checksum (`sha256_tree`: sha256 over the digests of 64 MiB chunks,
-see tree_digest).
+see hidden_write.tree_digest).
 Files appear under their final name only when complete (written to a temporary sibling, then renamed).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import json
 import mmap
-import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +38,7 @@ import torch
 
 from .errors import UserError
 from .io import FP8 as FP8  # the storage dtype names, re-exported for the shard format's users
-from .io import StorageDtype, atomic_path, log, write_json
+from .io import StorageDtype
 from .io import bytes_per_token as bytes_per_token
 
 FORMAT = "flashdraft.hidden/1"
@@ -191,238 +187,6 @@ def read_meta(schema: pa.Schema, path) -> ShardMeta:
         got, want = schema.remove_metadata(), expected.remove_metadata()
         raise ValueError(f"{path}: schema {got} differs from {want}")
     return meta
-
-
-# ---------------------------------------------------------------------------------------------- writing
-
-
-CHECKSUM_CHUNK = 64 << 20  # bytes per hashed chunk of a shard file
-
-
-def _sha256(pieces) -> bytes:
-    h = hashlib.sha256()
-    for piece in pieces:
-        h.update(piece)
-    return h.digest()
-
-
-def tree_digest(chunk_digests) -> str:
-    """A shard's checksum: sha256 of the concatenated sha256 digests of its consecutive 64 MiB chunks.
-
-    Chunks hash independently, so writing and verifying hash on several cores: one sha256 stream is slower
-    than a disk and far slower than the page cache."""
-    return hashlib.sha256(b"".join(chunk_digests)).hexdigest()
-
-
-def file_checksum(path, threads: int | None = None) -> str:
-    """`tree_digest` of a file, its chunks read and hashed on a thread pool."""
-    size = Path(path).stat().st_size
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        def chunk(i):
-            return hashlib.sha256(os.pread(fd, CHECKSUM_CHUNK, i * CHECKSUM_CHUNK)).digest()
-
-        with ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
-            return tree_digest(pool.map(chunk, range(-(-size // CHECKSUM_CHUNK))))
-    finally:
-        os.close(fd)
-
-
-class _HashingSink:
-    """File sink that checksums what it writes (see `tree_digest`), so the manifest's checksum costs no
-    second read of the shard. Full chunks hash on a small thread pool, in parallel with each other and
-    with the writes (hashlib and file writes release the GIL), so hashing never caps the write rate."""
-
-    def __init__(self, path, threads: int = 4):
-        self.file, self.closed, self.threads = open(path, "wb"), False, threads
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="hidden-sha256")
-        self.futures, self.waited = [], 0  # one digest per chunk, in file order
-        self.pieces, self.fill = [], 0  # the chunk being filled: views of buffers Arrow has written
-        self.checksum = None
-
-    def write(self, data):
-        n = self.file.write(data)
-        view = memoryview(data).cast("B")
-        while view.nbytes:
-            take = min(CHECKSUM_CHUNK - self.fill, view.nbytes)
-            self.pieces.append(view[:take])
-            self.fill, view = self.fill + take, view[take:]
-            if self.fill == CHECKSUM_CHUNK:
-                self._submit()
-        return n
-
-    def _submit(self):
-        self.futures.append(self.pool.submit(_sha256, self.pieces))
-        self.pieces, self.fill = [], 0
-        while len(self.futures) - self.waited > 2 * self.threads:  # bound the buffers held for hashing
-            self.futures[self.waited].result()
-            self.waited += 1
-
-    def tell(self):
-        return self.file.tell()
-
-    def flush(self):
-        self.file.flush()
-
-    def close(self):
-        if self.pieces:
-            self._submit()
-        try:
-            self.checksum = tree_digest([f.result() for f in self.futures])
-        finally:
-            self.pool.shutdown()
-            self.file.close()
-            self.closed = True
-
-
-class ShardWriter:
-    """Appends rows to one Arrow IPC file, a few rows per record batch so memory stays bounded.
-
-    Use it through `open_shard`, which writes a temporary sibling and renames it only on success."""
-
-    def __init__(self, path, meta: ShardMeta, *, max_rows=8, max_bytes=256 << 20):
-        self.torch_dtype = meta.dtype.torch_dtype
-        self.meta, self.width = meta, meta.width
-        self.columns = binary_columns(meta)
-        self.schema = shard_schema(meta)
-        self.sink = _HashingSink(path)
-        self.writer = ipc.new_file(pa.PythonFile(self.sink, mode="w"), self.schema)
-        self.max_rows, self.max_bytes = max_rows, max_bytes
-        self.pending, self.pending_bytes = [], 0
-        self.rows = self.tokens = self.bytes = 0
-        self.checksum = None
-        self.timing = None  # set by write_shard
-
-    def _check(self, sample_id, n: int, mask_len: int, got, want) -> None:
-        if n == 0 or mask_len != n or got != want:
-            raise ValueError(
-                f"row {sample_id!r}: {n} input ids, {mask_len} mask values, (shape, dtype) of {got}; "
-                f"expected a non-empty row with {want}"
-            )
-
-    def _want(self, n: int) -> dict:
-        """(shape, dtype) of each binary column of n tokens."""
-        shapes = {"hidden": (n, self.width), "scale": (n,), "last_hidden": (n, self.meta.hidden_size),
-                  "last_scale": (n,)}
-        return {k: (shapes[k], self.torch_dtype if "hidden" in k else torch.float32) for k in self.columns}
-
-    def _raws(self, sample_id, n: int, mask_len: int, tensors: dict) -> list[np.ndarray]:
-        """The given binary columns' bytes, in schema order, once they are what the shard holds."""
-        got = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items() if t is not None}
-        self._check(sample_id, n, mask_len, got, self._want(n))
-        return [_raw(tensors[k]) for k in self.columns]
-
-    def write(self, sample_id: str, input_ids, loss_mask, hidden: torch.Tensor, scale=None, last_hidden=None,
-              last_scale=None) -> None:
-        """One row; fp8 shards take the quantized hidden with its float32 scale [n] (see quantize_fp8); a
-        shard with `meta.last_hidden` takes the target's last hidden state [n, H] too (fp8: quantized on its
-        own, with its own last_scale [n])."""
-        n = len(input_ids)
-        tensors = {"hidden": hidden, "scale": scale, "last_hidden": last_hidden, "last_scale": last_scale}
-        raws = self._raws(sample_id, n, len(loss_mask), tensors)
-        self.pending.append((str(sample_id), list(input_ids), list(loss_mask), raws))
-        self.pending_bytes += sum(r.size for r in raws)
-        self.rows, self.tokens = self.rows + 1, self.tokens + n
-        if len(self.pending) >= self.max_rows or self.pending_bytes >= self.max_bytes:
-            self.flush()
-
-    def write_rows(self, rows, hidden: torch.Tensor, scale=None, last_hidden=None, last_scale=None) -> None:
-        """Rows (id, input_ids, loss_mask) whose features lie back to back in `hidden` [T, W] (and fp8
-        `scale` [T]; the last hidden state [T, H] and its fp8 scale when the shard holds it), as one record
-        batch that points at the tensors' memory: no copy before the file."""
-        self.flush()
-        lengths = [len(r[1]) for r in rows]
-        total = sum(lengths)
-        for sid, ids, mask in rows:
-            self._check(sid, len(ids), len(mask), None, None)
-        first_last = f"{rows[0][0]}..{rows[-1][0]}"
-        tensors = {"hidden": hidden, "scale": scale, "last_hidden": last_hidden, "last_scale": last_scale}
-        raws = self._raws(first_last, total, total, tensors)
-        ids, input_ids, masks = zip(*((str(a), list(b), list(c)) for a, b, c in rows), strict=True)
-        binaries = [_binary(r, [n * (r.size // total) for n in lengths]) for r in raws]  # bytes per token
-        self._write_batch(ids, input_ids, masks, binaries)
-        self.rows, self.tokens = self.rows + len(rows), self.tokens + total
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        ids, input_ids, masks, raws = zip(*self.pending, strict=True)
-        # each binary column (hidden, scale, ...): one copy into a contiguous buffer
-        binaries = [_binary(np.concatenate(col), [r.size for r in col]) for col in zip(*raws, strict=True)]
-        self._write_batch(ids, input_ids, masks, binaries)
-        self.pending, self.pending_bytes = [], 0
-
-    def _write_batch(self, ids, input_ids, masks, binaries) -> None:
-        columns = [
-            pa.array(ids, pa.string()),
-            pa.array(input_ids, pa.list_(pa.int32())),
-            pa.array(masks, pa.list_(pa.int8())),
-            pa.array([len(x) for x in input_ids], pa.int32()),
-            *binaries,  # hidden (scale, last_hidden, last_scale)
-        ]
-        self.writer.write_batch(pa.record_batch(columns, schema=self.schema))
-
-    def close(self) -> None:
-        self.flush()
-        self.writer.close()
-        self.bytes = self.sink.tell()
-        self.sink.close()  # waits for the hash threads
-        self.checksum = self.sink.checksum
-
-    def abort(self) -> None:
-        with contextlib.suppress(Exception):
-            self.writer.close()
-        self.sink.close()
-
-
-def _raw(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
-
-
-def _binary(data: np.ndarray, sizes: list[int]) -> pa.LargeBinaryArray:
-    """Rows of `sizes` bytes back to back in `data`, as a binary column over data's own memory. Sizes are
-    multiples of the itemsize, so rows stay aligned."""
-    offsets = np.zeros(len(sizes) + 1, np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(data)]
-    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(sizes), buffers)
-
-
-@contextlib.contextmanager
-def open_shard(path, meta: ShardMeta, **writer_kw):
-    """Yield a ShardWriter; the shard appears at `path` only if the block completes without error.
-
-    A killed run leaves its temporary behind (nothing runs after kill -9); the rerun deletes it."""
-    path = Path(path)
-    for stale in path.parent.glob(f".tmp-*-{path.name}"):
-        stale.unlink(missing_ok=True)
-    with atomic_path(path) as tmp:
-        writer = ShardWriter(tmp, meta, **writer_kw)
-        try:
-            yield writer
-            writer.close()
-        except BaseException as error:
-            try:
-                writer.abort()  # release the file so atomic_path can remove the temporary
-            except Exception as second:  # the first error is the cause: raise it, not this one chained on it
-                log(f"hidden shard {path}: while aborting after {error!r}, also: {second!r}")
-            raise
-
-
-def write_manifest(path, writer: ShardWriter, **extra) -> dict:
-    """Manifest of a closed shard: what it holds, its size and checksum (+ `extra`: shard, counts, ...)."""
-    manifest = {
-        "format": FORMAT,
-        **writer.meta.to_dict(),
-        "rows": writer.rows,
-        "tokens": writer.tokens,
-        "bytes": writer.bytes,
-        "sha256_tree": writer.checksum,  # see tree_digest
-        "checksum_chunk_bytes": CHECKSUM_CHUNK,
-        **extra,
-    }
-    write_json(path, manifest)
-    return manifest
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -589,119 +353,3 @@ def require_last_hidden(store, family: str) -> None:
             f"which drafter.family {family} trains on: it was made for a family that does not store it; "
             "rerun the hidden stage (snakemake --forcerun hidden_shard; in stream mode hidden_chunk "
             "hidden_val)")
-
-
-# --------------------------------------------------------------------------------------------- verifying
-
-
-def _sizes(batch, name: str) -> np.ndarray:
-    """Bytes per row of a large_binary column, from its offsets."""
-    col = batch.column(name)
-    return np.diff(np.frombuffer(col.buffers()[1], np.int64)[col.offset : col.offset + len(batch) + 1])
-
-
-def verify_shard(arrow_path, manifest_file=None, max_errors=20) -> dict:
-    """Check a shard against its manifest and itself; every error names the shard (and the row)."""
-    arrow_path = Path(arrow_path)
-    manifest_file = Path(manifest_file) if manifest_file else manifest_path(arrow_path)
-    errors = []
-    result = {"shard": str(arrow_path), "ok": False, "errors": errors}
-
-    def err(msg):
-        errors.append(f"{arrow_path}: {msg}")
-
-    for p in (arrow_path, manifest_file):
-        if not p.exists():
-            err(f"missing file {p}")
-    if errors:
-        return result
-    try:
-        manifest = json.loads(manifest_file.read_text())
-    except ValueError as e:
-        err(f"manifest {manifest_file} is not valid JSON: {e}")
-        return result
-    if not isinstance(manifest, dict):
-        err(f"manifest {manifest_file} holds {type(manifest).__name__}, not a JSON object")
-        return result
-    if manifest.get("format") != FORMAT:
-        err(f"manifest format {manifest.get('format')!r}, expected {FORMAT!r}")
-    size = arrow_path.stat().st_size
-    if size != manifest.get("bytes"):
-        err(f"file has {size} bytes, manifest says {manifest.get('bytes')}")
-    if manifest.get("checksum_chunk_bytes") != CHECKSUM_CHUNK:
-        got = manifest.get("checksum_chunk_bytes")
-        err(f"manifest checksum_chunk_bytes {got}, expected {CHECKSUM_CHUNK}")
-    digest = file_checksum(arrow_path)
-    if digest != manifest.get("sha256_tree"):
-        err(f"checksum (sha256_tree) {digest} does not match the manifest's {manifest.get('sha256_tree')}")
-    try:
-        store = HiddenStore([arrow_path])
-    except (pa.ArrowException, OSError, ValueError, KeyError) as e:
-        err(f"cannot be read as a hidden shard: {e}")
-        return result
-    listed = {**manifest, "last_hidden": manifest.get("last_hidden", False)}  # absent: a shard without it
-    for k, v in store.meta.compared().items():
-        if v != listed.get(k):
-            err(f"schema metadata {k}={v!r} but manifest says {listed.get(k)!r}")
-    if len(store) != manifest.get("rows"):
-        err(f"{len(store)} rows, manifest says {manifest.get('rows')}")
-    if int(store.lengths.sum()) != manifest.get("tokens"):
-        err(f"{int(store.lengths.sum())} tokens, manifest says {manifest.get('tokens')}")
-
-    meta = store.meta
-    fp8, itemsize = meta.dtype.quantized, meta.dtype.itemsize
-    # (values column, its fp8 scale column, values per token)
-    checked = [("hidden", "scale", meta.width)]
-    checked += [("last_hidden", "last_scale", meta.hidden_size)] * meta.last_hidden
-    row, bad_rows = 0, 0
-    for batch in store._batches[0]:
-        ids = batch.column("id")
-        sizes = {name: _sizes(batch, name) for name in binary_columns(meta)}
-        for r in range(len(batch)):
-            n = batch.column("num_tokens")[r].as_py()
-            problems = []
-            lens = (len(batch.column("input_ids")[r]), len(batch.column("loss_mask")[r]))
-            if lens != (n, n):
-                problems.append(f"{lens[0]} input ids and {lens[1]} mask values for num_tokens={n}")
-            for name, scale_name, width in checked:
-                sized = sizes[name][r] == n * width * itemsize
-                if not sized:
-                    problems.append(f"{name} has {sizes[name][r]} bytes, expected {n} x {width * itemsize}")
-                if fp8 and sizes[scale_name][r] != n * 4:
-                    sized = False
-                    problems.append(f"{scale_name} has {sizes[scale_name][r]} bytes, expected {n} x 4")
-                elif fp8 and sized:
-                    scale = store._column(0, batch, r, scale_name, torch.float32)
-                    if not (torch.isfinite(scale) & (scale > 0)).all():
-                        problems.append(f"{scale_name} has values that are not finite and > 0")
-                if sized and not torch.isfinite(store._values(0, batch, r, n, name, scale_name)).all():
-                    problems.append(f"{name} has NaN or Inf values")
-            if problems:
-                bad_rows += 1
-                if bad_rows <= max_errors:
-                    err(f"row {row} (id {ids[r].as_py()!r}): " + "; ".join(problems))
-            row += 1
-    if bad_rows > max_errors:
-        err(f"{bad_rows - max_errors} more bad rows not listed")
-    result["ok"] = not errors
-    return result
-
-
-def move_aside(arrow_path, bad_dir=None) -> list[tuple[str, str]]:
-    """Move a shard and its manifest into `bad_dir` (default: `bad/` next to the shard) as
-    `<name>.<UTC time>.arrow` and `.json`, out of the way of a rebuild but kept for inspection.
-    Returns the (from, to) pairs of the files that existed."""
-    arrow_path = Path(arrow_path)
-    bad_dir = Path(bad_dir) if bad_dir else arrow_path.parent / "bad"
-    bad_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    stem, n = f"{arrow_path.stem}.{stamp}", 1
-    while any((bad_dir / f"{stem}{ext}").exists() for ext in (".arrow", ".json")):  # same second
-        stem, n = f"{arrow_path.stem}.{stamp}-{n}", n + 1
-    moved = []
-    for src in (arrow_path, manifest_path(arrow_path)):
-        if src.exists():
-            dst = bad_dir / f"{stem}{src.suffix}"
-            os.replace(src, dst)
-            moved.append((str(src), str(dst)))
-    return moved

@@ -4,7 +4,7 @@ weighted CE is divided by. One small frozen class per loss, in `OBJECTIVES` by i
 `ce_chunk` inside the chunked LM-head CE, compiled with `train.compile_loss`: an objective holds plain
 ints and floats, so the compiled chunk sees constants).
 
-torch is imported only where a tensor is made, so config.py (and the workflow, which never imports
+torch is imported only where a tensor is made, so config_check.py (and the workflow, which never imports
 torch) reads the names in `OBJECTIVES`.
 """
 

@@ -8,7 +8,7 @@ budget.
 
 The config is read as the workflow reads it (each --configfile on top of the one before, every key left out
 taking the dataclasses' default; config/config.yaml only where no file is given; checked
-against workflow/schemas/config.schema.yaml and config.check); a mistake is one line naming the key.
+against workflow/schemas/config.schema.yaml and config_check.check); a mistake is one line naming the key.
 Token statistics come from what earlier stages left under --results (prompt counts from
 prompts/stats.json, prompt tokens from prompts/train.parquet, answer tokens from regenerated/train/,
 exact totals from the hidden manifests) and otherwise from the assumptions below, printed as such.

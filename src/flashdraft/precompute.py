@@ -24,15 +24,8 @@ import torch
 from .chat import tokenize_conversation
 from .config import DrafterConfig, HiddenConfig, TargetConfig
 from .errors import UserError, disk_full, disk_full_error
-from .hidden import (
-    ShardMeta,
-    ShardWriter,
-    hidden_bytes,
-    manifest_path,
-    open_shard,
-    quantize_fp8,
-    write_manifest,
-)
+from .hidden import ShardMeta, hidden_bytes, manifest_path, quantize_fp8
+from .hidden_write import ShardWriter, open_shard, write_manifest
 from .io import StorageDtype, device, human_bytes, log, progress
 from .shards import shard_of
 from .target import decoder_prefix, feature_layer_ids, layers_needed, load_target, select_features

@@ -16,13 +16,11 @@ from flashdraft.config import (  # noqa: E402
     STREAM_RING,
     WARMUP_TRAIN_KEYS,
     Config,
-    check,
-    check_fp8_gpus,
-    check_schema,
     from_dict,
     needs_last_hidden,
     run_config_digest,
 )
+from flashdraft.config_check import check, check_fp8_gpus, check_schema  # noqa: E402
 from flashdraft.errors import UserError  # noqa: E402
 from flashdraft.gpu import gpu_capabilities, visible_gpus  # noqa: E402
 from flashdraft.io import file_digests  # noqa: E402
