@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from flashdraft.chat import prompt_ids
 from flashdraft.config import DrafterConfig, DSparkConfig, ToyConfig
+from flashdraft.drafter_io import export_drafter, load_drafter
 from flashdraft.dspark import (
     FAMILY,
     DSparkDrafter,
@@ -34,7 +35,7 @@ from flashdraft.dspark import (
 from flashdraft.errors import UserError
 from flashdraft.families import family, family_of_export
 from flashdraft.loss import sample_anchors, train_forward
-from flashdraft.model import DFlashDrafter, DrafterSpec, export_drafter, load_drafter
+from flashdraft.model import DFlashDrafter, DrafterSpec
 from flashdraft.speculative import make_session, speculative_decode, target_decode
 from flashdraft.target import eos_ids, load_target, select_features
 from flashdraft.toy import build_toy_target, task_conversations

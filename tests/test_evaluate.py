@@ -406,7 +406,7 @@ def test_mismatched_drafter_is_refused_by_name(toy):
 
 
 def test_evaluate_cli_writes_outputs(toy, tmp_path):
-    from flashdraft.model import export_drafter
+    from flashdraft.drafter_io import export_drafter
 
     path, model, tokenizer, prompts, _ = toy
     drafter, spec = untrained(model, tokenizer, seed=1)
@@ -468,7 +468,7 @@ def script(name):
 def test_merged_shards_equal_one_job(toy, tmp_path, temperature):
     """scripts/evaluate.py over the whole set against 3 shard jobs of it joined by scripts/evaluate_merge.py,
     as the evaluate and evaluate_merge rules run them."""
-    from flashdraft.model import export_drafter
+    from flashdraft.drafter_io import export_drafter
 
     path, model, tokenizer, _, _ = toy
     drafter, spec = untrained(model, tokenizer, seed=1)

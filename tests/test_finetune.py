@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft.config import DrafterConfig, load_config
 from flashdraft.config_check import check
+from flashdraft.drafter_io import export_drafter, init_weights
 from flashdraft.errors import UserError
-from flashdraft.model import DFlashDrafter, export_drafter, init_weights
+from flashdraft.model import DFlashDrafter
 from flashdraft.train_step import load_spec
 
 REPO = Path(__file__).resolve().parents[1]

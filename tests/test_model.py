@@ -11,6 +11,7 @@ from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.config import DrafterConfig, TrainConfig
+from flashdraft.drafter_io import export_drafter, load_drafter
 from flashdraft.loss import (
     LinearCrossEntropy,
     block_inputs,
@@ -22,15 +23,7 @@ from flashdraft.loss import (
     summarize,
     train_forward,
 )
-from flashdraft.model import (
-    DFlashDrafter,
-    DraftCache,
-    DrafterSpec,
-    dense_mask,
-    dflash_mask_mod,
-    export_drafter,
-    load_drafter,
-)
+from flashdraft.model import DFlashDrafter, DraftCache, DrafterSpec, dense_mask, dflash_mask_mod
 from flashdraft.objectives import OBJECTIVES, Decay, DPace, dpace_weights, objective_for
 from flashdraft.target import load_target_head
 

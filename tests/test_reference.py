@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from flashdraft.config import DrafterConfig, ToyConfig, target_layer_ids
+from flashdraft.drafter_io import export_drafter
 from flashdraft.evaluate import prompt_ids
 from flashdraft.loss import dflash_loss, sample_anchors
-from flashdraft.model import DFlashDrafter, DraftCache, DrafterSpec, export_drafter
+from flashdraft.model import DFlashDrafter, DraftCache, DrafterSpec
 from flashdraft.objectives import Decay
 from flashdraft.speculative import DFlashProposer, make_session, speculative_decode, target_decode
 from flashdraft.target import eos_ids, load_target, select_features

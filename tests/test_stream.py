@@ -372,7 +372,8 @@ def _init_drafter(work):
     """The toy target, then a new drafter for it (seed 1, not the runs' train.seed) exported into init/."""
     import torch
 
-    from flashdraft.model import DFlashDrafter, export_drafter
+    from flashdraft.drafter_io import export_drafter
+    from flashdraft.model import DFlashDrafter
     from flashdraft.train_step import load_spec
 
     without = {k: v for k, v in STREAM_SMALL.items() if k != "drafter.init_from"}
@@ -611,8 +612,8 @@ def test_a_changed_export_key_exports_again_without_a_chunk_job_or_a_lost_checkp
 def test_a_dspark_drafter_trains_in_stream_mode(store_run, tmp_path):
     """drafter.family dspark in stream mode: every chunk and the validation shard carry the target's last
     hidden state, the chunks train one run to a DSpark export, and the chunks' hidden states are gone."""
+    from flashdraft.drafter_io import load_drafter
     from flashdraft.hidden import HiddenStore
-    from flashdraft.model import load_drafter
 
     work = _fresh_copy(store_run, tmp_path / "run")
     dspark = {k: v for k, v in STREAM_SMALL.items() if k != "drafter.init_from"}

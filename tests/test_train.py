@@ -42,9 +42,9 @@ from flashdraft.checkpoint import (
 from flashdraft.compile_cache import set_compile_workers, warmup
 from flashdraft.config import DrafterConfig, TrainConfig, run_config, to_json
 from flashdraft.distributed import Dist, parallel_mode
+from flashdraft.drafter_io import load_drafter
 from flashdraft.hidden import HiddenStore, manifest_path
 from flashdraft.launch import torchrun_argv
-from flashdraft.model import load_drafter
 from flashdraft.train_setup import lr_factor
 from flashdraft.train_step import load_spec
 

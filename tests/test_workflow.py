@@ -480,8 +480,8 @@ def test_a_dspark_drafter_runs_the_whole_dag_on_the_answers_already_there(small_
     """drafter.family dspark on a finished DFlash run: the hidden states again (now holding the target's
     last hidden state), then the warmup, training, a DSpark export and a lossless evaluation; the prompts
     and the regenerated answers are kept."""
+    from flashdraft.drafter_io import load_drafter
     from flashdraft.hidden import HiddenStore
-    from flashdraft.model import load_drafter
 
     work = tmp_path / "dspark"
     shutil.copytree(small_run[0], work, symlinks=True)

@@ -3,9 +3,10 @@ objectives.py objective of train.loss) and speculative.py's DFlashProposer."""
 
 from __future__ import annotations
 
+from .drafter_io import init_weights
 from .families import Family
 from .loss import block_labels, dflash_loss, stats_size, summarize
-from .model import DFlashDrafter, DrafterSpec, init_weights
+from .model import DFlashDrafter, DrafterSpec
 
 
 def loss(step, t: dict, anchors, valid, normalizer=None):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import model as backbone
+from . import drafter_io
 from .config import DrafterConfig, DSparkConfig
 from .families import Family
 from .loss import simulated_tau, train_forward
@@ -85,7 +85,7 @@ class DSparkSpec(DrafterSpec):
 
 # what an init_from checkpoint must share beyond the backbone's fields (a confidence head present in one
 # and not the other shows as missing or extra tensors)
-INIT_KEYS = {**backbone.INIT_KEYS, "markov_rank": "drafter.dspark.markov_rank",
+INIT_KEYS = {**drafter_io.INIT_KEYS, "markov_rank": "drafter.dspark.markov_rank",
              "confidence_with_markov": "drafter.dspark.confidence_with_markov"}
 
 
@@ -408,9 +408,9 @@ def metric_names(block_size: int) -> list[str]:
 
 
 def init_weights(path, spec: DSparkSpec) -> dict[str, torch.Tensor]:
-    """drafter.init_from for a DSpark drafter: model.init_weights with DSpark's config and keys; a DeepSpec
-    checkpoint's embed_tokens.weight and lm_head.weight (the target's) are ignored."""
-    return backbone.init_weights(path, spec, DSparkDrafter, INIT_KEYS)
+    """drafter.init_from for a DSpark drafter: drafter_io.init_weights with DSpark's config and keys; a
+    DeepSpec checkpoint's embed_tokens.weight and lm_head.weight (the target's) are ignored."""
+    return drafter_io.init_weights(path, spec, DSparkDrafter, INIT_KEYS)
 
 
 FAMILY = Family(

@@ -214,8 +214,8 @@ def run_rows(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, s
              num_shards=1) -> tuple[list[dict], int]:
     """Trained drafter, untrained drafter and n-gram lookup against target-only on one shard of the
     prompts: its rows and the block size."""
+    from .drafter_io import load_drafter
     from .families import family
-    from .model import load_drafter
     from .target import load_target
 
     indices, prompts = shard_prompts(prompts_path, cfg.num_prompts, shard, num_shards)

@@ -15,10 +15,11 @@ import torch
 
 from .checkpoint import checkpoint_dirs, checkpoint_step, read_checkpoint, read_state
 from .distributed import Dist, barrier, log, setup_dist, teardown_dist
+from .drafter_io import export_drafter
 from .errors import UserError
 from .io import write_json
 from .metrics import metric_fields, write_metrics
-from .model import DrafterSpec, export_drafter
+from .model import DrafterSpec
 from .train_data import run_dir
 from .train_step import load_spec, resolve
 from .validate import Best, export_choice

@@ -36,7 +36,7 @@ class Family:
     metric_names: Callable  # block_size -> the metrics summarize gives (the CSV's columns)
     stats_size: Callable  # block_size -> the length of one stats vector
     proposer: Callable  # (drafter, embed, head, cached=True) -> the evaluation's speculative.Proposer
-    init_weights: Callable  # (drafter.init_from, spec) -> the fp32 weights to start from (model.init_weights)
+    init_weights: Callable  # (drafter.init_from, spec) -> the fp32 weights to start from (drafter_io)
     # (train_cfg, drafter_cfg, spec) -> what the loss reads besides train.loss's objective (Step.options)
     loss_options: Callable = lambda train_cfg, drafter_cfg, spec: None
 

@@ -1,5 +1,5 @@
-"""The DFlash drafter: K Qwen3-style layers that denoise a block of B tokens from target features, its
-spec, and its export.
+"""The DFlash drafter: K Qwen3-style layers that denoise a block of B tokens from target features, and
+its spec (its export directory: drafter_io.py).
 
 The context is a sequence of S tokens with the target's features `[S, K*H]` (outputs of K target
 decoder layers). A block `[token[p], MASK x (B-1)]` sits at positions p..p+B-1 after its anchor p. Every
@@ -14,21 +14,16 @@ Parameter names are the DFlash export keys, so the state dict is the export.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from .config import DrafterConfig, init_files
-from .errors import UserError
+from .config import DrafterConfig
 from .hf_config import kv_dims
-from .io import atomic_path
 from .target import feature_layer_ids, mask_token_id, num_layers
 
 
@@ -466,86 +461,3 @@ def dense_mask(anchors, valid, ctx_len: int, block_size: int, window: int | None
     keep = valid[bi, blk]  # [b, Q, 1]
     mask = mask | (~keep & own)
     return mask[:, None], keep[:, None]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# export and load
-
-
-def export_drafter(drafter: DFlashDrafter, spec: DrafterSpec, out_dir, dtype: torch.dtype | None = None,
-                   state: dict | None = None):
-    """config.json + model.safetensors in the DFlash format, written as one directory atomically.
-    state: the drafter's full state dict, where the module holds only shards of it (FSDP)."""
-    state = drafter.state_dict() if state is None else state
-    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
-    bad = [k for k in state if "embed_tokens" in k or "lm_head" in k]
-    assert not bad, f"the drafter must not carry the target's embedding or head: {bad}"
-    saved = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    with atomic_path(out_dir) as tmp:
-        tmp.mkdir(parents=True)
-        (tmp / "config.json").write_text(json.dumps(spec.to_config_dict(saved), indent=2) + "\n")
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-
-
-# what a drafter to start from must share with the one being trained: its field, and the key that sets it
-# here (None: the target's config.json sets it, so only a drafter of another target differs)
-INIT_KEYS = {"block_size": "drafter.block_size", "num_layers": "drafter.num_layers",
-             "target_layer_ids": "drafter.target_layer_ids", "mask_token_id": "drafter.mask_token_id",
-             "sliding_window": "drafter.sliding_window", "hidden_size": None, "intermediate_size": None,
-             "num_heads": None, "num_kv_heads": None, "head_dim": None, "vocab_size": None}
-
-
-def init_weights(path, spec: DrafterSpec, cls: type[DFlashDrafter] = DFlashDrafter,
-                 keys: dict[str, str | None] = INIT_KEYS) -> dict[str, torch.Tensor]:
-    """drafter.init_from: the fp32 weights of the export at `path` for a drafter of `spec`, or a UserError
-    naming what differs (a key and both values) or what is missing. `cls`: the family's drafter class (its
-    spec class reads the config; its foreign keys are dropped), `keys`: the fields that must agree."""
-    path, key = Path(path), "config key drafter.init_from"
-    files = init_files(path)
-    family = cls.__name__.removesuffix("Drafter")
-    try:
-        theirs = cls.spec_class.from_config_dict(json.loads(files[0].read_text()))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"{key}: {files[0]} is not a {family} drafter's config ({type(e).__name__}: {e})") \
-            from e
-    for field, setting in keys.items():
-        mine, other = getattr(spec, field), getattr(theirs, field)
-        if mine != other:
-            fix = (f"set {setting}: {other}" if setting else
-                   f"use a drafter of this target (its {field} is {mine})")
-            raise UserError(f"{key}: {path} has {field} {other}, this drafter {mine}; {fix}, or start from "
-                            "another drafter")
-    try:
-        state = load_file(files[1])
-    except Exception as e:  # safetensors raises its own error types for a corrupt file
-        raise UserError(f"{key}: {files[1]} cannot be read ({type(e).__name__}: {e})") from e
-    state = {k: v for k, v in state.items() if k not in cls.foreign_keys}
-    want = {k: v.shape for k, v in meta_drafter(spec, cls).state_dict().items()}
-    missing, extra = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
-    wrong = [f"{k} {tuple(state[k].shape)} (want {tuple(want[k])})"
-             for k in sorted(want.keys() & state.keys()) if state[k].shape != want[k]]
-    for what, names in (("lacks", missing), ("has tensors this drafter has not", extra), ("has", wrong)):
-        if names:
-            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-            raise UserError(f"{key}: {files[1]} {what}: {', '.join(names[:3])}{more}")
-    state = {k: v.float() for k, v in state.items()}
-    if bad := [k for k, v in sorted(state.items()) if not v.isfinite().all()]:
-        raise UserError(f"{key}: {files[1]} holds NaN or infinite values in {', '.join(bad[:3])}"
-                        f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}; start from another drafter")
-    return state
-
-
-def load_drafter(path, device="cpu") -> tuple[DFlashDrafter, DrafterSpec]:
-    """The drafter of an export directory (of the family its config.json names), in the dtype it was
-    saved in."""
-    from .families import family_of_export
-
-    path = Path(path)
-    config = json.loads((path / "config.json").read_text())
-    kind = family_of_export(config)
-    spec = kind.spec.from_config_dict(config)
-    state = load_file(path / "model.safetensors", device=str(device))
-    state = {k: v for k, v in state.items() if k not in kind.drafter.foreign_keys}
-    drafter = kind.drafter(spec).to(device=device, dtype=next(iter(state.values())).dtype)
-    drafter.load_state_dict(state, strict=True)
-    return drafter, spec

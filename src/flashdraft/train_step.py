@@ -87,7 +87,7 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
                init: dict | None = None, head: Future | None = None,
                drafter_cfg: DrafterConfig | None = None) -> Step:
     """A seeded fp32 drafter on `device` (compiled in place when cfg.compile) and the target's frozen head;
-    `init`: weights to start from (model.init_weights of drafter.init_from); `head`: frozen_head's, read
+    `init`: weights to start from (drafter_io.init_weights of drafter.init_from); `head`: frozen_head's, read
     in the background while the drafter is built (None: read here)."""
     torch.manual_seed(cfg.seed)
     kind = family(spec.family)
