@@ -419,20 +419,23 @@ def test_training_raises_acceptance(toy):
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["sim_tau"] > rows[0]["sim_tau"] + 1
 
 
-def test_speculative_decoding_is_lossless_and_cached_equals_uncached(toy):
+def test_speculative_decoding_is_lossless_and_cached_equals_uncached_and_static(toy):
     model, tokenizer, spec, d, prompts, _ = toy
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     eos = set(eos_ids(model, tokenizer))
     plain = make_session(model, "auto", 256, (), B + 1)
     featured = make_session(model, "auto", 256, spec.target_layer_ids, B + 1)
+    fixed = DSparkProposer(d, embed, head).static(256)  # the drafter's context in a session.DraftSession
+    assert fixed.session is not None and fixed.session.hidden_states
     steps = []
     for p in prompts:
         for max_new in (40, 37):
             want = target_decode(plain, p, max_new, eos).tokens
             cached = speculative_decode(featured, DSparkProposer(d, embed, head), p, max_new, eos)
             full = speculative_decode(featured, DSparkProposer(d, embed, head, cached=False), p, max_new, eos)
-            assert cached.tokens == full.tokens == want
-            assert cached.emitted == full.emitted
+            static = speculative_decode(featured, fixed, p, max_new, eos)  # one static cache, reset each
+            assert cached.tokens == full.tokens == static.tokens == want
+            assert cached.emitted == full.emitted == static.emitted
             steps += zip(cached.emitted, cached.accepted, strict=True)
     # B drafts per step: whole blocks (B drafts + the bonus), rejections and partial runs all happened
     assert any(e == B + 1 for e, _ in steps) and any(a == 0 for _, a in steps)

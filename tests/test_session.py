@@ -70,7 +70,8 @@ def test_a_block_past_the_cache_or_the_block_size_is_refused(model):
 def test_draft_session_drafts_as_the_drafter_over_its_context_cache(model, device, compiled, window):
     """Blocks of every size (short ones padded), context extends longer than a block (in pieces) and
     shorter (padded), past a KV block boundary, with and without a sliding window: the logits
-    `predict_block_cached` gives."""
+    `predict_block_cached` gives, and with `hidden_states` the block's hidden states
+    (`block_hidden_cached`)."""
     from flashdraft.config import DrafterConfig
     from flashdraft.model import DFlashDrafter, DraftCache, DrafterSpec
     from flashdraft.session import DraftSession
@@ -83,16 +84,23 @@ def test_draft_session_drafts_as_the_drafter_over_its_context_cache(model, devic
     model = model.to(device)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     ours = DraftSession(drafter, embed, head, 2 * KV_BLOCK, compiled=compiled, graphs=device == "cuda")
+    # the block's hidden states at every position, as a family that picks its own drafts reads them
+    states = DraftSession(drafter, embed, head, 2 * KV_BLOCK, compiled=compiled, graphs=device == "cuda",
+                          hidden_states=True)
     g = torch.Generator().manual_seed(2)
     width = spec.num_features * spec.hidden_size
     for context in (KV_BLOCK - 4, 3):  # two sequences in one session
         ours.reset()
+        states.reset()
         cache, n_new = DraftCache(), context
         for size in (B, 1, 3, B, 2, B):
             feats = torch.randn(1, n_new, width, generator=g).to(device)
             last = int(torch.randint(0, 90, (), generator=g))
-            want = drafter.predict_block_cached(feats, last, embed, head, cache, cache.length + n_new, size)
+            with torch.no_grad():
+                hidden = drafter.block_hidden_cached(feats, last, embed, cache, cache.length + n_new, size)
             ours.extend(feats)
-            assert ours.length == cache.length
-            torch.testing.assert_close(ours.draft(last, size), want, atol=1e-4, rtol=1e-4)
+            states.extend(feats)
+            assert ours.length == states.length == cache.length
+            torch.testing.assert_close(ours.draft(last, size), hidden[1:] @ head.T, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(states.draft(last, size), hidden, atol=1e-4, rtol=1e-4)
             n_new = size  # the next step's context grows by what a verify may accept: up to the block

@@ -327,10 +327,11 @@ def dspark_summarize(stats, block_size: int) -> dict:
 class DSparkProposer(Proposer):
     """A DSpark drafter: one parallel block over the target features of the verified context, then its
     slots picked left to right with the Markov bias (`DSparkDrafter.pick_block`); min(B, max_draft) drafts.
-    The context's keys/values live in a `DraftCache` (`cached=False`: recomputed every step, the
-    reference). `confidence_threshold` > 0: the proposal stops before the first slot whose confidence
-    (sigmoid) is below it, as DeepSpec's evaluator can (default off). No static (CUDA-graph) variant yet:
-    `static()` keeps this one."""
+    The context's keys/values live in a `DraftCache`, or after `static(max_len)` in a
+    `session.DraftSession` (static cache, CUDA-graph steps; the picks run after its step);
+    `cached=False` recomputes them every step (the reference). `confidence_threshold` > 0: the proposal
+    stops before the first slot whose confidence (sigmoid) is below it, as DeepSpec's evaluator can
+    (default off)."""
 
     uses_features = True
 
@@ -338,14 +339,30 @@ class DSparkProposer(Proposer):
                  confidence_threshold: float = 0.0):
         self.drafter, self.embed, self.head, self.cached = drafter, embed_weight, lm_head_weight, cached
         self.block_size, self.threshold = drafter.spec.block_size, confidence_threshold
+        self.session = None
         self.reset()
+
+    def static(self, max_len: int) -> DSparkProposer:
+        """Draft over a static cache of `max_len` context positions (a cached proposer only)."""
+        if self.cached:
+            from .session import DraftSession
+
+            self.session = DraftSession(self.drafter, self.embed, self.head, max_len, hidden_states=True)
+            self.reset()
+        return self
 
     def reset(self):
         self.cache, self.features = DraftCache(), None
+        if self.session is not None:
+            self.session.reset()
 
     def propose(self, tokens, new_features, max_draft, temperature, generator):
         size = min(self.block_size, max(max_draft, 1))  # the block always runs: it takes in the new features
-        if self.cached:
+        if self.session is not None:
+            self.session.extend(new_features)
+            assert self.session.length == len(tokens) - 1, "the drafter's context is the verified tokens"
+            h = self.session.draft(tokens[-1], size)
+        elif self.cached:
             h = self.drafter.block_hidden_cached(new_features, tokens[-1], self.embed, self.cache,
                                                  len(tokens) - 1, size)
         else:

@@ -133,13 +133,15 @@ class DraftSession:
     block, over the whole context (or its window). Both run on `block`-row steps: a block shorter than
     `block` is padded (its pad keys masked), an extend longer than `block` goes in `block`-row pieces,
     a shorter one is padded (its pad rows land past the context, where the next draft writes its own
-    block first). On CUDA both steps are compiled and captured as CUDA graphs."""
+    block first). On CUDA both steps are compiled and captured as CUDA graphs. `hidden_states`: `draft`
+    gives the block's hidden states (after the final norm) instead of logits, for a family that picks its
+    drafts from them itself (DSpark: the anchor's slot predicts too, and each pick biases the next)."""
 
     def __init__(self, drafter, embed_weight, lm_head_weight, max_len: int, compiled: bool | None = None,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, hidden_states: bool = False):
         spec, dev = drafter.spec, drafter.fc.weight.device
         self.drafter, self.spec, self.block = drafter, spec, spec.block_size
-        self.embed, self.head = embed_weight, lm_head_weight
+        self.embed, self.head, self.hidden_states = embed_weight, lm_head_weight, hidden_states
         self.compiled = dev.type == "cuda" if compiled is None else compiled
         self.max_len = round_len(max_len + 2 * self.block)
         self.layers = Layers(drafter.layers, eps=spec.rms_norm_eps, heads=spec.num_heads,
@@ -181,15 +183,15 @@ class DraftSession:
             vc.index_copy_(2, positions, v)
 
     def _draft_step(self):
-        """ids (the block) at positions len_t..: the block's logits at positions 1..block-1. Its keys and
-        values go right after the context (never committed)."""
+        """ids (the block) at positions len_t..: the block's logits at positions 1..block-1 (or its hidden
+        states at every position). Its keys and values go right after the context (never committed)."""
         positions, cos, sin = self._rope(self.block)
         write, attend = self.layers.over_sequence(self.k, self.v, positions, self._mask_mod, self.arange,
                                                   mask_all=True)
         x = F.embedding(self.ids, self.embed).to(self.feats.dtype)
         h, _ = self.layers.run(x, cos[0, :, None, None], sin[0, :, None, None], write, attend)
         out = self.drafter.norm(h)
-        return out[1:] @ self.head.to(out.dtype).T
+        return out if self.hidden_states else out[1:] @ self.head.to(out.dtype).T
 
     @torch.inference_mode()
     def prepare(self):
@@ -218,11 +220,12 @@ class DraftSession:
 
     @torch.inference_mode()
     def draft(self, last_token: int, size: int):
-        """Logits [size-1, V] of the block [last_token, MASK x (size-1)] after the context."""
+        """Logits [size-1, V] of the block [last_token, MASK x (size-1)] after the context (hidden_states:
+        its hidden states [size, H])."""
         if not 1 <= size <= self.block:
             raise ValueError(f"a block of {size}: the drafter's blocks hold 1..{self.block} tokens")
         self.prepare()
         self.ids[0] = int(last_token)
         self.len_t.fill_(self.length)
         self.size_t.fill_(size)
-        return self.graphs.run("draft", self._draft_step)[: size - 1].clone()
+        return self.graphs.run("draft", self._draft_step)[: size - (not self.hidden_states)].clone()
