@@ -123,9 +123,6 @@ def setup(d: Dist, job: TrainJob, run: Path) -> tuple[Run, dict]:
     # while Dynamo is imported, the compile cache loads and the drafter is built
     params = sum(p.numel() for p in meta_drafter(spec).parameters())  # for the parallel mode
     mode = parallel_mode(cfg.parallel, params, d.world, gpu_bytes(d.device))
-    if mode == "fsdp" and spec.family != "dflash":  # its loss reads whole head weights, not FSDP's shards
-        raise UserError(f"drafter.family {spec.family} trains with train.parallel ddp (or one process), not "
-                        f"fsdp ({cfg.parallel}); set train.parallel: ddp")
     sharded = mode == "fsdp"
     reading = start_reading(latest, d.device if d.device.type == "cuda" and not sharded else None)
     amp = resolve(cfg, d.device).amp_dtype
