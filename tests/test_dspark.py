@@ -383,7 +383,7 @@ def toy(tmp_path_factory):
     for a few steps (enough for acceptance from none to a whole block)."""
     root = tmp_path_factory.mktemp("dspark")
     build_toy_target(ToyConfig(steps=0, num_docs=200), str(root / "target"))
-    model, tokenizer = load_target(str(root / "target"), "float32")
+    model, tokenizer = load_target(str(root / "target"), "float32", torch.device("cpu"))  # fitted on the CPU
     spec = DSparkSpec.from_target(model.config, tokenizer, DrafterConfig(num_layers=2, block_size=B,
                                                                          dspark=DSparkConfig(markov_rank=16)))
     prompts = [prompt_ids(tokenizer, c) for c in task_conversations(4, seed=11)]
@@ -444,6 +444,29 @@ def test_speculative_decoding_is_lossless_and_cached_equals_uncached_and_static(
     silent = DSparkProposer(d, embed, head, confidence_threshold=1.0)
     out = speculative_decode(featured, silent, prompts[0], 20, eos)
     assert out.tokens == target_decode(plain, prompts[0], 20, eos).tokens and set(out.emitted) == {1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_drafting_is_lossless_and_drafts_as_the_cached_drafter(toy):
+    """On CUDA, the static engine: the target's session and the drafter's block step compiled and captured
+    as CUDA graphs (float32) decode what target-only decoding does, with the cached drafter's drafts."""
+    import copy
+
+    model, tokenizer, spec, d, prompts, _ = toy
+    model, d = copy.deepcopy(model).cuda(), copy.deepcopy(d).cuda()
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    eos = set(eos_ids(model, tokenizer))
+    plain = make_session(model, "static", 256, (), B + 1)
+    featured = make_session(model, "static", 256, spec.target_layer_ids, B + 1)
+    fixed = DSparkProposer(d, embed, head).static(256)
+    assert fixed.session.graphs.on
+    for p in prompts:
+        want = target_decode(plain, p, 40, eos).tokens
+        static = speculative_decode(featured, fixed, p, 40, eos)
+        cached = speculative_decode(featured, DSparkProposer(d, embed, head), p, 40, eos)
+        assert static.tokens == cached.tokens == want
+        assert static.emitted == cached.emitted
 
 
 def test_sampling_proposals_carry_their_distributions(toy):
