@@ -1,6 +1,6 @@
 """Where one training step's time goes: torch.profiler over the real step, kernel time by kind.
 
-One process, no torchrun: the run is built by `train.setup` as scripts/train.py builds it (compiled
+One process, no torchrun: the run is built by `train_setup.setup` as scripts/train.py builds it (compiled
 drafter, the target's frozen head, fused AdamW on CUDA, the schedule) on train_drafter.py's preset target
 and random hidden-state shard (made in --work, reused), and fed by the same path as train.py's loop:
 `epoch_batches`, `rank_share`, `step_batches` (DataLoader workers on CUDA), per-sample anchor seeds, the
@@ -117,7 +117,7 @@ def kind_of(name: str, cat: str, cuda: bool) -> str:
 
 
 def build(preset: dict, work: Path, steps: int, changes: dict):
-    """train.setup's run on the preset's target and shard (listed often enough for every step of one
+    """train_setup.setup's run on the preset's target and shard (listed often enough for every step of one
     epoch) and its metrics logger; `changes`: train config overrides (--set)."""
     setup(preset, work)
     cfg = from_dict(TrainConfig, train_config(preset, steps, preset["log_every"]) | changes, "train")
@@ -139,7 +139,7 @@ class Loop:
 
     def __init__(self, run, metrics: MetricsLogger):
         self.run, self.metrics = run, metrics
-        self.batches, self.it = run.ahead  # the first epoch, its loader started by train.setup
+        self.batches, self.it = run.ahead  # the first epoch, its loader started by train_setup.setup
         self.step, self.seen = 0, set()
         self.data_wait, self.tokens = 0.0, 0
 
