@@ -1,4 +1,5 @@
-"""Write the self-contained HTML report from the evaluation, training metrics, prompt stats and benchmarks."""
+"""Write the self-contained HTML report: the run and how to serve its drafter, the evaluation, training
+metrics, prompt stats and benchmarks."""
 
 import argparse
 
@@ -17,9 +18,12 @@ def main(argv=None):
     p.add_argument("--plots-dir", default=None, help="also write each plot as <id>.png here")
     p.add_argument("--hidden-dir", default=None, help="hidden-state shard manifests (for tokens/s)")
     p.add_argument("--regenerated", nargs="*", default=None, help="regenerated shards (answers/s)")
+    p.add_argument("--target", default=None, help="the target's HF directory (the serve commands)")
+    p.add_argument("--drafter", default=None, help="the drafter's export directory")
+    p.add_argument("--checkpoints", default=None, help="the runs' checkpoint directories")
     a = p.parse_args(argv)
     build_report(a.out, a.eval_dir, a.metrics, a.prompt_stats, a.benchmarks_dir, a.plots_dir, a.hidden_dir,
-                 a.regenerated)
+                 a.regenerated, a.target, a.drafter, a.checkpoints)
     print(f"report: {a.out}")
 
 

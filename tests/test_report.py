@@ -1,6 +1,8 @@
 import base64
+import html
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +11,7 @@ import pandas as pd
 from conftest import headless_dom
 
 from flashdraft.evaluate import NO_MISMATCH, decoded_row, read_rows, write_outputs, write_rows
-from flashdraft.report import build_report
+from flashdraft.report import build_report, serve_commands
 from flashdraft.speculative import Decoded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,11 +112,18 @@ def write_inputs(root: Path) -> dict:
     header = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
     for name, s in [("prompts", 1.5), ("train", 421.75), ("hidden_shard/0", 12.0), ("hidden_shard/1", 13.0)]:
         (bench / f"{name}.tsv").write_text(header + f"{s}\t0:00:01\t812.5\t900\t700\t710\t1\t2\t50\t{s}\n")
+    (root / "export.json").write_text(json.dumps({  # what training writes beside its metrics
+        "export": "last", "last_step": 40, "best_step": None, "best_val_sim_tau": None, "step": 40,
+        "why": "train.export: last", "run": "abc123", "commit": "1a2b3c4", "dirty": False}))
+    drafter = root / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "block_size": B}))
     return dict(
         eval_dir=eval_dir,
         metrics_csv=root / "metrics.csv",
         prompt_stats=root / "stats.json",
         benchmarks_dir=bench,
+        drafter_dir=drafter,
     )
 
 
@@ -144,12 +153,29 @@ def test_report_has_plots_tables_and_numbers(tmp_path):
             str(inputs["benchmarks_dir"]),
             "--plots-dir",
             str(tmp_path / "plots"),
+            "--target",
+            str(tmp_path / "my target"),
+            "--drafter",
+            str(inputs["drafter_dir"]),
+            "--checkpoints",
+            str(tmp_path / "checkpoints"),
         ],
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
     doc = out.read_text()
+    # what, where, next: the export, its run, and the commands that serve it (paths quoted for a shell)
+    drafter, target = inputs["drafter_dir"].resolve(), (tmp_path / "my target").resolve()
+    assert f"<td>drafter (the export)</td><td>{drafter}</td>" in doc
+    run = tmp_path.resolve() / "checkpoints" / "abc123"
+    assert f"<td>checkpoints and run.json (its config)</td><td>{run}</td>" in doc
+    assert "<td>exported step</td><td>40 of 40 (last)</td>" in doc
+    assert "<td>trained by commit</td><td>1a2b3c4</td>" in doc
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": B - 1}
+    vllm = shlex.join(["vllm", "serve", str(target), "--speculative-config", json.dumps(spec)])
+    assert html.escape(vllm) in doc
+    assert html.escape(f"--speculative-algorithm DFLASH --speculative-draft-model-path {drafter}") in doc
     imgs = images(doc)
     assert set(imgs) == {"acceptance", "tau-hist", "train-loss", "train-acc", "stage-time"}
     for name, data in imgs.items():
@@ -181,6 +207,15 @@ def test_report_has_plots_tables_and_numbers(tmp_path):
     assert "<td>40</td><td>0</td><td>1.25</td><td>0.65</td><td>2.60</td>" in doc
 
 
+def test_serve_commands_follow_the_family():
+    """DFlash's anchor slot drafts nothing (B - 1 drafts per block), DSpark's does (B); each engine's name."""
+    dflash = serve_commands("/t", "/d", {"architectures": ["DFlashDraftModel"], "block_size": 8})
+    dspark = serve_commands("/t", "/d", {"architectures": ["Qwen3DSparkModel"], "block_size": 7})
+    assert '"method": "dflash", "model": "/d", "num_speculative_tokens": 7' in dflash["vLLM"]
+    assert '"method": "dspark", "model": "/d", "num_speculative_tokens": 7' in dspark["vLLM"]
+    assert "--speculative-algorithm DSPARK" in dspark["SGLang"]
+
+
 def test_report_notes_missing_inputs(tmp_path):
     inputs = write_inputs(tmp_path)
     (tmp_path / "metrics.csv").unlink()
@@ -201,11 +236,11 @@ def test_report_notes_missing_inputs(tmp_path):
 def test_report_renders_in_headless_chromium(tmp_path):
     inputs = write_inputs(tmp_path)
     out = tmp_path / "report.html"
-    build_report(out, **inputs)
+    build_report(out, **inputs, target=tmp_path / "target")
     # After the page loads, record each image's decoded width: 0 means the browser could not draw it.
     mark_widths = "for (const i of document.images) i.setAttribute('data-w', i.naturalWidth)"
     dom = headless_dom(out, tmp_path, mark_widths)
     widths = dict(re.findall(r'<img id="([\w-]+)" alt="[^"]+" src="[^"]+" data-w="(\d+)"', dom))
     assert set(widths) == {"acceptance", "tau-hist", "train-loss", "train-acc", "stage-time"}
     assert all(int(w) > 100 for w in widths.values()), widths
-    assert "DFlash drafter report" in dom
+    assert "Drafter report" in dom

@@ -34,7 +34,7 @@ def metric_names(block_size: int) -> list[str]:
 
 
 FAMILY = Family(
-    name="dflash", architecture="DFlashDraftModel", spec=DrafterSpec, drafter=DFlashDrafter, loss=loss,
+    name="dflash", spec=DrafterSpec, drafter=DFlashDrafter, loss=loss,
     normalizer=normalizer, summarize=summarize, metric_names=metric_names, stats_size=stats_size,
     proposer=proposer, init_weights=init_weights,
 )

@@ -23,7 +23,7 @@ from torch import nn
 
 from . import drafter_io
 from .config import DrafterConfig, DSparkConfig
-from .families import Family
+from .families import FAMILIES, Family
 from .loss import simulated_tau, train_forward
 from .model import DFlashDrafter, DraftCache, DrafterSpec
 from .proposer import Proposer
@@ -62,7 +62,7 @@ class DSparkSpec(DrafterSpec):
         keys at the top level instead of DFlash's dflash_config."""
         d = super().to_config_dict(dtype)
         del d["dflash_config"]
-        d.update(architectures=["Qwen3DSparkModel"], mask_token_id=self.mask_token_id,
+        d.update(architectures=[FAMILIES["dspark"].architecture], mask_token_id=self.mask_token_id,
                  target_layer_ids=list(self.target_layer_ids), num_anchors=NUM_ANCHORS,
                  markov_rank=self.markov_rank, markov_head_type="vanilla",
                  enable_confidence_head=self.confidence_head,
@@ -431,7 +431,7 @@ def init_weights(path, spec: DSparkSpec) -> dict[str, torch.Tensor]:
 
 
 FAMILY = Family(
-    name="dspark", architecture="Qwen3DSparkModel", spec=DSparkSpec, drafter=DSparkDrafter, loss=loss,
+    name="dspark", spec=DSparkSpec, drafter=DSparkDrafter, loss=loss,
     normalizer=normalizer, summarize=dspark_summarize, metric_names=metric_names,
     stats_size=dspark_stats_size, proposer=DSparkProposer, init_weights=init_weights,
     loss_options=loss_options,

@@ -17,7 +17,7 @@ from .checkpoint import checkpoint_dirs, checkpoint_step, read_checkpoint, read_
 from .distributed import Dist, barrier, log, setup_dist, teardown_dist
 from .drafter_io import export_drafter
 from .errors import UserError
-from .io import write_json
+from .io import code_version, write_json
 from .metrics import metric_fields, write_metrics
 from .model import DrafterSpec
 from .train_data import run_dir
@@ -37,7 +37,7 @@ def export_run(d: Dist, job, spec: DrafterSpec, run: Path, model: dict, best: Be
         fields = metric_fields(spec.block_size, bool(job.cfg.val_samples), spec.family)
         write_metrics(job.metrics, rows, fields)
         info = Path(job.metrics).parent
-        write_json(info / "export.json", {**chosen, "run": run.name})  # its checkpoints/<run>
+        write_json(info / "export.json", {**chosen, "run": run.name, **code_version()})  # checkpoints/<run>
         if (split := job.data.val_split()) is not None:
             write_json(info / "val_split.json", split)
         log(d, f"exported {job.out}: step {chosen['step']} of {step} ({chosen['why']}); metrics in "

@@ -17,6 +17,15 @@ class FamilyInfo:
     # the target's last hidden state (after its final norm, what its LM head reads) stored per token beside
     # the K layers' features: the teacher distribution a distribution-matching loss needs
     last_hidden: bool
+    architecture: str  # config.json's `architectures[0]` in its export: how an export names its family
+    # how the serving engines name it: vLLM's speculative_config `method`, SGLang's --speculative-algorithm
+    vllm_method: str
+    sglang_algorithm: str
+    anchor_drafts: bool  # the anchor's slot predicts too: a block of B gives B drafts (else B - 1)
+
+    def drafts(self, block_size: int) -> int:
+        """Draft tokens per block: what a serving engine's speculative token count is set to."""
+        return block_size if self.anchor_drafts else block_size - 1
 
 
 @dataclass(frozen=True)
@@ -24,7 +33,6 @@ class Family:
     """What the trainer, the validation, the export and the evaluation ask of a drafter family."""
 
     name: str
-    architecture: str  # config.json's `architectures[0]` in its export: how an export names its family
     spec: type  # its shapes: .from_target(target_config, tokenizer, drafter_cfg), .from_config_dict(d)
     drafter: type  # the nn.Module: drafter(spec, init=True); its state dict is the export's tensors
     # (step, tensors, anchors, valid, normalizer=None) -> (loss, stats): one micro-batch's training loss;
@@ -42,8 +50,10 @@ class Family:
 
 
 FAMILIES: dict[str, FamilyInfo] = {
-    "dflash": FamilyInfo("flashdraft.dflash", last_hidden=False),
-    "dspark": FamilyInfo("flashdraft.dspark", last_hidden=True),
+    "dflash": FamilyInfo("flashdraft.dflash", last_hidden=False, architecture="DFlashDraftModel",
+                         vllm_method="dflash", sglang_algorithm="DFLASH", anchor_drafts=False),
+    "dspark": FamilyInfo("flashdraft.dspark", last_hidden=True, architecture="Qwen3DSparkModel",
+                         vllm_method="dspark", sglang_algorithm="DSPARK", anchor_drafts=True),
 }
 
 
@@ -58,12 +68,16 @@ def family(name: str) -> Family:
     return importlib.import_module(family_info(name).module).FAMILY
 
 
-def family_of_export(config: dict) -> Family:
+def family_name_of_export(config: dict) -> str:
     """The family of an export's config.json, by its `architectures` (DFlash's when it names none)."""
-    arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
-    for name in FAMILIES:
-        found = family(name)
-        if found.architecture == arch:
-            return found
+    arch = (config.get("architectures") or [FAMILIES["dflash"].architecture])[0]
+    for name, info in FAMILIES.items():
+        if info.architecture == arch:
+            return name
     raise ValueError(f"architectures {arch!r} is no drafter family of this version "
-                     f"({', '.join(family(n).architecture for n in FAMILIES)})")
+                     f"({', '.join(info.architecture for info in FAMILIES.values())})")
+
+
+def family_of_export(config: dict) -> Family:
+    """The family implementation of an export's config.json (family_name_of_export)."""
+    return family(family_name_of_export(config))

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -243,3 +244,20 @@ def device():
     import torch
 
     return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def code_version() -> dict:
+    """This checkout's commit (short) and whether its tracked files have changes since; None for both
+    where the code is not a git checkout (an installed package)."""
+    repo = Path(__file__).resolve().parents[2]
+
+    def git(*args) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    changes = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": None if changes is None else bool(changes)}

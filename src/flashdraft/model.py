@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 from .config import DrafterConfig
+from .families import FAMILIES, family
 from .hf_config import kv_dims
 from .target import feature_layer_ids, mask_token_id, num_layers
 
@@ -86,7 +87,7 @@ class DrafterSpec:
         swa = {} if w is None else {"use_swa": True, "swa_window_size": w, "causal": False}
         layer = "full_attention" if w is None else "sliding_attention"
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [FAMILIES["dflash"].architecture],
             "model_type": "qwen3",
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
@@ -397,8 +398,6 @@ def meta_drafter(spec: DrafterSpec, cls: type[DFlashDrafter] | None = None) -> D
     """The drafter's structure without its weights (meta tensors, not initialized: the meta device's
     normal_ imports Dynamo, a second of a trainer's start): its parameter count and shapes. `cls`: the
     family's drafter class (default: that of the spec's family)."""
-    from .families import family
-
     with torch.device("meta"):
         return (cls or family(spec.family).drafter)(spec, init=False)
 

@@ -1,4 +1,5 @@
-"""One self-contained HTML report: evaluation table, training curves, acceptance plots, stage times, prompts.
+"""One self-contained HTML report: what was trained and where it is, the commands that serve it, evaluation
+table, training curves, acceptance plots, stage times, prompts.
 
 Plots are matplotlib (Agg) PNGs inlined as base64, so the file can be mailed or archived alone. A missing
 input leaves a note in its section instead of failing the report.
@@ -11,6 +12,8 @@ import html
 import io
 import json
 import math
+import shlex
+from datetime import datetime, timezone
 from pathlib import Path
 
 import matplotlib
@@ -21,7 +24,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;color:#222}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
-th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.note{color:#a60}img{max-width:100%}"""
+th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.note{color:#a60}img{max-width:100%}
+pre{background:#f6f6f6;padding:6px 8px;white-space:pre-wrap;word-break:break-all}"""
 
 
 def _fmt(v) -> str:
@@ -54,6 +58,51 @@ def img(fig, element_id: str, alt: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------------
 # sections
+
+
+def serve_commands(target: str, drafter: str, config: dict) -> dict[str, str]:
+    """The command lines that serve `target` with the drafter export at `drafter` (its config.json's
+    `config`), by engine: vLLM's speculative_config and SGLang's flags, as the family names itself there."""
+    from .families import FAMILIES, family_name_of_export
+
+    info = FAMILIES[family_name_of_export(config)]
+    block = int(config["block_size"])
+    spec = {"method": info.vllm_method, "model": drafter, "num_speculative_tokens": info.drafts(block)}
+    sglang = ["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm",
+              info.sglang_algorithm, "--speculative-draft-model-path", drafter]
+    return {"vLLM": shlex.join(["vllm", "serve", target, "--speculative-config", json.dumps(spec)]),
+            "SGLang": shlex.join(sglang)}
+
+
+def run_section(metrics_csv, target=None, drafter_dir=None, checkpoints=None) -> str:
+    """What was trained, with which code, where its export is, and the commands that serve it."""
+    from .io import code_version
+
+    exported = export_info(Path(metrics_csv).parent / "export.json") or {}
+    rows = [["target", str(Path(target).resolve()) if target else None]]
+    if drafter_dir is not None:
+        rows.append(["drafter (the export)", str(Path(drafter_dir).resolve())])
+    run = exported.get("run")
+    if run and checkpoints is not None:
+        rows.append(["checkpoints and run.json (its config)", str((Path(checkpoints) / run).resolve())])
+    if "step" in exported:
+        step = f"{exported['step']} of {exported['last_step']} ({exported['export']})"
+        rows.append(["exported step", step])
+    for who, version in (("trained by commit", exported), ("report by commit", code_version())):
+        if version.get("commit"):
+            dirty = " with uncommitted changes" if version.get("dirty") else ""
+            rows.append([who, version["commit"] + dirty])
+    rows.append(["report written", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")])
+    out = "<h2>Run</h2>" + table(["what", "where"], rows)
+    config = Path(drafter_dir) / "config.json" if drafter_dir is not None else None
+    if target is None or config is None or not config.exists():
+        return out + note("no drafter export to serve (the report was given no target or drafter)")
+    cmds = serve_commands(str(Path(target).resolve()), str(Path(drafter_dir).resolve()),
+                          json.loads(config.read_text()))
+    out += "<h2>Serve it</h2>"
+    for engine, cmd in cmds.items():
+        out += f"<p>{engine}:</p><pre>{html.escape(cmd)}</pre>"
+    return out + note("Engine versions that load each family's format: README, \"Serving the drafter\".")
 
 
 def eval_section(eval_dir) -> str:
@@ -302,12 +351,13 @@ def export_plots(doc: str, plots_dir) -> list[str]:
 
 
 def build_report(out, eval_dir, metrics_csv, prompt_stats, benchmarks_dir, plots_dir=None, hidden_dir=None,
-                 regenerated=None) -> str:
+                 regenerated=None, target=None, drafter_dir=None, checkpoints=None) -> str:
     """Write the report to `out` (atomically), its plots to `plots_dir` if given, and return its HTML."""
     from .io import atomic_path
 
     body = "".join(
         [
+            run_section(metrics_csv, target, drafter_dir, checkpoints),
             eval_section(eval_dir),
             per_prompt_section(eval_dir),
             training_section(metrics_csv),
@@ -318,7 +368,7 @@ def build_report(out, eval_dir, metrics_csv, prompt_stats, benchmarks_dir, plots
     )
     doc = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>flashdraft report</title>"
-        f"<style>{CSS}</style></head><body><h1>DFlash drafter report</h1>{body}</body></html>\n"
+        f"<style>{CSS}</style></head><body><h1>Drafter report</h1>{body}</body></html>\n"
     )
     with atomic_path(out) as tmp:
         tmp.write_text(doc)

@@ -3,6 +3,8 @@ rule report:
         summary=f"{RESULTS}/eval/summary.json",
         metrics=f"{RESULTS}/train/metrics.csv",
         export=f"{RESULTS}/train/export.json",
+        drafter=f"{RESULTS}/drafter/config.json",
+        target=target_dir(),
         stats=f"{RESULTS}/prompts/stats.json",
         manifests=hidden_manifests(),
         regenerated=regenerated(),
@@ -16,6 +18,8 @@ rule report:
         ),
     params:
         eval_dir=parent("input"),
+        drafter_dir=parent("input", "drafter"),
+        checkpoints=f"{RESULTS}/checkpoints",
         bench_dir=BENCH,
         hidden_dir="" if STREAM else f"--hidden-dir {RESULTS}/hidden",
         cmd=stage("report.py"),
@@ -28,5 +32,6 @@ rule report:
     shell:
         "{params.cmd} --out {output.html:q} --plots-dir {output.plots:q} --eval-dir {params.eval_dir:q}"
         " --metrics {input.metrics:q} --prompt-stats {input.stats:q} --benchmarks-dir {params.bench_dir:q}"
-        " {params.hidden_dir} --regenerated {input.regenerated:q}"
+        " {params.hidden_dir} --regenerated {input.regenerated:q} --target {input.target:q}"
+        " --drafter {params.drafter_dir:q} --checkpoints {params.checkpoints:q}"
         " > {log:q} 2>&1"
