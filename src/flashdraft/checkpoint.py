@@ -224,6 +224,14 @@ def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int, protect=frozenset
     return path
 
 
+def read_model(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights alone (the model's full state dict) in host memory, without its optimizer's
+    state (twice their bytes)."""
+    if (path / "model.safetensors").exists():
+        return read_safetensors(path / "model.safetensors")
+    return torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+
+
 def read_checkpoint(path: Path, optim_device=None, optim_later: bool = False) -> Snapshot:
     """A checkpoint directory into host memory (also one written by torch.save alone, model.pt).
     `optim_device`: the optimizer's tensors go on to it (a GPU) as they are read. `optim_later`: return
@@ -231,15 +239,14 @@ def read_checkpoint(path: Path, optim_device=None, optim_later: bool = False) ->
     # weights_only: tensors and plain Python values only, so a checkpoint cannot run code when loaded
     # (explicit: the default depends on the torch version and on TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD)
     opt = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
+    # the weights alone first: a resume waits for them, and two files read at once share the disk's rate
+    model = read_model(path)
     if (path / "model.safetensors").exists():
-        # the weights alone first: a resume waits for them, and two files read at once share the disk's rate
-        model = read_safetensors(path / "model.safetensors")
         optim = path / "optim.safetensors"
         tensors = background(read_safetensors, optim, optim_device, name="optim-reader") if optim_later \
             else read_safetensors(optim, optim_device)
         skeleton = opt["optimizer"]
     else:
-        model = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
         skeleton, tensors = split_optim(opt["optimizer"])
     return Snapshot(model, tensors, skeleton, opt["scheduler"], (path / "state.json").read_text())
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import checkpoint_dirs, checkpoint_step, read_checkpoint, read_state
+from .checkpoint import checkpoint_dirs, checkpoint_step, read_model, read_state
 from .distributed import Dist, barrier, log, setup_dist, teardown_dist
 from .drafter_io import export_drafter
 from .errors import UserError
@@ -59,13 +59,13 @@ def export_stream(job) -> dict:
                             f"plan {data.plan.dir} first (the train_chunk jobs)")
         spec = load_spec(job.target, job.drafter, data.tokenizer_length)
         dtype = resolve(cfg, d.device).amp_dtype
-        snap = read_checkpoint(found[-1])
-        state = read_state(json.loads(snap.state))
+        state = read_state(json.loads((found[-1] / "state.json").read_text()))
         log(d, f"resumed from {found[-1]}: step {step}/{data.total}, saved by {state['position'].world} "
                "rank(s)")
         best = Best(run, d, state["best"], dtype) if cfg.val_samples else None
         rows = state["metrics"]["rows"]
-        export_run(d, job, spec, run, snap.model, best, step, rows, dtype)
+        model = read_model(found[-1]) if d.main else {}  # rank 0 writes the export
+        export_run(d, job, spec, run, model, best, step, rows, dtype)
         barrier(d)
         return {"step": step, "stopped": False, "run_dir": str(run), "rows": rows,
                 "compile_cache": {}}

@@ -21,6 +21,11 @@ def val_split(ids: list[str], n: int, seed: int) -> list[str]:
     return sorted(sorted(ids, key=lambda sid: _hash(seed, sid))[:n])
 
 
+def split_record(ids: list[str], seed: int) -> dict:
+    """The split as val_split.json holds it, for a user to inspect: its size, seed and sorted ids."""
+    return {"val_samples": len(ids), "seed": seed, "ids": sorted(ids)}
+
+
 def anchor_seed(sample_id: str) -> int:
     """A validation sample's anchor seed: from its id alone, the same in every step, run and seed."""
     return int.from_bytes(_hash("val-anchors", sample_id)[:8], "little") >> 1

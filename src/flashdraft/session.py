@@ -228,4 +228,5 @@ class DraftSession:
         self.ids[0] = int(last_token)
         self.len_t.fill_(self.length)
         self.size_t.fill_(size)
-        return self.graphs.run("draft", self._draft_step)[: size - (not self.hidden_states)].clone()
+        rows = size if self.hidden_states else size - 1  # logits: the anchor's row predicts nothing
+        return self.graphs.run("draft", self._draft_step)[:rows].clone()

@@ -28,7 +28,7 @@ from .checkpoint import checkpoint_dirs, checkpoint_step, run_key
 from .config import PLAN_TRAIN_KEYS, DrafterConfig, TrainConfig, needs_last_hidden
 from .errors import UserError
 from .hidden import HiddenStore, StoreView, require_last_hidden
-from .holdout import val_split
+from .holdout import split_record, val_split
 
 FORMAT = "flashdraft.plan/1"
 
@@ -109,13 +109,28 @@ class StoreData:
 
     def val_split(self) -> dict | None:
         """The validation split, for a user to inspect (val_split.json)."""
-        if self.val_store is None:
-            return None
-        ids = self.val_store.ids()
-        return {"val_samples": len(ids), "seed": self.cfg.seed, "ids": sorted(ids)}
+        return None if self.val_store is None else split_record(self.val_store.ids(), self.cfg.seed)
 
 
-class ChunkData:
+class _Planned:
+    """Stream mode's data: what the plan says of the run (its key's data, the tokenizer, the training it was
+    made for)."""
+
+    plan: Plan
+
+    @property
+    def fingerprint(self) -> str:
+        return self.plan.fingerprint
+
+    @property
+    def tokenizer_length(self) -> int | None:
+        return self.plan.tokenizer_length
+
+    def check(self, cfg: TrainConfig, world: int) -> None:
+        self.plan.check(cfg, world)
+
+
+class ChunkData(_Planned):
     """Stream mode, one chunk of the plan: its shards hold the chunk's samples; the job trains the chunk's
     steps from the checkpoint where the previous chunk ended (or an attempt of this one stopped), keeps
     the chunk's end and no checkpoint inside it, and exports nothing."""
@@ -125,9 +140,16 @@ class ChunkData:
 
     def __init__(self, plan: Plan, chunk: Chunk, shards: list[str], val_shards, cfg: TrainConfig):
         self.plan, self.chunk, self.shards, self.val_shards, self.cfg = plan, chunk, shards, val_shards, cfg
-        self.fingerprint, self.tokenizer_length = plan.fingerprint, plan.tokenizer_length
         self.protect = frozenset(c.end_step for c in plan.chunks)  # where later chunks start
-        self.name, self.steps = chunk.name, (chunk.start_step, chunk.end_step)
+
+    @property
+    def name(self) -> str:
+        return self.chunk.name
+
+    @property
+    def steps(self) -> tuple[int, int]:
+        """The run's steps [start, end) the chunk trains."""
+        return self.chunk.start_step, self.chunk.end_step
 
     @cached_property
     def store(self):
@@ -141,9 +163,6 @@ class ChunkData:
     def lengths(self) -> list[int]:
         return self.plan.lengths
 
-    def check(self, cfg: TrainConfig, world: int) -> None:
-        self.plan.check(cfg, world)
-
     def trained(self, run_dir: Path) -> Path | None:
         """The first checkpoint at or past the chunk's end: the chunk is trained (chunk_trained)."""
         return chunk_trained(run_dir, self.chunk.end_step)
@@ -156,7 +175,7 @@ class ChunkData:
         return min(total, self.chunk.end_step)
 
     def where(self) -> str:
-        return f", {self.chunk.name} (steps {self.chunk.start_step}..{self.chunk.end_step})"
+        return f", {self.name} (steps {self.steps[0]}..{self.steps[1]})"
 
     def finish(self, run_dir: Path, keep: int) -> None:
         """(Main rank, once the chunk has trained.) Its end stays, the checkpoints inside it go."""
@@ -170,7 +189,7 @@ class ChunkData:
         return None
 
 
-class PlanData:
+class PlanData(_Planned):
     """Stream mode's train job: the run that every chunk of the plan trained, to export."""
 
     trains = False
@@ -178,10 +197,6 @@ class PlanData:
 
     def __init__(self, plan: Plan, cfg: TrainConfig):
         self.plan, self.cfg, self.shards = plan, cfg, []
-        self.fingerprint, self.tokenizer_length = plan.fingerprint, plan.tokenizer_length
-
-    def check(self, cfg: TrainConfig, world: int) -> None:
-        self.plan.check(cfg, world)
 
     @property
     def total(self) -> int:
@@ -291,8 +306,7 @@ class Plan:
         return (t.column("id").to_pylist(), t.column("row").to_pylist(), t.column("num_tokens").to_pylist())
 
     def val_split(self) -> dict:
-        ids = self.val_samples()[0]
-        return {"val_samples": len(ids), "seed": self.meta["train"]["seed"], "ids": sorted(ids)}
+        return split_record(self.val_samples()[0], self.meta["train"]["seed"])
 
     def val_store(self, shards):
         """The validation shard(s), checked to hold exactly the plan's validation samples."""
