@@ -7,20 +7,21 @@ Data (in --work, reused while its parameters match): train_drafter.py's target d
 config, random bf16 embedding and LM head) and one fp8 hidden-state shard (hidden.dtype float8_e4m3, as
 production.yaml stores them) of `samples` sequences with something to learn: the tokens follow a fixed
 random Markov chain over a 4,096-token slice of the vocabulary (the toy: its 512; each token has four
-successors, with probabilities 0.55, 0.25, 0.12, 0.08), and each target feature k at position t is a
-fixed random embedding of the token there plus half of another of the token before and half of a third of
-the token after (a target's states carry its next token), with Gaussian noise, each feature at unit
-scale. The chain's next-token entropy is known (`chain_entropy_nats`), so a curve
-that falls towards it shows the drafter learning; a curve that stays flat (acc near 0, val_sim_tau 1)
-compares nothing but the first steps' arithmetic, whatever its gap says.
+successors, with probabilities 0.55, 0.25, 0.12, 0.08), and target feature k (of K) at position t is the
+target's LM-head row of the token k + 1 places ahead (a trained target's states point at the tokens to
+come, its last layer at the next one) plus half of a fixed random embedding of the token at t, with
+Gaussian noise, each feature at unit scale. Block positions up to K are then read off the context, the
+later ones follow the chain, whose next-token entropy is known (`chain_entropy_nats`): a curve that falls
+shows the drafter learning; a curve that stays flat (acc near 0, val_sim_tau 1) compares nothing but the
+first steps' arithmetic, whatever its gap says.
 
 Each variant is scripts/train.py, launched as the workflow launches it, with config/production.yaml's
 training keys (lr, warmup, clipping, loss, compile scope, compiled loss) but train.fp8 as the variant
 says, `rows` sequences of `seq_len` tokens per optimizer step, train.val_samples held out and validated
-every --val-every steps (val_loss, val_sim_tau), the loss logged every 10 steps; the variants run at once
-on one GPU (their speed is not measured here), each ended after its last row, or all at --timeout (then
-`complete` false). Reported per variant: the logged rows; against
-bf16: the largest relative gap of the logged training loss over the last 100 steps
+every --val-every steps (val_loss, val_sim_tau), the loss logged every 10 steps; the variants run
+--concurrent at a time on one GPU (their speed is not measured here), each ended after its last row,
+or all at --timeout (then `complete` false). Reported per variant: the logged rows; against bf16: the
+largest relative gap of the logged training loss over the last 100 steps
 (|loss_v / loss_bf16 - 1| per logged step), and the validation gap (val_loss relative, val_sim_tau
 absolute) at every validation and the last. `--preset tiny` runs bf16 alone on the CPU (float8 needs a
 GPU) on the toy's shapes: a check of the machinery, about a minute.
@@ -43,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from safetensors.torch import load_file
 from train_drafter import PRESETS, REPO, Proc, base_env, drafter_config, launch, live_rows, setup
 
 from flashdraft.hidden import ShardMeta, manifest_path, quantize_fp8
@@ -50,15 +52,17 @@ from flashdraft.hidden_write import open_shard, write_manifest
 from flashdraft.train_step import load_spec
 
 SHAPES = {  # the curve's data and step on each preset
-    "qwen3-8b": dict(seq_len=2048, rows=2, samples=256, val_samples=16, steps=300, val_every=50,
-                     variants=["bf16", "fp8_tensorwise", "fp8_rowwise"], timeout=480),
+    # short samples: over 2,048 tokens of context the chain's signal is diluted past what 300 steps learn
+    # (on the toy's shapes, 2,048-token samples learn nothing in 120 steps where 256-token ones do)
+    "qwen3-8b": dict(seq_len=256, rows=16, samples=512, val_samples=32, steps=300, val_every=50,
+                     variants=["bf16", "fp8_tensorwise", "fp8_rowwise"], timeout=420),
     "tiny": dict(seq_len=256, rows=4, samples=48, val_samples=8, steps=20, val_every=10, variants=["bf16"],
                  timeout=300),
 }
 VARIANTS = {"bf16": None, "fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise"}
 PRODUCTION_KEYS = ("lr", "warmup_ratio", "grad_clip", "weight_decay", "loss", "gamma", "dpace_alpha",
                    "compile_scope", "compile_loss", "dtype", "seed")
-CHAIN = dict(tokens=4096, probs=(0.55, 0.25, 0.12, 0.08), previous=0.5, next=0.5, noise=0.1)
+CHAIN = dict(tokens=4096, probs=(0.55, 0.25, 0.12, 0.08), ahead="lm_head", now=0.5, noise=0.1)
 LOG_EVERY = 10
 LAST = 100  # the loss gap is taken over the last LAST steps
 
@@ -78,24 +82,26 @@ def markov_shard(work: Path, preset: dict, shape: dict) -> Path:
     h, k = spec.hidden_size, spec.num_features
     vocab = torch.randperm(spec.mask_token_id, generator=torch.Generator().manual_seed(0))[:n].to(dev)
     succ = torch.randint(0, n, (n, len(CHAIN["probs"])), generator=g, device=dev)
-    scale = (1 + CHAIN["previous"] ** 2 + CHAIN["next"] ** 2 + CHAIN["noise"] ** 2) ** -0.5  # unit variance
-    now, before, after = (torch.randn(n, k * h, generator=g, device=dev) for _ in range(3))
+    head = load_file(work / "target" / "model.safetensors")["lm_head.weight"][vocab.cpu()].to(dev).float()
+    head = head / head.std(dim=-1, keepdim=True)  # each chain token's LM-head row, unit scale
+    now = torch.randn(n, k * h, generator=g, device=dev)
+    scale = (1 + CHAIN["now"] ** 2 + CHAIN["noise"] ** 2) ** -0.5  # unit variance
     meta = ShardMeta(target="markov", target_layer_ids=spec.target_layer_ids, hidden_size=h,
                      dtype="float8_e4m3")
     chains = np.random.default_rng(0)
-    succ_np, x = succ.cpu().numpy(), np.empty((shape["samples"], s), dtype=np.int64)
+    succ_np, x = succ.cpu().numpy(), np.empty((shape["samples"], s + k), dtype=np.int64)
     x[:, 0] = chains.integers(0, n, shape["samples"])
     picks = chains.choice(len(CHAIN["probs"]), size=x.shape, p=CHAIN["probs"])
-    for t in range(1, s):  # every sample's chain at once
+    for t in range(1, s + k):  # every sample's chain at once, k tokens past the end for the last features
         x[:, t] = succ_np[x[:, t - 1], picks[:, t]]
     t0 = time.perf_counter()
     with open_shard(path, meta) as w:
         for i, row in enumerate(torch.from_numpy(x).to(dev)):
-            prev, nxt = torch.cat([row[:1], row[:-1]]), torch.cat([row[1:], row[-1:]])
-            feats = now[row] + CHAIN["previous"] * before[prev] + CHAIN["next"] * after[nxt] + \
+            ahead = torch.cat([head[row[j + 1 : j + 1 + s]] for j in range(k)], dim=-1)  # [s, k * h]
+            feats = ahead + CHAIN["now"] * now[row[:s]] + \
                 CHAIN["noise"] * torch.randn(s, k * h, generator=g, device=dev)
             q, sc = quantize_fp8(feats * scale)
-            w.write(f"m{i:05d}", vocab[row].tolist(), [1] * s, q.cpu(), sc.cpu())
+            w.write(f"m{i:05d}", vocab[row[:s]].tolist(), [1] * s, q.cpu(), sc.cpu())
     write_manifest(manifest_path(path), w)
     marker.write_text(json.dumps(params))
     took = time.perf_counter() - t0
@@ -141,14 +147,19 @@ def main():
     p.add_argument("--preset", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--val-every", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample")
+    p.add_argument("--rows", type=int, default=None, help="samples per optimizer step")
     p.add_argument("--timeout", type=float, default=None, help="seconds for the variants' runs, together")
     p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS))
+    p.add_argument("--concurrent", type=int, default=None, help="variants training at once on the GPU "
+                   "(default: 3 on a card of 120 GB or more, else 2: each holds up to 33 GB at the qwen3-8b "
+                   "shape)")
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     preset, shape = dict(PRESETS[args.preset]), dict(SHAPES[args.preset])
-    shape.update({k: v for k, v in (("steps", args.steps), ("val_every", args.val_every),
-                                               ("timeout", args.timeout)) if v})
+    shape.update({k: v for k, v in (("steps", args.steps), ("val_every", args.val_every), ("rows", args.rows),
+                                    ("seq_len", args.seq_len), ("timeout", args.timeout)) if v})
     variants = args.variants or shape.pop("variants")
     shape.pop("variants", None)
     cuda = preset["device"] == "cuda"
@@ -163,26 +174,31 @@ def main():
     t0 = time.perf_counter()
     setup(preset, work)
     shard = str(markov_shard(work, preset, shape))
-    steps, procs, runs = shape["steps"], {}, {}
+    steps, runs = shape["steps"], {}
+    if args.concurrent is None:
+        big = cuda and torch.cuda.get_device_properties(0).total_memory >= 120e9
+        args.concurrent = 3 if big else 2
+    deadline = time.perf_counter() + shape["timeout"]  # all of them: the JSON is written after
     try:
-        for v in variants:
-            cfg = train_cfg(preset, shape, VARIANTS[v])
-            name = f"curve-{v}"
-            procs[v] = Proc(name, launch(preset, 1, cfg, work, name, [shard]),
-                            base_env(preset, work / "inductor" / name), work / "logs")
-        deadline = time.perf_counter() + shape["timeout"]  # all of them: the JSON is written after
-        for v, proc in procs.items():
-            run_dir = work / "runs" / f"curve-{v}"
-            try:
-                done = proc.wait_for(lambda d=run_dir: any(int(r["step"]) >= steps and r.get("val_sim_tau")
-                                                           for r in live_rows(d)),
-                                     max(1.0, deadline - time.perf_counter()))
-            except TimeoutError:
-                done = False
-            proc.stop()
-            runs[v] = {"complete": done, "rows": live_rows(run_dir), "log": str(proc.err_log)}
-            if not done:
-                print(f"{v}: did not finish\n{proc.tail()}", flush=True)
+        for wave in range(0, len(variants), args.concurrent):  # at most --concurrent share the GPU
+            procs = {}
+            for v in variants[wave : wave + args.concurrent]:
+                cfg = train_cfg(preset, shape, VARIANTS[v])
+                name = f"curve-{v}"
+                procs[v] = Proc(name, launch(preset, 1, cfg, work, name, [shard]),
+                                base_env(preset, work / "inductor" / name), work / "logs")
+            for v, proc in procs.items():
+                run_dir = work / "runs" / f"curve-{v}"
+                try:
+                    done = proc.wait_for(lambda d=run_dir: any(
+                        int(r["step"]) >= steps and r.get("val_sim_tau") for r in live_rows(d)),
+                        max(1.0, deadline - time.perf_counter()))
+                except TimeoutError:
+                    done = False
+                proc.stop()
+                runs[v] = {"complete": done, "rows": live_rows(run_dir), "log": str(proc.err_log)}
+                if not done:
+                    print(f"{v}: did not finish\n{proc.tail()}", flush=True)
     finally:
         for proc in Proc.live:
             proc.stop()
@@ -196,7 +212,8 @@ def main():
                 "float8 variant against bf16",
         "preset": args.preset, "device": device, "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "command": f"python benchmarks/fp8_curves.py --preset {args.preset}", "shape": shape, "chain": CHAIN,
+        "command": " ".join(["python", "benchmarks/fp8_curves.py", *sys.argv[1:]]),
+        "shape": shape, "chain": CHAIN,
         "chain_entropy_nats": entropy(), "train": train_cfg(preset, shape, None) | {"fp8": "per variant"},
         "complete": all(r["complete"] for r in runs.values()), "runs": runs, "vs_bf16": compare,
         "wall_s": round(time.perf_counter() - t0, 1),
