@@ -470,3 +470,19 @@ def test_a_dspark_drafter_is_planned_at_its_measured_training_factor(tmp_path):
     assert 0 < factor < 1
     assert plans[1]["stages"]["training"]["hours"] == pytest.approx(
         plans[0]["stages"]["training"]["hours"] / factor)
+
+
+def test_a_dspark_drafter_s_evaluation_is_planned_at_its_measured_decoding_factor(tmp_path):
+    """Evaluation's two drafter decoders of a dspark run decode at the factor measured against dflash at
+    equal acceptance; target-only and the n-gram decoder keep their rates."""
+    dspark = tmp_path / "dspark.yaml"
+    dspark.write_text("drafter: {family: dspark}\n")
+    plans = [plan(load(files, target=QWEN3_8B), "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
+             for files in ([PRODUCTION], [PRODUCTION, dspark])]
+    factor = RATES["eval_dspark_factor"].value
+    assert 0 < factor < 1
+    ev = [p["stages"]["evaluation"] for p in plans]
+    assert "eval_dspark_factor" in ev[1]["rates"] and "eval_dspark_factor" not in ev[0]["rates"]
+    only, spec = (ev[0]["rates"][k] for k in ("eval_target_only", "eval_speculative"))
+    per_token = [1 / only + 3 / spec, 1 / only + 2 / (spec * factor) + 1 / spec]
+    assert ev[1]["hours"] / ev[0]["hours"] == pytest.approx(per_token[1] / per_token[0])

@@ -55,6 +55,10 @@ RATES = {
                              "first_step.warm.launch_to_first_step_s", "s", scaled=False),
     "train_launch_resumed_fp8": Rate(11.58, "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
                                      "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
+    # drafter.family dspark's decoding against dflash's at the same block (7) and acceptance, the static
+    # engine at batch 1 (its drafting step with the Markov picks, and a verify one token wider; one H100)
+    "eval_dspark_factor": Rate(0.8882, "eval_decode_qwen3-8b_dspark_vs_dflash.json",
+                               "dspark_over_dflash.tokens_per_s_at_equal_tau", "x", scaled=False),
     "eval_target_only": Rate(160.41, "eval_decode_qwen3-8b.json", "modes.target_only.tokens_per_s",
                              "new tokens/s"),
     # each speculative decoder (dflash, dflash_untrained, ngram), as measured at tau 1 (random weights)
@@ -79,6 +83,7 @@ REFERENCE_TARGET = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden
                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                     "vocab_size": 151936}
 EVAL_DECODERS = 3  # speculative decoders per prompt, beside target-only (evaluate.run_rows)
+FAMILY_DECODERS = 2  # of them, the drafter family's (trained and untrained); the third is n-gram lookup
 CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's two fp32 moments (checkpoint.save_checkpoint)
 
 
@@ -206,10 +211,18 @@ class Run:
     def load_s(self) -> float:
         return self.checkpoint_bytes() / (rate("checkpoint_read", 1) * 1e9)
 
+    def eval_keys(self) -> list[str]:
+        """The rates evaluation is planned with: target-only, the speculative decoders, and the measured
+        factor of a drafter family other than dflash."""
+        return ["eval_target_only", "eval_speculative"] + \
+            (["eval_dspark_factor"] if self.cfg.drafter.family == "dspark" else [])
+
     def eval_prompt_s(self) -> float:
         """One evaluation prompt on one GPU: target-only and every speculative decoder."""
-        return self.cfg.eval.max_new_tokens * (1 / rate("eval_target_only", self.scale)
-                                               + EVAL_DECODERS / rate("eval_speculative", self.scale))
+        target_only, spec, *factor = (rate(k, self.scale) for k in self.eval_keys())
+        family = spec * math.prod(factor)  # the family's decoders; n-gram lookup at the plain rate
+        per_token = 1 / target_only + FAMILY_DECODERS / family + (EVAL_DECODERS - FAMILY_DECODERS) / spec
+        return self.cfg.eval.max_new_tokens * per_token
 
     def gpu_hours(self, split: Split, precompute_tokens: float) -> float:
         """The work of regeneration, precompute, training and evaluation on one GPU (what no overlap or
@@ -269,7 +282,7 @@ def stage_table(run: Run, split: Split) -> dict:
     jobs = e.shards or max(1, split.target)
     work = tok.eval_prompts * e.max_new_tokens * (1 + EVAL_DECODERS)
     hours = _waves_hours(tok.eval_prompts * run.eval_prompt_s(), jobs, g, 1.0) if g else None
-    stage("evaluation", work, "new tokens", ["eval_target_only", "eval_speculative"], hours, min(g, jobs))
+    stage("evaluation", work, "new tokens", run.eval_keys(), hours, min(g, jobs))
     return stages
 
 
