@@ -49,6 +49,7 @@ from train_drafter import PRESETS, REPO, Proc, base_env, drafter_config, launch,
 
 from flashdraft.hidden import ShardMeta, manifest_path, quantize_fp8
 from flashdraft.hidden_write import open_shard, write_manifest
+from flashdraft.io import code_version
 from flashdraft.train_step import load_spec
 
 SHAPES = {  # the curve's data and step on each preset
@@ -142,6 +143,20 @@ def gaps(rows: dict, base: dict, steps: int) -> dict:
     return out
 
 
+def kept_runs(path: Path | None, preset: dict, shape: dict) -> dict:
+    """The complete runs of an earlier result of the same data and training (--merge): variants can be run
+    in separate calls, each adding to the one file."""
+    if path is None or not path.exists():
+        return {}
+    old, plain = json.loads(path.read_text()), lambda x: json.loads(json.dumps(x))
+    train = train_cfg(preset, shape, None) | {"fp8": "per variant"}
+    same = old["shape"] | {"timeout": None} == plain(shape | {"timeout": None}) and \
+        old["chain"] == plain(CHAIN) and old["train"] == plain(train)
+    if not same:
+        raise SystemExit(f"{path}: another shape, chain or training; not merged")
+    return {v: r for v, r in old["runs"].items() if r["complete"]}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(SHAPES), default="tiny")
@@ -152,8 +167,11 @@ def main():
     p.add_argument("--timeout", type=float, default=None, help="seconds for the variants' runs, together")
     p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS))
     p.add_argument("--concurrent", type=int, default=None, help="variants training at once on the GPU "
-                   "(default: 3 on a card of 120 GB or more, else 2: each holds up to 33 GB at the qwen3-8b "
+                   "(default: 2 on a card of 120 GB or more, else 1: each holds up to 63 GB at the qwen3-8b "
                    "shape)")
+    p.add_argument("--merge", type=Path, default=None, metavar="JSON",
+                   help="keep the complete runs of this earlier result (same data and training) and run "
+                        "only the other variants")
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -174,10 +192,11 @@ def main():
     t0 = time.perf_counter()
     setup(preset, work)
     shard = str(markov_shard(work, preset, shape))
-    steps, runs = shape["steps"], {}
+    steps, runs = shape["steps"], kept_runs(args.merge, preset, shape)
+    variants = [v for v in variants if v not in runs]
     if args.concurrent is None:
         big = cuda and torch.cuda.get_device_properties(0).total_memory >= 120e9
-        args.concurrent = 3 if big else 2
+        args.concurrent = 2 if big else 1
     deadline = time.perf_counter() + shape["timeout"]  # all of them: the JSON is written after
     try:
         for wave in range(0, len(variants), args.concurrent):  # at most --concurrent share the GPU
@@ -210,7 +229,7 @@ def main():
         "what": "the production drafter trained by scripts/train.py per variant on the same Markov-chain "
                 "data and seed: logged rows (loss every 10 steps, validation every val_every), and each "
                 "float8 variant against bf16",
-        "preset": args.preset, "device": device, "torch": torch.__version__,
+        "preset": args.preset, "device": device, "torch": torch.__version__, "code": code_version(),
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(["python", "benchmarks/fp8_curves.py", *sys.argv[1:]]),
         "shape": shape, "chain": CHAIN,

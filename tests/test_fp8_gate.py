@@ -49,3 +49,33 @@ def test_bootstrap_interval_holds_the_difference_and_moves_with_it():
     lo2, hi2 = bootstrap_diff([x + 1 for x in base], base)
     assert 0 < lo2 < 1 < hi2  # a shift of one: the interval holds it and leaves zero out
     assert abs((hi2 - lo2) - (hi - lo)) < 0.05  # the same spread, the same width
+
+
+def test_the_committed_gate_is_what_its_script_makes_of_the_committed_results(tmp_path):
+    out = tmp_path / "gate.json"
+    proc = subprocess.run([sys.executable, "fp8_gate.py", "--out", str(out)], cwd=REPO / "benchmarks",
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text()) == json.loads((REPO / "benchmarks/results/fp8_gate.json").read_text())
+
+
+def test_the_gate_keeps_float8_only_within_the_loss_gap_and_intervals():
+    from fp8_gate import decide
+
+    def curves(gap, complete=True):
+        return {"runs": {"bf16": {"complete": True}, "fp8_tensorwise": {"complete": complete}},
+                "vs_bf16": {"fp8_tensorwise": {"loss_rel_gap_last_100": gap}}}
+
+    def quality(shift):  # five seeds each; float8's tau and sim_tau moved by `shift`
+        base = [3.4, 3.6, 3.5, 3.7, 3.3]
+        runs = {f"{v}-seed{s}": {"name": f"{v}-seed{s}", "tau_pooled": t + d, "final_sim_tau": t + d}
+                for v, d in (("bf16", 0), ("fp8", shift)) for s, t in enumerate(base)}
+        return {"runs": runs, "variants": {"bf16": {"overrides": {"train.fp8": None}},
+                                           "fp8": {"overrides": {"train.fp8": "tensorwise"}}}}
+
+    assert decide(curves(0.005), quality(0.0), "tensorwise")["decision"] == "keep train.fp8: tensorwise"
+    assert decide(curves(0.005), quality(0.5), "tensorwise")["decision"].startswith("keep")  # favours float8
+    assert decide(curves(0.02), quality(0.0), "tensorwise")["decision"].startswith("move to bf16")
+    assert decide(curves(0.005), quality(-1.0), "tensorwise")["decision"].startswith("move to bf16")
+    undecided = decide(curves(None, complete=False), quality(0.0), "tensorwise")
+    assert undecided["decision"] == "undecided" and undecided["missing"]
