@@ -13,14 +13,16 @@ from snakemake.utils import validate
 
 from flashdraft.config import (
     Config,
+    RegenerateConfig,
     TargetConfig,
     TrainConfig,
     from_dict,
     load_config,
     load_section,
     target_layer_ids,
+    to_json,
 )
-from flashdraft.config_check import check
+from flashdraft.config_check import check, check_schema
 from flashdraft.errors import UserError
 from flashdraft.io import DTYPES, STORAGE_DTYPES, torch_dtype
 from flashdraft.objectives import OBJECTIVES
@@ -281,3 +283,15 @@ def test_compile_scope_is_model_or_layer():
     cfg.train.compile_scope = "block"
     with pytest.raises(UserError, match=r"train\.compile_scope: 'block'; use one of model, layer"):
         check(cfg)
+
+
+@pytest.mark.parametrize("spelling", ["hf", "generate"])
+def test_regeneration_s_hf_engine_takes_eval_s_word_and_its_old_one_alike(spelling):
+    """regenerate.engine hf is the engine eval.engine calls hf; generate, its old name, stays the same engine
+    with the same section JSON (a stage's params), so a finished run that wrote it reruns nothing."""
+    cfg = from_dict(Config, {"regenerate": {"engine": spelling}}, "config")
+    assert cfg.regenerate.engine == "generate"
+    assert to_json(cfg.regenerate) == to_json(RegenerateConfig(engine="generate"))
+    data = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    data.setdefault("regenerate", {})["engine"] = spelling
+    check_schema(data, SCHEMA)  # raises on a value the schema refuses

@@ -85,7 +85,7 @@ class PromptsConfig:
 class RegenerateConfig:
     enabled: bool = True
     backend: str = "hf"  # hf (in-process generate) | openai (any OpenAI-compatible server) | server (own)
-    engine: str = "auto"  # hf backend: auto | static (flashdraft.decode) | generate (HF generate)
+    engine: str = "auto"  # hf backend: auto | static (flashdraft.decode) | hf or generate (HF generate)
     shards: int = 0  # jobs the stage is split into, one GPU each; 0: hidden.shards
     max_new_tokens: int = 1024
     batch_size: int = 0  # sequences decoded at once; 0: static engine from free GPU memory, else 16
@@ -111,6 +111,12 @@ class RegenerateConfig:
     server_gpus: int = 1  # GPUs the job leases for the server; {gpus} in server_cmd (tensor parallelism)
     server_port: int = 0  # 0: a free port
     server_timeout_s: float = 1800.0  # until the server answers: vLLM loads the weights and compiles first
+
+    def __post_init__(self):
+        # `hf` is the word eval.engine uses for the model's own transformers code; regeneration's jobs keep
+        # `generate` as they always had it, so a run that wrote either spelling reruns nothing
+        if self.engine == "hf":
+            self.engine = "generate"
 
 
 @dataclass

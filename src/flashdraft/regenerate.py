@@ -149,11 +149,11 @@ def _run_hf(cfg, target, dtype, todo: Pending) -> Answered:
     model, tokenizer, eos = load_for_generate(target, dtype)
     from .step import unsupported
 
-    why = "regenerate.engine: generate" if cfg.engine == "generate" else unsupported(model)
+    why = "regenerate.engine: hf" if cfg.engine == "generate" else unsupported(model)
     if why is None:
         return _run_static(cfg, model, tokenizer, eos, todo)
     if cfg.engine == "static":
-        raise UserError(f"regenerate.engine 'static' cannot run {target}: {why}; use 'auto' or 'generate'")
+        raise UserError(f"regenerate.engine 'static' cannot run {target}: {why}; use 'auto' or 'hf'")
     log(f"regenerate: HF generate, in fixed batches ({why})")
     pending, parts, batch = todo.rows, todo.parts, cfg.batch_size or 16
     # batches are fixed over the whole sorted prompt list (longest first, so memory errors show early),
