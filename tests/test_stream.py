@@ -338,7 +338,7 @@ def test_disk_watch_keeps_the_peak_while_files_and_folders_come_and_go(tmp_path)
 # ---- the real DAG: stream mode against store mode, restarts, the disk bound and the overlap ----
 
 # One sample per forward (hidden.batch_tokens: 1) in both modes: a forward's batch composition changes its
-# float reductions, so only then are the two modes' hidden states the same bits (see the README).
+# float reductions, so only then are the two modes' hidden states the same bits (see docs/stream.md).
 # One training thread in both (set below), so that a chunk's hidden parts can run beside its training.
 # 2 validation samples: their shard, kept through the run, fits the disk budget beside the ring of chunks.
 # Both modes fine-tune the drafter in init/ (a new one of another seed, exported into the work dir).

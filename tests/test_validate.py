@@ -86,7 +86,7 @@ def test_store_mode_keeps_the_validation_samples_out_of_training(data):
 def test_the_default_split_and_the_warning_for_a_large_one():
     assert TrainConfig().val_samples == 64
     cfg = load_config(str(REPO / "config" / "config.yaml"))
-    assert cfg.train.val_samples == 0 and check(cfg) == []  # the embedded default: the README's figures
+    assert cfg.train.val_samples == 0 and check(cfg) == []  # the embedded default (docs/performance.md)
     cfg.train.val_samples = 36
     assert check(cfg) == []  # a tenth of the 360 prompts
     cfg.train.val_samples = 37

@@ -195,7 +195,7 @@ class TrainConfig:
     log_every: int = 10
     # held-out validation: this many training samples (chosen by train.seed) are kept out of training and
     # evaluated with fixed anchors every val_every steps and at the end; 0: no validation.
-    # config/config.yaml sets 0 (the README's toy figures are of runs without a split)
+    # config/config.yaml sets 0 (docs/performance.md's toy figures are of runs without a split)
     val_samples: int = 64
     val_every: int = 0  # optimizer steps between validations; 0: every checkpoint_every steps
     # the weights exported (and evaluated): last | best (the best validation sim_tau). last: on the toy

@@ -102,7 +102,8 @@ def run_section(metrics_csv, target=None, drafter_dir=None, checkpoints=None) ->
     out += "<h2>Serve it</h2>"
     for engine, cmd in cmds.items():
         out += f"<p>{engine}:</p><pre>{html.escape(cmd)}</pre>"
-    return out + note("Engine versions that load each family's format: README, \"Serving the drafter\".")
+    return out + note("Engine versions that load each family's format: docs/outputs.md, "
+                      "\"Serving the drafter\".")
 
 
 def eval_section(eval_dir) -> str:

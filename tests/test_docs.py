@@ -1,0 +1,172 @@
+"""The README and docs/ against themselves and the config schema: the README stays short, every relative
+link in them reaches an existing file (and heading), and docs/configuration.md names every key of the
+schema and no other.
+
+Each check is a function that returns its problems; the tests run it on the real files and on a broken
+example, so a check that stopped finding anything would fail too.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from flashdraft.estimate_inputs import SCHEMA  # the schema file the workflow and the planner validate against
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+CONFIG_DOC = DOCS / "configuration.md"
+README_MAX_LINES = 200
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def doc_files() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def prose_lines(text: str) -> list[str]:
+    """The lines outside fenced code blocks."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append(line)
+    return out
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"`|\*\*|\[|\]\([^)]*\)", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a markdown file (a repeated heading gets -1, -2, ... as on GitHub)."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in prose_lines(path.read_text()):
+        m = re.match(r"#{1,6}\s+(.*)", line)
+        if not m:
+            continue
+        base = slug(m.group(1))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def broken_links(path: Path) -> list[str]:
+    """The relative links of `path` whose file, or heading in that file, does not exist."""
+    problems = []
+    for line in prose_lines(path.read_text()):
+        for target in LINK.findall(line):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (path.parent / file_part).resolve() if file_part else path
+            where = f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}: ({target})"
+            if not dest.exists():
+                problems.append(f"{where}: no file {dest}")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                problems.append(f"{where}: no heading #{anchor} in {dest.name}")
+    return problems
+
+
+def schema_keys(schema: dict, prefix: str = "") -> set[str]:
+    """Every key of the schema, dotted (`train.lr`); list items as `[]` (`prompts.sources[].name`)."""
+    keys = set()
+    for name, sub in schema.get("properties", {}).items():
+        key = f"{prefix}{name}"
+        keys.add(key)
+        keys |= schema_keys(sub, f"{key}.")
+        items = sub.get("items")
+        if isinstance(items, dict) and "properties" in items:
+            keys |= schema_keys(items, f"{key}[].")
+    return keys
+
+
+def documented_keys(text: str) -> set[str]:
+    """The keys of the reference tables: rows `| `section` | `key` | type | default | meaning |`."""
+    keys = set()
+    for line in prose_lines(text):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 5 or not all(re.fullmatch(r"`[^`]+`", c) for c in cells[:2]):
+            continue
+        section, key = cells[0].strip("`"), cells[1].strip("`")
+        keys.add(key if section == "(top level)" else f"{section}.{key}")
+    return keys
+
+
+def key_problems(text: str, schema: dict) -> list[str]:
+    want, have = schema_keys(schema), documented_keys(text)
+    return ([f"docs/configuration.md lacks {k}" for k in sorted(want - have)]
+            + [f"docs/configuration.md names {k}, which the schema lacks" for k in sorted(have - want)])
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA.read_text())
+
+
+# ---- the README's length ----
+
+
+def test_readme_is_short():
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md: {lines} lines, over {README_MAX_LINES}; move text to docs/"
+
+
+# ---- links ----
+
+
+def test_every_relative_link_resolves():
+    problems = [p for path in doc_files() for p in broken_links(path)]
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_a_broken_link_is_found(tmp_path):
+    (tmp_path / "other.md").write_text("# Other page\n\n## A section\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Doc\n\n[ok](other.md#a-section) [same](#doc) [web](https://example.com)\n"
+                   "[gone](missing.md) [bad anchor](other.md#no-such-section) [own](#nowhere)\n"
+                   "```\n[in code](not-checked.md)\n```\n")
+    problems = broken_links(doc)
+    assert len(problems) == 3, problems
+    assert any("missing.md" in p for p in problems)
+    assert any("#no-such-section" in p for p in problems)
+    assert any("#nowhere" in p for p in problems)
+
+
+def test_slug_matches_github():
+    assert slug("Stream mode: a chunk job's start-up") == "stream-mode-a-chunk-jobs-start-up"
+    assert slug("Files (all under `results/`)") == "files-all-under-results"
+    assert (slug("The precompute pipeline (`precompute.write_shard`)")
+            == "the-precompute-pipeline-precomputewrite_shard")
+
+
+# ---- docs/configuration.md against the schema ----
+
+
+def test_configuration_doc_names_every_schema_key_and_no_other():
+    problems = key_problems(CONFIG_DOC.read_text(), load_schema())
+    assert not problems, "\n".join(problems)
+
+
+def test_a_missing_or_extra_key_is_found():
+    schema = load_schema()
+    keys = sorted(schema_keys(schema))
+    assert {"results", "train.lr", "prompts.sources", "prompts.sources[].weight",
+            "drafter.dspark.markov_rank"} <= set(keys)
+    text = CONFIG_DOC.read_text()
+    dropped = text.replace("| `train` | `lr` |", "| train | lr |")
+    assert key_problems(dropped, schema) == ["docs/configuration.md lacks train.lr"]
+    extra = text + "\n| `train` | `no_such_key` | integer | `0` | invented |\n"
+    assert key_problems(extra, schema) == [
+        "docs/configuration.md names train.no_such_key, which the schema lacks"]
