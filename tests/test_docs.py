@@ -8,11 +8,15 @@ example, so a check that stopped finding anything would fail too.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+import typing
 from pathlib import Path
 
 import yaml
 
+from flashdraft.config import Config
 from flashdraft.estimate_inputs import SCHEMA  # the schema file the workflow and the planner validate against
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,3 +174,91 @@ def test_a_missing_or_extra_key_is_found():
     extra = text + "\n| `train` | `no_such_key` | integer | `0` | invented |\n"
     assert key_problems(extra, schema) == [
         "docs/configuration.md names train.no_such_key, which the schema lacks"]
+
+
+# ---- docs/configuration.md's reference, generated from the schema and the dataclasses' defaults ----
+
+REFERENCE_HEAD = """## Reference
+
+Every key, by section. "required" marks a key without a default. Sizes such as `hidden.disk_budget`
+take bytes or a string (`2TB`, `500GB`, `1.5TiB`).
+"""
+
+
+def type_text(prop: dict) -> str:
+    types = prop.get("type", "object")
+    types = types if isinstance(types, list) else [types]
+    if "enum" in prop:
+        return " or ".join(types) + ": " + " \\| ".join("null" if v is None else str(v) for v in prop["enum"])
+
+    def one(t):
+        items = prop.get("items", {})
+        if t != "array":
+            return t
+        return "list of sources" if items.get("type") == "object" else f"list of {items.get('type', 'any')}"
+    return " or ".join(map(one, types))
+
+
+def value_text(v) -> str:
+    if v is None or isinstance(v, bool):
+        return f"`{json.dumps(v)}`"
+    if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+        return "; ".join(f"`{json.dumps(x)}`" for x in v)
+    return f"`{json.dumps(v) if isinstance(v, list | dict) else v}`"
+
+
+def default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return value_text(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        v = f.default_factory()
+        return "see below" if dataclasses.is_dataclass(v) else value_text(v)
+    return "required"
+
+
+def key_rows(cls, props: dict, section: str, required=()) -> list[str]:
+    """One table row per key of `props` (the schema's) with its dataclass field, nested sections after."""
+    fields, hints, out = {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls), []
+    for name, prop in props.items():
+        default = "required" if name in required else default_text(fields[name])
+        meaning = prop.get("description", "")
+        out.append(f"| `{section}` | `{name}` | {type_text(prop)} | {default} | {meaning} |")
+        sub, inner = (name if section == "(top level)" else f"{section}.{name}"), hints[name]
+        if typing.get_origin(inner) is list and dataclasses.is_dataclass(typing.get_args(inner)[0]):
+            items, cls_ = prop["items"], typing.get_args(inner)[0]
+            out += key_rows(cls_, items["properties"], f"{sub}[]", items.get("required", ()))
+        elif dataclasses.is_dataclass(inner):
+            out += key_rows(inner, prop["properties"], sub, prop.get("required", ()))
+    return out
+
+
+def reference(schema: dict) -> str:
+    """docs/configuration.md from "## Reference" to its end."""
+    out = [REFERENCE_HEAD]
+    for name, prop in schema["properties"].items():
+        out.append(f"### `{name}`\n")
+        if prop.get("type") == "object" and prop.get("description"):
+            out.append(prop["description"] + "\n")
+        head = ["| section | key | type | default | meaning |", "| --- | --- | --- | --- | --- |"]
+        out.append("\n".join([*head, *key_rows(Config, {name: prop}, "(top level)"), ""]))
+    return "\n".join(out)
+
+
+def test_the_configuration_reference_is_the_schema_s_with_the_dataclasses_defaults():
+    """Its table is generated, so a key's type, default or meaning cannot drift from the code:
+    `python tests/test_docs.py` writes it again after a schema or default change."""
+    text = CONFIG_DOC.read_text()
+    assert text[text.index("## Reference"):] == reference(load_schema())
+
+
+def test_the_reference_follows_a_changed_default_or_description():
+    schema = load_schema()
+    schema["properties"]["train"]["properties"]["lr"]["description"] = "changed"
+    rows = reference(schema).splitlines()
+    assert any(r.startswith("| `train` | `lr` | number | `") and r.endswith("| changed |") for r in rows)
+    assert "| `target` | `path` | string | required |" in reference(load_schema())
+
+
+if __name__ == "__main__":  # write the reference again
+    text = CONFIG_DOC.read_text()
+    CONFIG_DOC.write_text(text[: text.index("## Reference")] + reference(load_schema()))
