@@ -87,6 +87,38 @@ def test_a_config_mistake_is_one_line_before_any_job(tmp_path, overrides, expect
     assert "Job stats" not in out and not (tmp_path / "results").exists()
 
 
+def test_every_problem_of_a_first_config_is_reported_in_one_dry_run(tmp_path):
+    """A typo, a model not downloaded yet, more GPUs than the node has: one line each, all in one run,
+    and no job."""
+    config = write_config(tmp_path / "config.yaml", {"train.lrr": 1.0, "gpus.target": 64,
+                                                     "target": {"path": "models/mine", "build_toy": False}})
+    proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode != 0 and "Traceback" not in lines
+    assert {"config key train: Additional properties are not allowed ('lrr' was unexpected)",
+            "config key target.path: 'models/mine' is not a local Hugging Face model directory (no "
+            "config.json); download the model there or set target.build_toy: true",
+            "config key gpus.target: asks for 64 GPU(s) but 0 are visible (set gpus.check_visible: false "
+            "when jobs run on other nodes)"} <= set(lines), lines
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_target_written_after_configfile_is_named_before_any_job(tmp_path):
+    """`--configfile my.yaml results/eval/summary.json`: Snakemake reads the target as a second config
+    (a JSON file it can read); the workflow says so in one line instead of naming the output's keys."""
+    config = write_config(tmp_path / "config.yaml", {})
+    (tmp_path / "results" / "eval").mkdir(parents=True)
+    (tmp_path / "results" / "eval" / "summary.json").write_text('{"dflash": {}}')
+    target = tmp_path / "results" / "eval" / "summary.json"
+    proc = snakemake(tmp_path, "-n", "--cores", "1", "--configfile", str(config), str(target), check=False)
+    out = proc.stdout + proc.stderr
+    line = ("--configfile results/eval/summary.json: not a config but a target (--configfile takes every "
+            "path after it); put targets before --configfile or after --: snakemake --cores all --configfile "
+            "<config> -- results/eval/summary.json")  # relative to the working directory
+    assert proc.returncode != 0 and line in out.splitlines(), out
+    assert "dflash" not in out, out
+
+
 def test_remote_code_target_fails_before_any_job(tmp_path):
     model = tmp_path / "models" / "mine"
     model.mkdir(parents=True)
