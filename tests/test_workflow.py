@@ -16,6 +16,7 @@ import pytest
 import yaml
 from conftest import REPO, SMALL, cache_misses, headless_dom, job_counts, snakemake, write_config
 
+from flashdraft.io import human_bytes
 from flashdraft.shards import shard_of
 
 pytestmark = pytest.mark.slow
@@ -469,6 +470,36 @@ def test_a_rerun_regeneration_shard_reruns_only_its_own_downstream(small_run):
     assert counts["regenerate"] == 1 and counts["hidden_shard"] == 1 and "prompts" not in counts
     # shard 0 of the regeneration and hidden shards stays (the one evaluation job is --shard 00000 of 1)
     assert "--shard 00001 --num-shards 2" in proc.stdout and "--shard 00000 --num-shards 2" not in proc.stdout
+
+
+@pytest.mark.parametrize("deleted, rerun", [
+    ("hidden/shard-00001.arrow", {"hidden_shard": 1}),
+    ("regenerated/train/shard-00000.parquet", {"regenerate": 1, "hidden_shard": 1}),
+], ids=["hidden", "regenerated"])
+def test_a_plain_rerun_makes_a_deleted_shard_again_with_what_depends_on_it(small_run, tmp_path, deleted,
+                                                                            rerun):
+    """Snakemake makes a missing file again only for a job that runs: rule all asks for every shard, so the
+    plain rerun makes a deleted one again, and the stages after it, not the others; one line says so."""
+    work = tmp_path / "run"
+    shutil.copytree(small_run[0], work, symlinks=True, ignore=shutil.ignore_patterns("pycache"))
+    (work / "results" / deleted).unlink()
+    proc = snakemake(work, "-n", "--cores", "2", config=small_run[1])
+    after = {"hidden_verify": 1, "warmup": 1, "train": 1, "evaluate": 1, "evaluate_merge": 1, "report": 1,
+             "all": 1}
+    assert job_counts(proc.stdout) == {**rerun, **after}
+    assert (f"note: results/{deleted}: deleted since the run that used it; the plain run makes it again, "
+            "with what depends on it (snakemake ") in proc.stderr
+
+
+def test_a_stream_run_names_the_store_run_s_shards_it_leaves_on_disk(small_run, tmp_path):
+    work, config, _ = small_run
+    stream = write_config(tmp_path / "stream.yaml", {"hidden.mode": "stream", "hidden.disk_budget": "10MB"},
+                          base=config)
+    proc = snakemake(work, "-n", "--cores", "2", config=stream)
+    size = sum(p.stat().st_size for p in (work / "results" / "hidden").glob("shard-*"))
+    assert (f"note: results/hidden holds 2 store-mode hidden shard(s) ({human_bytes(size)}) that this "
+            "stream-mode run does not read; to free the space: rm results/hidden/shard-*") in proc.stderr
+    assert (work / "results" / "hidden" / "shard-00000.arrow").exists()
 
 
 def test_changed_train_param_reruns_train_onward_only(small_run, tmp_path):

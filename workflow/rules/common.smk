@@ -33,6 +33,7 @@ from flashdraft.config_check import (  # noqa: E402
 )
 from flashdraft.gpu import gpu_capabilities, visible_gpus  # noqa: E402
 from flashdraft.io import file_digests  # noqa: E402
+from flashdraft.reruns import deleted_line, deleted_shards, store_leftovers  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
 from flashdraft.launch import on_every_node, torchrun  # noqa: E402
 
@@ -43,7 +44,8 @@ SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 def read_config():
     """The config as a Config, once every check that needs no job has run: all the problems found, one line
     each, end the run in one WorkflowError before any job (the warnings are printed either way)."""
-    found = Problems(configfile_problems(workflow.overwrite_configfiles, str(config.get("results", "results"))))
+    results = str(config.get("results", "results"))
+    found = Problems(configfile_problems(workflow.overwrite_configfiles, results))
     if not found.lines:  # a target read as a config: its keys' lines would only hide that
         found.lines += schema_problems(config, SCHEMA)  # one line naming each key, not the whole schema
         if not found.lines:
@@ -345,8 +347,16 @@ def eval_shard_files():
     return [f"{RESULTS}/eval/shards/shard-{i:05d}.parquet" for i in range(eval_shards())]
 
 
+def shards_kept():
+    """The shards a finished run keeps, inputs of the default target `all`: a plain rerun makes one deleted
+    by hand again, with what depends on it (Snakemake makes a missing file only for a job that runs).
+    Stream mode's hidden chunks are temp(): not these."""
+    return regenerated() + (tokens_files() if STREAM else shard_files("arrow") + shard_files("json"))
+
+
 def all_outputs():
     return [
+        *shards_kept(),
         *([] if STREAM else [f"{RESULTS}/hidden/verify.json"]),
         f"{RESULTS}/drafter/config.json",
         f"{RESULTS}/eval/summary.json",
@@ -376,3 +386,24 @@ def rerun_command():
 # Through the environment, not a param: the way the workflow was started must not rerun the verify.
 # setdefault: a job that runs Snakemake again (a cluster job) keeps the command of the first.
 os.environ.setdefault("FLASHDRAFT_RERUN", rerun_command())
+
+
+def say_deleted_shards():
+    """One line naming the shards deleted since the run that used them (the default target makes them
+    again)."""
+    made_from = f"{PLAN}/plan.json" if STREAM else f"{RESULTS}/hidden/verify.json"
+    gone = deleted_shards(shards_kept(), made_from)
+    if gone:
+        print(f"note: {deleted_line(gone, rerun_command())}", file=sys.stderr)
+
+
+def say_store_leftovers():
+    """A stream-mode run: the store-mode shards of an earlier run, which nothing reads now, in one line."""
+    line = store_leftovers(f"{RESULTS}/hidden") if STREAM else None
+    if line:
+        print(f"note: {line}", file=sys.stderr)
+
+
+if workflow.is_main_process:  # not again in each job a cluster or a subprocess runs
+    say_deleted_shards()
+    say_store_leftovers()
