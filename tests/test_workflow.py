@@ -406,6 +406,15 @@ def test_jobs_keep_their_bytecode_where_the_environment_forbids_writing_it(small
     assert {"train", "hidden", "regenerate", "evaluate", "report"} <= cached
 
 
+def test_each_long_job_puts_its_status_on_the_console(small_run):
+    """The run's console (Snakemake's stderr) shows each long job's status line, its last at least, while
+    its log keeps the whole bar."""
+    lines = [line for line in small_run[2].stderr.splitlines() if line.startswith("[")]
+    for job in ("regenerate 00000", "hidden_shard 00001", "train", "evaluate 00000"):
+        assert any(line.startswith(f"[{job}] ") and "(100%)" in line for line in lines), (job, lines)
+    assert any(line.startswith("[train] train: ") and "loss=" in line and "tau=" in line for line in lines)
+
+
 def test_complete_run_has_nothing_to_do(small_run):
     work, config, _ = small_run
     proc = snakemake(work, "-n", "--cores", "2", config=config)

@@ -32,7 +32,7 @@ from flashdraft.config_check import (  # noqa: E402
     target_problem,
 )
 from flashdraft.gpu import gpu_capabilities, visible_gpus  # noqa: E402
-from flashdraft.io import file_digests  # noqa: E402
+from flashdraft.io import console_env, file_digests  # noqa: E402
 from flashdraft.reruns import deleted_line, deleted_shards, store_leftovers  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
 from flashdraft.launch import on_every_node, torchrun  # noqa: E402
@@ -388,6 +388,12 @@ def rerun_command():
 os.environ.setdefault("FLASHDRAFT_RERUN", rerun_command())
 
 
+def share_console():
+    """The jobs' status lines (flashdraft.io.progress) go to this process's stderr, the console the user
+    watches, while their output goes to their logs. Through the environment, which no rerun compares."""
+    os.environ.update(console_env())
+
+
 def say_deleted_shards():
     """One line naming the shards deleted since the run that used them (the default target makes them
     again)."""
@@ -407,3 +413,4 @@ def say_store_leftovers():
 if workflow.is_main_process:  # not again in each job a cluster or a subprocess runs
     say_deleted_shards()
     say_store_leftovers()
+    share_console()
