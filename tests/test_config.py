@@ -115,6 +115,50 @@ def test_a_schema_mistake_is_one_line_naming_the_key():
     check_schema(yaml.safe_load((REPO / "config" / "production.yaml").read_text()), SCHEMA)
 
 
+def test_every_problem_of_a_config_is_one_line_at_once():
+    """The checks before any job gathered: three independent mistakes, three lines in one error (each in
+    its own words), and the warnings still returned where nothing is wrong."""
+    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg.prompts.min_chars, cfg.prompts.max_chars = 50, 10
+    cfg.train.loss, cfg.drafter.sliding_window = "mean", 4
+    with pytest.raises(UserError) as e:
+        check(cfg)
+    assert str(e.value).splitlines() == [
+        "config keys prompts.min_chars (50) > prompts.max_chars (10) would reject every prompt; make "
+        "min_chars <= max_chars",
+        "config key drafter.sliding_window (4) < drafter.block_size (8): a window must hold a whole block; "
+        "use a window of at least the block size, or null for none",
+        "config key train.loss: 'mean'; use one of decay, dpace"]
+
+
+def test_every_schema_mistake_is_a_line_and_the_rest_of_the_config_is_still_checked():
+    from flashdraft.config_check import schema_problems, schema_valid_part
+
+    data = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    data["train"].update(lrr=1.0, epochs="six")
+    data["prompts"]["sources"][1]["format"] = "csv"
+    assert schema_problems(data, SCHEMA, "my.yaml: ") == [
+        "my.yaml: config key prompts.sources.1.format: 'csv' is not one of ['auto', 'jsonl', 'json', "
+        "'parquet', 'arrow', 'hf']",
+        "my.yaml: config key train: Additional properties are not allowed ('lrr' was unexpected)",
+        "my.yaml: config key train.epochs: 'six' is not of type 'integer'"]
+    part = schema_valid_part(data, SCHEMA)  # without the three: the defaults stand
+    assert "lrr" not in part["train"] and "epochs" not in part["train"]
+    assert "format" not in part["prompts"]["sources"][1] and data["train"]["lrr"] == 1.0
+    del data["target"]["path"]  # a required key: no Config to check further
+    assert schema_valid_part(data, SCHEMA) is None
+
+
+def test_a_target_after_configfile_is_named_as_one():
+    from flashdraft.config_check import configfile_problems
+
+    assert configfile_problems(["my.yaml", "config/a.json"], "results") == []
+    assert configfile_problems(["my.yaml", "results/hidden/shard-00001.json", "x.arrow"], "results") == [
+        f"--configfile {p}: not a config but a target (--configfile takes every path after it); put targets "
+        f"before --configfile or after --: snakemake --cores all --configfile <config> -- {p}"
+        for p in ("results/hidden/shard-00001.json", "x.arrow")]
+
+
 def test_section_json_fills_defaults():
     t = load_section(TrainConfig, '{"lr": 0.001}', "train")
     assert t.lr == 0.001 and t.epochs == 6 and t.max_anchors == 512

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from conftest import REPO, SMALL, cache_misses, headless_dom, job_counts, snakemake, write_config
 
+from flashdraft.io import human_bytes
 from flashdraft.shards import shard_of
 
 pytestmark = pytest.mark.slow
@@ -85,6 +86,38 @@ def test_a_config_mistake_is_one_line_before_any_job(tmp_path, overrides, expect
     assert proc.returncode != 0 and expected in out.splitlines(), out
     assert "Traceback" not in out and len(out.splitlines()) < 10, out
     assert "Job stats" not in out and not (tmp_path / "results").exists()
+
+
+def test_every_problem_of_a_first_config_is_reported_in_one_dry_run(tmp_path):
+    """A typo, a model not downloaded yet, more GPUs than the node has: one line each, all in one run,
+    and no job."""
+    config = write_config(tmp_path / "config.yaml", {"train.lrr": 1.0, "gpus.target": 64,
+                                                     "target": {"path": "models/mine", "build_toy": False}})
+    proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode != 0 and "Traceback" not in lines
+    assert {"config key train: Additional properties are not allowed ('lrr' was unexpected)",
+            "config key target.path: 'models/mine' is not a local Hugging Face model directory (no "
+            "config.json); download the model there or set target.build_toy: true",
+            "config key gpus.target: asks for 64 GPU(s) but 0 are visible (set gpus.check_visible: false "
+            "when jobs run on other nodes)"} <= set(lines), lines
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_target_written_after_configfile_is_named_before_any_job(tmp_path):
+    """`--configfile my.yaml results/eval/summary.json`: Snakemake reads the target as a second config
+    (a JSON file it can read); the workflow says so in one line instead of naming the output's keys."""
+    config = write_config(tmp_path / "config.yaml", {})
+    (tmp_path / "results" / "eval").mkdir(parents=True)
+    (tmp_path / "results" / "eval" / "summary.json").write_text('{"dflash": {}}')
+    target = tmp_path / "results" / "eval" / "summary.json"
+    proc = snakemake(tmp_path, "-n", "--cores", "1", "--configfile", str(config), str(target), check=False)
+    out = proc.stdout + proc.stderr
+    line = ("--configfile results/eval/summary.json: not a config but a target (--configfile takes every "
+            "path after it); put targets before --configfile or after --: snakemake --cores all --configfile "
+            "<config> -- results/eval/summary.json")  # relative to the working directory
+    assert proc.returncode != 0 and line in out.splitlines(), out
+    assert "dflash" not in out, out
 
 
 def test_remote_code_target_fails_before_any_job(tmp_path):
@@ -373,6 +406,15 @@ def test_jobs_keep_their_bytecode_where_the_environment_forbids_writing_it(small
     assert {"train", "hidden", "regenerate", "evaluate", "report"} <= cached
 
 
+def test_each_long_job_puts_its_status_on_the_console(small_run):
+    """The run's console (Snakemake's stderr) shows each long job's status line, its last at least, while
+    its log keeps the whole bar."""
+    lines = [line for line in small_run[2].stderr.splitlines() if line.startswith("[")]
+    for job in ("regenerate 00000", "hidden_shard 00001", "train", "evaluate 00000"):
+        assert any(line.startswith(f"[{job}] ") and "(100%)" in line for line in lines), (job, lines)
+    assert any(line.startswith("[train] train: ") and "loss=" in line and "tau=" in line for line in lines)
+
+
 def test_complete_run_has_nothing_to_do(small_run):
     work, config, _ = small_run
     proc = snakemake(work, "-n", "--cores", "2", config=config)
@@ -437,6 +479,36 @@ def test_a_rerun_regeneration_shard_reruns_only_its_own_downstream(small_run):
     assert counts["regenerate"] == 1 and counts["hidden_shard"] == 1 and "prompts" not in counts
     # shard 0 of the regeneration and hidden shards stays (the one evaluation job is --shard 00000 of 1)
     assert "--shard 00001 --num-shards 2" in proc.stdout and "--shard 00000 --num-shards 2" not in proc.stdout
+
+
+@pytest.mark.parametrize("deleted, rerun", [
+    ("hidden/shard-00001.arrow", {"hidden_shard": 1}),
+    ("regenerated/train/shard-00000.parquet", {"regenerate": 1, "hidden_shard": 1}),
+], ids=["hidden", "regenerated"])
+def test_a_plain_rerun_makes_a_deleted_shard_again_with_what_depends_on_it(small_run, tmp_path, deleted,
+                                                                            rerun):
+    """Snakemake makes a missing file again only for a job that runs: rule all asks for every shard, so the
+    plain rerun makes a deleted one again, and the stages after it, not the others; one line says so."""
+    work = tmp_path / "run"
+    shutil.copytree(small_run[0], work, symlinks=True, ignore=shutil.ignore_patterns("pycache"))
+    (work / "results" / deleted).unlink()
+    proc = snakemake(work, "-n", "--cores", "2", config=small_run[1])
+    after = {"hidden_verify": 1, "warmup": 1, "train": 1, "evaluate": 1, "evaluate_merge": 1, "report": 1,
+             "all": 1}
+    assert job_counts(proc.stdout) == {**rerun, **after}
+    assert (f"note: results/{deleted}: deleted since the run that used it; the plain run makes it again, "
+            "with what depends on it (snakemake ") in proc.stderr
+
+
+def test_a_stream_run_names_the_store_run_s_shards_it_leaves_on_disk(small_run, tmp_path):
+    work, config, _ = small_run
+    stream = write_config(tmp_path / "stream.yaml", {"hidden.mode": "stream", "hidden.disk_budget": "10MB"},
+                          base=config)
+    proc = snakemake(work, "-n", "--cores", "2", config=stream)
+    size = sum(p.stat().st_size for p in (work / "results" / "hidden").glob("shard-*"))
+    assert (f"note: results/hidden holds 2 store-mode hidden shard(s) ({human_bytes(size)}) that this "
+            "stream-mode run does not read; to free the space: rm results/hidden/shard-*") in proc.stderr
+    assert (work / "results" / "hidden" / "shard-00000.arrow").exists()
 
 
 def test_changed_train_param_reruns_train_onward_only(small_run, tmp_path):

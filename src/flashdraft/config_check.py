@@ -1,8 +1,10 @@
-"""The checks of a config made before any job runs, across its sections: `check` (what needs only the config
-and the target's config.json; it raises a UserError naming the key and returns warnings), `check_schema`
-(the config against workflow/schemas/config.schema.yaml, one line per mistake), train.fp8 against the GPUs
-and torchao (`fp8_problem`, `check_fp8_gpus`), and stream mode's chunks against one optimizer step
-(`check_stream`). Torch-free, like config.py: the workflow runs them at its start.
+"""The checks of a config made before any job runs, across its sections, gathered (`Problems`: every
+problem found, one line each, all reported at once): `check` (what needs only the config and the target's
+config.json; it raises a UserError naming each key and returns warnings), `check_schema` (the config against
+workflow/schemas/config.schema.yaml, one line per mistake), the files and GPUs the config names
+(`file_problems`, `gpu_problems`), train.fp8 against the GPUs and torchao (`fp8_problem`, `check_fp8_gpus`),
+stream mode's chunks against one optimizer step (`check_stream`), and a target read as a config file
+(`configfile_problems`). Torch-free, like config.py: the workflow runs them at its start.
 """
 
 from __future__ import annotations
@@ -32,60 +34,220 @@ from .hf_config import read_target_config, target_hidden_size, target_max_positi
 from .io import bytes_per_token, human_bytes
 from .objectives import OBJECTIVES
 
+# What a config file's name ends in (Snakemake reads YAML, and JSON as YAML).
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
-def check_schema(data: dict, schema_path, where: str = "") -> None:
-    """`data` against workflow/schemas/config.schema.yaml (`schema_path`), as the workflow and the planner
-    read a config: the first mistake as one line naming the key (an unknown one: its section, and the key
-    "was unexpected"), `where` (the file) before it, instead of jsonschema's dump of the whole schema."""
+
+def configfile_problems(paths, results: str) -> list[str]:
+    """--configfile takes every path after it, so a target written after it (`snakemake --configfile my.yaml
+    results/hidden/shard-00001.arrow`) is read as a config. Snakemake itself stops with a traceback on a
+    file it cannot read (a missing one, an arrow shard); the workflow sees those it could read: a file of
+    this run's directory (`results`; a shard's .json manifest) or of another kind than CONFIG_SUFFIXES."""
+    made, here = Path(results).resolve(), Path.cwd()
+    bad = [Path(p).resolve() for p in paths if Path(p).suffix not in CONFIG_SUFFIXES
+           or Path(p).resolve().is_relative_to(made)]
+    return [f"--configfile {p}: not a config but a target (--configfile takes every path after it); put "
+            f"targets before --configfile or after --: snakemake --cores all --configfile <config> -- {p}"
+            for p in (p.relative_to(here) if p.is_relative_to(here) else p for p in bad)]
+
+
+class Problems:
+    """The checks before any job, gathered: `run` calls a check and keeps the lines of the UserError it
+    raises instead of stopping there, so that the user reads every problem at once (one line each, each
+    once) and fixes them in one go."""
+
+    def __init__(self, lines=()):
+        self.lines = list(lines)
+
+    def run(self, check, *args, failed=None):
+        """`check(*args)`'s result, or `failed` once its UserError's lines are kept."""
+        try:
+            return check(*args)
+        except UserError as e:
+            self.lines += str(e).splitlines()
+            return failed
+
+    def unique(self) -> list[str]:
+        return list(dict.fromkeys(self.lines))  # a problem two checks find (a layer id) is said once
+
+    def raise_all(self) -> None:
+        if self.lines:
+            raise UserError("\n".join(self.unique()))
+
+
+def _schema_errors(data: dict, schema_path) -> list:
+    """Every mistake jsonschema finds in `data`, each at its most telling sub-error (as jsonschema.validate
+    picks its one), in the order of their keys."""
     import jsonschema
     import yaml
 
-    try:
-        jsonschema.validate(data, yaml.safe_load(Path(schema_path).read_text()))
-    except jsonschema.ValidationError as e:
-        key = ".".join(str(p) for p in e.absolute_path) or "(top level)"
-        raise UserError(f"{where}config key {key}: {e.message}") from None
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    errors = jsonschema.validators.validator_for(schema)(schema).iter_errors(data)
+    return sorted((jsonschema.exceptions.best_match([e]) for e in errors),
+                  key=lambda e: [str(p) for p in e.absolute_path])
+
+
+def schema_problems(data: dict, schema_path, where: str = "") -> list[str]:
+    """`data` against workflow/schemas/config.schema.yaml (`schema_path`), as the workflow and the planner
+    read a config: each mistake as one line naming the key (an unknown one: its section, and the key "was
+    unexpected"), `where` (the file) before it, instead of jsonschema's dump of the whole schema."""
+    return [f"{where}config key {'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}"
+            for e in _schema_errors(data, schema_path)]
+
+
+def check_schema(data: dict, schema_path, where: str = "") -> None:
+    """schema_problems as a UserError, one line per mistake."""
+    Problems(schema_problems(data, schema_path, where)).raise_all()
+
+
+def schema_valid_part(data: dict, schema_path) -> dict | None:
+    """A copy of `data` without what the schema refuses (an unknown key; a wrong value, whose default then
+    stands), so that the checks that need a Config run beside the schema's lines; None when that is not
+    enough (a required key, a config that is no mapping)."""
+    import copy
+
+    part = copy.deepcopy(data)
+    for e in reversed(_schema_errors(data, schema_path)):  # a list's later items first: indices hold
+        path = list(e.absolute_path)
+        if e.validator == "additionalProperties":
+            holder = _at(part, path)
+            for key in set(holder) - set(e.schema.get("properties", {})):
+                del holder[key]
+        elif path:
+            del _at(part, path[:-1])[path[-1]]
+        else:
+            return None
+    return None if _schema_errors(part, schema_path) else part
+
+
+def _at(data, path: list):
+    for key in path:
+        data = data[key]
+    return data
 
 
 def check(cfg: Config, target: dict | None = None) -> list[str]:
-    """What needs only the config and the target's config.json (`target`: that file's contents, when it
-    is not at target.path yet), checked before any job runs: raises a UserError naming the key; returns
-    warnings."""
-    from .managed_server import server_argv
-    from .toy import TOY_MAX_POSITIONS
+    """config_problems as a UserError naming every problem, one line each; returns the warnings."""
+    problems, warnings = config_problems(cfg, target)
+    Problems(problems).raise_all()
+    return warnings
 
+
+def config_problems(cfg: Config, target: dict | None = None) -> tuple[list[str], list[str]]:
+    """What needs only the config and the target's config.json (`target`: that file's contents, when it
+    is not at target.path yet; {}: unknown), checked before any job runs: every problem as a line naming
+    the key, and the warnings."""
+    from .managed_server import server_argv
+
+    found = Problems()
     if cfg.drafter.init_from:
-        init_files(cfg.drafter.init_from)
-    p = cfg.prompts
+        found.run(init_files, cfg.drafter.init_from)
+    found.run(_check_chars, cfg.prompts)
+    if cfg.target.build_toy:  # the toy target is built later, from toy.num_layers
+        target = None
+    elif target is None:
+        target = found.run(read_target_config, cfg.target.path, failed={})
+    n = cfg.toy.num_layers if target is None else target_num_layers(target)
+    if n:
+        found.run(feature_layers, n, cfg.drafter)
+    found.run(_check_lengths, cfg, target)
+    r = cfg.regenerate
+    if r.enabled and r.backend == "server":
+        found.run(server_argv, r.server_cmd, "target", 1, r.server_gpus)  # the template's mistakes
+    t, world = cfg.train, max(1, cfg.gpus.drafter) * cfg.gpus.drafter_nodes
+    found.run(_check_global_batch, t, world)
+    found.run(_check_window, cfg.drafter)
+    found.run(_one_of, "train.loss", t.loss, OBJECTIVES)
+    found.run(_one_of, "train.compile_scope", t.compile_scope, COMPILE_SCOPES)
+    if t.fp8 is not None and t.fp8 not in FP8_RECIPES:
+        found.run(_one_of, "train.fp8", t.fp8, FP8_RECIPES, ", or null")
+    else:  # the GPUs themselves: check_fp8_gpus, where they run
+        found.run(_raise, fp8_problem(t.fp8, cfg.gpus.drafter > 0))
+    found.run(check_validation, t, cfg.prompts.total)
+    if cfg.hidden.mode == "stream":  # the data plan's sizing, before the hours of regeneration it follows
+        found.run(_check_stream_config, cfg, target, n, world)
+    return found.unique(), config_warnings(cfg)
+
+
+def target_problem(cfg: Config) -> str | None:
+    """target.path without a config.json (a model not downloaded there yet), as the workflow says it."""
+    t = cfg.target
+    if not t.build_toy and not (Path(t.path) / "config.json").exists():
+        return (f"config key target.path: {t.path!r} is not a local Hugging Face model directory (no "
+                "config.json); download the model there or set target.build_toy: true")
+    return None
+
+
+def file_problems(cfg: Config, results: str) -> list[str]:
+    """The target directory and the prompt source files the config names, where they should be before any
+    job (`results`: the run's directory, where the toy's sources are made)."""
+    lines = [line for line in [target_problem(cfg)] if line]
+    for s in cfg.prompts.sources:
+        key = f"config key prompts.sources[{s.name}].path: {s.path!r}"
+        if s.format == "hf":
+            continue
+        if not Path(s.path).exists() and not s.path.startswith(f"{results}/toy/"):
+            hub = len(Path(s.path).parts) == 2 and not Path(s.path).suffix  # an id such as org/dataset
+            lines.append(f"{key} does not exist" + ("; for a Hugging Face Hub dataset id, set format: hf"
+                                                     if hub else ""))
+        elif Path(s.path).is_dir():
+            lines.append(f"{key} is a directory; point it at a file (jsonl, json, parquet, arrow), or set "
+                         "format: hf to read a folder of data files")
+    return lines
+
+
+def gpu_problems(cfg: Config, visible: int, srun: bool) -> list[str]:
+    """The GPUs the config asks for against the `visible` ones, and several training nodes against SLURM
+    (`srun`: whether srun is here); none when gpus.check_visible is false (the jobs run elsewhere)."""
+    if not cfg.gpus.check_visible:
+        return []
+    asked = {"gpus.target": cfg.gpus.target, "gpus.drafter": cfg.gpus.drafter}
+    if cfg.regenerate.backend == "server":
+        asked["regenerate.server_gpus"] = cfg.regenerate.server_gpus
+    lines = [f"config key {key}: asks for {n} GPU(s) but {visible} are visible (set gpus.check_visible: "
+             "false when jobs run on other nodes)" for key, n in asked.items() if n > visible]
+    if cfg.gpus.drafter_nodes > 1 and not srun:
+        lines.append(f"config key gpus.drafter_nodes: {cfg.gpus.drafter_nodes} nodes need SLURM (no srun "
+                     "here); run with --profile workflow/profiles/slurm (set gpus.check_visible: false to "
+                     "submit anyway)")
+    return lines
+
+
+def _raise(problem: str | None) -> None:
+    if problem:
+        raise UserError(problem)
+
+
+def _one_of(key: str, value, choices, more: str = "") -> None:
+    if value not in choices:
+        raise UserError(f"config key {key}: {value!r}; use one of {', '.join(choices)}{more}")
+
+
+def _check_chars(p) -> None:
     if p.min_chars > p.max_chars:
         raise UserError(
             f"config keys prompts.min_chars ({p.min_chars}) > prompts.max_chars ({p.max_chars}) would reject "
             "every prompt; make min_chars <= max_chars"
         )
-    # the toy target is built later, from toy.num_layers
-    if cfg.target.build_toy:
-        target = None
-    elif target is None:
-        target = read_target_config(cfg.target.path)
-    n = cfg.toy.num_layers if target is None else target_num_layers(target)
-    if n:
-        feature_layers(n, cfg.drafter)
+
+
+def _check_lengths(cfg: Config, target: dict | None) -> None:
+    """The lengths against the target's max_position_embeddings (an answer needs one prompt token at
+    least): each key too long is a line."""
+    from .toy import TOY_MAX_POSITIONS
+
     limit = TOY_MAX_POSITIONS if target is None else target_max_positions(target)
-    if limit:  # an answer needs one prompt token at least
-        lengths = {"hidden.max_length": (cfg.hidden.max_length, limit),
-                   "eval.max_new_tokens": (cfg.eval.max_new_tokens, limit - 1)}
-        if cfg.regenerate.enabled:
-            lengths["regenerate.max_new_tokens"] = (cfg.regenerate.max_new_tokens, limit - 1)
-        for key, (value, most) in lengths.items():
-            if value > most:
-                raise UserError(
-                    f"config key {key} ({value}) does not fit the target's max_position_embeddings "
-                    f"({limit}); use at most {most}"
-                )
-    r = cfg.regenerate
-    if r.enabled and r.backend == "server":
-        server_argv(r.server_cmd, "target", 1, r.server_gpus)  # the template's mistakes, before any job
-    t, world = cfg.train, max(1, cfg.gpus.drafter) * cfg.gpus.drafter_nodes
+    if not limit:
+        return
+    lengths = {"hidden.max_length": (cfg.hidden.max_length, limit),
+               "eval.max_new_tokens": (cfg.eval.max_new_tokens, limit - 1)}
+    if cfg.regenerate.enabled:
+        lengths["regenerate.max_new_tokens"] = (cfg.regenerate.max_new_tokens, limit - 1)
+    Problems(f"config key {key} ({value}) does not fit the target's max_position_embeddings ({limit}); use "
+             f"at most {most}" for key, (value, most) in lengths.items() if value > most).raise_all()
+
+
+def _check_global_batch(t: TrainConfig, world: int) -> None:
     g = t.global_batch_tokens
     if g and (g % t.batch_tokens or g < world * t.batch_tokens):
         raise UserError(
@@ -93,32 +255,31 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
             f"({t.batch_tokens}) and hold a micro-batch for each of the {world} training process(es): "
             f"use a multiple of {t.batch_tokens} from {world * t.batch_tokens} up, or 0"
         )
-    w, bs = cfg.drafter.sliding_window, cfg.drafter.block_size
+
+
+def _check_window(d) -> None:
+    w, bs = d.sliding_window, d.block_size
     if w is not None and w < bs:
         raise UserError(
             f"config key drafter.sliding_window ({w}) < drafter.block_size ({bs}): a window must hold a "
             "whole block; use a window of at least the block size, or null for none"
         )
-    if cfg.drafter.family == "dspark" and w is not None:
+    if d.family == "dspark" and w is not None:
         raise UserError("config key drafter.sliding_window: drafter.family dspark has no sliding window; set "
                         "null")
-    if t.loss not in OBJECTIVES:
-        raise UserError(f"config key train.loss: {t.loss!r}; use one of {', '.join(OBJECTIVES)}")
-    if t.compile_scope not in COMPILE_SCOPES:
-        raise UserError(f"config key train.compile_scope: {t.compile_scope!r}; use one of "
-                        f"{', '.join(COMPILE_SCOPES)}")
-    if t.fp8 is not None and t.fp8 not in FP8_RECIPES:
-        raise UserError(f"config key train.fp8: {t.fp8!r}; use one of {', '.join(FP8_RECIPES)}, or null")
-    problem = fp8_problem(t.fp8, cfg.gpus.drafter > 0)  # the GPUs themselves: check_fp8_gpus, where they run
-    if problem:
-        raise UserError(problem)
-    check_validation(t, p.total)
-    if cfg.hidden.mode == "stream":  # the data plan's sizing, before the hours of regeneration it follows
-        h = cfg.toy.hidden_size if target is None else target_hidden_size(target)
-        if n and h:
-            per_token = bytes_per_token(cfg.hidden.dtype, len(feature_layers(n, cfg.drafter)), h,
-                                        needs_last_hidden(cfg.drafter))
-            check_stream(cfg.hidden, t, micro_per_step(t, world), per_token)
+
+
+def _check_stream_config(cfg: Config, target: dict | None, n: int | None, world: int) -> None:
+    h = cfg.toy.hidden_size if target is None else target_hidden_size(target)
+    if n and h:
+        per_token = bytes_per_token(cfg.hidden.dtype, len(feature_layers(n, cfg.drafter)), h,
+                                    needs_last_hidden(cfg.drafter))
+        check_stream(cfg.hidden, cfg.train, micro_per_step(cfg.train, world), per_token)
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """What may be meant but is likely a mistake: printed, and the run goes on."""
+    t, p = cfg.train, cfg.prompts
     warnings = []
     if t.fp8 is not None and importlib.util.find_spec("torchao") is None:
         warnings.append(f"config key train.fp8 ({t.fp8}) needs torchao, which this environment lacks: "
@@ -128,9 +289,9 @@ def check(cfg: Config, target: dict | None = None) -> list[str]:
             f"config key hidden.shards: {cfg.hidden.shards} shards for at most {p.total} training prompts "
             "(prompts.total): some shards will be empty; lower hidden.shards"
         )
-    if cfg.train.val_samples * VAL_WARN_RATIO > p.total:  # all of them raised above
+    if t.val_samples * VAL_WARN_RATIO > p.total:  # all of them raised above
         warnings.append(
-            f"config key train.val_samples: {cfg.train.val_samples} of at most {p.total} training prompts "
+            f"config key train.val_samples: {t.val_samples} of at most {p.total} training prompts "
             f"(prompts.total) are held out of training; use a few percent, or 0 for no validation"
         )
     return warnings

@@ -171,14 +171,101 @@ def write_parquet(table, path) -> None:
 
 
 def progress(iterable=None, **kwargs):
-    """tqdm with rate and ETA; in log files (no TTY) it prints a line every 10 s instead of redrawing."""
+    """tqdm with rate and ETA; in log files (no TTY) it prints a line every 10 s instead of redrawing. A job
+    the workflow started also puts its status on the workflow's console (console_status)."""
     from tqdm import tqdm
+
+    class Bar(tqdm):
+        def display(self, *args, **kw):  # tqdm's own throttle (mininterval) calls it: no cost between
+            if self.console is not None:
+                self.console.line(console_line(self))
+            return super().display(*args, **kw)
+
+        def close(self):
+            if self.console is not None and not self.disable:
+                self.console.line(console_line(self), final=True)
+                self.console = None
+            super().close()
 
     tty = sys.stderr.isatty()
     kwargs.setdefault("mininterval", 0.5 if tty else 10.0)
     kwargs.setdefault("dynamic_ncols", tty)
     kwargs.setdefault("ascii", not tty)
-    return tqdm(iterable, file=sys.stderr, **kwargs)
+    Bar.console = kwargs.pop("console", None) or console_status()
+    return Bar(iterable, file=sys.stderr, **kwargs)
+
+
+# The console of the Snakemake run that started this job (/proc/<its pid>/fd/2) and its host, set by
+# workflow/rules/common.smk: a job's log takes its output, and this its status line.
+CONSOLE_ENV, CONSOLE_HOST_ENV = "FLASHDRAFT_CONSOLE", "FLASHDRAFT_CONSOLE_HOST"
+CONSOLE_EVERY_S = 30.0  # a long job's status line on the console, at most this often
+CONSOLE_FORMAT = ("{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) [{elapsed} elapsed, ETA {remaining}, "
+                  "{rate_fmt}{postfix}]")
+CONSOLE_FORMAT_OPEN = "{desc}: {n_fmt} [{elapsed} elapsed, {rate_fmt}{postfix}]"  # no total known
+
+
+class Throttle:
+    """Lines at most every `every_s` seconds, none before the first `every_s` has passed (Snakemake shows the
+    job's start), and the last always (`final`)."""
+
+    def __init__(self, write, every_s: float = CONSOLE_EVERY_S, clock=time.monotonic):
+        self.write, self.every_s, self.clock = write, every_s, clock
+        self.last = clock()
+
+    def line(self, text: str, final: bool = False) -> None:
+        now = self.clock()
+        if final or now - self.last >= self.every_s:
+            self.last = now
+            self.write(text)
+
+
+def console_env() -> dict:
+    """The environment that sends the status lines of the jobs this process starts to its stderr (on this
+    host: a job elsewhere opens no path of this one); none where /proc does not show it, nor where stderr
+    is a file written at its own offset (`> run.log`, not `>> run.log`): a job's line there would be
+    written over."""
+    import fcntl
+    import socket
+    import stat
+
+    console = Path("/proc", str(os.getpid()), "fd", "2")
+    if not console.exists() or (stat.S_ISREG(os.fstat(2).st_mode)
+                                and not fcntl.fcntl(2, fcntl.F_GETFL) & os.O_APPEND):
+        return {}
+    return {CONSOLE_ENV: str(console), CONSOLE_HOST_ENV: socket.gethostname()}
+
+
+def console_status() -> Throttle | None:
+    """This job's status lines to the console of the workflow that started it, or None: outside a workflow,
+    or on another host than it (a SLURM job: its output goes to the SLURM log)."""
+    import socket
+
+    path = os.environ.get(CONSOLE_ENV)
+    if not path or os.environ.get(CONSOLE_HOST_ENV) != socket.gethostname():
+        return None
+
+    def write(text: str) -> None:
+        try:
+            with open(path, "a") as f:  # appends where the console is a file (nohup, a redirect)
+                f.write(text + "\n")
+        except OSError:  # the workflow has gone, or its stderr cannot be opened again (a socket)
+            pass
+
+    return Throttle(write)
+
+
+def console_line(bar) -> str:
+    """A bar's status in one line: its job (the script, its --shard), stage, done/total, elapsed<ETA, rate
+    and postfix (training's loss and tau)."""
+    fmt = CONSOLE_FORMAT if bar.total else CONSOLE_FORMAT_OPEN
+    line = bar.format_meter(**{**bar.format_dict, "bar_format": fmt, "ncols": None})
+    return f"[{job_label()}] " + " ".join(line.split())  # tqdm pads its rate
+
+
+def job_label(argv=None) -> str:
+    argv = sys.argv if argv is None else argv
+    shard = argv[argv.index("--shard") + 1:][:1] if "--shard" in argv else []
+    return " ".join([Path(argv[0]).stem if argv and argv[0] else "flashdraft", *shard])
 
 
 _T0 = time.perf_counter()

@@ -20,20 +20,60 @@ from flashdraft.config import (  # noqa: E402
     needs_last_hidden,
     run_config_digest,
 )
-from flashdraft.config_check import check, check_fp8_gpus, check_schema  # noqa: E402
-from flashdraft.errors import UserError  # noqa: E402
+from flashdraft.config_check import (  # noqa: E402
+    Problems,
+    check_fp8_gpus,
+    config_problems,
+    configfile_problems,
+    file_problems,
+    gpu_problems,
+    schema_problems,
+    schema_valid_part,
+    target_problem,
+)
 from flashdraft.gpu import gpu_capabilities, visible_gpus  # noqa: E402
-from flashdraft.io import file_digests  # noqa: E402
+from flashdraft.io import console_env, file_digests  # noqa: E402
+from flashdraft.reruns import deleted_line, deleted_shards, store_leftovers  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
 from flashdraft.launch import on_every_node, torchrun  # noqa: E402
 
 
-try:  # one line naming the key; Snakemake's validate would print the whole schema
-    check_schema(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
-except UserError as e:
-    raise WorkflowError(str(e)) from None
-validate(config, schema="../schemas/config.schema.yaml")
-CFG = from_dict(Config, config)
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+
+
+def read_config():
+    """The config as a Config, once every check that needs no job has run: all the problems found, one line
+    each, end the run in one WorkflowError before any job (the warnings are printed either way)."""
+    results = str(config.get("results", "results"))
+    found = Problems(configfile_problems(workflow.overwrite_configfiles, results))
+    if not found.lines:  # a target read as a config: its keys' lines would only hide that
+        found.lines += schema_problems(config, SCHEMA)  # one line naming each key, not the whole schema
+        if not found.lines:
+            validate(config, schema="../schemas/config.schema.yaml")  # fills in the schema's defaults
+        data = schema_valid_part(config, SCHEMA) if found.lines else config
+        if data is not None:
+            cfg = from_dict(Config, data)
+            problems, warnings = config_problems(cfg, {} if target_problem(cfg) else None)
+            found.lines += file_problems(cfg, cfg.results.rstrip("/")) + problems + run_here_problems(cfg)
+            for w in warnings:
+                print(f"warning: {w}", file=sys.stderr)
+    if found.lines:
+        raise WorkflowError("\n".join(found.unique()))
+    return cfg
+
+
+def run_here_problems(cfg):
+    """The GPUs (and srun) of this node, when the jobs run here (gpus.check_visible): their count, and
+    train.fp8 against their compute capability."""
+    if not cfg.gpus.check_visible:
+        return []
+    found = Problems(gpu_problems(cfg, len(visible_gpus()), shutil.which("srun") is not None))
+    if cfg.train.fp8:
+        found.run(check_fp8_gpus, cfg, gpu_capabilities())
+    return found.lines
+
+
+CFG = read_config()
 
 PY = sys.executable
 SCRIPTS = REPO / "scripts"
@@ -53,57 +93,6 @@ HIDDEN_DRAFTER_KEYS = ("num_layers", "target_layer_ids")
 # drafter.family trains on the target's last hidden state: the hidden shards hold it too (one more column)
 LAST_HIDDEN = needs_last_hidden(CFG.drafter)
 LAST_HIDDEN_FLAGS = ["--last-hidden"] if LAST_HIDDEN else []  # the stages' flag (see last_hidden_params)
-
-
-def check_config():
-    """Fail before any job runs, naming the key, on what the schema cannot see."""
-    t = CFG.target
-    if not t.build_toy and not (Path(t.path) / "config.json").exists():
-        raise WorkflowError(
-            f"config key target.path: {t.path!r} is not a local Hugging Face model directory "
-            "(no config.json); download the model there or set target.build_toy: true"
-        )
-    for s in CFG.prompts.sources:
-        if s.format != "hf" and not Path(s.path).exists() and not s.path.startswith(f"{RESULTS}/toy/"):
-            hub = len(Path(s.path).parts) == 2 and not Path(s.path).suffix  # an id such as org/dataset
-            hint = "; for a Hugging Face Hub dataset id, set format: hf" if hub else ""
-            raise WorkflowError(f"config key prompts.sources[{s.name}].path: {s.path!r} does not exist{hint}")
-        if s.format != "hf" and Path(s.path).is_dir():
-            raise WorkflowError(
-                f"config key prompts.sources[{s.name}].path: {s.path!r} is a directory; point it at a file "
-                "(jsonl, json, parquet, arrow), or set format: hf to read a folder of data files"
-            )
-    if CFG.gpus.check_visible:
-        n = len(visible_gpus())
-        for key in ("target", "drafter"):
-            asked = getattr(CFG.gpus, key)
-            if asked > n:
-                raise WorkflowError(
-                    f"config key gpus.{key}: asks for {asked} GPU(s) but {n} are visible "
-                    "(set gpus.check_visible: false when jobs run on other nodes)"
-                )
-        asked = CFG.regenerate.server_gpus
-        if CFG.regenerate.backend == "server" and asked > n:
-            raise WorkflowError(
-                f"config key regenerate.server_gpus: asks for {asked} GPU(s) but {n} are visible "
-                "(set gpus.check_visible: false when jobs run on other nodes)"
-            )
-        if CFG.gpus.drafter_nodes > 1 and shutil.which("srun") is None:
-            raise WorkflowError(
-                f"config key gpus.drafter_nodes: {CFG.gpus.drafter_nodes} nodes need SLURM (no srun here); "
-                "run with --profile workflow/profiles/slurm (set gpus.check_visible: false to submit anyway)"
-            )
-    try:
-        warnings = check(CFG)
-        if CFG.gpus.check_visible and CFG.train.fp8:  # the jobs train here: their GPUs' capability
-            check_fp8_gpus(CFG, gpu_capabilities())
-    except UserError as e:
-        raise WorkflowError(str(e)) from e
-    for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
-
-
-check_config()
 
 
 def check_last_hidden():
@@ -358,8 +347,16 @@ def eval_shard_files():
     return [f"{RESULTS}/eval/shards/shard-{i:05d}.parquet" for i in range(eval_shards())]
 
 
+def shards_kept():
+    """The shards a finished run keeps, inputs of the default target `all`: a plain rerun makes one deleted
+    by hand again, with what depends on it (Snakemake makes a missing file only for a job that runs).
+    Stream mode's hidden chunks are temp(): not these."""
+    return regenerated() + (tokens_files() if STREAM else shard_files("arrow") + shard_files("json"))
+
+
 def all_outputs():
     return [
+        *shards_kept(),
         *([] if STREAM else [f"{RESULTS}/hidden/verify.json"]),
         f"{RESULTS}/drafter/config.json",
         f"{RESULTS}/eval/summary.json",
@@ -389,3 +386,31 @@ def rerun_command():
 # Through the environment, not a param: the way the workflow was started must not rerun the verify.
 # setdefault: a job that runs Snakemake again (a cluster job) keeps the command of the first.
 os.environ.setdefault("FLASHDRAFT_RERUN", rerun_command())
+
+
+def share_console():
+    """The jobs' status lines (flashdraft.io.progress) go to this process's stderr, the console the user
+    watches, while their output goes to their logs. Through the environment, which no rerun compares."""
+    os.environ.update(console_env())
+
+
+def say_deleted_shards():
+    """One line naming the shards deleted since the run that used them (the default target makes them
+    again)."""
+    made_from = f"{PLAN}/plan.json" if STREAM else f"{RESULTS}/hidden/verify.json"
+    gone = deleted_shards(shards_kept(), made_from)
+    if gone:
+        print(f"note: {deleted_line(gone, rerun_command())}", file=sys.stderr)
+
+
+def say_store_leftovers():
+    """A stream-mode run: the store-mode shards of an earlier run, which nothing reads now, in one line."""
+    line = store_leftovers(f"{RESULTS}/hidden") if STREAM else None
+    if line:
+        print(f"note: {line}", file=sys.stderr)
+
+
+if workflow.is_main_process:  # not again in each job a cluster or a subprocess runs
+    say_deleted_shards()
+    say_store_leftovers()
+    share_console()
