@@ -190,6 +190,20 @@ def test_a_target_too_shallow_for_the_default_feature_layers_names_the_key():
     assert feature_layers(2, DrafterConfig(num_layers=2, target_layer_ids=[0, 1])) == [0, 1]
 
 
+def test_default_feature_layers_that_repeat_a_layer_are_a_warning_naming_the_key():
+    """A 4-layer target and 2 drafter layers: the formula gives [1, 1] (one layer fed twice); the run goes
+    on with a warning naming the key; distinct or explicit ids give none."""
+    from flashdraft.config_check import config_warnings
+
+    cfg = from_dict(Config, {"drafter": {"num_layers": 2}}, "config")
+    (line,) = [w for w in config_warnings(cfg, 4) if "target_layer_ids" in w]
+    assert line.startswith("config key drafter.target_layer_ids: the default ids for a target of 4 layers")
+    assert "[1, 1]" in line
+    assert not [w for w in config_warnings(cfg, 8) if "target_layer_ids" in w]  # [1, 5]
+    explicit = from_dict(Config, {"drafter": {"num_layers": 2, "target_layer_ids": [0, 3]}}, "config")
+    assert not [w for w in config_warnings(explicit, 4) if "target_layer_ids" in w]
+
+
 @pytest.mark.parametrize("text", ["[]", "null", "3"])
 def test_a_target_config_that_is_not_an_object_is_one_line(tmp_path, text):
     from flashdraft.hf_config import read_target_config

@@ -28,6 +28,7 @@ from .config import (
     rows_per_batch,
     stream_chunk_tokens,
     stream_least,
+    target_layer_ids,
 )
 from .errors import UserError
 from .hf_config import read_target_config, target_hidden_size, target_max_positions, target_num_layers
@@ -166,7 +167,7 @@ def config_problems(cfg: Config, target: dict | None = None) -> tuple[list[str],
     found.run(check_validation, t, cfg.prompts.total)
     if cfg.hidden.mode == "stream":  # the data plan's sizing, before the hours of regeneration it follows
         found.run(_check_stream_config, cfg, target, n, world)
-    return found.unique(), config_warnings(cfg)
+    return found.unique(), config_warnings(cfg, n)
 
 
 def target_problem(cfg: Config) -> str | None:
@@ -277,10 +278,16 @@ def _check_stream_config(cfg: Config, target: dict | None, n: int | None, world:
         check_stream(cfg.hidden, cfg.train, micro_per_step(cfg.train, world), per_token)
 
 
-def config_warnings(cfg: Config) -> list[str]:
+def config_warnings(cfg: Config, num_target_layers: int | None = None) -> list[str]:
     """What may be meant but is likely a mistake: printed, and the run goes on."""
-    t, p = cfg.train, cfg.prompts
+    t, p, d, n = cfg.train, cfg.prompts, cfg.drafter, num_target_layers
     warnings = []
+    ids = target_layer_ids(n, d.num_layers) if n and not d.target_layer_ids else []
+    if len(set(ids)) < len(ids) and min(ids) >= 0:  # a shallow target: the formula repeats layers
+        warnings.append(
+            f"config key drafter.target_layer_ids: the default ids for a target of {n} layers and "
+            f"{d.num_layers} drafter layers are {ids}, the same layer fed more than once; set "
+            f"drafter.target_layer_ids to distinct ids in 0..{n - 1}, or lower drafter.num_layers")
     if t.fp8 is not None and importlib.util.find_spec("torchao") is None:
         warnings.append(f"config key train.fp8 ({t.fp8}) needs torchao, which this environment lacks: "
                         "training stops at its start; pip install torchao, or set train.fp8: null")
