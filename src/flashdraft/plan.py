@@ -133,10 +133,20 @@ def _hours(h) -> str:
     return "-" if h is None else f"{h:.1f}"
 
 
+# Past this factor, rates scaled by parameter count overstate a small target's speed: its steps are bound by
+# kernel launches, the KV cache and data movement rather than by its weights (no benchmark at such a shape)
+SCALE_TRUSTED = 4.0
+
+
 def render(p: dict, configfile) -> str:
     n, ref = _num(p["parameters"]), _num(p["reference_parameters"])
     lines = [f"plan for {configfile}: a target of {n} parameters; the benchmarks' rates (one H200, a "
-             f"Qwen3-8B shape of {ref}) scaled by {ref} / {n} = {p['scale']:.3g}", "", "token statistics:"]
+             f"Qwen3-8B shape of {ref}) scaled by {ref} / {n} = {p['scale']:.3g}"]
+    if p["scale"] > SCALE_TRUSTED:
+        lines.append(f"  ASSUMED: a target this much smaller than the benchmarks' does not run "
+                     f"{p['scale']:.3g}x faster (its steps are bound by kernel launches and data movement, "
+                     "not its weights): read the hours below as a lower bound")
+    lines += ["", "token statistics:"]
     lines += [f"  {note}" for note in p["tokens"].notes]
     lines += ["", f"store mode, stage after stage (gpus.target and --gpus {p['gpus']} for the one-GPU jobs, "
               "gpus.drafter for training):",
