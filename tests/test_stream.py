@@ -343,10 +343,13 @@ def test_disk_watch_keeps_the_peak_while_files_and_folders_come_and_go(tmp_path)
 # 2 validation samples: their shard, kept through the run, fits the disk budget beside the ring of chunks.
 # Both modes fine-tune the drafter in init/ (a new one of another seed, exported into the work dir).
 # hidden.max_length 64 (the toy's samples run to 65 tokens): the check before any job counts a step at
-# samples of up to that length, so a 1.2 MB budget (three chunks per epoch) holds its bound of one step
+# samples of up to that length, so a 1.2 MB budget (three chunks per epoch) holds its bound of one step.
+# Eager steps in both modes (train.compile: false): what is compared is which samples and steps the chunks
+# train, bit for bit, not the compiled step (its warmup cache and hits: test_workflow's small_run); a
+# compile in each of the three runs below (store, stream, killed and rerun) took 30-40 s for nothing asserted.
 STREAM_SMALL = {**SMALL, "train.epochs": 2, "hidden.batch_tokens": 1, "train.checkpoint_every": 1,
                 "train.val_samples": 2, "train.val_every": 2, "drafter.init_from": "init",
-                "hidden.max_length": 64}
+                "hidden.max_length": 64, "train.compile": False}
 THREADS = ["--set-threads", "train=1", "train_chunk=1", "warmup=1"]
 DRAFTER = "results/drafter/config.json"
 INIT_LINE = "drafter: starting from drafter.init_from init"
