@@ -59,12 +59,40 @@ class _MarkedPopen(subprocess.Popen):
 subprocess.Popen = _MarkedPopen
 
 
-def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None, snakefile=SNAKEFILE):
-    """Run the real workflow with this interpreter's Snakemake in `workdir` (`env`: extra variables)."""
+# The workflow keeps its jobs' bytecode in the work dir's .snakemake/pycache unless PYTHONPYCACHEPREFIX is
+# set (rules/common.smk): every new work dir's first jobs would compile torch's, transformers' and Dynamo's
+# sources again (~8 s of CPU per process that imports them first, over a hundred MB). The DAG runs share one
+# prefix for the session (both workers), set by the `shared_bytecode` fixture below; small_run keeps its
+# own, as a user's run does (test_jobs_keep_their_bytecode_where_the_environment_forbids_writing_it).
+_bytecode: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_bytecode(tmp_path_factory):
+    # the parent of an xdist worker's base temp is the session's, which both workers share
+    root = tmp_path_factory.getbasetemp()
+    _bytecode.append((root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "pycache")
+    yield
+    _bytecode.clear()
+
+
+def shared_pycache(env: dict) -> dict:
+    """`env` with the jobs' bytecode in the session's shared cache, PYTHONDONTWRITEBYTECODE unset so that
+    the Snakemake process keeps its own there too (its jobs unset it whatever this says)."""
+    env = {**env, "PYTHONPYCACHEPREFIX": str(_bytecode[-1])} if _bytecode else dict(env)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None, snakefile=SNAKEFILE,
+              own_pycache=False):
+    """Run the real workflow with this interpreter's Snakemake in `workdir` (`env`: extra variables;
+    `own_pycache`: the jobs keep their bytecode in the work dir, as the workflow does by itself, not in the
+    session's shared cache)."""
     cmd = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "-d", str(workdir), *args]
     if config is not None:
         cmd += ["--configfile", str(config)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    env = dict(os.environ if own_pycache else shared_pycache(os.environ), PYTHONUNBUFFERED="1", **(env or {}))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
@@ -211,7 +239,8 @@ def small_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("dag")
     config = write_config(work / "config.yaml", SMALL)
     # as in images that forbid bytecode: the jobs keep theirs in the workflow's cache all the same
-    proc = snakemake(work, "--cores", "2", config=config, env={"PYTHONDONTWRITEBYTECODE": "1"})
+    proc = snakemake(work, "--cores", "2", config=config, env={"PYTHONDONTWRITEBYTECODE": "1"},
+                     own_pycache=True)
     return work, config, proc
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import REPO, SMALL, job_counts, snakemake, write_config
+from conftest import REPO, SMALL, job_counts, shared_pycache, snakemake, write_config
 from safetensors.torch import load_file
 
 from flashdraft.batches import epoch_batches, micro_per_step
@@ -518,7 +518,7 @@ def _wait_for(pattern, proc, timeout=900):
 def _background(work, config, *args):
     cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(work),
            "--configfile", str(config), "--cores", "2", DRAFTER, *args, *THREADS]
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = shared_pycache({k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"})
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
