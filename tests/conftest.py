@@ -85,11 +85,11 @@ def shared_pycache(env: dict) -> dict:
 
 
 def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None, snakefile=SNAKEFILE,
-              own_pycache=False):
+              entry=("-m", "snakemake"), own_pycache=False):
     """Run the real workflow with this interpreter's Snakemake in `workdir` (`env`: extra variables;
-    `own_pycache`: the jobs keep their bytecode in the work dir, as the workflow does by itself, not in the
-    session's shared cache)."""
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "-d", str(workdir), *args]
+    `entry`: how this interpreter starts Snakemake; `own_pycache`: the jobs keep their bytecode in the work
+    dir, as the workflow does by itself, not in the session's shared cache)."""
+    cmd = [sys.executable, *entry, "-s", str(snakefile), "-d", str(workdir), *args]
     if config is not None:
         cmd += ["--configfile", str(config)]
     env = dict(os.environ if own_pycache else shared_pycache(os.environ), PYTHONUNBUFFERED="1", **(env or {}))
