@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import REPO, SMALL, job_counts, shared_pycache, snakemake, write_config
+from conftest import REPO, SMALL, copy_toy, job_counts, shared_pycache, snakemake, write_config
 from safetensors.torch import load_file
 
 from flashdraft.batches import epoch_batches, micro_per_step
@@ -371,26 +371,25 @@ def _fresh_copy(src, dst):
     return dst
 
 
-def _init_drafter(work):
-    """The toy target, then a new drafter for it (seed 1, not the runs' train.seed) exported into init/."""
+def _init_drafter(work, toy):
+    """The toy target (the small config's: small_toy), then a new drafter for it (seed 1, not the runs'
+    train.seed) exported into init/."""
     import torch
 
     from flashdraft.drafter_io import export_drafter
     from flashdraft.model import DFlashDrafter
     from flashdraft.train_step import load_spec
 
-    without = {k: v for k, v in STREAM_SMALL.items() if k != "drafter.init_from"}
-    target = write_config(work / "target.yaml", without)
-    snakemake(work, "--cores", "2", "results/toy/target", config=target)
+    copy_toy(toy, work)
     spec = load_spec(work / "results" / "toy" / "target", DrafterConfig(num_layers=2, block_size=8))
     torch.manual_seed(1)
     export_drafter(DFlashDrafter(spec), spec, work / "init")
 
 
 @pytest.fixture(scope="module")
-def store_run(tmp_path_factory):
+def store_run(tmp_path_factory, small_toy):
     work = tmp_path_factory.mktemp("store")
-    _init_drafter(work)
+    _init_drafter(work, small_toy)
     config = write_config(work / "config.yaml", STREAM_SMALL)
     snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config)
     return work
