@@ -59,12 +59,40 @@ class _MarkedPopen(subprocess.Popen):
 subprocess.Popen = _MarkedPopen
 
 
-def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None, snakefile=SNAKEFILE):
-    """Run the real workflow with this interpreter's Snakemake in `workdir` (`env`: extra variables)."""
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "-d", str(workdir), *args]
+# The workflow keeps its jobs' bytecode in the work dir's .snakemake/pycache unless PYTHONPYCACHEPREFIX is
+# set (rules/common.smk): every new work dir's first jobs would compile torch's, transformers' and Dynamo's
+# sources again (~8 s of CPU per process that imports them first, over a hundred MB). The DAG runs share one
+# prefix for the session (both workers), under the `session_dir` below; small_run keeps its own, as a
+# user's run does (test_jobs_keep_their_bytecode_where_the_environment_forbids_writing_it).
+_session: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_dir(tmp_path_factory):
+    """A directory both test workers share for the session: the parent of an xdist worker's base temp."""
+    root = tmp_path_factory.getbasetemp()
+    _session.append(root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root)
+    yield _session[-1]
+    _session.clear()
+
+
+def shared_pycache(env: dict) -> dict:
+    """`env` with the jobs' bytecode in the session's shared cache, PYTHONDONTWRITEBYTECODE unset so that
+    the Snakemake process keeps its own there too (its jobs unset it whatever this says)."""
+    env = {**env, "PYTHONPYCACHEPREFIX": str(_session[-1] / "pycache")} if _session else dict(env)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None, snakefile=SNAKEFILE,
+              entry=("-m", "snakemake"), own_pycache=False):
+    """Run the real workflow with this interpreter's Snakemake in `workdir` (`env`: extra variables;
+    `entry`: how this interpreter starts Snakemake; `own_pycache`: the jobs keep their bytecode in the work
+    dir, as the workflow does by itself, not in the session's shared cache)."""
+    cmd = [sys.executable, *entry, "-s", str(snakefile), "-d", str(workdir), *args]
     if config is not None:
         cmd += ["--configfile", str(config)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    env = dict(os.environ if own_pycache else shared_pycache(os.environ), PYTHONUNBUFFERED="1", **(env or {}))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
@@ -206,12 +234,41 @@ SMALL = {
 
 
 @pytest.fixture(scope="session")
-def small_run(tmp_path_factory):
-    """The real DAG, run once to the end on the small config; tests inspect its artifacts."""
-    work = tmp_path_factory.mktemp("dag")
+def small_toy(session_dir):
+    """A work dir holding the small config's toy target (results/toy/target, its job's log and benchmark, and
+    Snakemake's record of the job), made by the real toy_target job once for the session, by whichever
+    worker asks first: the DAG runs on the small config's toy (small_run, test_stream's) start from a copy
+    (copy_toy), in which Snakemake finds the toy target up to date."""
+    import fcntl
+
+    work = session_dir / "small-toy"
+    with open(session_dir / "small-toy.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for the one making it
+        if not (work / "done").exists():
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir()
+            config = write_config(work / "config.yaml", SMALL)
+            snakemake(work, "--cores", "2", "results/toy/target", config=config)
+            (work / "done").touch()
+    return work
+
+
+def copy_toy(toy, work):
+    """The small toy target's work dir (small_toy) copied into `work`."""
+    shutil.copytree(toy, work, symlinks=True, dirs_exist_ok=True,
+                    ignore=lambda d, names: {"done", "config.yaml"} & set(names) if Path(d) == toy else set())
+    return work
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory, small_toy):
+    """The real DAG, run once to the end on the small config; tests inspect its artifacts. The toy target
+    is small_toy's, made by the same job on the same config."""
+    work = copy_toy(small_toy, tmp_path_factory.mktemp("dag"))
     config = write_config(work / "config.yaml", SMALL)
     # as in images that forbid bytecode: the jobs keep theirs in the workflow's cache all the same
-    proc = snakemake(work, "--cores", "2", config=config, env={"PYTHONDONTWRITEBYTECODE": "1"})
+    proc = snakemake(work, "--cores", "2", config=config, env={"PYTHONDONTWRITEBYTECODE": "1"},
+                     own_pycache=True)
     return work, config, proc
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import job_counts, snakemake, write_config
+from conftest import job_counts, shared_pycache, snakemake, write_config
 
 from flashdraft.hidden_verify import verify_shard
 
@@ -57,7 +57,7 @@ def test_a_corrupt_shard_is_moved_aside_and_the_rerun_rebuilds_only_it(tmp_path)
 
     # that command, run where the workflow ran (with this interpreter's Snakemake, up to the verify)
     cmd = [sys.executable, "-m", *shlex.split(rerun), VERIFY]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(shared_pycache(os.environ), PYTHONUNBUFFERED="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.pop("FLASHDRAFT_RERUN", None)
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1800, env=env)

@@ -18,6 +18,13 @@ from flashdraft.launch import on_every_node, torchrun
 pytestmark = pytest.mark.slow
 
 PROFILE = REPO / "workflow" / "profiles" / "slurm"
+# Snakemake with the SLURM executor plugin polling sacct every 2 s. The plugin waits 10 s longer after each
+# status check that finds no job finished (2, 12, 22, ... s after a job ends or starts): on this cluster a
+# 20 s job was seen done after 36 s, each of the DAG's ten levels waiting so. The jobs, their sbatch
+# lines and where they ran are the plugin's own; only how soon their ends are seen differs.
+FAST_POLL = ("-c", "import sys; from snakemake_executor_plugin_slurm import Executor; "
+             "Executor.next_seconds_between_status_checks = property(lambda self: 2, lambda self, s: None); "
+             "from snakemake.cli import main; sys.argv[0] = 'snakemake'; main()")
 
 
 def job_resources(output: str) -> dict[str, list[dict]]:
@@ -178,7 +185,7 @@ def test_default_dag_through_the_slurm_profile(cluster, tmp_path):
     config = write_config(tmp_path / "config.yaml", {**SMALL, **cheap})
     proc = snakemake(tmp_path, "--profile", str(PROFILE), "--workflow-profile", "none", "--latency-wait", "5",
                      "--slurm-init-seconds-before-status-checks", "2", config=config, check=False,
-                     env={k: cluster.env[k] for k in ("SLURM_CONF", "PATH")})
+                     env={k: cluster.env[k] for k in ("SLURM_CONF", "PATH")}, entry=FAST_POLL)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\n{cluster.logs()}"
     r = tmp_path / "results"
     assert (r / "report.html").exists() and (r / "drafter" / "model.safetensors").exists()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import REPO, SMALL, job_counts, snakemake, write_config
+from conftest import REPO, SMALL, copy_toy, job_counts, shared_pycache, snakemake, write_config
 from safetensors.torch import load_file
 
 from flashdraft.batches import epoch_batches, micro_per_step
@@ -343,10 +343,13 @@ def test_disk_watch_keeps_the_peak_while_files_and_folders_come_and_go(tmp_path)
 # 2 validation samples: their shard, kept through the run, fits the disk budget beside the ring of chunks.
 # Both modes fine-tune the drafter in init/ (a new one of another seed, exported into the work dir).
 # hidden.max_length 64 (the toy's samples run to 65 tokens): the check before any job counts a step at
-# samples of up to that length, so a 1.2 MB budget (three chunks per epoch) holds its bound of one step
+# samples of up to that length, so a 1.2 MB budget (three chunks per epoch) holds its bound of one step.
+# Eager steps in both modes (train.compile: false): what is compared is which samples and steps the chunks
+# train, bit for bit, not the compiled step (its warmup cache and hits: test_workflow's small_run); a
+# compile in each of the three runs below (store, stream, killed and rerun) took 30-40 s for nothing asserted.
 STREAM_SMALL = {**SMALL, "train.epochs": 2, "hidden.batch_tokens": 1, "train.checkpoint_every": 1,
                 "train.val_samples": 2, "train.val_every": 2, "drafter.init_from": "init",
-                "hidden.max_length": 64}
+                "hidden.max_length": 64, "train.compile": False}
 THREADS = ["--set-threads", "train=1", "train_chunk=1", "warmup=1"]
 DRAFTER = "results/drafter/config.json"
 INIT_LINE = "drafter: starting from drafter.init_from init"
@@ -368,26 +371,25 @@ def _fresh_copy(src, dst):
     return dst
 
 
-def _init_drafter(work):
-    """The toy target, then a new drafter for it (seed 1, not the runs' train.seed) exported into init/."""
+def _init_drafter(work, toy):
+    """The toy target (the small config's: small_toy), then a new drafter for it (seed 1, not the runs'
+    train.seed) exported into init/."""
     import torch
 
     from flashdraft.drafter_io import export_drafter
     from flashdraft.model import DFlashDrafter
     from flashdraft.train_step import load_spec
 
-    without = {k: v for k, v in STREAM_SMALL.items() if k != "drafter.init_from"}
-    target = write_config(work / "target.yaml", without)
-    snakemake(work, "--cores", "2", "results/toy/target", config=target)
+    copy_toy(toy, work)
     spec = load_spec(work / "results" / "toy" / "target", DrafterConfig(num_layers=2, block_size=8))
     torch.manual_seed(1)
     export_drafter(DFlashDrafter(spec), spec, work / "init")
 
 
 @pytest.fixture(scope="module")
-def store_run(tmp_path_factory):
+def store_run(tmp_path_factory, small_toy):
     work = tmp_path_factory.mktemp("store")
-    _init_drafter(work)
+    _init_drafter(work, small_toy)
     config = write_config(work / "config.yaml", STREAM_SMALL)
     snakemake(work, "--cores", "2", DRAFTER, *THREADS, config=config)
     return work
@@ -515,7 +517,7 @@ def _wait_for(pattern, proc, timeout=900):
 def _background(work, config, *args):
     cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(work),
            "--configfile", str(config), "--cores", "2", DRAFTER, *args, *THREADS]
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = shared_pycache({k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"})
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
