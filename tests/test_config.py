@@ -300,6 +300,17 @@ def test_fp8_problem_names_what_is_missing(recipe, on_gpu, gpus, torchao, expect
     assert fp8_problem(recipe, on_gpu, gpus, torchao) == expected
 
 
+def test_fp8_with_no_gpu_visible_on_the_node_is_its_own_line_beside_the_gpu_count():
+    """The workflow's start where no GPU is visible (jobs run here): float8's line says what it will need,
+    so the user fixes it with the GPU counts in one edit."""
+    from flashdraft.config_check import fp8_problem
+
+    line = fp8_problem("tensorwise", True, visible=False)
+    assert line == NEED + "no GPU is visible here; set train.fp8: null"
+    assert fp8_problem(None, True, visible=False) is None
+
+
+
 def test_fp8_on_the_cpu_is_refused_by_the_check_before_any_job():
     """production.yaml's train.fp8 with gpus.drafter: 0: the config check the workflow (and the planner)
     runs first refuses it in one line, whatever GPUs this machine has."""

@@ -308,10 +308,12 @@ def config_warnings(cfg: Config, num_target_layers: int | None = None) -> list[s
 FP8_CAPABILITY = (8, 9)
 
 
-def fp8_problem(recipe: str | None, on_gpu: bool, gpus=(), torchao: bool = True) -> str | None:
+def fp8_problem(recipe: str | None, on_gpu: bool, gpus=(), torchao: bool = True,
+                visible: bool = True) -> str | None:
     """Why train.fp8 (`recipe`) cannot train here, as the one line to print, or None: `on_gpu` whether the
     drafter trains on GPUs, `gpus` (index, name, (major, minor) or None when unknown) those it may use,
-    `torchao` whether torchao can be imported. The workflow's start and the trainer share the wording."""
+    `torchao` whether torchao can be imported, `visible` whether this node shows any GPU (the workflow's
+    start, where its jobs run here). The workflow's start and the trainer share the wording."""
     if recipe is None:
         return None
     need = (f"config key train.fp8 ({recipe}) needs a GPU with FP8 matmuls (compute capability "
@@ -319,6 +321,8 @@ def fp8_problem(recipe: str | None, on_gpu: bool, gpus=(), torchao: bool = True)
     fix = "; set train.fp8: null"
     if not on_gpu:
         return f"{need}, but the drafter trains on the CPU{fix}"
+    if not visible:
+        return f"{need}, but no GPU is visible here{fix}"
     for index, name, cap in gpus:
         if cap is not None and tuple(cap) < FP8_CAPABILITY:
             return f"{need}, but GPU {index} ({name}) has compute capability {cap[0]}.{cap[1]}{fix}"

@@ -26,6 +26,7 @@ from flashdraft.config_check import (  # noqa: E402
     config_problems,
     configfile_problems,
     file_problems,
+    fp8_problem,
     gpu_problems,
     schema_problems,
     schema_valid_part,
@@ -67,8 +68,11 @@ def run_here_problems(cfg):
     train.fp8 against their compute capability."""
     if not cfg.gpus.check_visible:
         return []
-    found = Problems(gpu_problems(cfg, len(visible_gpus()), shutil.which("srun") is not None))
-    if cfg.train.fp8:
+    visible = len(visible_gpus())
+    found = Problems(gpu_problems(cfg, visible, shutil.which("srun") is not None))
+    if cfg.train.fp8 and cfg.gpus.drafter and not visible:  # what float8 needs, beside the count's line
+        found.lines.append(fp8_problem(cfg.train.fp8, True, visible=False))
+    elif cfg.train.fp8:
         found.run(check_fp8_gpus, cfg, gpu_capabilities())
     return found.lines
 
