@@ -286,3 +286,13 @@ def headless_dom(html_path, tmp_path, script: str = "") -> str:
            f"--user-data-dir={tmp_path / 'chromium-profile'}", "--virtual-time-budget=10000",
            "--dump-dom", page.resolve().as_uri()]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def train_shards(tmp_path_factory):
+    """A random (untrained) toy target and two real hidden-state shards of learnable token patterns, for the
+    training tests: (its directory, the shard paths)."""
+    from train_helpers import DRAFTER
+
+    root = tmp_path_factory.mktemp("train")
+    return root, toy_hidden_shards(root, DRAFTER)
