@@ -8,6 +8,7 @@ example, so a check that stopped finding anything would fail too.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -259,6 +260,75 @@ def test_the_reference_follows_a_changed_default_or_description():
     assert "| `target` | `path` | string | required |" in reference(load_schema())
 
 
-if __name__ == "__main__":  # write the reference again
+# ---- benchmarks/README.md's index, generated from the scripts, their results and their readers ----
+
+BENCH = REPO / "benchmarks"
+BENCH_README = BENCH / "README.md"
+INDEX_START, INDEX_END = "<!-- index: python tests/test_docs.py writes it -->", "<!-- end of index -->"
+# result files whose name is not their script's
+WRITTEN_BY = {"dag_2xh200_stages.json": "make_run_stages", "dspark_vs_dflash_toy.json": "family_quality",
+              "plan_production.json": None}  # None: the planner, `python -m flashdraft.plan --json`
+USAGE = re.compile(r"^\s*(?:Usage: )?(python benchmarks/\S+\.py.*)$", re.M)
+
+
+def script_of(result: str, scripts: list[str]) -> str | None:
+    """The script that writes `result` (None: the planner; "": none known)."""
+    if result in WRITTEN_BY:
+        return WRITTEN_BY[result]
+    return max((s for s in scripts if result.startswith(s)), key=len, default="")
+
+
+def bench_index() -> str:
+    """One row per benchmark script: what it measures (its docstring's first sentence), its result files,
+    who reads them (the planner's rates, docs pages) and its command line."""
+    from flashdraft.estimate import RATES
+
+    scripts = sorted(f.stem for f in BENCH.glob("*.py") if f.stem != "shapes")
+    results = sorted(f.name for f in (BENCH / "results").glob("*.json"))
+    docs = {f.name: f.read_text() for f in sorted(DOCS.glob("*.md"))}
+    rows = ["| script | measures | results (benchmarks/results/) | read by | command |",
+            "| --- | --- | --- | --- | --- |"]
+    for name in scripts + [None]:
+        mine = [r for r in results if script_of(r, scripts) == name]
+        rates = sorted(k for k, v in RATES.items() if v.file in mine)
+        pages = [d for d, t in docs.items() if any(r in t for r in mine)]
+        readers = [f"planner: {', '.join(f'`{k}`' for k in rates)}"] if rates else []
+        readers += [f"[{d}](../docs/{d})" for d in pages]
+        if name is None:
+            what = "the planner's production plan"
+            command = "`python -m flashdraft.plan --configfile config/production.yaml --json ...`"
+        else:
+            text = (BENCH / f"{name}.py").read_text()
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            what = re.split(r"(?<=[a-z0-9)`])\.(?:\s|$)", " ".join(doc.split()), maxsplit=1)[0]
+            usage = USAGE.search(doc)
+            command = f"`{usage.group(1).strip()}`" if usage else f"`python benchmarks/{name}.py`"
+        files = ", ".join(f"`{r}`" for r in mine) or "-"
+        script = f"`{name}.py`" if name else "planner"
+        rows.append(f"| {script} | {what} | {files} | {'; '.join(readers) or '-'} | {command} |")
+    return "\n".join([INDEX_START, *rows, INDEX_END])
+
+
+def test_the_benchmarks_index_is_what_the_scripts_and_results_say():
+    """benchmarks/README.md's table names every script, every result file under the script that writes it,
+    and who reads each: `python tests/test_docs.py` writes it again."""
+    text = BENCH_README.read_text()
+    assert INDEX_START in text and INDEX_END in text
+    have = text[text.index(INDEX_START): text.index(INDEX_END) + len(INDEX_END)]
+    assert have == bench_index()
+    scripts = [f.stem for f in BENCH.glob("*.py")]
+    orphans = [f.name for f in (BENCH / "results").glob("*.json") if script_of(f.name, scripts) == ""]
+    assert not orphans, f"result files no script writes (name them in WRITTEN_BY): {orphans}"
+    assert script_of("eval_decode_qwen3-8b_dspark_vs_dflash.json", scripts) == "eval_decode"
+    assert script_of("made_up.json", scripts) == ""
+
+
+if __name__ == "__main__":  # write the generated parts again
     text = CONFIG_DOC.read_text()
     CONFIG_DOC.write_text(text[: text.index("## Reference")] + reference(load_schema()))
+    text = BENCH_README.read_text()
+    if INDEX_START not in text:  # first time: after the opening paragraph
+        head, rest = text.split("\n\n", 1)
+        text = f"{head}\n\n{INDEX_START}\n{INDEX_END}\n\n{rest}"
+    i, j = text.index(INDEX_START), text.index(INDEX_END) + len(INDEX_END)
+    BENCH_README.write_text(text[:i] + bench_index() + text[j:])
