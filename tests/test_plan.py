@@ -459,26 +459,29 @@ def test_production_yaml_leaves_out_only_what_takes_the_documented_default():
     assert loaded.train.val_every == 0 and loaded.train.log_every == default.train.log_every
 
 
-def test_a_dspark_drafter_is_planned_at_its_measured_training_factor(tmp_path):
+@pytest.fixture(scope="module")
+def family_plans(tmp_path_factory):
+    """production.yaml planned as it is (dflash) and with drafter.family dspark."""
+    dspark = tmp_path_factory.mktemp("family") / "dspark.yaml"
+    dspark.write_text("drafter: {family: dspark}\n")
+    return [plan(load(files, target=QWEN3_8B), "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
+            for files in ([PRODUCTION], [PRODUCTION, dspark])]
+
+
+def test_a_dspark_drafter_is_planned_at_its_measured_training_factor(family_plans):
     """drafter.family dspark trains at the factor measured against dflash on the same data (and stores the
     target's last hidden state too): the training hours are the dflash plan's over that factor."""
-    dspark = tmp_path / "dspark.yaml"
-    dspark.write_text("drafter: {family: dspark}\n")
-    plans = [plan(load(files, target=QWEN3_8B), "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
-             for files in ([PRODUCTION], [PRODUCTION, dspark])]
+    plans = family_plans
     factor = RATES["train_dspark_factor"].value
     assert 0 < factor < 1
     assert plans[1]["stages"]["training"]["hours"] == pytest.approx(
         plans[0]["stages"]["training"]["hours"] / factor)
 
 
-def test_a_dspark_drafter_s_evaluation_is_planned_at_its_measured_decoding_factor(tmp_path):
+def test_a_dspark_drafter_s_evaluation_is_planned_at_its_measured_decoding_factor(family_plans):
     """Evaluation's two drafter decoders of a dspark run decode at the factor measured against dflash at
     equal acceptance; target-only and the n-gram decoder keep their rates."""
-    dspark = tmp_path / "dspark.yaml"
-    dspark.write_text("drafter: {family: dspark}\n")
-    plans = [plan(load(files, target=QWEN3_8B), "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
-             for files in ([PRODUCTION], [PRODUCTION, dspark])]
+    plans = family_plans
     factor = RATES["eval_dspark_factor"].value
     assert 0 < factor < 1
     ev = [p["stages"]["evaluation"] for p in plans]
