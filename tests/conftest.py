@@ -296,3 +296,28 @@ def train_shards(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("train")
     return root, toy_hidden_shards(root, DRAFTER)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """The tiny drafter (model_helpers.tiny_spec) and a batch of two rows for the drafter and loss tests:
+    (drafter, ids, loss_mask, hidden, embed, head, anchors, valid)."""
+    import torch
+    from model_helpers import MASK, V, tiny_spec
+
+    from flashdraft.model import DFlashDrafter
+
+    torch.manual_seed(0)
+    spec = tiny_spec()
+    drafter = DFlashDrafter(spec).eval()
+    s = 40
+    ids = torch.randint(0, MASK, (2, s))
+    loss_mask = torch.zeros(2, s)
+    loss_mask[0, 10:] = 1
+    loss_mask[1, 5:30] = 1
+    hidden = torch.randn(2, s, 2 * 64)
+    embed, head = torch.randn(V, 64), torch.randn(V, 64) * 0.1
+    anchors = torch.full((2, 16), -1)
+    anchors[0, :3] = torch.tensor([12, 20, 30])
+    anchors[1, :2] = torch.tensor([6, 25])
+    return drafter, ids, loss_mask, hidden, embed, head, anchors, anchors >= 0

@@ -205,7 +205,7 @@ def test_float8_graphs_load_from_the_aot_autograd_cache_in_a_fresh_process(tmp_p
 def test_dtype_and_attention_are_resolved_once_for_the_step_and_the_cache_key():
     """The CPU trains in float32 with SDPA whatever train.dtype says; the compile cache's key holds what
     the step runs with, so a config that runs the same step keys the same cache."""
-    from test_model import tiny_spec
+    from model_helpers import tiny_spec
 
     from flashdraft.compile_cache import cache_key
     from flashdraft.train_step import resolve

@@ -1,68 +1,21 @@
-"""The DFlash drafter against DESIGN.md section 3: masks, anchors, labels, loss weights, export format."""
+"""The DFlash drafter against DESIGN.md section 3: masks, the training forward against drafting, the
+cache, the export format (the loss and its objectives: test_loss.py)."""
 
 import json
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import run_python
+from model_helpers import MASK, B, V, block_out, tiny_spec
 from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from flashdraft.config import DrafterConfig, TrainConfig
+from flashdraft.config import DrafterConfig
 from flashdraft.drafter_io import export_drafter, load_drafter
-from flashdraft.loss import (
-    LinearCrossEntropy,
-    block_inputs,
-    block_labels,
-    dflash_loss,
-    num_anchor_slots,
-    sample_anchors,
-    simulated_tau,
-    summarize,
-    train_forward,
-)
+from flashdraft.loss import dflash_loss, sample_anchors, train_forward
 from flashdraft.model import DFlashDrafter, DraftCache, DrafterSpec, dense_mask, dflash_mask_mod
-from flashdraft.objectives import OBJECTIVES, Decay, DPace, dpace_weights, objective_for
+from flashdraft.objectives import Decay
 from flashdraft.target import load_target_head
-
-B = 8  # block size of the tiny drafter
-V = 100
-MASK = 99
-
-
-def tiny_spec(**kw) -> DrafterSpec:
-    base = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
-                num_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=V,
-                max_position_embeddings=512, block_size=B, mask_token_id=MASK, target_layer_ids=[1, 3],
-                num_target_layers=6)
-    return DrafterSpec(**{**base, **kw})
-
-
-@pytest.fixture(scope="module")
-def setup():
-    torch.manual_seed(0)
-    spec = tiny_spec()
-    drafter = DFlashDrafter(spec).eval()
-    s = 40
-    ids = torch.randint(0, MASK, (2, s))
-    loss_mask = torch.zeros(2, s)
-    loss_mask[0, 10:] = 1
-    loss_mask[1, 5:30] = 1
-    hidden = torch.randn(2, s, 2 * 64)
-    embed, head = torch.randn(V, 64), torch.randn(V, 64) * 0.1
-    anchors = torch.full((2, 16), -1)
-    anchors[0, :3] = torch.tensor([12, 20, 30])
-    anchors[1, :2] = torch.tensor([6, 25])
-    return drafter, ids, loss_mask, hidden, embed, head, anchors, anchors >= 0
-
-
-def block_out(setup, hidden=None, ids=None, attention="sdpa"):
-    drafter, ids0, _, hidden0, embed, _, anchors, valid = setup
-    with torch.no_grad():
-        return train_forward(drafter, ids0 if ids is None else ids, hidden0 if hidden is None else hidden,
-                             anchors, valid, embed, attention)
 
 
 def test_feature_layers_and_mask_id_for_qwen3_8b_shape():
@@ -75,43 +28,6 @@ def test_feature_layers_and_mask_id_for_qwen3_8b_shape():
     assert (spec.num_kv_heads, spec.head_dim, spec.rope_theta, spec.num_target_layers) == (8, 128, 1e6, 36)
     assert DFlashDrafter(tiny_spec()).fc.weight.shape == (64, 2 * 64)  # fc: K*H -> H, no bias
     assert DFlashDrafter(tiny_spec()).fc.bias is None
-
-
-def test_anchors_only_where_loss_mask_at_p_and_p_plus_1():
-    loss_mask = torch.tensor([[0, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 0], [0] * 11 + [1]])
-    eligible = {1, 4, 5, 9}
-    seen = set()
-    for seed in range(30):
-        anchors, valid = sample_anchors(loss_mask, 3, B, torch.Generator().manual_seed(seed))
-        assert anchors.shape[1] == num_anchor_slots(12, 3, B) and anchors.shape[1] * B % 128 == 0
-        got = anchors[0][valid[0]].tolist()
-        assert len(got) == 3 and set(got) <= eligible and got == sorted(got)
-        assert (anchors[~valid] == -1).all() and not valid[1].any()  # row 1 has no p with mask[p] & mask[p+1]
-        seen |= set(got)
-    assert seen == eligible  # resampled: every eligible position is drawn at some step
-
-
-def test_a_samples_anchors_depend_on_its_seed_not_on_its_batch():
-    """The same sample (its seed, its loss mask) in two batches of other samples, at another row and
-    padded to another length, gets the same anchors; another seed (epoch) other ones."""
-    def sample(n, start):
-        m = torch.zeros(n)
-        m[start:] = 1
-        return m
-
-    x, y, z = sample(30, 4), sample(50, 10), sample(20, 2)
-
-    def batch(rows, length):
-        return torch.stack([F.pad(r, (0, length - len(r))) for r in rows] + [torch.zeros(length)])
-
-    a1, v1 = sample_anchors(batch([x, y], 64), 6, B, seeds=[7, 8, None])
-    a2, v2 = sample_anchors(batch([z, x], 128), 6, B, seeds=[9, 7, None])
-    assert torch.equal(a1[0][v1[0]], a2[1][v2[1]]) and v1[0].sum() == 6
-    assert not v1[2].any() and not v2[2].any()  # padding rows: no anchors
-    a3, v3 = sample_anchors(batch([x], 64), 6, B, seeds=[70, None])
-    assert not torch.equal(a1[0][v1[0]], a3[0][v3[0]])
-    eligible = set(range(4, 29))
-    assert set(a1[0][v1[0]].tolist()) <= eligible and set(a3[0][v3[0]].tolist()) <= eligible
 
 
 def test_mask_context_strictly_before_anchor_own_block_only_padded_sees_nothing():
@@ -252,56 +168,6 @@ def test_windowed_export_writes_the_engines_keys_and_round_trips(setup, windowed
     assert DrafterSpec.from_config_dict(other).sliding_window == 64
 
 
-def test_block_inputs_and_unshifted_labels():
-    """SpecForge bug 1: block position k predicts token[anchor+k] (no shift by one)."""
-    ids = torch.arange(100, 120)[None]
-    anchors, valid = torch.tensor([[3, 15, -1]]), torch.tensor([[True, True, False]])
-    block, pos = block_inputs(ids, anchors, 4, MASK)
-    assert block.view(3, 4)[:2].tolist() == [[103, MASK, MASK, MASK], [115, MASK, MASK, MASK]]
-    assert pos.view(3, 4)[:2].tolist() == [[3, 4, 5, 6], [15, 16, 17, 18]]
-    loss_mask = torch.ones(1, 20)
-    labels, _, label_mask = block_labels(ids, loss_mask, anchors, valid, 4, gamma=7.0)
-    assert labels[0, 0].tolist() == [104, 105, 106]  # k = 1, 2, 3 -> token[anchor + k]
-    assert labels[0, 1].tolist() == [116, 117, 118]
-    assert label_mask[0, :2].all() and not label_mask[0, 2].any()
-
-
-def test_loss_weights_formula():
-    s, gamma = 12, 7.0
-    ids = torch.arange(s)[None]
-    loss_mask = torch.ones(1, s)
-    loss_mask[0, 6] = 0
-    anchors, valid = torch.tensor([[2, 8, -1]]), torch.tensor([[True, True, False]])
-    _, w, _ = block_labels(ids, loss_mask, anchors, valid, B, gamma)
-    expect = torch.zeros(3, B - 1)
-    for j, a in enumerate([2, 8]):
-        for k in range(1, B):
-            if a + k < s:
-                expect[j, k - 1] = loss_mask[0, a + k] * math.exp(-(k - 1) / gamma)
-    torch.testing.assert_close(w[0], expect)
-    assert w[0, 0, 3] == 0 and w[0, 1, 4:].eq(0).all()  # loss_mask 0 at 6; past the end of the sequence
-
-
-def test_loss_is_weighted_ce_of_predict_block_logits(setup):
-    """The training loss, recomputed from inference-time predictions: same positions, same labels."""
-    drafter, ids, loss_mask, hidden, embed, head, anchors, valid = setup
-    gamma = 4.0
-    with torch.no_grad():
-        loss, stats = dflash_loss(drafter, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(gamma),
-                                  chunk_blocks=2)
-    num, den = 0.0, 0.0
-    for r in range(2):
-        for a in anchors[r][valid[r]].tolist():
-            logits = drafter.predict_block(hidden[r : r + 1, :a], ids[r, a].item(), embed, head)
-            for k in range(1, B):
-                if a + k < ids.shape[1]:
-                    w = loss_mask[r, a + k].item() * math.exp(-(k - 1) / gamma)
-                    num += w * F.cross_entropy(logits[k - 1], ids[r, a + k]).item()
-                    den += w
-    assert loss.item() == pytest.approx(num / den, rel=1e-4)
-    assert summarize(stats, B)["loss"] == pytest.approx(num / den, rel=1e-4)
-
-
 def test_predict_block_equals_training_forward(setup):
     drafter, ids, _, hidden, embed, head, anchors, _ = setup
     train = block_out(setup)
@@ -329,159 +195,6 @@ def test_cached_drafting_equals_predict_block_over_the_full_context(setup):
         drafter.predict_block_cached(hidden[:1, s : s + 1], ids[0, s + 1].item(), embed, head, cache, s)
 
 
-def test_chunked_loss_equals_unchunked_in_value_and_gradient(setup):
-    _, ids, loss_mask, hidden, embed, head, anchors, valid = setup
-    grads, losses = [], []
-    for chunk in (1, 128):
-        torch.manual_seed(1)
-        d = DFlashDrafter(tiny_spec())
-        loss, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(7.0),
-                              chunk_blocks=chunk)
-        loss.backward()
-        losses.append(loss.item())
-        grads.append(torch.cat([p.grad.flatten() for p in d.parameters()]))
-    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
-    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
-    assert grads[0].abs().sum() > 0
-
-
-def test_dpace_weights_are_suffix_sums_of_smoothed_prefix_products():
-    """Eq. 7-8 of D-PACE by hand: q~ = (1-a) q + a, w_j = sum_{m>=j} prod_{i<=m} q~_i; an unlabeled
-    position is 1 in the products, 0 in the sums and gets weight 0."""
-    q = torch.tensor([[0.8, 0.5, 0.2], [0.8, 0.5, 0.2], [0.8, 0.5, 0.2]])
-    mask = torch.tensor([[True, True, True], [True, False, True], [True, True, True]])
-    w = dpace_weights(q, mask, 0.5)
-    p1, p2, p3 = 0.9, 0.9 * 0.75, 0.9 * 0.75 * 0.6
-    torch.testing.assert_close(w[0], torch.tensor([p1 + p2 + p3, p2 + p3, p3]))
-    torch.testing.assert_close(w[1], torch.tensor([0.9 + 0.9 * 0.6, 0.0, 0.9 * 0.6]))
-    assert dpace_weights(q, mask, 1.0)[0].tolist() == [3.0, 2.0, 1.0]  # alpha 1: positions left in the block
-    assert (w[0][:-1] >= w[0][1:]).all()  # non-increasing along the block
-    assert not dpace_weights(q.requires_grad_(), mask, 0.5).requires_grad  # detached
-
-
-def test_dpace_loss_is_the_weighted_ce_per_block_with_detached_weights(setup):
-    """D-PACE's loss, recomputed from inference-time predictions (weights from the drafter's own label
-    probabilities, sum over blocks divided by the number of blocks), and its gradient equals autograd's
-    through the CE alone; a given normalizer replaces the batch's own."""
-    _, ids, loss_mask, hidden, embed, head, anchors, valid = setup
-    torch.manual_seed(2)
-    d = DFlashDrafter(tiny_spec())
-    alpha, s = 0.3, ids.shape[1]
-    loss, stats = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, DPace(alpha, B),
-                              chunk_blocks=2)
-    loss.backward()
-    got = torch.cat([p.grad.flatten() for p in d.parameters()])
-    d.zero_grad()
-    out = train_forward(d, ids, hidden, anchors, valid, embed, "sdpa")
-    num, blocks = 0.0, 0
-    for r in range(2):
-        for j in valid[r].nonzero().flatten().tolist():
-            a = anchors[r, j].item()
-            k = torch.arange(1, B)
-            inside = (a + k) < s
-            lab = ids[r, (a + k).clamp(max=s - 1)]
-            ce = F.cross_entropy(out[r, j, 1:] @ head.T, lab, reduction="none")
-            m = inside & (loss_mask[r, (a + k).clamp(max=s - 1)] > 0)
-            w = dpace_weights(torch.exp(-ce)[None], m[None], alpha)[0]
-            num = num + (w * ce).sum()
-            blocks += 1
-    want_loss = num / blocks
-    want_loss.backward()
-    want = torch.cat([p.grad.flatten() for p in d.parameters()])
-    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
-    assert summarize(stats, B)["loss"] == pytest.approx(want_loss.item(), rel=1e-5)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
-    assert got.abs().sum() > 0
-    with torch.no_grad():
-        given, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, DPace(alpha, B),
-                               normalizer=torch.tensor(10.0))
-    assert given.item() == pytest.approx(num.item() / 10, rel=1e-5)
-    decay, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(4.0))
-    assert decay.item() != pytest.approx(loss.item(), rel=1e-3)  # the objective is not ignored
-    with pytest.raises(ValueError, match="train.loss"):
-        objective_for(TrainConfig(loss="mean"), B)
-
-
-def test_train_loss_names_its_objective_with_the_config_keys():
-    """objective_for: the registered class of train.loss, built from train.gamma / train.dpace_alpha and
-    the block size; D-PACE's fixed weights are the label mask (block_labels without a decay)."""
-    assert {name: type(objective_for(TrainConfig(loss=name), B)) for name in OBJECTIVES} == OBJECTIVES
-    assert objective_for(TrainConfig(loss="decay"), 16) == Decay(7.0)  # train.gamma null: by block size
-    assert objective_for(TrainConfig(loss="decay", gamma=3.0), B).decay() == 3.0
-    dpace = objective_for(TrainConfig(loss="dpace", dpace_alpha=0.3), B)
-    assert dpace == DPace(0.3, B) and dpace.decay() is None
-    ids, loss_mask = torch.arange(12)[None], torch.ones(1, 12)
-    loss_mask[0, 6] = 0
-    anchors, valid = torch.tensor([[2, 8, -1]]), torch.tensor([[True, True, False]])
-    _, w, label_mask = block_labels(ids, loss_mask, anchors, valid, B, None)
-    assert torch.equal(w, label_mask.float())
-    assert dpace.normalizer(w, valid).item() == 2.0  # the blocks, not the weights' sum
-
-
-@pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
-def test_linear_cross_entropy_equals_autograd_in_value_gradient_and_argmax(head_dtype):
-    """The fused LM head + CE (gradient made in the forward, chunk by chunk) against plain autograd over
-    the full logits: the same weighted CE sum, the same gradient for h, the same argmax hits."""
-    g = torch.Generator().manual_seed(0)
-    n, hdim, vocab = 37, 16, 50
-    h = torch.randn(n, hdim, generator=g, requires_grad=True)
-    head = torch.randn(vocab, hdim, generator=g).to(head_dtype)
-    labels = torch.randint(0, vocab, (n,), generator=g)
-    weights = torch.rand(n, generator=g) * (torch.rand(n, generator=g) > 0.3)  # some rows weigh nothing
-    logits = (h.to(head_dtype) @ head.T).float()
-    want = (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
-    (want_grad,) = torch.autograd.grad(want * 2.0, h)  # a power of 2: scaling commutes with rounding
-    tol = dict(rtol=1e-5, atol=1e-5) if head_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
-    for chunk in (1, 8, 64):
-        x = h.detach().clone().requires_grad_(True)
-        total, correct = LinearCrossEntropy.apply(x, head, labels, weights, chunk)
-        (total * 2.0).backward()
-        torch.testing.assert_close(total, want.detach(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(x.grad, want_grad, **tol)
-        assert torch.equal(correct, logits.argmax(-1) == labels) and not correct.requires_grad
-    assert head.grad is None
-
-
-@pytest.mark.parametrize("dpace", [None, DPace(0.5, 6)])
-def test_compiled_cross_entropy_chunks_equal_eager_ones(dpace):
-    """train.compile_loss: the full chunks compiled (the last, shorter chunk eager) give the eager value,
-    gradient and argmax hits, with fixed weights and with D-PACE's (blocks of 5 positions)."""
-    g = torch.Generator().manual_seed(1)
-    n, hdim, vocab, chunk = 2 * 10 + 5, 16, 50, 10
-    h = torch.randn(n, hdim, generator=g)
-    head = torch.randn(vocab, hdim, generator=g)
-    labels = torch.randint(0, vocab, (n,), generator=g)
-    weights = (torch.rand(n, generator=g) > 0.3).float()
-    out = {}
-    for compiled in (False, True):
-        x = h.clone().requires_grad_(True)
-        total, correct = LinearCrossEntropy.apply(x, head, labels, weights, chunk, dpace, compiled)
-        total.backward()
-        out[compiled] = total.detach(), correct, x.grad
-    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
-    assert torch.equal(out[True][1], out[False][1])
-    torch.testing.assert_close(out[True][2], out[False][2], rtol=1e-5, atol=1e-6)
-
-
-def test_compiled_cross_entropy_compiles_at_its_first_full_chunk_under_fail_on_recompile():
-    """The first full chunk may come in any step (training's stance is then fail_on_recompile): it compiles
-    there once, and a later call that would compile again still fails."""
-    import flashdraft.loss as loss_module
-
-    g = torch.Generator().manual_seed(2)
-    h, head = torch.randn(20, 16, generator=g), torch.randn(50, 16, generator=g)
-    labels, weights = torch.randint(0, 50, (20,), generator=g), torch.ones(20)
-    loss_module._compiled_ce_chunk = None
-    with torch.compiler.set_stance("fail_on_recompile"):
-        for _ in range(2):
-            total, _ = LinearCrossEntropy.apply(h, head, labels, weights, 10, None, True)
-        assert loss_module.compiled_ce_chunk().ran
-        with pytest.raises(RuntimeError, match="fail_on_recompile"):  # another chunk size: a recompile
-            LinearCrossEntropy.apply(h, head, labels, weights, 5, None, True)
-    want, _ = LinearCrossEntropy.apply(h, head, labels, weights, 10, None, False)
-    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
-
-
 def test_layer_scope_compiles_one_layer_graph_at_any_depth_and_matches_eager(setup):
     """train.compile_scope: layer: a 4-layer drafter compiles the context's graph and a layer's graph
     (twice: the first layer's input needs no gradient), not one graph per layer, and the forward and the
@@ -507,15 +220,6 @@ def test_layer_scope_compiles_one_layer_graph_at_any_depth_and_matches_eager(set
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
     for name, grad in outs[0][1].items():
         torch.testing.assert_close(outs[1][1][name], grad, rtol=1e-3, atol=1e-6, msg=name)
-
-
-def test_simulated_tau_and_per_position_metrics():
-    hit = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
-    assert simulated_tau(hit).tolist() == [3.0, 1.0, 5.0]  # accepted prefix + the bonus token
-    stats = torch.tensor([6.0, 3.0, 9.0, 3.0, 2, 3, 2, 3, 3, 3, 3, 3])  # B = 5: 4 positions
-    row = summarize(stats, 5)
-    assert row["loss"] == 2.0 and row["sim_tau"] == 3.0 and row["acc"] == 10 / 12
-    assert [row[f"acc_pos_{k}"] for k in range(1, 5)] == [2 / 3, 1.0, 2 / 3, 1.0]
 
 
 def test_export_keys_config_and_reload_reproduce_logits(setup, tmp_path):
