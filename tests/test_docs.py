@@ -12,11 +12,16 @@ import ast
 import dataclasses
 import json
 import re
+import sys
 import typing
 from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import figures  # noqa: E402  (benchmarks/figures.py)
+
+from flashdraft import results
 from flashdraft.config import Config
 from flashdraft.estimate_inputs import SCHEMA  # the schema file the workflow and the planner validate against
 
@@ -321,6 +326,38 @@ def test_the_benchmarks_index_is_what_the_scripts_and_results_say():
     assert not orphans, f"result files no script writes (name them in WRITTEN_BY): {orphans}"
     assert script_of("eval_decode_qwen3-8b_dspark_vs_dflash.json", scripts) == "eval_decode"
     assert script_of("made_up.json", scripts) == ""
+
+
+def test_every_marked_figure_and_the_figures_table_are_the_results_files():
+    """Each `VALUE<!--fig FILE KEY FORMAT-->` in README.md and docs/ equals its file's value, and
+    docs/performance.md's table lists them: `python benchmarks/figures.py` writes them again."""
+    texts, changed = figures.regenerate()
+    assert not changed, changed
+    assert any(figures.MARK.search(t) for p, t in texts.items() if p.name != "README.md")
+
+
+def test_a_re_measured_figure_is_found_and_written(tmp_path, monkeypatch):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("tau 3.14<!--fig r.json eval.tau .2f--> in 2.5<!--fig r.json s /60-->"
+                                        " min\n")
+    perf = f"speed {1.5:.1f}<!--fig r.json x.0.speed .1f-->x\n\n{figures.START}\n{figures.END}\n"
+    (tmp_path / "docs" / "performance.md").write_text(perf)
+    results_dir = tmp_path / "benchmarks" / "results"
+    results_dir.mkdir(parents=True)
+    (results_dir / "r.json").write_text(json.dumps({"eval": {"tau": 3.1416}, "s": 150, "x": [{"speed": 1.26}],
+                                                    "device": "cpu", "command": "python r.py"}))
+    monkeypatch.setattr(results, "CHECKOUT_RESULTS", results_dir)
+    results.result.cache_clear()
+    try:
+        texts, changed = figures.regenerate(tmp_path, rates={})
+    finally:
+        results.result.cache_clear()
+    assert changed == ["docs/performance.md: 1.5 -> 1.3 (r.json x.0.speed)",
+                       "docs/performance.md: the figures table"]
+    assert texts[tmp_path / "README.md"] == (tmp_path / "README.md").read_text()  # 3.14 and 150/60 = 2.5
+    page = texts[tmp_path / "docs" / "performance.md"]
+    assert page.startswith("speed 1.3<!--fig r.json x.0.speed .1f-->x")
+    assert "| `eval.tau` = 3.142 | README.md | `r.json` | cpu | not recorded | `python r.py` |" in page
 
 
 if __name__ == "__main__":  # write the generated parts again

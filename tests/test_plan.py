@@ -1,5 +1,6 @@
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from flashdraft import results
 from flashdraft.config import Config, DrafterConfig, HiddenConfig, TargetConfig, ToyConfig, feature_layers
 from flashdraft.errors import UserError
 from flashdraft.estimate import (
@@ -30,6 +32,7 @@ from flashdraft.estimate_inputs import (
 from flashdraft.hidden import FP8
 from flashdraft.plan import plan, render
 from flashdraft.precompute import hidden_shard
+from flashdraft.results import lookup
 from flashdraft.toy import build_toy_target, task_conversations
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,12 +42,6 @@ EMBEDDED = REPO / "config" / "config.yaml"
 QWEN3_8B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096,
             "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False}
-
-
-def lookup(data, dotted):
-    for part in dotted.split("."):
-        data = data[part]
-    return data
 
 
 def plan_cli(*args, cwd=REPO):
@@ -74,11 +71,39 @@ def with_keys(tmp_path, base, **overrides):
 def test_every_rate_is_its_benchmarks_figure():
     for name, rate in RATES.items():
         measured = lookup(json.loads((RESULTS / rate.file).read_text()), rate.key)
-        assert rate.value == pytest.approx(measured, rel=1e-3), name
+        assert rate.value == measured and measured > 0, name
     for f in ("eval_decode_qwen3-8b.json", "train_drafter_qwen3-8b.json"):
         shapes = json.loads((RESULTS / f).read_text())["shapes"]["target"]
         assert {k: shapes[k] for k in REFERENCE_TARGET} == REFERENCE_TARGET, f
     assert num_parameters(QWEN3_8B) == pytest.approx(8.19e9, rel=0.01)  # Qwen3-8B's model card: 8.2B
+
+
+def test_a_re_measured_result_file_is_the_planner_s_new_rate(qwen3_8b_dir, tmp_path, monkeypatch):
+    """The planner reads its rates from benchmarks/results/: a file with a doubled figure halves its stage."""
+    cfg = load(PRODUCTION)
+    before = plan(cfg, qwen3_8b_dir / "results", gpus=8)["stages"]
+    copy = tmp_path / "results-copy"
+    shutil.copytree(RESULTS, copy)
+    rate = RATES[f"precompute_{cfg.hidden.dtype}"]
+    data = json.loads((copy / rate.file).read_text())
+    section, key = rate.key.split(".")
+    data[section][key] *= 2
+    (copy / rate.file).write_text(json.dumps(data))
+    monkeypatch.setattr(results, "CHECKOUT_RESULTS", copy)
+    results.result.cache_clear()
+    try:
+        after = plan(cfg, qwen3_8b_dir / "results", gpus=8)["stages"]
+    finally:
+        results.result.cache_clear()
+    assert after["precompute"]["hours"] == pytest.approx(before["precompute"]["hours"] / 2)
+    assert after["training"]["hours"] == before["training"]["hours"]
+
+
+def test_a_missing_result_file_or_key_is_named():
+    with pytest.raises(UserError, match=r"results/made_up\.json: no such result file"):
+        results.figure("made_up.json", "x")
+    with pytest.raises(UserError, match=r"results/eval_decode_qwen3-8b\.json: no value at key modes\.nope"):
+        results.figure("eval_decode_qwen3-8b.json", "modes.nope")
 
 
 def test_plan_on_production_on_one_node(qwen3_8b_dir, tmp_path):

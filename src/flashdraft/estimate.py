@@ -2,7 +2,8 @@
 and drafter's parameters and the bytes of a hidden-state token from the shapes, each store-mode stage's
 work, rate, GPUs and hours (`stage_table`), both hidden-state modes on a split of the GPUs (`store_mode`,
 `stream_mode` with its chunks and pipeline) and the recommended mode and split under a disk budget
-(`recommend`). It reads nothing from disk: a `Run` holds what the estimate reads (estimate_inputs)."""
+(`recommend`). Of the disk it reads only the committed benchmark results its rates come from
+(flashdraft.results); a `Run` holds the rest of what the estimate reads (estimate_inputs)."""
 
 from __future__ import annotations
 
@@ -15,68 +16,71 @@ from .errors import UserError
 from .estimate_inputs import Tokens
 from .hf_config import attention_shape
 from .io import FP8, bytes_per_token, human_bytes
+from .results import figure
 
 
 @dataclass(frozen=True)
 class Rate:
-    value: float
     file: str  # under benchmarks/results/
     key: str  # dotted path of the value in that JSON
     unit: str
     scaled: bool = True  # a per-GPU throughput, scaled by the target's size (else used as measured)
 
+    @property
+    def value(self) -> float:
+        return float(figure(self.file, self.key))
 
-# Per-GPU rates measured on one H200 (where noted, an H100) with a Qwen3-8B-shaped target
-# (tests/test_plan.py checks every value against its file and key: after rerunning a benchmark, copy its
-# new value here).
+
+# Per-GPU rates measured on one H200 (where noted, an H100) with a Qwen3-8B-shaped target, read from the
+# benchmarks' committed results: a rerun benchmark's file is the planner's new rate.
 RATES = {
-    # at answers of up to 1,024 new tokens (1,018 on average): production's answers run to 2,048 (550 mean)
-    "regenerate": Rate(12246.6, "regenerate_1024_qwen3-8b.json", "tokens_per_s_per_gpu", "new tokens/s"),
-    "precompute_bfloat16": Rate(30533.3, "precompute_hidden_gpu_qwen3-8b.json", "bfloat16.tokens_per_s",
+    # at the benchmark's answer length (its `setup`), longer on average than production's assumed answers
+    "regenerate": Rate("regenerate_1024_qwen3-8b.json", "tokens_per_s_per_gpu", "new tokens/s"),
+    "precompute_bfloat16": Rate("precompute_hidden_gpu_qwen3-8b.json", "bfloat16.tokens_per_s",
                                 "tokens/s"),
-    "precompute_float8_e4m3": Rate(31208.6, "precompute_hidden_gpu_qwen3-8b.json",
+    "precompute_float8_e4m3": Rate("precompute_hidden_gpu_qwen3-8b.json",
                                    "float8_e4m3.tokens_per_s", "tokens/s"),
-    "train_1gpu": Rate(20005.5, "train_drafter_qwen3-8b.json", "throughput.1.tokens_per_s_per_gpu",
+    "train_1gpu": Rate("train_drafter_qwen3-8b.json", "throughput.1.tokens_per_s_per_gpu",
                        "tokens/s"),
     # with 2 or more processes (DDP): the per-GPU rate of the 2-GPU run, assumed to hold at any count
-    "train_per_gpu": Rate(18686.2, "train_drafter_qwen3-8b_2gpu.json", "throughput.2.tokens_per_s_per_gpu",
+    "train_per_gpu": Rate("train_drafter_qwen3-8b_2gpu.json", "throughput.2.tokens_per_s_per_gpu",
                           "tokens/s"),
     # train.fp8 (tensorwise, with train.compile_loss) against bf16 in the same one-GPU run: the factor on
     # the training rates above, assumed to hold on any GPU count (train.compile_scope: layer, as
-    # config/fp8.yaml sets it, ran 1.04x faster again: not counted); a float8 job's start, measured with
+    # config/fp8.yaml sets it, runs faster again: not counted); a float8 job's start, measured with
     # layer scope and the compiled loss (production.yaml's keys) beside bf16's
-    "train_fp8_speedup": Rate(1.3762, "train_drafter_qwen3-8b_fp8.json", "comparison.speedup_vs_baseline",
+    "train_fp8_speedup": Rate("train_drafter_qwen3-8b_fp8.json", "comparison.speedup_vs_baseline",
                               "x", scaled=False),
     # drafter.family dspark against dflash, the same block (7) and data, one process, bf16 (measured on
     # one H100): the factor on the training rates above (its heads and the target's distribution cost more)
-    "train_dspark_factor": Rate(0.6543, "train_drafter_qwen3-8b_dspark_vs_dflash.json",
+    "train_dspark_factor": Rate("train_drafter_qwen3-8b_dspark_vs_dflash.json",
                                 "comparison.speedup_vs_baseline", "x", scaled=False),
-    "train_launch_fp8": Rate(10.44, "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
+    "train_launch_fp8": Rate("train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
                              "first_step.warm.launch_to_first_step_s", "s", scaled=False),
-    "train_launch_resumed_fp8": Rate(11.58, "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
+    "train_launch_resumed_fp8": Rate("train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
                                      "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
     # drafter.family dspark's decoding against dflash's at the same block (7) and acceptance, the static
     # engine at batch 1 (its drafting step with the Markov picks, and a verify one token wider; one H100)
-    "eval_dspark_factor": Rate(0.8882, "eval_decode_qwen3-8b_dspark_vs_dflash.json",
+    "eval_dspark_factor": Rate("eval_decode_qwen3-8b_dspark_vs_dflash.json",
                                "dspark_over_dflash.tokens_per_s_at_equal_tau", "x", scaled=False),
-    "eval_target_only": Rate(160.41, "eval_decode_qwen3-8b.json", "modes.target_only.tokens_per_s",
+    "eval_target_only": Rate("eval_decode_qwen3-8b.json", "modes.target_only.tokens_per_s",
                              "new tokens/s"),
     # each speculative decoder (dflash, dflash_untrained, ngram), as measured at tau 1 (random weights)
-    "eval_speculative": Rate(117.85, "eval_decode_qwen3-8b.json", "modes.dflash.tokens_per_s",
+    "eval_speculative": Rate("eval_decode_qwen3-8b.json", "modes.dflash.tokens_per_s",
                              "new tokens/s"),
     # a training job's start-up, warm compile cache, production drafter shape, one process: imports, data
     # open, cache load, drafter built, first step (stream mode pays it once per chunk; several processes
     # start through torchrun, which adds its own start). A resumed job (every chunk after a run's first)
     # also reads and loads the previous chunk's checkpoint, in part while it starts: measured as a whole.
-    "train_launch": Rate(9.98, "train_drafter_qwen3-8b.json", "first_step.warm.launch_to_first_step_s",
+    "train_launch": Rate("train_drafter_qwen3-8b.json", "first_step.warm.launch_to_first_step_s",
                          "s", scaled=False),
-    "train_launch_resumed": Rate(11.42, "train_drafter_qwen3-8b.json",
+    "train_launch_resumed": Rate("train_drafter_qwen3-8b.json",
                                  "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
     # checkpoints (flashdraft.checkpoint): a save holds training up for its copy into the host buffers, then
     # writes in the background; a job's last save is waited for
-    "checkpoint_stage": Rate(54.553, "checkpoint_io_qwen3-8b.json", "stage_gb_per_s", "GB/s", scaled=False),
-    "checkpoint_write": Rate(1.4315, "checkpoint_io_qwen3-8b.json", "write_gb_per_s", "GB/s", scaled=False),
-    "checkpoint_read": Rate(1.9076, "checkpoint_io_qwen3-8b.json", "read_gb_per_s", "GB/s", scaled=False),
+    "checkpoint_stage": Rate("checkpoint_io_qwen3-8b.json", "stage_gb_per_s", "GB/s", scaled=False),
+    "checkpoint_write": Rate("checkpoint_io_qwen3-8b.json", "write_gb_per_s", "GB/s", scaled=False),
+    "checkpoint_read": Rate("checkpoint_io_qwen3-8b.json", "read_gb_per_s", "GB/s", scaled=False),
 }
 # The target those benchmarks ran (`shapes.target` of eval_decode_qwen3-8b.json): rates scale from it.
 REFERENCE_TARGET = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
