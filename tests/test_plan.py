@@ -202,6 +202,19 @@ def test_bad_config_is_one_line(tmp_path, text, expected):
     assert line.startswith("plan: error: ") and expected in line, line
 
 
+def test_every_problem_of_a_config_is_its_own_line_at_once(tmp_path):
+    """The schema's mistake and a check's on the rest of the config, in one run, one line each, as the
+    workflow gathers them before any job."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hidden:\n  dtipe: bfloat16\ntarget:\n  path: nowhere\n  build_toy: false\n")
+    proc = plan_cli("--configfile", EMBEDDED, bad, cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("plan: error: ") for line in lines), lines
+    assert "config key hidden: Additional properties are not allowed ('dtipe'" in lines[0]
+    assert "config key target.path: cannot read nowhere/" in lines[1]
+
+
 def test_a_config_without_a_target_is_one_line_not_the_toy(tmp_path):
     """A config file is read on its own: one that names no target is refused, not run on the toy's."""
     partial = tmp_path / "mine.yaml"

@@ -1,7 +1,8 @@
 """User errors: a mistake in the config or the data ends a stage with one line naming what to fix.
 
 A `UserError` message names the source, file, key or row and what to do; `cli` turns it into that one
-line on stderr and exit status 1, with no traceback (a traceback means a bug; `--verbose` shows it anyway).
+line on stderr (several problems: one line each) and exit status 1, with no traceback (a traceback means
+a bug; `--verbose` shows it anyway).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def cli(main):
                     raise
                 if not isinstance(e, UserError):
                     e = disk_full_error(e.filename or "a file being written")
-                sys.exit(f"{name()}: error: " + str(e).replace("\n", " "))
+                sys.exit("\n".join(f"{name()}: error: {line}" for line in str(e).splitlines()))  # one a line
         except BaseException as e:
             if entry:
                 faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, from_dict
-from .config_check import check, check_schema
+from .config_check import Problems, check, schema_problems, schema_valid_part
 from .errors import UserError
 from .hf_config import read_target_config
 from .shapes import PRESETS
@@ -44,13 +44,19 @@ def load(configfile, base=DEFAULT_CONFIG, target: dict | None = None) -> Config:
         if not isinstance(loaded, dict):
             raise UserError(f"{f}: the config must be a mapping of sections")
         merge_into(data, loaded)
-    if SCHEMA.exists():
-        check_schema(data, SCHEMA, f"{configfile}: ")
+    # every problem at once, as the workflow's read_config: the schema's lines, then the checks that need a
+    # Config on what the schema accepts
+    found = Problems(schema_problems(data, SCHEMA, f"{configfile}: ") if SCHEMA.exists() else [])
+    part = schema_valid_part(data, SCHEMA) if found.lines else data
+    if part is None:
+        found.raise_all()
     try:
-        cfg = from_dict(Config, data)
+        cfg = from_dict(Config, part)
     except ValueError as e:
-        raise UserError(f"{configfile}: {e}") from e
-    check(cfg, target)
+        found.lines.append(f"{configfile}: {e}")
+        found.raise_all()
+    found.run(check, cfg, target)
+    found.raise_all()
     return cfg
 
 
