@@ -1,8 +1,9 @@
 """Every measured figure the docs quote, written from the committed results: each
-`VALUE<!--fig FILE KEY FORMAT-->` in README.md and docs/*.md is the value at KEY (dotted) of
-benchmarks/results/FILE, in FORMAT (a Python format spec, optionally followed by `*N` or `/N`, e.g. `.2f`,
-`,.0f`, `.1f/3600`; default `.3g`), and docs/performance.md's last section lists every figure with its
-file, key, device, commit and command, the planner's rates among them.
+`VALUE<!--fig FILE KEY FORMAT-->` in README.md and docs/*.md is the value at KEY (dotted; in double
+quotes when it holds spaces) of benchmarks/results/FILE, in FORMAT (a Python format spec, optionally
+followed by `*N` or `/N`, e.g. `.2f`, `,.0f`, `.1f/3600`; default `.3g`), and docs/performance.md's last
+section lists every figure with its file, key, device, commit and command, the planner's rates among
+them.
 
 Usage: python benchmarks/figures.py [--check]
 (--check: write nothing, list the figures that differ from their files and exit 1 if any does)
@@ -22,8 +23,9 @@ from flashdraft.errors import UserError  # noqa: E402
 from flashdraft.estimate import RATES  # noqa: E402
 from flashdraft.results import figure, provenance  # noqa: E402
 
-MARK = re.compile(r"(?P<value>[-+]?\d[\d,]*(?:\.\d+)?%?)"
-                  r"<!--fig (?P<file>\S+) (?P<key>\S+)(?: (?P<fmt>\S+))?-->")
+# a number not inside another (the 40 of "16-40" is not -40); a key with spaces in double quotes
+MARK = re.compile(r"(?<![\w.])(?P<value>[-+]?\d[\d,]*(?:\.\d+)?%?)"
+                  r'<!--fig (?P<file>\S+) (?:"(?P<qkey>[^"]+)"|(?P<key>\S+))(?: (?P<fmt>\S+))?-->')
 TABLE_DOC = "docs/performance.md"
 START, END = "<!-- figures: python benchmarks/figures.py writes it -->", "<!-- end of figures -->"
 
@@ -33,6 +35,7 @@ def docs(repo: Path = REPO) -> list[Path]:
 
 
 def render(value, fmt: str | None) -> str:
+    value = float(value) if isinstance(value, str) else value  # a figure some files keep as text
     spec, op, n = re.fullmatch(r"([^*/]*)(?:([*/])([\d.e+-]+))?", fmt or ".3g").groups()
     if op:
         value = value * float(n) if op == "*" else value / float(n)
@@ -44,13 +47,14 @@ def rewrite(text: str, where: str) -> tuple[str, list[str], list[tuple[str, str]
     changed, quoted = [], []
 
     def one(m: re.Match) -> str:
+        key = m["qkey"] or m["key"]
         try:
-            new = render(figure(m["file"], m["key"]), m["fmt"])
+            new = render(figure(m["file"], key), m["fmt"])
         except UserError as e:
             raise SystemExit(f"{where}: {e}") from None
         if new != m["value"]:
-            changed.append(f"{where}: {m['value']} -> {new} ({m['file']} {m['key']})")
-        quoted.append((m["file"], m["key"]))
+            changed.append(f"{where}: {m['value']} -> {new} ({m['file']} {key})")
+        quoted.append((m["file"], key))
         return new + m.group(0)[len(m["value"]):]
 
     return MARK.sub(one, text), changed, quoted
