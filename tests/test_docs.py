@@ -360,6 +360,51 @@ def test_a_re_measured_figure_is_found_and_written(tmp_path, monkeypatch):
     assert "| `eval.tau` = 3.142 | README.md | `r.json` | cpu | not recorded | `python r.py` |" in page
 
 
+
+# ---- config/*.yaml's comments cite result files, not measured figures ----
+
+CONFIGS = REPO / "config"
+# a measured figure: a number with a decimal point and a unit of speed, time, size or share ("1.36x",
+# "86.0%", "10.4 s", "21.9 h", "18.0 TB", "12.6 GB", "12.2K tokens/s"); not a version ("2.13.0"), a
+# learning rate ("1e-4", "1.0e-4") or a weight ("0.1 CE")
+FIGURE = re.compile(r"(?<![\w.])\d[\d,]*\.\d+(?!\.\d)"
+                    r"(?:x(?![A-Za-z])|%| s\b| h\b| TB\b| GB\b|[KM]? ?tokens/s)")
+COMMENT = re.compile(r"(?:^|\s)#(.*)$")
+
+
+def comment_figures(text: str, where: str = "") -> list[str]:
+    """The measured figures in the comments (the text after `#`) of a YAML file's lines."""
+    problems = []
+    for n, line in enumerate(text.splitlines(), 1):
+        m = COMMENT.search(line)
+        for fig in FIGURE.finditer(m.group(1) if m else ""):
+            problems.append(f"{where}:{n}: {fig.group(0)!r} (cite its file under benchmarks/results/)")
+    return problems
+
+
+def test_config_comments_cite_result_files_not_numbers():
+    """A measured figure in a config's comment goes stale when its benchmark runs again; the comment names
+    the result file (and key) instead, and docs quote the figure through benchmarks/figures.py."""
+    files = sorted(CONFIGS.glob("*.yaml"))
+    assert files
+    problems = [p for f in files for p in comment_figures(f.read_text(), str(f.relative_to(REPO)))]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_figure_in_a_config_comment_is_found():
+    text = ("train:\n"
+            "  fp8: tensorwise   # 1.36x bf16's tokens/s on an H200\n"
+            "  lr: 1.0e-4        # 1e-4 and 1.5e-4 tried; torch 2.13.0 on CUDA 12.8\n"
+            "  gamma: 4.0        # 0.1 CE + 0.9 L1, 1.1M prompts, 2 TB, 3.14 samples\n"
+            "# the plan: 21.9 h, 18.0 TB of hidden states, 12.6 GB checkpoints, a start of 10.4 s\n"
+            "# 86.5% of the floor; regeneration at 12,246.6 tokens/s, 12.2K tokens/s per GPU\n"
+            "path: results/run#1.5x\n")
+    problems = comment_figures(text, "c.yaml")
+    found = [p.split("'")[1] for p in problems]
+    assert found == ["1.36x", "21.9 h", "18.0 TB", "12.6 GB", "10.4 s", "86.5%", "12,246.6 tokens/s",
+                     "12.2K tokens/s"], problems
+    assert problems[0].startswith("c.yaml:2: '1.36x'")
+
 if __name__ == "__main__":  # write the generated parts again
     text = CONFIG_DOC.read_text()
     CONFIG_DOC.write_text(text[: text.index("## Reference")] + reference(load_schema()))
