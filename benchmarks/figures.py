@@ -1,9 +1,10 @@
-"""Every measured figure the docs quote, written from the committed results: each
-`VALUE<!--fig FILE KEY FORMAT-->` in README.md and docs/*.md is the value at KEY (dotted; in double
+"""Every measured figure the docs quote, written from the committed results and listed with its source.
+
+Each `VALUE<!--fig FILE KEY FORMAT-->` in README.md and docs/*.md is the value at KEY (dotted; in double
 quotes when it holds spaces) of benchmarks/results/FILE, in FORMAT (a Python format spec, optionally
 followed by `*N` or `/N`, e.g. `.2f`, `,.0f`, `.1f/3600`; default `.3g`), and docs/performance.md's last
-section lists every figure with its file, key, device, commit and command, the planner's rates among
-them.
+section lists every figure by its file, with the device, commit and command the file records, the
+planner's rates among them.
 
 Usage: python benchmarks/figures.py [--check]
 (--check: write nothing, list the figures that differ from their files and exit 1 if any does)
@@ -61,20 +62,22 @@ def rewrite(text: str, where: str) -> tuple[str, list[str], list[tuple[str, str]
 
 
 def table(quoted: dict[tuple[str, str], list[str]], rates: dict) -> str:
-    """One row per figure (file and key): where it is quoted, its value and where the file says it was
-    measured."""
+    """One row per result file: where the file says it was measured (device, commit, command) and each
+    of its figures (key = value) with the pages (or the planner's rate) quoting it."""
     for name, r in rates.items():
         quoted.setdefault((r.file, r.key), []).append(f"planner `{name}`")
-    rows = ["| figure | quoted in | file (benchmarks/results/) | device | commit | command |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    by_file: dict[str, list[str]] = {}
     for (file, key), where in sorted(quoted.items()):
-        p = {k: v or "not recorded" for k, v in provenance(file).items()}
         value = figure(file, key)
         shown = render(value, ",.0f" if abs(value) >= 1000 else ".4g") if isinstance(value, (int, float)) \
             else str(value)
+        by_file.setdefault(file, []).append(f"`{key}` = {shown} ({', '.join(dict.fromkeys(where))})")
+    rows = ["| file (benchmarks/results/) | device | commit | command | figures (where quoted) |",
+            "| --- | --- | --- | --- | --- |"]
+    for file, figs in by_file.items():
+        p = {k: v or "not recorded" for k, v in provenance(file).items()}
         command = f"`{p['command']}`" if p["command"] != "not recorded" else p["command"]
-        rows.append(f"| `{key}` = {shown} | {', '.join(dict.fromkeys(where))} | `{file}` | {p['device']} | "
-                    f"{p['commit']} | {command} |")
+        rows.append(f"| `{file}` | {p['device']} | {p['commit']} | {command} | {'<br>'.join(figs)} |")
     return "\n".join([START, *rows, END])
 
 

@@ -357,7 +357,8 @@ def test_a_re_measured_figure_is_found_and_written(tmp_path, monkeypatch):
     assert texts[tmp_path / "README.md"] == (tmp_path / "README.md").read_text()  # 3.14 and 150/60 = 2.5
     page = texts[tmp_path / "docs" / "performance.md"]
     assert page.startswith("speed 1.3<!--fig r.json x.0.speed .1f-->x")
-    assert "| `eval.tau` = 3.142 | README.md | `r.json` | cpu | not recorded | `python r.py` |" in page
+    assert "| `r.json` | cpu | not recorded | `python r.py` | `eval.tau` = 3.142 (README.md)<br>`s` = 150 " \
+           "(README.md)<br>`x.0.speed` = 1.26 (docs/performance.md) |" in page
 
 
 
