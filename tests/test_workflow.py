@@ -169,8 +169,8 @@ def test_shards_without_the_last_hidden_state_are_refused_before_any_job_when_th
             os.utime(f, (1e9, 1e9))  # none newer than what it was made from
         proc = snakemake(tmp_path, "--cores", "1", target, config=config, check=False)
         out = proc.stdout + proc.stderr
-        line = ("config key drafter.family: dspark trains on the target's last hidden state, but the hidden "
-                "shard results/hidden/shard-00000.arrow was made without it; rerun the hidden stage "
+        line = ("config key drafter.family: dspark trains on the target's last hidden state, but 1 hidden "
+                "shard(s) were made without it (results/hidden/shard-00000.arrow); rerun the hidden stage "
                 "(snakemake --forcerun hidden_shard)")
         assert (line in out.splitlines()) == refused, out
         assert proc.returncode != 0 and "Traceback" not in out  # with the column: the fake fails to verify
@@ -541,6 +541,11 @@ def test_snakemake_report_renders_with_plots(small_run, tmp_path):
     dom = headless_dom(out, tmp_path)
     for name in ("acceptance.png", "tau-hist.png", "train-loss.png", "report.html"):
         assert name in dom, name
+    # the workflow's description (its template rendered with the run's config), as the report embeds it
+    desc = json.loads(re.search(r"var workflow_desc = (\".*?\");\n", out.read_text()).group(1))
+    target = yaml.safe_load(config.read_text())["target"]["path"]
+    assert f'A dflash drafter trained for the target at <tt class="docutils literal">{target}</tt>' in desc
+    assert "config[" not in desc and "{{" not in desc
 
 
 DSPARK = {"drafter.family": "dspark", "drafter.block_size": 7, "drafter.dspark": {"markov_rank": 64},

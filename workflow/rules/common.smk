@@ -100,28 +100,34 @@ LAST_HIDDEN_FLAGS = ["--last-hidden"] if LAST_HIDDEN else []  # the stages' flag
 
 
 def check_last_hidden():
-    """Before the first job (onstart, once Snakemake knows which jobs run): when drafter.family trains on
-    the target's last hidden state, a hidden shard on disk made without it that a job of this run reads
-    and no job of it makes again. Snakemake makes such shards again by itself when it recorded their
-    params (last_hidden_params); not for shards it has no record of (copied in), nor under
-    --rerun-triggers without params."""
+    """Before the first job (onstart: it needs the jobs Snakemake will run, which read_config's gathered
+    checks run before knowing): when drafter.family trains on the target's last hidden state, the hidden
+    shards on disk made without it that a job of this run reads and no job of it makes again, all named in
+    one error. Snakemake makes such shards again by itself when it recorded their params
+    (last_hidden_params); not for shards it has no record of (copied in), nor under --rerun-triggers
+    without params."""
     if not LAST_HIDDEN:
         return
     jobs = list(workflow.dag.needrun_jobs())
     made = {str(f) for job in jobs for f in job.output}
     read = {str(f) for job in jobs for f in job.input} - made
+    old, rules = [], set()
     for arrow in sorted(f for f in read if f.startswith(f"{RESULTS}/hidden/") and f.endswith(".arrow")):
         manifest = Path(arrow).with_suffix(".json")
         try:
-            old = not json.loads(manifest.read_text()).get("last_hidden", False)
+            without = not json.loads(manifest.read_text()).get("last_hidden", False)
         except (OSError, ValueError, AttributeError):  # no readable manifest: verification names it
             continue
-        if old:
-            rules = "hidden_shard" if Path(arrow).name.startswith("shard-") else "hidden_chunk hidden_val"
-            raise WorkflowError(
-                f"config key drafter.family: {CFG.drafter.family} trains on the target's last hidden state, "
-                f"but the hidden shard {arrow} was made without it; rerun the hidden stage (snakemake "
-                f"--forcerun {rules})")
+        if without:
+            old.append(arrow)
+            rules.update(["hidden_shard"] if Path(arrow).name.startswith("shard-") else
+                         ["hidden_chunk", "hidden_val"])
+    if old:
+        shown = ", ".join(old[:3]) + (f" and {len(old) - 3} more" if len(old) > 3 else "")
+        raise WorkflowError(
+            f"config key drafter.family: {CFG.drafter.family} trains on the target's last hidden state, "
+            f"but {len(old)} hidden shard(s) were made without it ({shown}); rerun the hidden stage "
+            f"(snakemake --forcerun {' '.join(sorted(rules))})")
 
 
 onstart:
