@@ -65,6 +65,29 @@ def test_bad_config_fails_before_any_job(tmp_path, overrides, expected):
     assert not (tmp_path / "results").exists()
 
 
+def test_a_source_whose_rows_give_no_prompt_stops_the_run_before_its_prompts_job_deletes_any(tmp_path):
+    """A source changed to a file whose first rows fit no shape: the run ends before any job with one line
+    naming the source, and the prompts of the run before (kept by Snakemake until their job starts) stay."""
+    rows = [{"question": f"What is {i}?", "answer": str(i)} for i in range(30)]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mine = [{"name": "mine", "path": "mine.jsonl"}]
+    config = write_config(tmp_path / "config.yaml", {"prompts.sources": mine})
+    old = tmp_path / "results" / "prompts" / "train.parquet"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"the prompts of the run before")
+    proc = snakemake(tmp_path, "--cores", "1", config=config, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out
+    assert ("config key prompts.sources[mine]: none of the first 20 rows of mine.jsonl gives a prompt (most "
+            "often: unknown shape); set its shape") in out
+    assert old.read_bytes() == b"the prompts of the run before"
+    assert not (tmp_path / "results" / "logs").exists()  # no job started
+
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps({"prompt": r["question"]}) + "\n" for r in rows))
+    proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # the fixed source passes the check
+
+
 @pytest.mark.parametrize("overrides, expected", [
     ({"train.fp8": "tensorwise", "gpus.drafter": 0},
      "config key train.fp8 (tensorwise) needs a GPU with FP8 matmuls (compute capability 8.9 or newer), but "

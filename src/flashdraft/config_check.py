@@ -179,9 +179,12 @@ def target_problem(cfg: Config) -> str | None:
     return None
 
 
-def file_problems(cfg: Config, results: str) -> list[str]:
+def file_problems(cfg: Config, results: str, read_sources: bool = False) -> list[str]:
     """The target directory and the prompt source files the config names, where they should be before any
-    job (`results`: the run's directory, where the toy's sources are made)."""
+    job (`results`: the run's directory, where the toy's sources are made); `read_sources`: also each
+    local source's first rows (sources.first_rows_problem)."""
+    from .sources import first_rows_problem
+
     lines = [line for line in [target_problem(cfg)] if line]
     for s in cfg.prompts.sources:
         key = f"config key prompts.sources[{s.name}].path: {s.path!r}"
@@ -194,6 +197,8 @@ def file_problems(cfg: Config, results: str) -> list[str]:
         elif Path(s.path).is_dir():
             lines.append(f"{key} is a directory; point it at a file (jsonl, json, parquet, arrow), or set "
                          "format: hf to read a folder of data files")
+        elif read_sources and Path(s.path).exists() and (problem := first_rows_problem(s)):
+            lines.append(problem)
     return lines
 
 

@@ -221,3 +221,32 @@ def to_messages(record, shape: str = "auto", fields: dict[str, str] | None = Non
     if not any(m["role"] == "user" for m in prompt_messages(messages)):
         raise Rejected("no user turn")
     return messages
+
+
+def first_rows_problem(src: SourceConfig, rows: int = 20) -> str | None:
+    """Before any job: a local source's first `rows` rows read as the prompts stage reads them. A line
+    naming the source when it cannot be read, or when none of them gives a conversation (its `shape` or
+    `fields` do not fit the file), so that the prompts job is not started (and its earlier outputs not
+    deleted) for a mistake seen in a few rows; None when one row gives a conversation or the file is
+    empty (the stage says so)."""
+    key = f"config key prompts.sources[{src.name}]"
+    reasons: dict[str, int] = {}
+    try:
+        for n, (_, rec) in enumerate(load_source(src)):
+            if n == rows:
+                break
+            try:
+                if isinstance(rec, ParseError):
+                    raise Rejected(rec.reason)
+                to_messages(rec, src.shape, src.fields)
+                return None
+            except Rejected as e:
+                reasons[str(e)] = reasons.get(str(e), 0) + 1
+    except UserError as e:
+        return f"{key}: {e}"
+    if not reasons:
+        return None
+    most = max(reasons, key=reasons.get)
+    return (f"{key}: none of the first {sum(reasons.values())} rows of {src.path} gives a prompt (most "
+            f"often: {most}); set its shape (sharegpt, messages, alpaca, prompt) or map its fields "
+            "(docs/data.md)")

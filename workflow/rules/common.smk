@@ -55,7 +55,9 @@ def read_config():
         if data is not None:
             cfg = from_dict(Config, data)
             problems, warnings = config_problems(cfg, {} if target_problem(cfg) else None)
-            found.lines += file_problems(cfg, cfg.results.rstrip("/")) + problems + run_here_problems(cfg)
+            # the sources' first rows: once, not again in each job a cluster or a subprocess runs
+            sources = file_problems(cfg, cfg.results.rstrip("/"), read_sources=workflow.is_main_process)
+            found.lines += sources + problems + run_here_problems(cfg)
             for w in warnings:
                 print(f"warning: {w}", file=sys.stderr)
     if found.lines:
