@@ -200,6 +200,32 @@ def test_shards_without_the_last_hidden_state_are_refused_before_any_job_when_th
         assert (tmp_path / "results" / "logs" / "hidden_verify.log").exists() != refused  # no job ran
 
 
+def test_a_rerun_says_before_its_first_job_which_finished_costly_outputs_it_makes_again(tmp_path):
+    """Every output up to the hidden shards on disk (as a finished run leaves them), then the prompts made
+    newer: before its first job the run names the regeneration and hidden shards it will make again, with
+    Snakemake's reasons; nothing is said of a stage whose outputs are not there yet."""
+    config = write_config(tmp_path / "config.yaml", {"hidden.shards": 1, "regenerate.shards": 1})
+    target = "results/hidden/verify.json"
+    dry = snakemake(tmp_path, "-n", "--cores", "1", target, config=config).stdout
+    outputs = [o.strip() for line in dry.splitlines() if line.strip().startswith("output:")
+               for o in line.split(":", 1)[1].split(",")]
+    for out in outputs[:-1]:  # all but the verification, as a finished run's files
+        (tmp_path / out).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / out).mkdir() if out.endswith("target") else (tmp_path / out).write_text("{}")
+    for f in (tmp_path / "results").rglob("*"):
+        os.utime(f, (1e9, 1e9))
+    for f in (tmp_path / "results" / "prompts").iterdir():
+        os.utime(f, (2e9, 2e9))  # the prompts made again since
+    proc = snakemake(tmp_path, "--cores", "1", target, config=config, check=False)
+    notes = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("note: this run")]
+    assert notes == [
+        "note: this run makes 1 finished regenerate output(s) again (updated input files); `snakemake -n` "
+        "lists each job's reason before a run",
+        "note: this run makes 1 finished hidden_shard output(s) again (input files updated by another job); "
+        "`snakemake -n` lists each job's reason before a run"], notes
+    assert proc.returncode != 0  # the fake files fail the first job
+
+
 def test_a_model_type_of_transformers_in_a_package_of_another_name_is_not_remote_code(tmp_path):
     """gemma3_text's classes live in transformers' gemma3 package: it ships, though an auto_map is there."""
     model = tmp_path / "models" / "gemma"

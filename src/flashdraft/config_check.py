@@ -182,7 +182,7 @@ def target_problem(cfg: Config) -> str | None:
 def file_problems(cfg: Config, results: str, read_sources: bool = False) -> list[str]:
     """The target directory and the prompt source files the config names, where they should be before any
     job (`results`: the run's directory, where the toy's sources are made); `read_sources`: also each
-    local source's first rows (sources.first_rows_problem)."""
+    local source's first rows (sources.first_rows_problem), but for the toy's."""
     from .sources import first_rows_problem
 
     lines = [line for line in [target_problem(cfg)] if line]
@@ -190,14 +190,15 @@ def file_problems(cfg: Config, results: str, read_sources: bool = False) -> list
         key = f"config key prompts.sources[{s.name}].path: {s.path!r}"
         if s.format == "hf":
             continue
-        if not Path(s.path).exists() and not s.path.startswith(f"{results}/toy/"):
+        made_here = s.path.startswith(f"{results}/toy/")  # the toy's sources, made by a job of the run
+        if not Path(s.path).exists() and not made_here:
             hub = len(Path(s.path).parts) == 2 and not Path(s.path).suffix  # an id such as org/dataset
             lines.append(f"{key} does not exist" + ("; for a Hugging Face Hub dataset id, set format: hf"
                                                      if hub else ""))
         elif Path(s.path).is_dir():
             lines.append(f"{key} is a directory; point it at a file (jsonl, json, parquet, arrow), or set "
                          "format: hf to read a folder of data files")
-        elif read_sources and Path(s.path).exists() and (problem := first_rows_problem(s)):
+        elif read_sources and not made_here and Path(s.path).exists() and (problem := first_rows_problem(s)):
             lines.append(problem)
     return lines
 

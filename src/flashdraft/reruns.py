@@ -39,3 +39,22 @@ def store_leftovers(hidden_dir) -> str | None:
     size = sum(f.stat().st_size for f in files)
     return (f"{hidden_dir} holds {len(arrows)} store-mode hidden shard(s) ({human_bytes(size)}) that this "
             f"stream-mode run does not read; to free the space: rm {shlex.quote(str(hidden_dir))}/shard-*")
+
+
+# The stages whose jobs cost GPU hours at production size: a rerun says before its first job when it makes
+# their finished outputs again.
+COSTLY = ("regenerate", "hidden_shard", "hidden_chunk", "hidden_val", "warmup", "train", "train_chunk",
+          "evaluate")
+
+
+def redo_lines(jobs) -> list[str]:
+    """One line per costly rule of which this run makes finished outputs again: `jobs` holds (rule, whether
+    its outputs are all on disk, Snakemake's reasons) for each job the run will run."""
+    counts: dict[str, int] = {}
+    reasons: dict[str, dict[str, None]] = {}
+    for rule, done, why in jobs:
+        if rule in COSTLY and done:
+            counts[rule] = counts.get(rule, 0) + 1
+            reasons.setdefault(rule, {}).update(dict.fromkeys(why))
+    return [f"this run makes {n} finished {rule} output(s) again ({'; '.join(reasons[rule])}); "
+            "`snakemake -n` lists each job's reason before a run" for rule, n in counts.items()]

@@ -34,7 +34,7 @@ from flashdraft.config_check import (  # noqa: E402
 )
 from flashdraft.gpu import gpu_capabilities, visible_gpus  # noqa: E402
 from flashdraft.io import console_env, file_digests  # noqa: E402
-from flashdraft.reruns import deleted_line, deleted_shards, store_leftovers  # noqa: E402
+from flashdraft.reruns import deleted_line, deleted_shards, redo_lines, store_leftovers  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
 from flashdraft.launch import on_every_node, torchrun  # noqa: E402
 
@@ -132,8 +132,17 @@ def check_last_hidden():
             f"(snakemake --forcerun {' '.join(sorted(rules))})")
 
 
+def say_redone():
+    """Before the first job: the costly stages' finished outputs this run makes again, and why."""
+    jobs = [(job.rule.name, all(os.path.exists(f) for f in job.output),
+             list(workflow.dag.reason(job).get_names())) for job in workflow.dag.needrun_jobs()]
+    for line in redo_lines(jobs):
+        print(f"note: {line}", file=sys.stderr)
+
+
 onstart:
     check_last_hidden()
+    say_redone()
 
 
 def section(name, keys=None):
