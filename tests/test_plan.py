@@ -540,3 +540,15 @@ def test_a_target_much_smaller_than_the_benchmarks_is_planned_with_its_hours_as_
         texts[name] = (p["scale"], render(p, "production.yaml"))
     assert texts["small"][0] > 10 and "ASSUMED: a target this much smaller" in texts["small"][1]
     assert texts["8b"][0] == pytest.approx(1) and "ASSUMED: a target this much smaller" not in texts["8b"][1]
+
+
+def test_the_committed_production_plan_is_the_planner_s_output(tmp_path):
+    """benchmarks/results/plan_production.json (whose figures docs/planning.md quotes) is what the planner
+    gives today from the committed rates: rerun the command in docs/planning.md after a benchmark."""
+    out = tmp_path / "plan.json"
+    proc = plan_cli("--configfile", PRODUCTION, "--target-config", "qwen3-8b", "--gpus", 8,
+                    "--results", tmp_path / "none", "--json", out)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text()) == json.loads((RESULTS / "plan_production.json").read_text())
+    assert "--target-config qwen3-8b --gpus 8 --json benchmarks/results/plan_production.json" in \
+        (REPO / "docs" / "planning.md").read_text()
