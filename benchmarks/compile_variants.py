@@ -45,6 +45,7 @@ from flashdraft.compile_cache import (
     random_batch,
 )
 from flashdraft.config import DrafterConfig
+from flashdraft.families import family
 from flashdraft.objectives import Decay
 from flashdraft.train_step import Step, anchors_for, forward_backward
 
@@ -86,7 +87,7 @@ def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
     amp = torch.bfloat16 if dev.type == "cuda" else None
     head = [torch.randn(spec.vocab_size, spec.hidden_size, device=dev, dtype=amp or torch.float32) * 0.02
             for _ in range(2)]
-    step = Step(drafter, spec, head[0], head[1], Decay(7.0), preset["attention"],
+    step = Step(drafter, spec, family("dflash"), head[0], head[1], Decay(7.0), preset["attention"],
                 preset["max_anchors"], False, dev, amp)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=dev.type == "cuda")
     g = torch.Generator().manual_seed(0)
