@@ -137,7 +137,7 @@ def measure(preset: dict, work: Path, repeats: int, cold: bool, report) -> None:
         work.mkdir(parents=True)
         row = {"repeat": r}
         row["save_before_s"] = timed(lambda: save_before(work / "before", drafter, optimizer, scheduler),
-                                        device)
+                                     device)
         ckpt = Checkpointer(work / "after", Dist(device=device), drafter, optimizer, scheduler, False,
                             keep=1)
         for step, name in enumerate(("first", "second"), 1):
@@ -153,7 +153,7 @@ def measure(preset: dict, work: Path, repeats: int, cold: bool, report) -> None:
         row["save_after_s"] = row["save_second_s"]
         path = work / "after" / "step-00000002"
         row["load_before_s"] = timed(lambda: load_before(work / "before", drafter, optimizer, scheduler,
-                                                            device), device)
+                                                         device), device)
         for variant in ("", "_cold") if cold else ("",):
             if variant and not drop_page_cache():
                 row["cold"] = False

@@ -3,9 +3,9 @@
 also makes the gradient for h; the backward only scales it), peak memory, and how far the compiled
 result lies from the eager one.
 
-One micro-batch of train_drafter.py's preset: rows x max_anchors blocks of B-1 positions, random drafter
-outputs h and a random frozen head in the step's dtype, every position labelled, D-PACE weights (the
-default objective).
+One micro-batch of the preset (shapes.py, as train_drafter.py trains it): rows x max_anchors blocks of B-1
+positions, random drafter outputs h and a random frozen head in the step's dtype, every position labelled,
+D-PACE weights (the default objective).
 
 Usage: python benchmarks/loss_head.py --preset tiny|qwen3-8b [--repeats N] [--out PATH]
 """
