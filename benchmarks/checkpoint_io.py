@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import signal
 import sys
 import tempfile
-import time
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,38 +42,27 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from shapes import QWEN3_8B, TOY  # noqa: E402
+from harness import time_it, write_result  # noqa: E402
+from shapes import PRESETS  # noqa: E402
 
 from flashdraft.checkpoint import Checkpointer, start_reading  # noqa: E402
 from flashdraft.config import DrafterConfig  # noqa: E402
 from flashdraft.distributed import Dist  # noqa: E402
 from flashdraft.model import DFlashDrafter, DrafterSpec  # noqa: E402
 
-PRESETS = {
-    "tiny": {"shape": TOY, "drafter": {"num_layers": 2, "block_size": 8, "mask_token_id": 500},
-             "device": "cpu"},
-    "qwen3-8b": {"shape": QWEN3_8B, "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
-                 "device": "cuda"},
-}
+
+def timed(fn, device) -> float:
+    """Seconds of one call of `fn`, between two device syncs: a save or load runs once a round."""
+    return time_it(fn, warmup=0, repeats=1, device=device).median_s
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device):
-    sync(device)
-    t = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - t, out
+def drafter_cfg(preset: dict) -> DrafterConfig:
+    return DrafterConfig(**preset["drafter"], mask_token_id=preset["mask_token_id"])
 
 
 def training_state(preset: dict, device):
     """The drafter and an AdamW that has taken one step (both moments filled), as training holds them."""
-    target, drafter_cfg = SimpleNamespace(**preset["shape"]), DrafterConfig(**preset["drafter"])
-    spec = DrafterSpec.from_target(target, None, drafter_cfg)
+    spec = DrafterSpec.from_target(SimpleNamespace(**preset["target"]), None, drafter_cfg(preset))
     torch.manual_seed(0)
     with torch.device(device):
         drafter = DFlashDrafter(spec)
@@ -149,24 +136,24 @@ def measure(preset: dict, work: Path, repeats: int, cold: bool, report) -> None:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         row = {"repeat": r}
-        row["save_before_s"], _ = timed(lambda: save_before(work / "before", drafter, optimizer, scheduler),
-                                        device)
+        row["save_before_s"] = timed(lambda: save_before(work / "before", drafter, optimizer, scheduler),
+                                     device)
         ckpt = Checkpointer(work / "after", Dist(device=device), drafter, optimizer, scheduler, False,
                             keep=1)
         for step, name in enumerate(("first", "second"), 1):
-            row[f"save_{name}_blocking_s"], _ = timed(partial(ckpt.save, {"step": step}), device)
-            t, _ = timed(ckpt.wait, device)
+            row[f"save_{name}_blocking_s"] = timed(partial(ckpt.save, {"step": step}), device)
+            t = timed(ckpt.wait, device)
             row[f"save_{name}_s"] = row[f"save_{name}_blocking_s"] + t
         reserved = Checkpointer(work / "reserved", Dist(device=device), drafter, optimizer, scheduler, False,
                                 keep=1)
-        row["reserve_s"], _ = timed(partial(reserve_whole, reserved), device)
-        row["save_reserved_blocking_s"], _ = timed(partial(reserved.save, {"step": 1}), device)
+        row["reserve_s"] = timed(partial(reserve_whole, reserved), device)
+        row["save_reserved_blocking_s"] = timed(partial(reserved.save, {"step": 1}), device)
         reserved.wait()
         row["in_chunk_save_blocking_s"] = row["save_second_blocking_s"]
         row["save_after_s"] = row["save_second_s"]
         path = work / "after" / "step-00000002"
-        row["load_before_s"], _ = timed(lambda: load_before(work / "before", drafter, optimizer, scheduler,
-                                                            device), device)
+        row["load_before_s"] = timed(lambda: load_before(work / "before", drafter, optimizer, scheduler,
+                                                         device), device)
         for variant in ("", "_cold") if cold else ("",):
             if variant and not drop_page_cache():
                 row["cold"] = False
@@ -174,8 +161,8 @@ def measure(preset: dict, work: Path, repeats: int, cold: bool, report) -> None:
             fresh = Checkpointer(work / "after", Dist(device=device), drafter, optimizer, scheduler, False,
                                  keep=1)
             reading = start_reading(path, device)
-            row[f"read{variant}_s"], _ = timed(partial(read_whole, reading), device)
-            row[f"load_after{variant}_s"], _ = timed(partial(resume_whole, fresh, path, reading), device)
+            row[f"read{variant}_s"] = timed(partial(read_whole, reading), device)
+            row[f"load_after{variant}_s"] = timed(partial(resume_whole, fresh, path, reading), device)
             assert all(torch.equal(a, b) for a, b in zip(saved, state_of(drafter, optimizer), strict=True))
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
@@ -199,9 +186,9 @@ def summarize(rows: list[dict], nbytes: int) -> dict:
 
 def state_bytes(preset: dict) -> int:
     """Bytes of the drafter's fp32 weights, AdamW's two moments and its step counts, from the shapes."""
-    target, drafter_cfg = SimpleNamespace(**preset["shape"]), DrafterConfig(**preset["drafter"])
+    spec = DrafterSpec.from_target(SimpleNamespace(**preset["target"]), None, drafter_cfg(preset))
     with torch.device("meta"):
-        params = list(DFlashDrafter(DrafterSpec.from_target(target, None, drafter_cfg)).parameters())
+        params = list(DFlashDrafter(spec).parameters())
     return sum(3 * p.numel() * 4 + 4 for p in params)
 
 
@@ -214,19 +201,17 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--from-log", default=None, metavar="LOG",
                    help="summarize the rows a run printed (one cut short before writing its JSON)")
-    p.add_argument("--device", default=None, help="with --from-log: the machine the run was made on")
+    p.add_argument("--device", default=None, help="with --from-log: the device the run was made on")
     args = p.parse_args()
     preset = PRESETS[args.preset]
     out = Path(args.out or REPO / "benchmarks" / "results" / f"checkpoint_io_{args.preset}.json")
-    device = args.device or (torch.cuda.get_device_name() if preset["device"] == "cuda" and
-                             torch.cuda.is_available() else preset["device"])
-    head = {"what": __doc__.split("\n")[0], "preset": args.preset,
-            "machine": {"torch": torch.__version__, "python": platform.python_version(), "device": device}}
+    head = {"what": __doc__.split("\n")[0], "preset": args.preset}
+    if args.device:  # the rows' machine, not this one (`machine`)
+        head["device"] = args.device
 
     def report(rows, nbytes):
         result = {**head, "repeats": f"{len(rows)} of {args.repeats}", **summarize(rows, nbytes)}
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        return result
+        return write_result(out, result, params=vars(args), device=preset["device"])
 
     if args.from_log:
         rows = [json.loads(line) for line in Path(args.from_log).read_text().splitlines()

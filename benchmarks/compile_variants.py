@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,8 @@ import time
 from pathlib import Path
 
 import torch
-from shapes import QWEN3_8B, TOY
+from harness import time_it, write_result
+from shapes import PRESETS as SHAPES
 from torch.nn.attention.flex_attention import create_block_mask
 from transformers import Qwen3Config
 
@@ -45,16 +45,14 @@ from flashdraft.compile_cache import (
     random_batch,
 )
 from flashdraft.config import DrafterConfig
+from flashdraft.families import family
 from flashdraft.objectives import Decay
 from flashdraft.train_step import Step, anchors_for, forward_backward
 
 REPO = Path(__file__).resolve().parents[1]
-PRESETS = {
-    "tiny": dict(target=TOY, mask_token_id=512, drafter=dict(num_layers=2, block_size=8), seq_len=256, rows=4,
-                 max_anchors=32, device="cpu", attention="sdpa", variants="whole:eager,regional:eager"),
-    "qwen3-8b": dict(target=QWEN3_8B, mask_token_id=151669, drafter=dict(num_layers=5, block_size=16),
-                     seq_len=3072, rows=4, max_anchors=512, device="cuda", attention="flex",
-                     variants="whole:eager,regional:eager,whole:compiled"),
+PRESETS = {  # the benchmark presets (shapes.py) and the variants each compares by default
+    "tiny": {**SHAPES["tiny"], "variants": "whole:eager,regional:eager"},
+    "qwen3-8b": {**SHAPES["qwen3-8b"], "variants": "whole:eager,regional:eager,whole:compiled"},
 }
 STEADY = 5
 
@@ -86,16 +84,12 @@ def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
     amp = torch.bfloat16 if dev.type == "cuda" else None
     head = [torch.randn(spec.vocab_size, spec.hidden_size, device=dev, dtype=amp or torch.float32) * 0.02
             for _ in range(2)]
-    step = Step(drafter, spec, head[0], head[1], Decay(7.0), preset["attention"],
+    step = Step(drafter, spec, family("dflash"), head[0], head[1], Decay(7.0), preset["attention"],
                 preset["max_anchors"], False, dev, amp)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=dev.type == "cuda")
     g = torch.Generator().manual_seed(0)
     batch = random_batch(preset["seq_len"], preset["rows"], spec.num_features * spec.hidden_size,
                          spec.vocab_size, amp or torch.float32, g)
-
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
 
     def one():
         anchors, valid = anchors_for(step, batch["loss_mask"], g)
@@ -105,21 +99,13 @@ def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    sync()
-    t0 = time.perf_counter()
-    loss = float(one())
-    sync()
-    first = time.perf_counter() - t0
+    t = time_it(one, warmup=0, repeats=1, device=dev)  # the compile, or the cache hits
+    first, loss = t.median_s, float(t.out)
     counters, phases = cache_counters(), compile_phases(8)
     for _ in range(2):
         one()
-    sync()
-    t0 = time.perf_counter()
     with torch.compiler.set_stance("fail_on_recompile"):
-        for _ in range(STEADY):
-            one()
-    sync()
-    steady = (time.perf_counter() - t0) / STEADY
+        steady = time_it(one, warmup=0, repeats=1, number=STEADY, device=dev).median_s
     out = {"scope": scope, "mask": mask, "phase": phase, "first_step_s": round(first, 2),
            "steady_ms": round(1e3 * steady, 1), "loss": loss, "counters": counters, "phases": phases,
            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None}
@@ -191,13 +177,10 @@ def main():
                 "processes and Inductor dirs; random data",
         "preset": args.preset, "shapes": {k: preset[k] for k in ("target", "drafter", "seq_len", "rows",
                                                                  "max_anchors", "attention")},
-        "machine": {"torch": torch.__version__, "python": platform.python_version(),
-                    "device": torch.cuda.get_device_name(0) if preset["device"] == "cuda"
-                    else platform.processor() or "cpu"},
         "steady_steps": STEADY, "variants": rows, "wall_s": round(time.perf_counter() - t0, 1),
     }
     out = Path(args.out or REPO / "benchmarks" / "results" / f"compile_variants_{args.preset}.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out, result, params=vars(args), device=preset["device"])
     print(f"\n{args.preset} -> {out}")
     print(f"{'variant':18} {'cold 1st s':>10} {'warm 1st s':>10} {'warm/cold':>9} {'steady ms':>9} "
           f"{'peak GiB':>8}")

@@ -14,14 +14,13 @@ Writes benchmarks/results/decode_step_qwen3-8b.json and prints a table.
 """
 
 import argparse
-import json
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
-from precompute_hidden import build_target
-from regenerate import HBM_BYTES_PER_S
+from harness import sync, time_it, write_result
+from shapes import hbm_bytes_per_s
+from target_bench import build_target
 
 from flashdraft.decode import SlotDecoder
 from flashdraft.hf_config import kv_bytes_per_token
@@ -30,13 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def timed(fn, n: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n
+    """Seconds per call of `fn`, over `n` calls between two syncs after a warm one."""
+    return time_it(fn, warmup=1, repeats=1, number=n, device="cuda").median_s
 
 
 def kernel_split(dec, length: int) -> dict:
@@ -44,7 +38,7 @@ def kernel_split(dec, length: int) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         dec.pos.fill_(length - 1)
         dec._step(length)
-        torch.cuda.synchronize()
+        sync("cuda")
     split = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for e in prof.key_averages():
         name, ms = e.key.lower(), e.device_time_total / 1e3
@@ -64,7 +58,9 @@ def main():
     args = p.parse_args()
     model = build_target("qwen3-8b", torch.device("cuda"))
     dev = torch.cuda.get_device_name()
-    hbm = next(v for k, v in HBM_BYTES_PER_S.items() if k in dev)
+    hbm = hbm_bytes_per_s(dev)
+    if hbm is None:
+        raise SystemExit(f"{dev}: no HBM bandwidth in shapes.HBM_BYTES_PER_S")
     weights = sum(t.numel() * t.element_size() for n, t in model.named_parameters()
                   if "embed_tokens" not in n)
     kv = kv_bytes_per_token(model.config, model.dtype.itemsize)
@@ -73,9 +69,8 @@ def main():
         for variant in args.variants:
             dec = SlotDecoder(model, b, args.length, [0], 0, compiled=variant == "compiled")
             with torch.inference_mode():
-                t = time.perf_counter()
-                graph, _ = dec._capture(args.length)
-                capture = time.perf_counter() - t
+                t = time_it(partial(dec._capture, args.length), warmup=0, repeats=1, device="cuda")
+                (graph, _), capture = t.out, t.median_s
                 dec.pos.fill_(args.length - 1)
                 step = timed(graph.replay, 50)
                 split = kernel_split(dec, args.length)
@@ -92,7 +87,7 @@ def main():
             torch.cuda.empty_cache()
     result = {"device": dev, "torch": torch.__version__, "weight_bytes_per_step": weights,
               "kv_bytes_per_token": kv, "hbm_bytes_per_s": hbm, "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, params=vars(args))
     print(f"{'batch':>6}{'variant':>9}{'step ms':>9}{'bound ms':>10}{'ratio':>7}{'matmul':>8}{'attn':>7}"
           f"{'other':>7}{'prefill ms':>12}{'TFLOP/s':>9}")
     for r in rows:

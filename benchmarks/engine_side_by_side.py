@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import write_result
+
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {  # name -> (script, args), each with --preset
     "eval_decode": ("eval_decode.py", ["--prompts", "4", "--engines", "static"]),
@@ -69,13 +71,12 @@ def main():
                 for side, root in sides.items():
                     got[name][side].append(run(root, name, args.preset, Path(tmp) / f"{name}-{side}.json"))
     result = {"what": __doc__.splitlines()[0], "ref": args.ref, "repeats": args.repeats,
-              "command": " ".join(["python", "benchmarks/engine_side_by_side.py", *sys.argv[1:]]),
               "runs": got, "wall_s": round(time.perf_counter() - t0, 1), "new_over_old": {}}
     for name, by_side in got.items():
         for key in by_side["new"][0]:
             mean = {s: statistics.mean(r[key] for r in by_side[s]) for s in by_side}
             result["new_over_old"][f"{name}.{key}"] = round(mean["new"] / mean["old"], 4)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, params=vars(args))
     print(json.dumps(result["new_over_old"], indent=2))
 
 

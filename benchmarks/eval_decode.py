@@ -29,7 +29,8 @@ target-only's, both on the main (first) engine, for the main (first) family. Wit
 alone the JSON adds `families` (per family, main engine: draft and verify ms per step, projected tokens/s
 at the TAUS acceptance lengths, oracle speedup), `<family>_over_dflash` (ratios at the same block size:
 draft ms per step, verify ms per step, and tokens/s at equal tau, which is DFlash's t_draft + t_verify
-over the family's), the commit (`code`) and the command line (`argv`).
+over the family's). Every JSON carries the envelope (benchmarks/harness.py): the commit, the command line,
+the machine.
 
 Usage: python benchmarks/eval_decode.py --preset tiny|qwen3-8b [--prompts 8] [--prompt-len 512]
            [--new-tokens 128] [--engines static hf] [--families dflash [dspark]] [--block-size B]
@@ -39,44 +40,21 @@ Usage: python benchmarks/eval_decode.py --preset tiny|qwen3-8b [--prompts 8] [--
 
 import argparse
 import dataclasses
-import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
-import transformers
-from shapes import QWEN3_8B, TOY
+from harness import time_it, write_result
+from shapes import PRESETS, hbm_bytes_per_s
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.config import DrafterConfig
 from flashdraft.families import FAMILIES, family, family_info
 from flashdraft.hf_config import kv_bytes_per_token
-from flashdraft.io import code_version
 from flashdraft.speculative import make_session, speculative_decode, target_decode
 
-PRESETS = {
-    # the toy target's shapes (flashdraft.toy) and the embedded default drafter (K=2, B=8)
-    "tiny": dict(
-        target=TOY,
-        mask_token_id=512, drafter=DrafterConfig(num_layers=2, block_size=8), device="cpu", dtype="float32",
-    ),
-    "qwen3-8b": dict(
-        target=QWEN3_8B,
-        mask_token_id=151669, drafter=DrafterConfig(num_layers=5, block_size=16), device="cuda",
-        dtype="bfloat16",
-    ),
-}
 TAUS = (1.0, 3.5, 6.5)
-HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # spec sheet, SXM
 REFERENCE = "dflash"  # the family the others are compared with (`<family>_over_dflash`)
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 class Timed:
@@ -93,12 +71,9 @@ class Timed:
         return self
 
     def propose(self, *args):
-        sync(self.dev)
-        t0 = time.perf_counter()
-        out = self.inner.propose(*args)
-        sync(self.dev)
-        self.seconds += time.perf_counter() - t0
-        return out
+        t = time_it(lambda: self.inner.propose(*args), warmup=0, repeats=1, device=self.dev)
+        self.seconds += t.median_s
+        return t.out
 
 
 class Oracle:
@@ -140,7 +115,7 @@ def build_drafter(model, preset: dict, name: str, block_size: int | None):
     """A random drafter of family `name` for the target, in the preset's shapes (block `block_size`, or the
     preset's), built through the family registry as evaluation loads one."""
     kind = family(name)
-    cfg = preset["drafter"]
+    cfg = DrafterConfig(**preset["drafter"])
     cfg = dataclasses.replace(cfg, family=name, block_size=block_size or cfg.block_size)
     with torch.device(model.device):
         spec = kind.spec.from_target(model.config, preset["mask_token_id"], cfg)
@@ -329,16 +304,10 @@ def bandwidth_bound(model, args) -> float | None:
     weights = sum(t.numel() * t.element_size() for n, t in model.named_parameters()
                   if "embed_tokens" not in n)
     context = args.prompt_len + args.new_tokens / 2
-    hbm = args.hbm_bytes_per_s or next((v for k, v in HBM_BYTES_PER_S.items()
-                                        if dev.type == "cuda" and k in torch.cuda.get_device_name(dev)), None)
+    hbm = args.hbm_bytes_per_s or (hbm_bytes_per_s(torch.cuda.get_device_name(dev)) if dev.type == "cuda"
+                                   else None)
     kv = kv_bytes_per_token(model.config, model.dtype.itemsize)
     return hbm / (weights + context * kv) if hbm else None
-
-
-def machine(dev) -> dict:
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    return {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(), "platform": platform.platform()}
 
 
 def summarize(args, preset, model, drafters, runs, t_start) -> dict:
@@ -362,7 +331,6 @@ def summarize(args, preset, model, drafters, runs, t_start) -> dict:
         "what": f"decode tokens/s (after the prefill), target-only greedy vs {' and '.join(args.families)} "
                 "speculative decoding, random weights, evaluate.py code paths",
         "preset": args.preset,
-        "machine": machine(model.device),
         "shapes": {"target": preset["target"], "dtype": preset["dtype"], "drafter_layers": spec.num_layers,
                    "block_size": spec.block_size, "target_layer_ids": list(spec.target_layer_ids)},
         "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
@@ -381,8 +349,7 @@ def summarize(args, preset, model, drafters, runs, t_start) -> dict:
     }
     if args.families != [REFERENCE]:  # the DFlash-only JSON keeps the keys its readers know
         records = family_records(modes, drafters, args.families)
-        result |= {"families": records, **over_reference(records), "code": code_version(),
-                   "argv": sys.argv}
+        result |= {"families": records, **over_reference(records)}
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
     return result
 
@@ -447,9 +414,7 @@ def main():
 
     runs = {engine: bench_engine(engine, model, drafters, prompts, args) for engine in args.engines}
     result = summarize(args, preset, model, drafters, runs, t_start)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    report(result, runs, out)
+    report(write_result(out, result, params=vars(args), device=model.device), runs, out)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,8 +97,7 @@ def main():
         "python": platform.python_version(),
         "numpy": np.__version__,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, params=vars(args), device="cpu")
     width = max(map(len, result))
     for k, v in result.items():
         print(f"{k:<{width}}  {v}")

@@ -3,9 +3,9 @@
 Usage: nice -n 10 .venv/bin/python benchmarks/family_quality.py [--work DIR] [--seeds 0 1 2]
 Writes benchmarks/results/dspark_vs_dflash_toy.json and prints a table.
 
-The real workflow runs on config/config.yaml, as benchmarks/recipe_ablation.py runs its variants (its
-`run_one`): the same samples, steps and drafter size (2 layers) for every variant, only the family and the
-block differ:
+The real workflow runs on config/config.yaml, as benchmarks/recipe_ablation.py runs its variants
+(toy_bench.run_one): the same samples, steps and drafter size (2 layers) for every variant, only the family
+and the block differ:
 - dflash_b7:  drafter.family dflash, block 7 (6 drafts per verify step), the paper's decay loss (gamma 4)
 - dflash_b8:  DFlash at the embedded default's block 8 (7 drafts), decay loss, gamma 4
 - dspark_b7:  config/dspark.yaml: block 7 (7 drafts: the anchor is the first prediction slot), Markov rank
@@ -18,15 +18,12 @@ least 1.1x DFlash's at block 7 (the paper's gap on Qwen3-8B is 1.16-1.20x).
 """
 
 import argparse
-import json
-import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 
 import yaml
-from recipe_ablation import REPO, run_one, stats
+from harness import write_result
+from toy_bench import REPO, run_one, stats
 
 DSPARK = yaml.safe_load((REPO / "config" / "dspark.yaml").read_text())
 VARIANTS = {  # name: (family, overrides)
@@ -68,20 +65,15 @@ def main():
     if {"dspark_b7", "dflash_b7"} <= variants.keys():
         ratio = variants["dspark_b7"]["tau_pooled"]["mean"] / variants["dflash_b7"]["tau_pooled"]["mean"]
         goal = {"dspark_over_dflash_b7": round(ratio, 4), "goal": GOAL, "met": ratio >= GOAL}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
     result = {
         "what": "tau_pooled of the trained drafter on the embedded default (config/config.yaml), DSpark "
                 "against DFlash, the same samples, steps and drafter layers; 3 seeds per variant",
-        "command": "nice -n 10 .venv/bin/python benchmarks/family_quality.py",
-        "commit": commit, "machine": f"{os.cpu_count()} CPUs (shared), {platform.platform()}",
         "tau": "emitted tokens per verify step (accepted drafts + bonus, cut at stop and max_new_tokens), "
                "pooled over all verify steps of the held-out prompts (eval summary tau_pooled)",
         "seeds": args.seeds, "variants": variants, "goal": goal, "runs": runs,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, params=vars(args), device="cpu")
     print(f"\n{'variant':10s} {'tau_pooled mean':>15s} {'sd':>6s} {'min':>6s} {'max':>6s}  lossless")
     for v, s in variants.items():
         t = s["tau_pooled"]

@@ -3,17 +3,17 @@ trainer for --steps optimizer steps per variant, same data and seed, validation 
 
     python benchmarks/fp8_curves.py --preset qwen3-8b|tiny [--steps 300] [--val-every 50] [--work DIR]
 
-Data (in --work, reused while its parameters match): train_drafter.py's target directory (a Qwen3-8B-shaped
-config, random bf16 embedding and LM head) and one fp8 hidden-state shard (hidden.dtype float8_e4m3, as
-production.yaml stores them) of `samples` sequences with something to learn: the tokens follow a fixed
-random Markov chain over a 4,096-token slice of the vocabulary (the toy: its 512; each token has four
-successors, with probabilities 0.55, 0.25, 0.12, 0.08), and target feature k (of K) at position t is the
-target's LM-head row of the token k + 1 places ahead (a trained target's states point at the tokens to
-come, its last layer at the next one) plus half of a fixed random embedding of the token at t, with
-Gaussian noise, each feature at unit scale. Block positions up to K are then read off the context, the
-later ones follow the chain, whose next-token entropy is known (`chain_entropy_nats`): a curve that falls
-shows the drafter learning; a curve that stays flat (acc near 0, val_sim_tau 1) compares nothing but the
-first steps' arithmetic, whatever its gap says.
+Data (in --work, reused while its parameters match): train_drafter.py's target directory (train_bench.setup:
+a Qwen3-8B-shaped config, random bf16 embedding and LM head) and one fp8 hidden-state shard (hidden.dtype
+float8_e4m3, as production.yaml stores them) of `samples` sequences with something to learn: the tokens
+follow a fixed random Markov chain over a 4,096-token slice of the vocabulary (the toy: its 512; each token
+has four successors, with probabilities 0.55, 0.25, 0.12, 0.08), and target feature k (of K) at position t
+is the target's LM-head row of the token k + 1 places ahead (a trained target's states point at the tokens
+to come, its last layer at the next one) plus half of a fixed random embedding of the token at t, with
+Gaussian noise, each feature at unit scale. Block positions up to K are then read off the context, the later
+ones follow the chain, whose next-token entropy is known (`chain_entropy_nats`): a curve that falls shows
+the drafter learning; a curve that stays flat (acc near 0, val_sim_tau 1) compares nothing but the first
+steps' arithmetic, whatever its gap says.
 
 Each variant is scripts/train.py, launched as the workflow launches it, with config/production.yaml's
 training keys (lr, warmup, clipping, loss, compile scope, compiled loss) but train.fp8 as the variant
@@ -24,7 +24,8 @@ or all at --timeout (then `complete` false). Reported per variant: the logged ro
 largest relative gap of the logged training loss over the last 100 steps
 (|loss_v / loss_bf16 - 1| per logged step), and the validation gap (val_loss relative, val_sim_tau
 absolute) at every validation and the last. `--preset tiny` runs bf16 alone on the CPU (float8 needs a
-GPU) on the toy's shapes: a check of the machinery, about a minute.
+GPU) on the toy's shapes, eager (neither the drafter nor the loss compiled): a check of the machinery,
+about a minute (`--steps 2 --val-every 1`: seconds).
 Writes benchmarks/results/fp8_curves_<preset>.json.
 """
 
@@ -44,12 +45,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from harness import write_result
 from safetensors.torch import load_file
-from train_drafter import PRESETS, REPO, Proc, base_env, drafter_config, launch, live_rows, setup
+from train_bench import PRESETS, REPO, Proc, base_env, drafter_config, launch, live_rows, setup
 
 from flashdraft.hidden import ShardMeta, manifest_path, quantize_fp8
 from flashdraft.hidden_write import open_shard, write_manifest
-from flashdraft.io import code_version
 from flashdraft.train_step import load_spec
 
 SHAPES = {  # the curve's data and step on each preset
@@ -116,12 +117,14 @@ def entropy() -> float:
 
 def train_cfg(preset: dict, shape: dict, fp8: str | None) -> dict:
     keys = yaml.safe_load((REPO / "config" / "production.yaml").read_text())["train"]
-    s = shape["seq_len"]
+    s, cuda = shape["seq_len"], preset["device"] == "cuda"
     cfg = {k: keys[k] for k in PRODUCTION_KEYS if k in keys}
     return cfg | {
         "max_steps": shape["steps"], "batch_tokens": shape["rows"] * s, "global_batch_tokens": 0,
         "buckets": [s], "max_anchors": preset["max_anchors"], "attention": preset["attention"],
-        "compile": preset["device"] == "cuda", "dtype": preset["dtype"], "fp8": fp8,
+        # on the CPU (tiny: a check of the machinery) eager, the loss too: a compile takes longer than the run
+        "compile": cuda, "compile_loss": cuda and cfg.get("compile_loss", False), "dtype": preset["dtype"],
+        "fp8": fp8,
         "checkpoint_every": 10**9, "keep_checkpoints": 1, "log_every": LOG_EVERY,
         "val_samples": shape["val_samples"], "val_every": shape["val_every"], "export": "last"}
 
@@ -229,16 +232,13 @@ def main():
         "what": "the production drafter trained by scripts/train.py per variant on the same Markov-chain "
                 "data and seed: logged rows (loss every 10 steps, validation every val_every), and each "
                 "float8 variant against bf16",
-        "preset": args.preset, "device": device, "torch": torch.__version__, "code": code_version(),
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(["python", "benchmarks/fp8_curves.py", *sys.argv[1:]]),
-        "shape": shape, "chain": CHAIN,
+        "preset": args.preset, "device": device, "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"), "shape": shape, "chain": CHAIN,
         "chain_entropy_nats": entropy(), "train": train_cfg(preset, shape, None) | {"fp8": "per variant"},
         "complete": all(r["complete"] for r in runs.values()), "runs": runs, "vs_bf16": compare,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, params=vars(args), device=preset["device"])
     for v, r in runs.items():
         last = r["rows"][-1] if r["rows"] else {}
         print(f"{v:16} complete {r['complete']}  last loss {last.get('loss')}  val_sim_tau "

@@ -24,7 +24,8 @@ import json
 from pathlib import Path
 
 import yaml
-from train_quality import bootstrap_diff
+from harness import write_result
+from toy_bench import bootstrap_diff
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS_GAP = 0.01
@@ -86,7 +87,7 @@ def main():
                                       for v, r in parity.get("variants", {}).items() if v.startswith("fp8")},
             **decide(curves, quality, mode)}
     out = args.out or args.results / "fp8_gate.json"
-    out.write_text(json.dumps(gate, indent=2) + "\n")
+    write_result(out, gate, params=vars(args), device="cpu")
     print(f"{gate['decision']} -> {out}")
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import statistics
 import tempfile
@@ -36,7 +35,8 @@ from pathlib import Path
 
 import torch
 import yaml
-from train_drafter import PRESETS, REPO, drafter_config, setup, train_config
+from harness import write_result
+from train_bench import PRESETS, REPO, drafter_config, setup, train_config
 
 from flashdraft.batches import Collate, anchor_seeds
 from flashdraft.config import TrainConfig, from_dict
@@ -189,13 +189,11 @@ def write(args, preset: dict, cfg: TrainConfig, results: dict, t0: float, out: P
                 "tensor and over all (`all`); bf16_split (the micro-batch in two) is the noise floor",
         "preset": args.preset, "device": device, "torch": torch.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
-        "command": f"python benchmarks/fp8_parity.py --preset {args.preset}",
         "train": {k: getattr(cfg, k) for k in (*PRODUCTION_KEYS, "batch_tokens", "max_anchors")},
         "rows": preset["rows"], "seq_len": preset["seq_len"], "variants": results,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, params=vars(args), device=preset["device"])
 
 
 if __name__ == "__main__":

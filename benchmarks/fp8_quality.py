@@ -13,7 +13,6 @@ Writes benchmarks/results/fp8_quality.json and prints a table.
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 import yaml
+from harness import write_result
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3"}  # hidden.dtype names the schema accepts
@@ -79,7 +79,6 @@ def main():
     result = {
         "what": "trained drafter's tau_pooled on the embedded default (config/config.yaml) with hidden "
                 "states stored in bf16 and in fp8 (hidden.dtype float8_e4m3), per train.seed",
-        "machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
         "seeds": args.seeds,
         "tau_bf16": bf16,
         "tau_fp8": fp8,
@@ -90,8 +89,7 @@ def main():
         "hidden_bytes": {name: runs[(name, args.seeds[0])]["hidden_bytes"] for name in DTYPES},
         "runs": {f"{name}/seed{s}": r for (name, s), r in runs.items()},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, params=vars(args), device="cpu")
     print(f"{'dtype':6} " + " ".join(f"seed {s:<5}" for s in args.seeds) + "  mean")
     for name, xs in (("bf16", bf16), ("fp8", fp8)):
         print(f"{name:6} " + " ".join(f"{x:<10.3f}" for x in xs) + f"  {statistics.mean(xs):.3f}")

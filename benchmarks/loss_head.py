@@ -3,9 +3,9 @@
 also makes the gradient for h; the backward only scales it), peak memory, and how far the compiled
 result lies from the eager one.
 
-One micro-batch of train_drafter.py's preset: rows x max_anchors blocks of B-1 positions, random drafter
-outputs h and a random frozen head in the step's dtype, every position labelled, D-PACE weights (the
-default objective).
+One micro-batch of the preset (shapes.py, as train_drafter.py trains it): rows x max_anchors blocks of B-1
+positions, random drafter outputs h and a random frozen head in the step's dtype, every position labelled,
+D-PACE weights (the default objective).
 
 Usage: python benchmarks/loss_head.py --preset tiny|qwen3-8b [--repeats N] [--out PATH]
 """
@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import time
 from pathlib import Path
 
 import torch
-from train_drafter import PRESETS
+from harness import time_it, write_result
+from train_bench import PRESETS, REPO
 
 from flashdraft.loss import LinearCrossEntropy
 from flashdraft.objectives import DPace
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def inputs(preset: dict, device: torch.device, dtype: torch.dtype):
@@ -45,22 +42,6 @@ def run(h, head, labels, mask, chunk: int, dpace: DPace, compiled: bool):
     return total.detach(), correct, x.grad
 
 
-def timed(fn, repeats: int, device: torch.device) -> float:
-    """Median milliseconds of `fn` over `repeats` calls, after two warm ones (compiles)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(1e3 * (time.perf_counter() - t))
-    return sorted(times)[len(times) // 2]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -77,8 +58,6 @@ def main():
     h, head, labels, mask, width = inputs(preset, device, dtype)
     chunk, dpace = args.chunk_blocks * width, DPace(0.5, width + 1)
     result = {"what": __doc__.split("\n\n")[0].replace("\n", " "), "preset": args.preset,
-              "machine": {"torch": torch.__version__, "python": platform.python_version(),
-                          "device": torch.cuda.get_device_name(device) if cuda else "cpu"},
               "shape": {"rows": h.shape[0], "hidden": h.shape[1], "vocab": head.shape[0], "chunk_rows": chunk,
                         "dtype": str(dtype).removeprefix("torch.")},
               "repeats": args.repeats, "modes": {}}
@@ -87,9 +66,12 @@ def main():
         name = "compiled" if compiled else "eager"
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        ms = timed(lambda c=compiled: run(h, head, labels, mask, chunk, dpace, c), args.repeats, device)
-        outs[name] = run(h, head, labels, mask, chunk, dpace, compiled)
-        result["modes"][name] = {"ms_per_micro_batch": ms,
+        # two warm calls first (the compile)
+        t = time_it(lambda c=compiled: run(h, head, labels, mask, chunk, dpace, c), warmup=2,
+                    repeats=args.repeats, device=device)
+        ms = 1e3 * t.median_s
+        outs[name] = t.out
+        result["modes"][name] = {"ms_per_micro_batch": ms, "ms_spread": 1e3 * t.spread_s,
                                  "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None}
         print(f"{name}: {ms:.2f} ms per micro-batch", flush=True)
     (te, ce, ge), (tc, cc, gc) = outs["eager"], outs["compiled"]
@@ -103,7 +85,7 @@ def main():
     }
     print(json.dumps({k: result[k] for k in ("modes", "speedup", "agreement")}, indent=1))
     out = Path(args.out or REPO / "benchmarks" / "results" / f"loss_head_{args.preset}.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, params=vars(args), device=device)
 
 
 if __name__ == "__main__":

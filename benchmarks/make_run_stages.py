@@ -6,23 +6,10 @@ Writes benchmarks/results/make_run_stages.json and prints a table.
 
 import argparse
 import json
-import os
-import platform
 from pathlib import Path
 
 import pandas as pd
-
-
-def this_machine() -> str:
-    """CPU count, model and the kernels torch picks on it: the toy's float results depend on them."""
-    import torch
-
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-    names = [x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")]
-    model = names[0] if names else platform.processor()
-    return (f"{os.cpu_count()} CPUs ({model}; torch {torch.__version__}, CPU kernels "
-            f"{torch.backends.cpu.get_cpu_capability()}), {platform.platform()}")
+from harness import write_result
 
 
 def main():
@@ -32,7 +19,9 @@ def main():
     p.add_argument("--out", default="benchmarks/results/make_run_stages.json")
     p.add_argument("--what",
                    default="wall time per stage of `make run` on the embedded default (config/config.yaml)")
-    p.add_argument("--machine", default=None, help="where the run happened (default: this machine)")
+    p.add_argument("--machine", default=None,
+                   help="where the run happened, if not on this machine (written as `device`; `machine` is "
+                        "this one: its CPU and the kernels torch picks, which the toy's floats depend on)")
     args = p.parse_args()
 
     rows = []
@@ -47,7 +36,7 @@ def main():
                                                                     max_rss_mb=("max_rss_mb", "max"))
     result = {
         "what": args.what,
-        "machine": args.machine or this_machine(),
+        **({"device": args.machine} if args.machine else {}),
         "wall_s_make_run": args.wall,
         "sum_of_jobs_s": round(float(stages.s.sum()), 1),
         "stages": {k: {"jobs": int(v.jobs), "s": round(float(v.s), 1), "max_rss_mb": v.max_rss_mb}
@@ -57,8 +46,7 @@ def main():
     if summary.exists():  # what the run bought, next to what it cost
         keys = ("tau_pooled", "tau_prompt_mean", "speedup", "lossless_all", "tokens_per_s")
         result["eval"] = {k: {m: v.get(m) for m in keys} for k, v in json.loads(summary.read_text()).items()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, params=vars(args))
     print(stages.to_string())
     print(f"sum of jobs: {result['sum_of_jobs_s']} s; make run wall: {args.wall} s -> {args.out}")
 

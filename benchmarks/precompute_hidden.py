@@ -21,46 +21,34 @@ Writes benchmarks/results/precompute_hidden_<mode>_<preset>.json and prints a ta
 import argparse
 import json
 import os
-import platform
 import shutil
-import subprocess
-import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-import transformers
 import yaml
-from shapes import QWEN3_8B, TOY
-from transformers import AutoModelForCausalLM, Qwen3Config
+from harness import time_it, write_result
+from shapes import PRESETS
+from target_bench import build_target, run_rule, saved_target
 
 from flashdraft.config import DrafterConfig
 from flashdraft.hidden import HiddenStore, ShardMeta, manifest_path
-from flashdraft.io import run_dtype, torch_dtype
 from flashdraft.precompute import token_batches, write_shard
 from flashdraft.shards import shard_of
 from flashdraft.target import feature_layer_ids, layers_needed
 
 REPO = Path(__file__).resolve().parents[1]
-PRESETS = {"qwen3-8b": QWEN3_8B, "tiny": TOY}  # tiny checks this script end to end on a CPU in seconds
-DRAFTER = {"qwen3-8b": DrafterConfig(num_layers=5), "tiny": DrafterConfig(num_layers=2)}
+# the drafter's layers give the target layers it reads; tiny checks this script end to end on a CPU
+DRAFTER = {name: DrafterConfig(num_layers=p["drafter"]["num_layers"]) for name, p in PRESETS.items()}
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def build_target(preset: str, dev):
-    config = Qwen3Config(**PRESETS[preset])
-    dtype = torch_dtype(run_dtype("bfloat16", dev))
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.eval().requires_grad_(False)
+def once(fn, device=None):
+    """One call of `fn`, timed between device syncs: (seconds, what it returned)."""
+    t = time_it(fn, warmup=0, repeats=1, device=device)
+    return t.median_s, t.out
 
 
 def random_samples(tokens: int, lo: int, hi: int, vocab: int, seed: int = 0):
@@ -87,34 +75,41 @@ def evict(path) -> str:
 
 def plain_write(path, nbytes: int, chunk: int = 256 << 20) -> float:
     buf = np.random.default_rng(0).integers(0, 255, chunk, dtype=np.uint8)
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            f.write(memoryview(buf)[: min(chunk, left)])
-            left -= chunk
-    return time.perf_counter() - t0
+
+    def write():
+        with open(path, "wb") as f:
+            left = nbytes
+            while left > 0:
+                f.write(memoryview(buf)[: min(chunk, left)])
+                left -= chunk
+
+    return once(write)[0]
 
 
 def plain_read(path, chunk: int = 64 << 20) -> float:
     buf = bytearray(chunk)
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-    return time.perf_counter() - t0
+
+    def read():
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    return once(read)[0]
 
 
 def read_store(path) -> tuple[float, int]:
     """Every row through HiddenStore into a bf16 buffer (what Collate does); returns (seconds, tokens)."""
-    t0 = time.perf_counter()
-    store = HiddenStore([path])
-    width = store.num_features * store.hidden_size
-    buf = torch.empty(int(store.lengths.max()), width, dtype=torch.bfloat16)
-    for i in range(len(store)):
-        h = store[i]["hidden"]
-        buf[: h.shape[0]].copy_(h)
-    return time.perf_counter() - t0, int(store.lengths.sum())
+
+    def read() -> int:
+        store = HiddenStore([path])
+        width = store.num_features * store.hidden_size
+        buf = torch.empty(int(store.lengths.max()), width, dtype=torch.bfloat16)
+        for i in range(len(store)):
+            h = store[i]["hidden"]
+            buf[: h.shape[0]].copy_(h)
+        return int(store.lengths.sum())
+
+    return once(read)
 
 
 def host_allocs() -> int:
@@ -144,12 +139,8 @@ def bench_gpu(args) -> dict:
         write_shard(model, warm, work / "warm.arrow", meta, args.batch_tokens, 0, desc="warmup")
     (work / "warm.arrow").unlink()
 
-    def bare_forward(masked: bool = False) -> float:
-        """The decoder over the same right-padded batches, nothing kept. Unmasked, as ours runs (a causal
-        model never lets a real token see a right pad); `masked` passes the padding mask as well."""
+    def forward_all(masked: bool):
         with torch.inference_mode():
-            sync()
-            t0 = time.perf_counter()
             for b in batches:
                 n = max(lengths[i] for i in b)
                 ids = torch.zeros(len(b), n, dtype=torch.long)
@@ -159,8 +150,11 @@ def bench_gpu(args) -> dict:
                     mask[r, : lengths[i]] = 1
                 extra = {"attention_mask": mask.to(dev)} if masked else {}
                 model.base_model(input_ids=ids.to(dev), use_cache=False, **extra)
-            sync()
-            return time.perf_counter() - t0
+
+    def bare_forward(masked: bool = False) -> float:
+        """Seconds of the decoder over the same right-padded batches, nothing kept. Unmasked, as ours runs
+        (a causal model never lets a real token see a right pad); `masked` passes the padding mask as well."""
+        return once(lambda: forward_all(masked), dev)[0]
 
     bare_forward()  # untimed: the first pass meets every batch shape first (kernel choices, allocator)
     bare_runs = [bare_forward()]
@@ -169,11 +163,9 @@ def bench_gpu(args) -> dict:
         path = work / f"shard-{dtype}.arrow"
         meta = ShardMeta(target="random", target_layer_ids=layer_ids, hidden_size=model.config.hidden_size,
                          dtype=dtype)
-        sync()
         pinned_before = host_allocs()
-        t0 = time.perf_counter()
-        writer = write_shard(model, samples, path, meta, args.batch_tokens, 0, desc=dtype)
-        sec = time.perf_counter() - t0
+        sec, writer = once(partial(write_shard, model, samples, path, meta, args.batch_tokens, 0, desc=dtype),
+                           dev)
         pinned = host_allocs() - pinned_before
         size = path.stat().st_size
         evict(path)
@@ -225,7 +217,7 @@ def bench_gpu(args) -> dict:
     result["fp8_bytes_over_bf16"] = fp8["bytes"] / bf16["bytes"]
     result["setup"] = {
         "preset": args.preset,
-        "target": PRESETS[args.preset],
+        "target": PRESETS[args.preset]["target"],
         "layer_ids": layer_ids,
         "layers_run": layers_needed(model.config.num_hidden_layers, layer_ids),
         "feature_width": width,
@@ -269,22 +261,6 @@ def table_gpu(r: dict) -> str:
 # ------------------------------------------------------------------------------------------------ snakemake
 
 
-def saved_target(preset: str, work: Path, seed_tokens: int = 3000) -> Path:
-    """work/target: a random target of the preset's shape on disk with the toy's byte-level chat
-    tokenizer (built once), read into the page cache so that every measured run starts alike."""
-    from flashdraft.toy import build_tokenizer, task_conversations
-
-    out = work / "target"
-    if not (out / "config.json").exists():
-        model = build_target(preset, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-        model.to(torch.bfloat16).save_pretrained(out)
-        del model
-        build_tokenizer(task_conversations(seed_tokens, seed=0), 512).save_pretrained(out)
-    for f in out.iterdir():
-        f.read_bytes()
-    return out
-
-
 def synthetic_conversations(out_dir: Path, tokenizer_dir: Path, tokens: int, lo: int, hi: int,
                             shards: int = 2):
     """Conversations of about lo..hi tokens each (random words), `tokens` in total, written as the
@@ -316,23 +292,6 @@ def synthetic_conversations(out_dir: Path, tokenizer_dir: Path, tokens: int, lo:
     for s in range(shards):  # every file keeps the schema, an empty one too
         pq.write_table(table.filter([x == s for x in shard]), out_dir / f"shard-{s:05d}.parquet")
     return len(rows)
-
-
-def run_rule(run_dir: Path, rule: str, targets: list[str], gpus: int) -> tuple[float, list[float], dict]:
-    """Snakemake builds `targets` with `rule` alone in `run_dir` (its config.yaml) and `gpus` GPUs to share:
-    the wall time, each job's time from its `benchmark:` file, and the tail of each job's log."""
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(run_dir),
-           "--configfile", str(run_dir / "config.yaml"), "--cores", str(os.cpu_count()),
-           "--resources", f"gpu={gpus}", "--allowed-rules", rule, "--", *targets]
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise SystemExit(f"snakemake failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    bench, logs = run_dir / "results" / "benchmarks" / rule, run_dir / "results" / "logs" / rule
-    job_s = [float(f.read_text().splitlines()[1].split("\t")[0]) for f in sorted(bench.glob("*.tsv"))]
-    return wall, job_s, {f.name: f.read_text()[-800:] for f in sorted(logs.glob("*.log"))}
 
 
 def bench_snakemake(args) -> dict:
@@ -415,20 +374,10 @@ def main():
     args = p.parse_args()
     args.tokens = args.tokens or {"gpu": 400_000, "snakemake": 120_000}[args.mode]
     result = bench_gpu(args) if args.mode == "gpu" else bench_snakemake(args)
-    result["env"] = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "cpus": os.cpu_count(),
-    }
     out = Path(
         args.out or REPO / "benchmarks" / "results" / f"precompute_hidden_{args.mode}_{args.preset}.json"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, params=vars(args))
     print(table_gpu(result) if args.mode == "gpu" else table_snakemake(result))
 
 

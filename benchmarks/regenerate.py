@@ -31,7 +31,9 @@ import pyarrow.parquet as pq
 import torch
 import transformers
 import yaml
-from precompute_hidden import run_rule, saved_target
+from harness import write_json, write_result
+from shapes import hbm_bytes_per_s, peak_bf16_flops
+from target_bench import run_rule, saved_target
 from transformers import AutoConfig, AutoTokenizer
 
 from flashdraft.config import RegenerateConfig, TargetConfig
@@ -39,8 +41,6 @@ from flashdraft.hf_config import kv_bytes_per_token
 from flashdraft.regenerate import regenerate
 
 REPO = Path(__file__).resolve().parents[1]
-HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # spec sheet, SXM
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}  # dense, spec sheet
 
 
 def synthetic_prompts(path: Path, tokenizer_dir: Path, n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
@@ -97,7 +97,7 @@ def bench_gpu(args) -> dict:
             batch_size=args.baseline_batch, **common)
     config = AutoConfig.from_pretrained(target)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    hbm = next((v for k, v in HBM_BYTES_PER_S.items() if k in dev), args.hbm_bytes_per_s)
+    hbm = hbm_bytes_per_s(dev) or args.hbm_bytes_per_s
     for b in args.batch:
         runs[f"static_batch{b or 'auto'}"] = run_stage(target, work / "prompts.parquet", work / f"static{b}",
                                                        engine="static", batch_size=b, **common)
@@ -112,7 +112,7 @@ def bench_gpu(args) -> dict:
             "mean_prompt_tokens": float(np.mean(lengths)), "new_tokens": args.new_tokens,
             "weight_bytes_per_step": weight_bytes_per_step(target),
             "kv_bytes_per_token": kv_bytes_per_token(config, torch.bfloat16.itemsize), "hbm_bytes_per_s": hbm,
-            "peak_flops": next((v for k, v in PEAK_BF16_FLOPS.items() if k in dev), None),
+            "peak_flops": peak_bf16_flops(dev),
         },
     })
 
@@ -220,14 +220,13 @@ def main():
     args = p.parse_args()
     if args.rescore:
         result = score(json.loads(Path(args.rescore).read_text()))
-        Path(args.rescore).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.rescore, result)  # the measurement's own envelope kept
         print(table(result))
         return
     result = bench_gpu(args) if args.mode == "gpu" else bench_snakemake(args)
     name = "regenerate" if args.mode == "gpu" else "regenerate_snakemake"
     out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}_{args.preset}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, params=vars(args))
     print(table(result))
 
 

@@ -30,18 +30,18 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from precompute_hidden import saved_target
+from harness import write_result
+from shapes import PRESETS
+from target_bench import saved_target
 
 from flashdraft.timeline import DiskWatch, job_times, latest_log, overlap_s
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPES = {
-    "qwen3-8b": {"drafter": {"num_layers": 5, "block_size": 16},
-                 "train": {"max_anchors": 512, "batch_tokens": 16384, "global_batch_tokens": 16384,
+SHAPES = {  # the run's sizes on each benchmark preset (shapes.py: the target and drafter)
+    "qwen3-8b": {"train": {"batch_tokens": 16384, "global_batch_tokens": 16384,
                            "buckets": [2048], "lr": 6e-4}, "max_length": 2048, "hidden_batch": 32768,
                  "chars": (300, 1500)},
-    "tiny": {"drafter": {"num_layers": 2, "block_size": 8},
-             "train": {"max_anchors": 32, "batch_tokens": 1024, "global_batch_tokens": 1024,
+    "tiny": {"train": {"batch_tokens": 1024, "global_batch_tokens": 1024,
                        "buckets": [128, 256], "lr": 3e-3}, "max_length": 256, "hidden_batch": 4096,
              "chars": (40, 160)},
 }
@@ -73,9 +73,10 @@ def config(args, target: Path, source: Path, work: Path) -> dict:
                          "batch_size": 0, "shards": 1}
     cfg["hidden"] = {"mode": "stream", "shards": 1, "max_length": shape["max_length"], "dtype": "float8_e4m3",
                      "batch_tokens": shape["hidden_batch"], "chunk_tokens": args.chunk_tokens}
-    cfg["drafter"] = shape["drafter"]
-    cfg["train"] = {**shape["train"], "epochs": args.epochs, "compile": True, "checkpoint_every": 1000,
-                    "log_every": 1, "keep_checkpoints": 2, "val_samples": 0}
+    cfg["drafter"] = dict(PRESETS[args.preset]["drafter"])
+    cfg["train"] = {**shape["train"], "max_anchors": PRESETS[args.preset]["max_anchors"],
+                    "epochs": args.epochs, "compile": True, "checkpoint_every": 1000, "log_every": 1,
+                    "keep_checkpoints": 2, "val_samples": 0}
     cfg["eval"] = {"num_prompts": args.eval_prompts, "max_new_tokens": args.new_tokens}
     cfg["gpus"] = {"target": args.gpus_target, "drafter": args.gpus_drafter, "lock_dir": str(work / "locks")}
     return cfg
@@ -113,7 +114,7 @@ def main():
         args.gpus_drafter = 1 if args.gpus_drafter is None else args.gpus_drafter
         gpus = max(args.gpus_target, args.gpus_drafter)
         result = summarize(results, log, None, None, args, gpus, args.device)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result, params=vars(args))
         print(json.dumps({k: v for k, v in result.items() if k not in ("jobs", "chunks")}, indent=1))
         return
     gpus = torch.cuda.device_count()
@@ -147,7 +148,7 @@ def main():
     result = summarize(run / "results", latest_log(run), wall, peak, args, gpus, device)
     name = f"stream_rehearsal_{max(1, gpus)}x{'h200' if 'H200' in result['device'] else 'cpu'}"
     out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, params=vars(args))
     print(json.dumps({k: v for k, v in result.items() if k not in ("jobs", "chunks")}, indent=1))
 
 

@@ -40,18 +40,18 @@ import gzip
 import json
 import math
 import os
-import platform
 import shutil
-import subprocess
 import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
+from harness import code_version, machine, time_it, write_result
+from shapes import peak_bf16_flops
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile, record_function
-from train_drafter import PRESETS, drafter_config, drafter_json, flops, peak_flops, setup, train_config
+from train_bench import PRESETS, REPO, drafter_config, drafter_json, flops, setup, train_config
 
 from flashdraft.batches import anchor_seeds
 from flashdraft.compile_cache import cache_counters
@@ -64,7 +64,6 @@ from flashdraft.train_setup import TrainJob
 from flashdraft.train_setup import setup as train_setup
 from flashdraft.train_step import anchors_for
 
-REPO = Path(__file__).resolve().parents[1]
 PHASES = ("data", "prep", "fwd_bwd", "clip", "optimizer", "log")  # record_function names, in step order
 # kernel kind: the first rule with a substring of the lower-cased name wins (memcpy / memset by category)
 CUDA_KINDS = [
@@ -171,17 +170,16 @@ class Loop:
 
     def timed(self, steps: int, prof=None) -> dict:
         """`steps` steps between two device syncs: wall time, tokens, time in the loader's next()."""
-        sync = torch.cuda.synchronize if self.run.d.device.type == "cuda" else (lambda: None)
-        sync()
         self.data_wait, self.tokens, marks = 0.0, 0, []
         graphs = counters["stats"]["unique_graphs"]
+
+        def step():
+            self()
+            marks.append(time.perf_counter())
+
         t = time.perf_counter()
         with prof or contextlib.nullcontext():
-            for _ in range(steps):
-                self()
-                marks.append(time.perf_counter())
-            sync()
-        wall = time.perf_counter() - t
+            wall = steps * time_it(step, warmup=0, repeats=1, number=steps, device=self.run.d.device).median_s
         return {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "tokens_per_s": self.tokens / wall,
                 "data_wait_ms_per_step": 1e3 * self.data_wait / steps,
                 # when each step's launches were done, from the start (ahead of the device on CUDA)
@@ -322,14 +320,6 @@ def analyse(trace: dict, cuda: bool, steps: int, wall_ms: float) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def git_state() -> dict:
-    def git(*a):
-        r = subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -377,14 +367,11 @@ def main():
     res = analyse(trace, cuda, args.steps, profiled["wall_ms_per_step"])
 
     spec, fl = run.spec, flops(preset, run.spec)
-    name = torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)"
-    peak = peak_flops(name) if cuda else None
+    this = machine(preset["device"])  # each labelled run records its own machine and commit
+    peak = peak_bf16_flops(this["device"]) if cuda else None
     delta = {k: after[k] - before[k] for k in after}
     entry = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git_state(),
-        "machine": {"torch": torch.__version__, "python": platform.python_version(), "device": name,
-                    "cuda": torch.version.cuda, "cpu_cores": os.cpu_count(),
-                    "threads": torch.get_num_threads()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": code_version(), "machine": this,
         "preset": args.preset, "set": args.set,
         "shapes": {"target": preset["target"], "drafter": drafter_json(preset),
                    "target_layer_ids": spec.target_layer_ids, "seq_len": preset["seq_len"],
@@ -407,11 +394,11 @@ def main():
     saved = json.loads(out.read_text()) if out.exists() else {}
     result = {
         "what": "one training step under torch.profiler: device time by kernel kind and by region, idle "
-                "gaps, data waits, host syncs, recompiles; runs by label (before / after a change)",
+                "gaps, data waits, host syncs, recompiles; runs by label (before / after a change); the "
+                "envelope is the last run's",
         "runs": {**saved.get("runs", {}), args.label: entry},
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, params=vars(args), device=preset["device"])
     print_table(result, args.label, out)
 
 

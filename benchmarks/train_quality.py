@@ -26,9 +26,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-import numpy as np
 import torch
-from recipe_ablation import REPO, run_one, stats
+from harness import write_result
+from toy_bench import REPO, bootstrap_diff, run_one, stats
 
 GPU = {"gpus.target": 1, "gpus.drafter": 1}
 VARIANTS = {  # each against bf16: production.yaml's training step without float8
@@ -79,15 +79,6 @@ def main():
             write(args, runs, t0)
 
 
-def bootstrap_diff(xs: list[float], ys: list[float], draws: int = 10_000, seed: int = 0
-                   ) -> tuple[float, float]:
-    """95% bootstrap interval of mean(xs) - mean(ys), each resampled with replacement."""
-    g = np.random.default_rng(seed)
-    x, y = np.asarray(xs), np.asarray(ys)
-    d = g.choice(x, (draws, len(x))).mean(1) - g.choice(y, (draws, len(y))).mean(1)
-    return float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))
-
-
 def write(args, runs: dict, t0: float) -> None:
     base = "bf16"
     done = [v for v in args.variants
@@ -109,11 +100,11 @@ def write(args, runs: dict, t0: float) -> None:
         "what": "toy drafter trained on one GPU: evaluation tau_pooled per lever, seeds as listed",
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__, "python": platform.python_version(), "seeds": args.seeds,
-        "command": "python benchmarks/train_quality.py", "complete": len(done) == len(args.variants),
+        "complete": len(done) == len(args.variants),
         "variants": variants, "runs": runs, "runs_from": str(args.runs_from) if args.runs_from else None,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, params=vars(args))
     if result["complete"]:
         for v, r in variants.items():
             t = r["tau_pooled"]

@@ -5,40 +5,27 @@ Writes benchmarks/results/val_vs_eval_toy.json and prints a table.
 
 The real workflow runs in `--work` (default /tmp/flashdraft-val-vs-eval) on config/config.yaml with
 `train.val_samples: 16` (validation every `train.val_every: 10` steps and at the end), per seed
-(`train.seed`) and loss (recipe_ablation's variants: `dpace`, the default, and `baseline`, the paper's
-decay loss). Each run is evaluated twice: with `train.export: last` (the final validation row's
-`val_sim_tau` against the evaluation's `tau_pooled`) and, when the best validation step is not the last
-one, with `train.export: best` (which exports again from the finished run without training again). Every
-evaluated export is one pair (validation sim_tau of the exported step, evaluation tau_pooled); the result
-holds their Spearman rank correlation, the mean gap (tau_pooled - val sim_tau) and, per run, last against
-best. A run's pairs are kept in `--work`/runs/NAME/result.json, so a killed run resumes where it stopped.
+(`train.seed`) and loss (recipe_ablation's variants, toy_bench.RECIPES: `dpace`, the default, and
+`baseline`, the paper's decay loss). Each run is evaluated twice: with `train.export: last` (the final
+validation row's `val_sim_tau` against the evaluation's `tau_pooled`) and, when the best validation step is
+not the last one, with `train.export: best` (which exports again from the finished run without training
+again). Every evaluated export is one pair (validation sim_tau of the exported step, evaluation tau_pooled);
+the result holds their Spearman rank correlation, the mean gap (tau_pooled - val sim_tau) and, per run, last
+against best. A run's pairs are kept in `--work`/runs/NAME/result.json, so a killed run resumes where it
+stopped.
 """
 
 import argparse
 import csv
 import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from recipe_ablation import VARIANTS, stage_seconds, write_config
+from harness import write_result
+from toy_bench import RECIPES, REPO, snakemake, stage_seconds, write_config
 
-REPO = Path(__file__).resolve().parents[1]
 VAL = {"train.val_samples": 16, "train.val_every": 10}
-
-
-def snakemake(work: Path, config: Path, log: Path) -> None:
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(work),
-           "--cores", "2", f"--configfile={config}", "results/eval/summary.json"]
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    log.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"snakemake failed, see {log}")
 
 
 def evaluated(work: Path) -> dict:
@@ -119,7 +106,7 @@ def main():
     for seed in args.seeds:  # seed-major: the variants share the seed's warmup
         for v in args.variants:
             name = f"{v}-seed{seed}"
-            runs[name] = r = run_one(args.work, name, {"train.seed": seed, **VARIANTS[v], **VAL})
+            runs[name] = r = run_one(args.work, name, {"train.seed": seed, **RECIPES[v], **VAL})
             e = r["exports"]
             print(f"{name:16s} last step {r['last_step']:4d} val {e['last']['val_sim_tau']:.3f} "
                   f"tau {e['last']['tau_pooled']:.3f} | best step {r['best_step']:4d} val "
@@ -153,9 +140,6 @@ def main():
                 "tau_pooled of the same exported weights, on the embedded default (config/config.yaml) with "
                 "train.val_samples 16, train.val_every 10; per seed and loss, the last step's export and, "
                 "where it differs, the best validation step's",
-        "command": "nice -n 10 .venv/bin/python benchmarks/val_vs_eval.py --seeds "
-                   + " ".join(map(str, args.seeds)),
-        "machine": f"{os.cpu_count()} CPUs (shared), {platform.platform()}",
         "gap": "evaluation tau_pooled - validation sim_tau",
         "all_exports": fit(pairs), "last_exports": fit(last),
         "best_vs_last": {"runs": best_vs_last,
@@ -170,8 +154,7 @@ def main():
                                              "mean_delta": round(statistics.mean(deltas_pm), 4)}},
         "pairs": pairs, "seeds": args.seeds, "variants": args.variants, "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, params=vars(args), device="cpu")
     for k in ("all_exports", "last_exports"):
         print(k, result[k])
     print("best vs last", {k: v for k, v in result["best_vs_last"].items() if k != "runs"})

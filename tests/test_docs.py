@@ -276,6 +276,12 @@ WRITTEN_BY = {"dag_2xh200_stages.json": "make_run_stages", "dspark_vs_dflash_toy
 USAGE = re.compile(r"^\s*(?:Usage: )?(python benchmarks/\S+\.py.*)$", re.M)
 
 
+def bench_scripts() -> list[str]:
+    """The runnable benchmark scripts: the files of benchmarks/ with a __main__ block; the others (shapes.py,
+    harness.py, train_bench.py, ...) are modules they share."""
+    return sorted(f.stem for f in BENCH.glob("*.py") if '__name__ == "__main__"' in f.read_text())
+
+
 def script_of(result: str, scripts: list[str]) -> str | None:
     """The script that writes `result` (None: the planner; "": none known)."""
     if result in WRITTEN_BY:
@@ -288,7 +294,7 @@ def bench_index() -> str:
     who reads them (the planner's rates, docs pages) and its command line."""
     from flashdraft.estimate import RATES
 
-    scripts = sorted(f.stem for f in BENCH.glob("*.py") if f.stem != "shapes")
+    scripts = bench_scripts()
     results = sorted(f.name for f in (BENCH / "results").glob("*.json"))
     docs = {f.name: f.read_text() for f in sorted(DOCS.glob("*.md"))}
     rows = ["| script | measures | results (benchmarks/results/) | read by | command |",
@@ -321,7 +327,8 @@ def test_the_benchmarks_index_is_what_the_scripts_and_results_say():
     assert INDEX_START in text and INDEX_END in text
     have = text[text.index(INDEX_START): text.index(INDEX_END) + len(INDEX_END)]
     assert have == bench_index()
-    scripts = [f.stem for f in BENCH.glob("*.py")]
+    scripts = bench_scripts()
+    assert "train_drafter" in scripts and not {"shapes", "harness", "train_bench"} & set(scripts)
     orphans = [f.name for f in (BENCH / "results").glob("*.json") if script_of(f.name, scripts) == ""]
     assert not orphans, f"result files no script writes (name them in WRITTEN_BY): {orphans}"
     assert script_of("eval_decode_qwen3-8b_dspark_vs_dflash.json", scripts) == "eval_decode"

@@ -1,5 +1,5 @@
 """The float8 gate's benchmarks on the CPU: the parity step at --preset tiny, and the interval the toy-tau
-comparison reports."""
+comparison reports. (tests/test_benchmarks.py runs the other benchmark scripts; these two run here.)"""
 
 import json
 import subprocess
@@ -9,7 +9,8 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from train_quality import bootstrap_diff  # noqa: E402
+from harness import ENVELOPE  # noqa: E402
+from toy_bench import bootstrap_diff  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,9 @@ def parity(tmp_path_factory):
                            "--out", str(out)], cwd=REPO / "benchmarks", capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    assert all(k in result for k in ENVELOPE) and result["benchmark"] == "fp8_parity"
+    return result
 
 
 def test_parity_measures_float8_against_a_noise_floor_of_the_same_step(parity):
@@ -56,7 +59,13 @@ def test_the_committed_gate_is_what_its_script_makes_of_the_committed_results(tm
     proc = subprocess.run([sys.executable, "fp8_gate.py", "--out", str(out)], cwd=REPO / "benchmarks",
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(out.read_text()) == json.loads((REPO / "benchmarks/results/fp8_gate.json").read_text())
+    gate = json.loads(out.read_text())
+    assert gate["benchmark"] == "fp8_gate" and gate["argv"][0] == "benchmarks/fp8_gate.py"
+    # the decision and its figures; the envelope says where and when it was made (the committed one has none)
+    committed = json.loads((REPO / "benchmarks/results/fp8_gate.json").read_text())
+    drop = (*ENVELOPE, "params")
+    assert {k: v for k, v in gate.items() if k not in drop} == {k: v for k, v in committed.items()
+                                                                if k not in drop}
 
 
 def test_the_gate_keeps_float8_only_within_the_loss_gap_and_intervals():

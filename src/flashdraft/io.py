@@ -333,10 +333,10 @@ def device():
     return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 
 
-def code_version() -> dict:
-    """This checkout's commit (short) and whether its tracked files have changes since; None for both
-    where the code is not a git checkout (an installed package)."""
-    repo = Path(__file__).resolve().parents[2]
+def code_version(repo: Path | None = None) -> dict:
+    """The commit (short) of the checkout at `repo` (default: this package's) and whether its tracked files
+    have changes since; None for both where the code is not a git checkout (an installed package)."""
+    repo = repo or Path(__file__).resolve().parents[2]
 
     def git(*args) -> str | None:
         try:

@@ -48,7 +48,9 @@ def figure(file: str, key: str):
 
 def provenance(file: str) -> dict[str, str | None]:
     """Where `file` says its figures were measured: device, commit (with "+dirty" for an uncommitted
-    tree) and command, each None where the file does not record it."""
+    tree) and command, each None where the file does not record it. A benchmark's file records them in
+    its envelope (benchmarks/harness.py: `machine.device`, `commit`, `dirty`, `argv`); older ones in the
+    shapes read here too."""
     d = result(file)
     machine = d.get("machine")
     device = d.get("device") if isinstance(d.get("device"), str) else None
@@ -59,9 +61,9 @@ def provenance(file: str) -> dict[str, str | None]:
     for section in ("setup", "env"):  # older files: the device beside the run's settings
         if not device and isinstance(d.get(section), dict):
             device = d[section].get("device")
-    code = d.get("code") if isinstance(d.get("code"), dict) else {}
+    code = d.get("code") if isinstance(d.get("code"), dict) else {}  # older files: {"commit", "dirty"}
     commit = code.get("commit") or d.get("commit")
-    if commit and code.get("dirty"):
+    if commit and (code.get("dirty") if code else d.get("dirty")):
         commit += "+dirty"
     command = d.get("command") or (" ".join(d["argv"]) if isinstance(d.get("argv"), list) else None)
     return {"device": device and str(device), "commit": commit, "command": command}
