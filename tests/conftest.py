@@ -1,3 +1,4 @@
+import json
 import os
 import re
 import shutil
@@ -202,6 +203,20 @@ def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24, seed
 def cache_misses(counters: dict) -> int:
     """All compile-cache misses in a trainer's counters (FX graph, AOTAutograd)."""
     return sum(v for k, v in counters.items() if k.endswith("_miss"))
+
+
+def production_sources(work) -> None:
+    """config/production.yaml's three prompt sources under `work`/data, one conversation each in its shape
+    (what the checks before any job read of them)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = Path(work) / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    turn = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]
+    (data / "sharegpt.jsonl").write_text(json.dumps({"conversations": turn}) + "\n")
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "Hi"}]]}), data / "ultrachat.parquet")
+    (data / "alpaca.json").write_text(json.dumps([{"instruction": "Hi", "input": "", "output": "Hello"}]))
 
 
 def write_config(path, overrides=None, base=REPO / "config" / "config.yaml"):

@@ -71,9 +71,13 @@ def test_the_committed_gate_is_what_its_script_makes_of_the_committed_results(tm
 def test_the_gate_keeps_float8_only_within_the_loss_gap_and_intervals():
     from fp8_gate import decide
 
-    def curves(gap, complete=True):
+    def curves(gap, complete=True, objective="decay", sim=(3.0, 3.0)):
+        """A curve comparison: the logged loss's gap, and float8's and bf16's validation sim_tau at the
+        last step (300) and at one before the last 100 steps (ignored)."""
+        val = {"150": {"variant": 1.0, "bf16": 2.0}, "300": {"variant": sim[0], "bf16": sim[1]}}
         return {"runs": {"bf16": {"complete": True}, "fp8_tensorwise": {"complete": complete}},
-                "vs_bf16": {"fp8_tensorwise": {"loss_rel_gap_last_100": gap}}}
+                "train": {"loss": objective}, "shape": {"steps": 300},
+                "vs_bf16": {"fp8_tensorwise": {"loss_rel_gap_last_100": gap, "val_sim_tau": val}}}
 
     def quality(shift):  # five seeds each; float8's tau and sim_tau moved by `shift`
         base = [3.4, 3.6, 3.5, 3.7, 3.3]
@@ -88,3 +92,12 @@ def test_the_gate_keeps_float8_only_within_the_loss_gap_and_intervals():
     assert decide(curves(0.005), quality(-1.0), "tensorwise")["decision"].startswith("move to bf16")
     undecided = decide(curves(None, complete=False), quality(0.0), "tensorwise")
     assert undecided["decision"] == "undecided" and undecided["missing"]
+    # under dpace the logged loss grows as the drafter improves: the validation sim_tau is the measure
+    dpace = decide(curves(0.2, objective="dpace", sim=(3.9, 3.9)), quality(0.0), "tensorwise")
+    assert dpace["decision"].startswith("keep") and dpace["val_sim_tau_rel_diff_min_last_100"] == 0.0
+    assert decide(curves(0.2, objective="dpace", sim=(5.0, 3.9)), quality(0.0), "tensorwise")[
+        "decision"].startswith("keep")  # favours float8
+    assert decide(curves(0.0, objective="dpace", sim=(3.8, 3.9)), quality(0.0), "tensorwise")[
+        "decision"].startswith("move to bf16")  # 2.6% below bf16
+    assert decide(curves(0.2, objective="decay", sim=(5.0, 3.9)), quality(0.0), "tensorwise")[
+        "decision"].startswith("move to bf16")  # a mean CE: its gap counts

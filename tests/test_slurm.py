@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
-from conftest import REPO, SMALL, job_counts, snakemake, toy_hidden_shards, write_config
+from conftest import REPO, SMALL, job_counts, production_sources, snakemake, toy_hidden_shards, write_config
 from slurm_cluster import PARTITION, Cluster, missing
 
 from flashdraft.launch import on_every_node, torchrun
@@ -61,9 +61,7 @@ def production(tmp_path, **gpus):
     model = tmp_path / "models" / "Qwen3-8B"
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 36}))
-    (tmp_path / "data").mkdir()
-    for f in ("sharegpt.jsonl", "ultrachat.parquet", "alpaca.json"):
-        (tmp_path / "data" / f).write_text("")
+    production_sources(tmp_path)
     cfg = {"gpus": {"target": 5, "drafter": 3, "check_visible": False, **gpus}}
     return write_config(tmp_path / "prod.yaml", cfg, base=REPO / "config" / "production.yaml")
 

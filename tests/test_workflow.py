@@ -14,7 +14,16 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 import yaml
-from conftest import REPO, SMALL, cache_misses, headless_dom, job_counts, snakemake, write_config
+from conftest import (
+    REPO,
+    SMALL,
+    cache_misses,
+    headless_dom,
+    job_counts,
+    production_sources,
+    snakemake,
+    write_config,
+)
 
 from flashdraft.io import human_bytes
 from flashdraft.shards import shard_of
@@ -254,9 +263,7 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
     model = tmp_path / "models" / "Qwen3-8B"
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 36}))
-    for f in ("sharegpt.jsonl", "ultrachat.parquet", "alpaca.json"):
-        (tmp_path / "data").mkdir(exist_ok=True)
-        (tmp_path / "data" / f).write_text("")
+    production_sources(tmp_path)
     config = write_config(tmp_path / "prod.yaml", {"gpus.check_visible": False},
                           base=REPO / "config" / "production.yaml")
     shutil.copytree(REPO / "config", tmp_path / "config")  # as in a clone: the embedded default is there
