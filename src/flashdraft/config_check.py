@@ -198,7 +198,7 @@ def file_problems(cfg: Config, results: str, read_sources: bool = False) -> list
         elif Path(s.path).is_dir():
             lines.append(f"{key} is a directory; point it at a file (jsonl, json, parquet, arrow), or set "
                          "format: hf to read a folder of data files")
-        elif read_sources and not made_here and Path(s.path).exists() and (problem := first_rows_problem(s)):
+        elif read_sources and not made_here and (problem := first_rows_problem(s)):  # it exists: read it
             lines.append(problem)
     return lines
 

@@ -10,6 +10,7 @@ workflow's rule all asks for every shard (a deleted one then reruns with what de
 from __future__ import annotations
 
 import shlex
+from collections import Counter
 from pathlib import Path
 
 from .io import human_bytes
@@ -50,11 +51,10 @@ COSTLY = ("regenerate", "hidden_shard", "hidden_chunk", "hidden_val", "warmup", 
 def redo_lines(jobs) -> list[str]:
     """One line per costly rule of which this run makes finished outputs again: `jobs` holds (rule, whether
     its outputs are all on disk, Snakemake's reasons) for each job the run will run."""
-    counts: dict[str, int] = {}
-    reasons: dict[str, dict[str, None]] = {}
+    counts, reasons = Counter(), {}
     for rule, done, why in jobs:
         if rule in COSTLY and done:
-            counts[rule] = counts.get(rule, 0) + 1
-            reasons.setdefault(rule, {}).update(dict.fromkeys(why))
+            counts[rule] += 1
+            reasons.setdefault(rule, {}).update(dict.fromkeys(why))  # in order, each once
     return [f"this run makes {n} finished {rule} output(s) again ({'; '.join(reasons[rule])}); "
             "`snakemake -n` lists each job's reason before a run" for rule, n in counts.items()]

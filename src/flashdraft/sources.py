@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,7 +231,7 @@ def first_rows_problem(src: SourceConfig, rows: int = 20) -> str | None:
     deleted) for a mistake seen in a few rows; None when one row gives a conversation or the file is
     empty (the stage says so)."""
     key = f"config key prompts.sources[{src.name}]"
-    reasons: dict[str, int] = {}
+    reasons = Counter()
     try:
         for n, (_, rec) in enumerate(load_source(src)):
             if n == rows:
@@ -241,12 +242,12 @@ def first_rows_problem(src: SourceConfig, rows: int = 20) -> str | None:
                 to_messages(rec, src.shape, src.fields)
                 return None
             except Rejected as e:
-                reasons[str(e)] = reasons.get(str(e), 0) + 1
+                reasons[str(e)] += 1
     except UserError as e:
         return f"{key}: {e}"
     if not reasons:
         return None
-    most = max(reasons, key=reasons.get)
-    return (f"{key}: none of the first {sum(reasons.values())} rows of {src.path} gives a prompt (most "
+    (most, _), = reasons.most_common(1)
+    return (f"{key}: none of the first {reasons.total()} rows of {src.path} gives a prompt (most "
             f"often: {most}); set its shape (sharegpt, messages, alpaca, prompt) or map its fields "
             "(docs/data.md)")
