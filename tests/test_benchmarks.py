@@ -45,8 +45,8 @@ NOT_RUN = {
     "compile_variants": "compiling the training step on the CPU is what it measures: two fresh processes "
                         "compile, about 45 s at its smallest setting, half this file's budget",
     "decode_step": "a static-engine decode step as a CUDA graph: needs a GPU",
-    "engine_side_by_side": "eval_decode.py and regenerate.py twice each, this checkout against an earlier "
-                           "commit's, on a GPU",
+    "side_by_side": "another benchmark twice a side, this checkout against an earlier commit's: its figures "
+                    "need a GPU (at --preset tiny --only train_drafter --repeats 1 it runs on a CPU in 40 s)",
     "family_quality": "the whole DAG on the embedded default, 3 variants x 3 seeds (an hour on 2 cores)",
     "figures": "writes the docs' figures, not a result: tests/test_docs.py runs it",
     "fp8_gate": "tests/test_fp8_gate.py runs it on the committed results",

@@ -272,6 +272,7 @@ BENCH_README = BENCH / "README.md"
 INDEX_START, INDEX_END = "<!-- index: python tests/test_docs.py writes it -->", "<!-- end of index -->"
 # result files whose name is not their script's
 WRITTEN_BY = {"dag_2xh200_stages.json": "make_run_stages", "dspark_vs_dflash_toy.json": "family_quality",
+              "engine_side_by_side.json": "side_by_side", "train_side_by_side_qwen3-8b.json": "side_by_side",
               "plan_production.json": None}  # None: the planner, `python -m flashdraft.plan --json`
 USAGE = re.compile(r"^\s*(?:Usage: )?(python benchmarks/\S+\.py.*)$", re.M)
 
