@@ -55,6 +55,16 @@ def interval(runs: dict, key: str, variant: str, base: str) -> dict:
     return {"seeds": len(seeds), "diff": diff, "ci95": [lo, hi], "passes": bool(seeds) and hi >= 0}
 
 
+def curve_gaps(curves: dict, name: str) -> tuple[float | None, float | None]:
+    """Variant `name` against bf16 over the curve's last LAST steps: the largest relative gap of the logged
+    loss, and the smallest relative difference of the validation sim_tau (negative: below bf16's)."""
+    versus = curves.get("vs_bf16", {}).get(name, {})
+    steps = curves.get("shape", {}).get("steps", 0)
+    late = [d for s, d in versus.get("val_sim_tau", {}).items() if int(s) > steps - LAST]
+    return (versus.get("loss_rel_gap_last_100"),
+            min((d["variant"] / d["bf16"] - 1 for d in late), default=None))
+
+
 def decide(curves: dict, quality: dict, mode: str) -> dict:
     """The gate's figures for float8 `mode` and its decision."""
     name = f"fp8_{mode}"
@@ -64,11 +74,8 @@ def decide(curves: dict, quality: dict, mode: str) -> dict:
     if not curves.get("runs", {}).get(name, {}).get("complete"):
         missing.append(f"{CURVES}: {name}")
     versus = curves.get("vs_bf16", {}).get(name, {})
-    gap = versus.get("loss_rel_gap_last_100")
+    gap, sim_gap = curve_gaps(curves, name)
     objective = curves.get("train", {}).get("loss", TrainConfig().loss)
-    steps = curves.get("shape", {}).get("steps", 0)
-    late = [d for s, d in versus.get("val_sim_tau", {}).items() if int(s) > steps - LAST]
-    sim_gap = min((d["variant"] / d["bf16"] - 1 for d in late), default=None)
     runs = quality.get("runs", {})
     fp8_variant = next((v for v, d in quality.get("variants", {}).items()
                         if d["overrides"].get("train.fp8") == mode), None)
@@ -103,7 +110,11 @@ def main():
             "curves_device": curves.get("device"), "quality_device": quality.get("device"),
             "parity_ratio_to_noise": {v: r.get("ratio_to_noise")
                                       for v, r in parity.get("variants", {}).items() if v.startswith("fp8")},
-            **decide(curves, quality, mode)}
+            **decide(curves, quality, mode),
+            # the other float8 modes' curves, beside the decision (not a condition of it)
+            "other_modes": {v: dict(zip(("loss_rel_gap_last_100", "val_sim_tau_rel_diff_min_last_100"),
+                                        curve_gaps(curves, v), strict=True))
+                            for v in curves.get("vs_bf16", {}) if v != f"fp8_{mode}"}}
     out = args.out or args.results / "fp8_gate.json"
     write_result(out, gate, params=vars(args), device="cpu")
     print(f"{gate['decision']} -> {out}")
