@@ -104,9 +104,10 @@ def write(args, got: dict, t0: float):
     for name, by_side in got.items():
         if not by_side["new"]:
             continue
+        ratios = result["new_over_old"][name] = {}
         for key in by_side["new"][0]:
             mean = {s: statistics.mean(r[key] for r in by_side[s]) for s in by_side}
-            result["new_over_old"][f"{name}.{key}"] = round(mean["new"] / mean["old"], 4)
+            ratios[key] = round(mean["new"] / mean["old"], 4)
     write_result(args.out, result, params=vars(args))
     print(json.dumps(result["new_over_old"], indent=2), flush=True)
 
