@@ -1,5 +1,4 @@
-"""An earlier commit's speed side by side with this checkout's on one GPU: the static decode engines and
-the drafter trainer.
+"""An earlier commit's speed side by side with this checkout's on one GPU: decode engines, the trainer.
 
 Both sides run their own copy of a benchmark, the older one from `git archive REF src scripts config
 workflow benchmarks` in a temp dir: `eval_decode` (benchmarks/eval_decode.py, evaluation's sessions:
@@ -72,14 +71,17 @@ def run(root: Path, name: str, preset: str, out: Path, work: Path) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ref", required=True, help="the earlier commit")
     p.add_argument("--ref-dir", type=Path, default=None, help="its tree, unpacked")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--preset", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
     p.add_argument("--only", nargs="+", default=DEFAULT, choices=list(RUNS))
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "engine_side_by_side.json")
+    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/"
+                   "train_side_by_side_<preset>.json for train_drafter alone, else engine_side_by_side.json")
     args = p.parse_args()
+    name = f"train_side_by_side_{args.preset}" if args.only == ["train_drafter"] else "engine_side_by_side"
+    args.out = args.out or REPO / "benchmarks" / "results" / f"{name}.json"
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         old = args.ref_dir.resolve() if args.ref_dir else Path(tmp) / "old"
