@@ -34,16 +34,17 @@ TREE = ["src", "scripts", "config", "workflow", "benchmarks"]  # what a side run
 FP8_KEYS = ("fp8", "compile_loss", "compile_scope")  # production.yaml's, on a GPU
 
 
-def train_args(preset: str) -> list[str]:
+def train_args(preset: str, work: Path) -> list[str]:
     prod = yaml.safe_load((REPO / "config" / "production.yaml").read_text())["train"]
     keys = {k: prod[k] for k in FP8_KEYS} if preset != "tiny" else {"compile": False}  # CPU: eager, bf16
-    return ["--gpus", "1", "--runs", "throughput", "--steps", "24", "--set", json.dumps(keys)]
+    return ["--gpus", "1", "--runs", "throughput", "--steps", "24", "--set", json.dumps(keys),
+            "--work", str(work)]  # each side's own data and caches
 
 
-RUNS = {  # name -> (script, args for a preset)
-    "eval_decode": ("eval_decode.py", lambda preset: ["--prompts", "4", "--engines", "static"]),
-    "regenerate": ("regenerate.py", lambda preset: ["--mode", "gpu", "--prompts", "256", "--batch", "0",
-                                                    "--baseline-batch", "0"]),
+RUNS = {  # name -> (script, its args for a preset and a side's work dir)
+    "eval_decode": ("eval_decode.py", lambda preset, work: ["--prompts", "4", "--engines", "static"]),
+    "regenerate": ("regenerate.py", lambda preset, work: ["--mode", "gpu", "--prompts", "256", "--batch",
+                                                          "0", "--baseline-batch", "0"]),
     "train_drafter": ("train_drafter.py", train_args),
 }
 DEFAULT = ["eval_decode", "regenerate"]
@@ -63,8 +64,7 @@ def run(root: Path, name: str, preset: str, out: Path, work: Path) -> dict:
     script, args = RUNS[name]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "benchmarks"),
                                                         os.environ.get("PYTHONPATH", "")])}
-    extra = ["--work", str(work)] if name == "train_drafter" else []  # each side's own data and caches
-    argv = [sys.executable, str(root / "benchmarks" / script), *args(preset), *extra, "--preset", preset,
+    argv = [sys.executable, str(root / "benchmarks" / script), *args(preset, work), "--preset", preset,
             "--out", str(out)]
     subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL)
     return rates(name, json.loads(out.read_text()))
