@@ -19,6 +19,7 @@ benchmarks | tar -x -C DIR`), for a copy of the repository without its history (
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -66,7 +67,15 @@ def run(root: Path, name: str, preset: str, out: Path, work: Path) -> dict:
                                                         os.environ.get("PYTHONPATH", "")])}
     argv = [sys.executable, str(root / "benchmarks" / script), *args(preset, work), "--preset", preset,
             "--out", str(out)]
-    subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
+    try:
+        code = proc.wait()
+    finally:  # this benchmark stopped (SIGTERM, Ctrl-C): the side's benchmark stops its own processes
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+    if code:
+        raise SystemExit(f"{root / 'benchmarks' / script} failed (exit {code}); its messages are above")
     return rates(name, json.loads(out.read_text()))
 
 
@@ -80,6 +89,10 @@ def main():
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/"
                    "train_side_by_side_<preset>.json for train_drafter alone, else engine_side_by_side.json")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.ref_dir and not (args.ref_dir / "benchmarks").is_dir():
+        raise SystemExit(f"--ref-dir {args.ref_dir}: no benchmarks/ there; unpack `git archive {args.ref} "
+                         f"{' '.join(TREE)}` into it")
     name = f"train_side_by_side_{args.preset}" if args.only == ["train_drafter"] else "engine_side_by_side"
     args.out = args.out or REPO / "benchmarks" / "results" / f"{name}.json"
     t0 = time.perf_counter()
@@ -88,8 +101,10 @@ def main():
         if args.ref_dir is None:
             old.mkdir()
             archive = subprocess.run(["git", "-C", str(REPO), "archive", args.ref, *TREE],
-                                     check=True, capture_output=True).stdout
-            subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+                                     capture_output=True)
+            if archive.returncode:
+                raise SystemExit(f"--ref {args.ref}: {archive.stderr.decode().strip()}")
+            subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
         sides = {"old": old, "new": REPO}
         got = {name: {side: [] for side in sides} for name in args.only}
         for name in args.only:
