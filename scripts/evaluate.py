@@ -6,7 +6,8 @@ One job over the whole prompt set (--out-dir: per_prompt.parquet and summary.jso
 
 import argparse
 
-from flashdraft.config import EvalConfig, TargetConfig, load_section
+from flashdraft import memory
+from flashdraft.config import Config, EvalConfig, TargetConfig, load_section
 from flashdraft.errors import cli
 from flashdraft.evaluate import run, run_rows, summary_text, write_rows
 
@@ -31,6 +32,7 @@ def main(argv=None):
         p.error("--out-dir evaluates the whole set; write a shard with --out-rows")
     cfg = load_section(EvalConfig, a.cfg, "eval")
     target = load_section(TargetConfig, a.target_cfg, "target")
+    memory.on_oom("evaluate", Config(eval=cfg, target=target))
     if a.out_rows:
         rows, _ = run_rows(cfg, target, a.drafter, a.prompts, a.seed, a.shard, a.num_shards)
         write_rows(rows, a.out_rows)

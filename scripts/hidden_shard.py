@@ -9,7 +9,8 @@ python scripts/hidden_shard.py --cfg '{"dtype": "bfloat16"}' --drafter-cfg '{}' 
 import argparse
 import json
 
-from flashdraft.config import DrafterConfig, HiddenConfig, TargetConfig, load_section
+from flashdraft import memory
+from flashdraft.config import Config, DrafterConfig, HiddenConfig, TargetConfig, load_section
 from flashdraft.errors import cli
 from flashdraft.precompute import hidden_shard
 
@@ -32,6 +33,7 @@ def main(argv=None):
     hidden_cfg = load_section(HiddenConfig, args.cfg, "hidden")
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
     target = load_section(TargetConfig, args.target_cfg, "target")
+    memory.on_oom("precompute", Config(hidden=hidden_cfg, drafter=drafter_cfg, target=target))
     num_shards = args.num_shards or hidden_cfg.shards
     manifest = hidden_shard(target, args.data, args.shard, num_shards, args.out, hidden_cfg, drafter_cfg,
                             last_hidden=args.last_hidden)

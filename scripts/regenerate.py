@@ -7,7 +7,8 @@ exit status 128 + the signal's number; a second one stops it at once.
 import argparse
 import time
 
-from flashdraft.config import RegenerateConfig, TargetConfig, load_section
+from flashdraft import memory
+from flashdraft.config import Config, RegenerateConfig, TargetConfig, load_section
 from flashdraft.errors import cli
 from flashdraft.io import exit_on_stop_signals
 from flashdraft.regenerate import regenerate
@@ -29,6 +30,7 @@ def main(argv=None):
         ap.error(f"--shard {args.shard} is not in 0..{args.num_shards - 1}")
     cfg = load_section(RegenerateConfig, args.cfg, "regenerate")
     target = load_section(TargetConfig, args.target_cfg, "target")
+    memory.on_oom("regenerate", Config(regenerate=cfg, target=target))
     exit_on_stop_signals()  # unwinds through every finally: parts flushed, server stopped
     t0 = time.time()
     s = regenerate(cfg, target, args.prompts, args.out, args.work_dir, args.shard, args.num_shards,

@@ -16,7 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from flashdraft.config import DrafterConfig, TrainConfig, load_section
+from flashdraft import memory
+from flashdraft.config import Config, DrafterConfig, TargetConfig, TrainConfig, load_section
 from flashdraft.errors import cli
 from flashdraft.export import export_stream
 from flashdraft.io import log, write_json
@@ -54,6 +55,8 @@ def main(argv=None):
         p.error("--metrics and --out are needed to export the drafter")
     cfg = load_section(TrainConfig, args.cfg, "train")
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
+    memory.on_oom("train", Config(train=cfg, drafter=drafter_cfg, target=TargetConfig(path=args.target)),
+                  int(os.environ.get("WORLD_SIZE", 1)))
     data = train_data(cfg, args.shards, args.plan, args.chunk, args.val)
     opt = lambda path: path and Path(path)  # noqa: E731
     job = TrainJob(cfg, drafter_cfg, Path(args.target), data, Path(args.checkpoints), opt(args.metrics),

@@ -12,8 +12,9 @@ stops it with exit status 128 + the signal's number (143, 130), as training, kee
 import argparse
 import json
 
+from flashdraft import memory
 from flashdraft.compile_cache import warmup
-from flashdraft.config import DrafterConfig, TrainConfig, load_section
+from flashdraft.config import Config, DrafterConfig, TargetConfig, TrainConfig, load_section
 from flashdraft.errors import cli
 from flashdraft.io import exit_on_stop_signals
 
@@ -32,6 +33,8 @@ def main(argv=None):
     exit_on_stop_signals()
     cfg = load_section(TrainConfig, args.cfg, "train")
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
+    memory.on_oom("warmup", Config(train=cfg, drafter=drafter_cfg, target=TargetConfig(path=args.target)),
+                  args.world, peak_of="train")
     meta = warmup(cfg, drafter_cfg, args.target, args.shards, args.out_dir, world=args.world)
     keys = ("compile", "fsdp", "seconds", "counters", "artifact_bytes", "inductor_files")
     print(json.dumps({k: meta[k] for k in keys}))

@@ -146,11 +146,41 @@ def test_plan_command_prints_the_table_and_the_goal(qwen3_8b_dir):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for stage in ("regeneration", "precompute", "training", "evaluation", "total"):
-        assert re.search(rf"^\| {stage} \|.*\| [\d.]+ \|$", out, re.M), stage
+        assert re.search(rf"^\| {stage} \|.*\| [\d.]+ \|[^|]*\|$", out, re.M), stage
+    # the memory column: each GPU stage's peak on the card planned for, as a share of it
+    for stage in ("precompute", "training", "evaluation"):
+        assert re.search(rf"^\| {stage} \|.*\| [\d.]+ GiB \(0\.\d\d\) \|$", out, re.M), stage
+    assert re.search(r"^\| regeneration \|.* \| fits \(slots sized from the free memory\) \|$", out, re.M)
     assert "ASSUMED" in out and f"{RATES['regenerate'].file}: tokens_per_s_per_gpu" in out
     assert re.search(r"36\.05 TB in bfloat16 \(40,965 bytes/token\), 18\.03 TB in float8_e4m3", out)
     goal = r"^goal \(whole DAG <= 36 h\): (met|NOT met), [\d.]+ h; .*: \w+ \([\d.]+ h\)$"
     assert re.search(goal, out, re.M)
+
+
+def test_plan_prints_each_stage_s_peak_for_the_card_it_plans_for(qwen3_8b_dir):
+    """No GPU here: an 80 GB H100's memory, said so; --gpu-memory another card's. A card too small for
+    training without its bound names train.batch_anchors' largest value that fits, and that value fits."""
+    from dataclasses import replace
+
+    from flashdraft import memory
+
+    proc = plan_cli("--configfile", PRODUCTION, cwd=qwen3_8b_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert "on a card of 79.6 GiB (an 80 GB H100's 81,559 MiB: no GPU visible here" in proc.stdout
+    assert "does NOT fit" not in proc.stdout  # production.yaml fits the card it is written for
+    unbounded = qwen3_8b_dir / "unbounded.yaml"
+    unbounded.write_text("train:\n  batch_anchors: 0\n")
+    proc = plan_cli("--configfile", PRODUCTION, unbounded, "--gpu-memory", 40, cwd=qwen3_8b_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert "on a card of 40.0 GiB (--gpu-memory)" in proc.stdout
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("  does NOT fit: stage train:")]
+    fits = int(re.search(r"set train\.batch_anchors to (\d+) or less \(now unbounded\)$", line).group(1))
+    cfg = load([str(PRODUCTION), str(unbounded)], target=QWEN3_8B)
+    gib40 = 40 * memory.GIB
+    bounded = replace(cfg, train=replace(cfg.train, batch_anchors=fits))
+    assert memory.train_peak(bounded, QWEN3_8B, 3, gib40).bytes <= memory.budget(gib40)
+    assert memory.problems(bounded, QWEN3_8B, 3, gib40, "test") == []
+    assert plan_cli("--configfile", PRODUCTION, "--gpu-memory", 0, cwd=qwen3_8b_dir).returncode == 1
 
 
 def test_plan_on_the_embedded_default_reads_the_stages_already_run(tmp_path):

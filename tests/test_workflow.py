@@ -283,6 +283,33 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
     assert (cfg["val_every"], cfg["log_every"]) == (0, 10)
 
 
+def test_a_config_that_does_not_fit_the_gpu_stops_before_any_job(tmp_path):
+    """production.yaml without its bound on a micro-batch's anchors, for nodes of 40 GiB GPUs
+    (gpus.memory_gib): the training stage's line names the key and the largest value that fits, and no job
+    runs; with the bound the value named, the same dry run plans every job."""
+    from flashdraft.shapes import QWEN3_8B
+
+    model = tmp_path / "models" / "Qwen3-8B"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3", **QWEN3_8B}))
+    production_sources(tmp_path)
+    shutil.copytree(REPO / "config", tmp_path / "config")
+    keys = {"gpus.check_visible": False, "gpus.memory_gib": 40, "train.batch_anchors": 0}
+    config = write_config(tmp_path / "prod.yaml", keys, base=REPO / "config" / "production.yaml")
+    proc = snakemake(tmp_path, "-n", "--cores", "8", "--resources", "gpu=8", config=config, check=False)
+    out = proc.stdout + proc.stderr
+    [line] = [x for x in out.splitlines() if x.startswith("stage train: ")]
+    assert re.search(r"^stage train: predicted peak [\d.]+ GiB of GPU memory, more than the [\d.]+ GiB a 40 "
+                     r"GiB card \(gpus\.memory_gib\) gives it; set train\.batch_anchors to (\d+) or less "
+                     r"\(now unbounded\)$", line), line
+    assert proc.returncode != 0 and "Traceback" not in out and "Job stats" not in out
+    fits = int(re.search(r"batch_anchors to (\d+)", line).group(1))
+    config = write_config(tmp_path / "prod.yaml", {**keys, "train.batch_anchors": fits},
+                          base=REPO / "config" / "production.yaml")
+    proc = snakemake(tmp_path, "-n", "--cores", "8", "--resources", "gpu=8", config=config)
+    assert job_counts(proc.stdout)["train"] == 1
+
+
 def test_server_backend_leases_the_server_gpus(tmp_path):
     overrides = {"regenerate.backend": "server", "regenerate.server_gpus": 2, "gpus.check_visible": False}
     config = write_config(tmp_path / "config.yaml", overrides)

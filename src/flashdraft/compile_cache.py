@@ -42,7 +42,15 @@ from .errors import UserError
 from .hidden import ShardMeta, manifest_path
 from .io import atomic_path, background, device, write_json
 from .model import DrafterSpec, meta_drafter
-from .train_step import anchors_for, build_step, forward_backward, initial_weights, load_spec, resolve
+from .train_step import (
+    anchors_for,
+    build_step,
+    forward_backward,
+    initial_weights,
+    load_spec,
+    resolve,
+    row_slices,
+)
 
 ARTIFACTS = "artifacts.bin"  # the Mega-Cache blob (empty when nothing was compiled)
 INDUCTOR_FILES = "inductor.tar"  # the warmup's Inductor cache dir
@@ -303,21 +311,33 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
         _say(f"training shards the drafter over {world} processes (FSDP); its graphs are not this "
              "unsharded step's, so nothing is compiled here and every rank compiles")
     step = None if sharded else build_step(cfg, spec, target_dir, dev, drafter_cfg=drafter_cfg)
+    # the training's state beside the step, so that its memory is the training's: AdamW's moments (lr 0:
+    # the weights stay as built) and, for DDP, the gradient buckets' copy of the gradients
+    optimizer = None if sharded else torch.optim.AdamW(step.model.parameters(), lr=0.0,
+                                                        fused=dev.type == "cuda")
+    buckets_copy = torch.empty(4 * params if world > 1 and not sharded and dev.type == "cuda" else 0,
+                               dtype=torch.uint8, device=dev)
     g = torch.Generator().manual_seed(cfg.seed)
-    seconds = {}
+    seconds, peaks = {}, {}
     for bucket in [] if sharded else sorted(set(cfg.buckets)):
+        # the worst case training can meet: every row full, every anchor slot used, in its row slices
         batch = random_batch(bucket, rows_per_batch(bucket, cfg.batch_tokens), width, spec.vocab_size,
                              step.amp_dtype or torch.float32, g,
                              spec.hidden_size if needs_last_hidden(drafter_cfg) else 0)
         anchors, valid = anchors_for(step, batch["loss_mask"], g)
         t0 = time.perf_counter()
-        loss, _ = forward_backward(step, batch, anchors, valid)
+        for part, a, v in row_slices(step, batch, anchors, valid):
+            loss, _ = forward_backward(step, part, a, v)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         if dev.type == "cuda":
             torch.cuda.synchronize()
+            peaks[bucket] = torch.cuda.max_memory_allocated(dev)
         seconds[bucket] = round(time.perf_counter() - t0, 3)
-        step.model.zero_grad(set_to_none=True)
+        memory = f", peak GPU memory {peaks[bucket] / 2**30:.2f} GiB" if bucket in peaks else ""
         _say(f"bucket {bucket}: fwd+bwd {seconds[bucket]:.1f} s, loss {loss.item():.3f}, "
-             f"caches {cache_counters()}")
+             f"caches {cache_counters()}{memory}")
+    del buckets_copy
     blob = b""
     if cfg.compile and not sharded:
         artifacts = torch.compiler.save_cache_artifacts()
@@ -330,6 +350,7 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
             tmp.write_bytes(blob)
         files = pack_inductor_dir(inductor, out / INDUCTOR_FILES)  # empty when nothing was compiled
         meta = {"key": key, "compile": cfg.compile, "fsdp": sharded, "seconds": seconds,
+                "peak_gpu_bytes": peaks,
                 "inductor_dir": str(inductor), "counters": cache_counters(), "artifact_bytes": len(blob),
                 "inductor_files": files,
                 "inductor_bytes": (out / INDUCTOR_FILES).stat().st_size}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,11 @@ class TrainConfig:
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     max_anchors: int = 512
+    # anchors one forward+backward holds, all rows of a micro-batch together (rows x the bucket's anchor
+    # slots): a micro-batch with more runs as row slices whose gradients add up to the same step, so the
+    # draft positions a GPU holds at once are bounded by construction (memory.py predicts the peak;
+    # docs/training.md, "Memory"); 0: no bound (one forward+backward per micro-batch)
+    batch_anchors: int = 0
     # dpace: D-PACE's position weights from the drafter's own confidence (beat decay on every seed of the
     # toy ablation, benchmarks/results/recipe_ablation_toy.json) | decay: the paper's exp(-(k-1)/gamma);
     # a key of objectives.OBJECTIVES
@@ -212,8 +218,8 @@ class TrainConfig:
 # compile warmup reads: the seed (its drafter's initialization) and the parallel mode (FSDP: nothing to
 # compile). The workflow reruns the warmup when one of WARMUP_TRAIN_KEYS changes, not on lr etc. They
 # live here, not in compile_cache.py, so the workflow reads them without importing torch.
-COMPILED_TRAIN_KEYS = ("max_anchors", "batch_tokens", "buckets", "compile", "compile_scope", "compile_loss",
-                       "fp8", "attention", "dtype")
+COMPILED_TRAIN_KEYS = ("max_anchors", "batch_anchors", "batch_tokens", "buckets", "compile", "compile_scope",
+                       "compile_loss", "fp8", "attention", "dtype")
 WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
 # The train keys stream mode's data plan depends on (flashdraft.stream): a change in one needs a new plan.
 PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets",
@@ -240,6 +246,8 @@ class GpusConfig:
     rdzv_port: int = 29400  # port of the torchrun rendezvous on the first training node (drafter_nodes > 1)
     lock_dir: str | None = None  # one lock file per GPU, shared by the jobs on a node; None: this user's own
     check_visible: bool = True  # refuse to start when more GPUs are asked for than are visible
+    memory_gib: float = 0  # GiB of memory of one GPU where the jobs run, for the memory check and the
+    # planner (0: the visible GPU's; set it when the jobs run on other nodes)
 
 
 @dataclass
@@ -339,6 +347,35 @@ def rows_per_batch(bucket: int, batch_tokens: int) -> int:
     return max(1, batch_tokens // bucket)
 
 
+FLEX_MULTIPLE = 128  # flex_attention kernels need Q and KV lengths padded to its block size
+
+
+def num_anchor_slots(seq_len: int, max_anchors: int, block_size: int) -> int:
+    """Anchors per sample for a padded length: at most max_anchors and seq_len-1, rounded up so the
+    block queries (slots * B) are a multiple of 128, which flex_attention needs. Fixed per length bucket,
+    so every step of a bucket has one shape (no recompiles)."""
+    a = max(1, min(max_anchors, seq_len - 1))
+    step = FLEX_MULTIPLE // math.gcd(FLEX_MULTIPLE, block_size)
+    return -(-a // step) * step
+
+
+def slice_rows(bucket: int, cfg: TrainConfig, block_size: int) -> int:
+    """Rows of one forward+backward in `bucket`: the micro-batch's rows, or, under train.batch_anchors, the
+    fewest equal slices whose anchor slots stay within it (the last slice padded with empty rows). One
+    number per bucket, so every forward of a bucket has one shape."""
+    return slice_size(rows_per_batch(bucket, cfg.batch_tokens), num_anchor_slots(bucket, cfg.max_anchors,
+                      block_size), cfg.batch_anchors)
+
+
+def slice_size(rows: int, slots: int, batch_anchors: int) -> int:
+    """Rows per slice of a micro-batch of `rows` rows with `slots` anchor slots each under train.batch_anchors
+    (0: the whole micro-batch): the fewest slices within the bound, as equal as can be."""
+    if not batch_anchors:
+        return rows
+    slices = -(-rows // max(1, batch_anchors // slots))
+    return -(-rows // slices)
+
+
 # Stream mode keeps this many chunks' hidden states on disk at once: one trains while the next is written.
 STREAM_RING = 2
 
@@ -401,7 +438,8 @@ def run_config(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
     # DDP and FSDP resume each other; the export's choice is made after training; without validation its
     # keys change nothing (and runs keep the keys they had before those keys existed: so does a dflash run
     # its drafter key, from before drafter.family)
-    skip = {"parallel", "export"} | ({"val_samples", "val_every"} if not cfg.val_samples else set())
+    skip = {"parallel", "export"} | ({"val_samples", "val_every"} if not cfg.val_samples else set()) | \
+        ({"batch_anchors"} if not cfg.batch_anchors else set())
     same_run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
     # a DFlash run keeps the key it had before drafter families existed; another family's options count
     drafter = {k: v for k, v in dataclasses.asdict(drafter_cfg).items()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import io
+from .memory import parallel_mode  # noqa: F401  (torch-free: the planner and the checks read it too)
 
 
 @dataclass
@@ -122,20 +123,6 @@ def stop_signal(d: Dist) -> int:
 def gpu_bytes(device: torch.device) -> int | None:
     """The GPU's memory (None on the CPU)."""
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-
-
-def parallel_mode(name: str, params: int, world: int, gpu_memory: int | None) -> str:
-    """single (one process), ddp or fsdp. auto: fsdp when one full copy of the training state (fp32
-    weights and gradients, AdamW's two moments: 16 bytes per parameter) would take over a third of the
-    GPU's memory (`gpu_memory` bytes, None on CPU): the activations of a step take about twice the state
-    (docs/architecture.md has the 8B-shaped drafter's figures), and the frozen target head needs room too."""
-    if name not in ("auto", "ddp", "fsdp"):
-        raise ValueError(f"train.parallel must be auto, ddp or fsdp, not {name!r}")
-    if world == 1:
-        return "single"
-    if name != "auto":
-        return name
-    return "fsdp" if gpu_memory is not None and 16 * params > gpu_memory / 3 else "ddp"
 
 
 def parallelize(drafter: torch.nn.Module, mode: str, device: torch.device) -> torch.nn.Module:

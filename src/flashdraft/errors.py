@@ -12,6 +12,7 @@ import faulthandler
 import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -48,10 +49,30 @@ EXIT_GRACE_S = 120
 stopped_by: int | None = None
 
 
+# Set by a stage once it has read its config (memory.on_oom): the one line an out-of-memory error ends the
+# stage with (the stage, its predicted peak, the card, the keys to lower).
+oom_line: Callable[[], str] | None = None
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """torch's OutOfMemoryError, also as Inductor or a compile wraps it (its message kept)."""
+    return type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e)
+
+
+def oom_exit(e: BaseException, name: str) -> None:
+    """An out-of-memory error as one line (`oom_line`'s) and exit status 1."""
+    try:
+        line = oom_line() if oom_line else "ran out of GPU memory"
+    except Exception as explain:  # the line is a courtesy: never hide the error behind a second one
+        line = f"ran out of GPU memory ({type(explain).__name__} while explaining it)"
+    sys.exit(f"{name}: error: {line}")
+
+
 def cli(main):
-    """Wrap a script's `main(argv)`: a UserError (or a full disk) exits with one line; `--verbose` in the
-    arguments re-raises it with its traceback. Once an exception leaves the program's `main` (argv None),
-    the process has EXIT_GRACE_S to exit; then every thread's stack goes to stderr and it exits with 1."""
+    """Wrap a script's `main(argv)`: a UserError (or a full disk, or running out of GPU memory) exits with
+    one line; `--verbose` in the arguments re-raises it with its traceback. Once an exception leaves the
+    program's `main` (argv None), the process has EXIT_GRACE_S to exit; then every thread's stack goes to
+    stderr and it exits with 1."""
 
     def name() -> str:
         return Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else main.__module__
@@ -78,6 +99,8 @@ def cli(main):
                 print(f"{name()}: stopped by signal {stopped_by} ({type(e).__name__} on the way out)",
                       file=sys.stderr)
                 sys.exit(128 + stopped_by)
+            if out_of_memory(e) and not verbose:
+                oom_exit(e, name())
             raise
 
     return run

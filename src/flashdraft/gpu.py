@@ -57,6 +57,27 @@ def gpu_capabilities() -> list[tuple[str, str, tuple[int, int] | None]]:
     return select_visible(parse_capabilities(out.stdout), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
+def gpu_memory_bytes() -> int | None:
+    """The memory of the smallest GPU visible_gpus() gives, in bytes, from nvidia-smi without importing
+    torch; None when nvidia-smi is missing or fails (nothing known)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        query = ["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    rows = []
+    for line in out.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[2].isdigit():
+            rows.append((parts[0], parts[1], int(parts[2]) * 2**20, None))  # MiB
+    sizes = [mib for _, mib, _ in select_visible(rows, os.environ.get("CUDA_VISIBLE_DEVICES"))]
+    return min(sizes) if sizes else None
+
+
 def parse_capabilities(text: str) -> list[tuple[str, str, str, tuple[int, int] | None]]:
     """nvidia-smi's `index, uuid, name, compute_cap` CSV lines as (index, uuid, name, (major, minor))."""
     rows = []

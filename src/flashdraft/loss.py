@@ -10,25 +10,13 @@ weights from the drafter's own confidence (`train.loss: dpace`): the objectives 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
+from .config import FLEX_MULTIPLE, num_anchor_slots  # noqa: F401  (the anchor slots' arithmetic, torch-free)
 from .model import DrafterSpec, dense_mask, dflash_mask_mod
 from .objectives import Objective
-
-FLEX_MULTIPLE = 128  # flex_attention kernels need Q and KV lengths padded to its block size
-
-
-def num_anchor_slots(seq_len: int, max_anchors: int, block_size: int) -> int:
-    """Anchors per sample for a padded length: at most max_anchors and seq_len-1, rounded up so the
-    block queries (slots * B) are a multiple of 128, which flex_attention needs. Fixed per length bucket,
-    so every step of a bucket has one shape (no recompiles)."""
-    a = max(1, min(max_anchors, seq_len - 1))
-    step = FLEX_MULTIPLE // math.gcd(FLEX_MULTIPLE, block_size)
-    return -(-a // step) * step
 
 
 def sample_anchors(loss_mask, max_anchors: int, block_size: int, generator=None, seeds=None):

@@ -35,6 +35,7 @@ import argparse
 import json
 from pathlib import Path
 
+from . import memory
 from .config import Config, needs_last_hidden
 from .errors import UserError, cli
 from .estimate import (
@@ -54,18 +55,24 @@ from .estimate import (
     token_bytes,
 )
 from .estimate_inputs import load, read_shapes, target_shapes, token_stats
+from .gpu import gpu_memory_bytes
 from .io import FP8, human_bytes, parse_bytes
 
 GOAL_HOURS = 36.0  # the whole DAG on one node, as configured
 GOAL_RECOMMENDED = (19.0, 2e12)  # the recommended plan: hours of wall time, bytes of hidden states on disk
 DEFAULT_DISK_BUDGET = 2 * 10**12  # hidden-state bytes allowed on disk when neither config nor --disk-budget
+DEFAULT_GPU = (81559 * 2**20, "an 80 GB H100's 81,559 MiB: no GPU visible here and no --gpu-memory or "
+               "gpus.memory_gib")  # the card planned for when nothing says which
+MEMORY_STAGES = {"regenerate": "regeneration", "precompute": "precompute", "train": "training",
+                 "evaluate": "evaluation"}  # flashdraft.memory's stage names, as the stage table's
 
 
 def plan(cfg: Config, results="results", gpus: int | None = None, budget: int | None = None,
-         target: dict | None = None) -> dict:
-    """Hours per stage (None: on the CPU, or on a server the plan cannot see) and hidden-state bytes, for
-    the config's split in both modes, and the recommended mode and split of `gpus` GPUs (default
-    gpus.target) under the disk budget (default hidden.disk_budget, else DEFAULT_DISK_BUDGET)."""
+         target: dict | None = None, gpu_memory: tuple[int, str] | None = None) -> dict:
+    """Hours per stage (None: on the CPU, or on a server the plan cannot see), hidden-state bytes and each
+    GPU stage's peak memory on a card of `gpu_memory` (bytes, where that figure comes from; default
+    `gpu_card`), for the config's split in both modes, and the recommended mode and split of `gpus` GPUs
+    (default gpus.target) under the disk budget (default hidden.disk_budget, else DEFAULT_DISK_BUDGET)."""
     shapes = target_shapes(cfg, target)
     params, ref = num_parameters(shapes), num_parameters(REFERENCE_TARGET)
     scale = ref / params  # rates per GPU fall as the model grows
@@ -88,6 +95,11 @@ def plan(cfg: Config, results="results", gpus: int | None = None, budget: int | 
     except UserError as e:
         modes["stream"] = str(e)
     rec = recommend(run, budget, source) if g and total is not None else None
+    gpu_bytes, gpu_source = gpu_memory or gpu_card(cfg)
+    world = memory.training_world(cfg)
+    peaks = {MEMORY_STAGES[p.stage]: p for p in memory.stage_peaks(cfg, shapes, world, gpu_bytes)}
+    best_world = rec.best.split.drafter * cfg.gpus.drafter_nodes if rec and rec.best else None
+    best_train = memory.train_peak(cfg, shapes, best_world, gpu_bytes) if best_world else None
     return {"parameters": params, "reference_parameters": ref, "scale": scale, "gpus": g, "tokens": run.tok,
             "stages": stages, "total_hours": total, "slowest": slowest, "hidden_width": run.width,
             "hidden_bytes": hidden_disk(cfg, shapes, run.tok.total), "hidden_dtype": cfg.hidden.dtype,
@@ -96,7 +108,17 @@ def plan(cfg: Config, results="results", gpus: int | None = None, budget: int | 
             "drafter_parameters": drafter_parameters(cfg, shapes), "checkpoint_bytes": run.checkpoint_bytes(),
             "save_s": run.save_s(), "last_save_s": run.last_save_s(), "load_s": run.load_s(),
             "disk_budget": budget, "budget_source": source,
-            "modes": modes, "recommendation": rec}
+            "modes": modes, "recommendation": rec,
+            "memory": {"gpu_bytes": gpu_bytes, "source": gpu_source, "peaks": peaks,
+                       "problems": memory.problems(cfg, shapes, world, gpu_bytes, gpu_source),
+                       "recommended_train": best_train}}
+
+
+def gpu_card(cfg: Config) -> tuple[int, str]:
+    """The card the plan is for when --gpu-memory does not say: gpus.memory_gib, the visible GPU's, else
+    DEFAULT_GPU."""
+    size, source = memory.card(cfg, gpu_memory_bytes)
+    return (size, source) if size else DEFAULT_GPU
 
 
 def summary(p: dict) -> dict:
@@ -150,7 +172,8 @@ def render(p: dict, configfile) -> str:
     lines += [f"  {note}" for note in p["tokens"].notes]
     lines += ["", f"store mode, stage after stage (gpus.target and --gpus {p['gpus']} for the one-GPU jobs, "
               "gpus.drafter for training):",
-              "| stage | work | per-GPU rate | GPUs | hours |", "| --- | --- | --- | --- | --- |"]
+              "| stage | work | per-GPU rate | GPUs | hours | peak GPU memory |",
+              "| --- | --- | --- | --- | --- | --- |"]
     sources = []
     for name, s in p["stages"].items():
         rates = " + ".join(f"{r:,.4g}" if s["unit"] == "bytes" else f"{r:,.1f}"
@@ -158,10 +181,12 @@ def render(p: dict, configfile) -> str:
         rates += "".join(f" x {r:.3g}" for k, r in s["rates"].items() if RATES[k].unit == "x")  # factors
         unit = "GB" if s["unit"] == "bytes" else s["unit"]
         work = human_bytes(s["work"]) if s["unit"] == "bytes" else f"{_num(s['work'])} {s['unit']}"
-        lines.append(f"| {name} | {work} | {rates} {unit}/s | {s['gpus']} | {_hours(s['hours'])} |")
+        lines.append(f"| {name} | {work} | {rates} {unit}/s | {s['gpus']} | {_hours(s['hours'])} | "
+                     f"{_memory_cell(p['memory'], name)} |")
         sources.append(f"  {name}: {', '.join(s['sources'])}")
     total = p["total_hours"]
-    lines.append(f"| total | | | | {_hours(total)} |")
+    lines.append(f"| total | | | | {_hours(total)} | |")
+    lines += render_memory(p["memory"])
     lines += ["", "rates (per second, before scaling) from benchmarks/results/:", *sources]
     if any(s["hours"] is None for s in p["stages"].values()):
         lines.append("  -: the stage runs on the CPU (gpus.* 0) or on a server elsewhere: no measured rate")
@@ -187,6 +212,34 @@ def render(p: dict, configfile) -> str:
     if p["recommendation"]:
         lines += render_recommendation(p["recommendation"])
     return "\n".join(lines)
+
+
+def _memory_cell(m: dict, stage: str) -> str:
+    peak = m["peaks"].get(stage)
+    if peak is None:
+        return ""
+    if peak.by_construction:
+        return f"fits ({peak.note})"
+    return f"{memory.human(peak.bytes)} ({peak.bytes / m['gpu_bytes']:.2f})"
+
+
+def render_memory(m: dict) -> list[str]:
+    """The card the peaks are for, the training peak's parts, and a line per stage that does not fit."""
+    gpu, fit = m["gpu_bytes"], memory.FIT_FRACTION
+    train = m["peaks"]["training"]
+    lines = [f"peak GPU memory: per process, on a card of {memory.human(gpu)} ({m['source']}), as a share "
+             f"of it in brackets; a stage fits at <= {fit} of the card less the CUDA context "
+             f"({memory.human(memory.budget(gpu))}); flashdraft.memory, its coefficients "
+             f"{memory.coefficients_source()}",
+             f"  training ({train.note}): "
+             + ", ".join(f"{k} {memory.human(v)}" for k, v in train.parts.items())]
+    lines += [f"  does NOT fit: {line}" for line in m["problems"]]
+    best = m["recommended_train"]
+    if best is not None:
+        verdict = "fits" if best.bytes <= memory.budget(gpu) else "does NOT fit"
+        lines.append(f"  the recommended split's training: {memory.human(best.bytes)}, {verdict} "
+                     f"({best.note})")
+    return lines
 
 
 MODE_ROWS = [  # label, store mode's stage, stream mode's
@@ -283,6 +336,9 @@ def main(argv=None):
     ap.add_argument("--target-config", default=None,
                     help="the target's config.json when target.path does not hold it yet, or a preset of "
                          "flashdraft.shapes (qwen3-8b, toy)")
+    ap.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                    help="GiB of memory of one GPU to plan for; default: gpus.memory_gib, else the visible "
+                         "GPU's, else an 80 GB H100's")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write both modes, the recommendation and the floor as JSON to PATH "
                          "(-: print only that)")
@@ -297,7 +353,10 @@ def main(argv=None):
         raise UserError(f"--json {a.json}: no folder {Path(a.json).resolve().parent}; create it first")
     target = read_shapes(a.target_config) if a.target_config else None
     cfg = load(a.configfile, target=target)
-    p = plan(cfg, a.results or cfg.results, a.gpus, budget, target)
+    if a.gpu_memory is not None and a.gpu_memory <= 0:
+        raise UserError(f"--gpu-memory {a.gpu_memory}: give the GiB of one GPU, e.g. 80")
+    card = None if a.gpu_memory is None else (int(a.gpu_memory * memory.GIB), "--gpu-memory")
+    p = plan(cfg, a.results or cfg.results, a.gpus, budget, target, card)
     if a.json == "-":
         print(json.dumps(summary(p), indent=2))
         return

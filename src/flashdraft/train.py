@@ -51,7 +51,7 @@ from .io import process_age
 from .metrics import MetricsLogger
 from .train_data import TrainData, run_dir
 from .train_setup import Run, TrainJob, setup
-from .train_step import anchors_for, batch_normalizer, forward_backward
+from .train_step import anchors_for, batch_normalizer, forward_backward, row_slices
 from .validate import Best, due
 
 
@@ -64,14 +64,16 @@ def global_normalizer(run: Run, micro: list[dict], anchors: list) -> torch.Tenso
 
 def accumulate(run: Run, micro: list[dict], anchors: list, norm, metrics: MetricsLogger,
                seen: set[int]) -> list[int]:
-    """Forward and backward of this rank's micro-batches of one step, their gradients summed; returns the
-    buckets that ran for the first time."""
+    """Forward and backward of this rank's micro-batches of one step (each in its row slices under
+    train.batch_anchors), their gradients summed; returns the buckets that ran for the first time."""
     firsts = []
-    for j, (batch, (a, v)) in enumerate(zip(micro, anchors, strict=True)):
+    passes = [p for batch, (a, v) in zip(micro, anchors, strict=True)
+              for p in row_slices(run.step, batch, a, v)]
+    for j, (batch, a, v) in enumerate(passes):
         first = batch["bucket"] not in seen
-        # after a bucket's first step its graph exists: a recompile now is a bug, or an eager fallback
+        # after a bucket's first pass its graph exists: a recompile now is a bug, or an eager fallback
         stance = torch.compiler.set_stance("fail_on_recompile") if run.cfg.compile and not first else None
-        sync = no_grad_sync(run.step.model, run.sharded, skip=j < len(micro) - 1)
+        sync = no_grad_sync(run.step.model, run.sharded, skip=j < len(passes) - 1)
         with stance or contextlib.nullcontext(), sync:
             _, stats = forward_backward(run.step, batch, a, v, norm)
         metrics.add(stats, batch["tokens"])
@@ -92,6 +94,10 @@ def log_first_steps(run: Run, buckets: list[int], t_step: float) -> None:
         took = time.perf_counter() - t_step
         what = f"compiled, caches {cache_counters()}" if run.cfg.compile else "eager"
         log(d, f"bucket {bucket}: first step {took:.1f} s ({what})")
+        if d.device.type == "cuda":  # the peak so far: the optimizer state exists from the first step on
+            gib = torch.cuda.max_memory_allocated(d.device) / 2**30
+            log(d, f"bucket {bucket}: peak GPU memory {gib:.2f} GiB allocated, "
+                   f"{torch.cuda.max_memory_reserved(d.device) / 2**30:.2f} GiB reserved")
         if d.world > 1:  # DDP syncs the backward: a rank that started late shows up as a long step
             log(d, f"bucket {bucket}: step began at {process_age() - took:.1f} s, took {took:.1f} s",
                 every_rank=True)
@@ -230,8 +236,12 @@ def _train(d: Dist, job: TrainJob) -> dict:
         run.checkpointer.wait()  # the last save reaches the disk, even when the loop failed
     from .compile_cache import cache_counters
 
+    peak = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else None
+    if peak is not None:
+        log(d, f"peak GPU memory {peak / 2**30:.2f} GiB allocated, "
+               f"{torch.cuda.max_memory_reserved(d.device) / 2**30:.2f} GiB reserved", every_rank=True)
     summary = {"step": at.step, "stopped": False, "run_dir": str(run_path), "rows": metrics.rows,
-               "compile_cache": cache_counters()}
+               "compile_cache": cache_counters(), "peak_gpu_bytes": peak}
     if not data.exports:
         if d.main:
             data.finish(run_path, cfg.keep_checkpoints)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .config import DrafterConfig, TrainConfig
+from .config import DrafterConfig, TrainConfig, slice_size
 from .families import Family, family
 from .float8 import float8_linears
 from .hf_config import plain_target_config, read_target_config
@@ -36,6 +36,7 @@ class Step:
     device: torch.device
     amp_dtype: torch.dtype | None  # autocast dtype (GPU), None: plain float32 (CPU)
     options: Any = None  # what the family's loss reads besides the objective (Family.loss_options)
+    batch_anchors: int = 0  # train.batch_anchors: anchor slots of one forward+backward (0: no bound)
 
 
 def load_spec(target_dir, drafter_cfg: DrafterConfig, tokenizer_length: int | None = None) -> DrafterSpec:
@@ -103,7 +104,7 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
     embed, head = head.result() if head is not None else frozen_head(target_dir, device, run.amp_dtype)
     options = kind.loss_options(cfg, drafter_cfg or DrafterConfig(family=spec.family), spec)
     return Step(drafter, spec, kind, embed, head, objective_for(cfg, spec.block_size), run.attention,
-                cfg.max_anchors, cfg.compile_loss, device, run.amp_dtype, options)
+                cfg.max_anchors, cfg.compile_loss, device, run.amp_dtype, options, cfg.batch_anchors)
 
 
 def compile_drafter(drafter: torch.nn.Module, scope: str) -> None:
@@ -140,6 +141,32 @@ def batch_normalizer(step: Step, batch: dict, anchors, valid) -> torch.Tensor:
     """This micro-batch's share of the loss normalizer (the family's), known before its forward."""
     t = {k: batch[k].to(step.device, non_blocking=True) for k in ("input_ids", "loss_mask")}
     return step.family.normalizer(step, t, anchors, valid).double()
+
+
+def row_slices(step: Step, batch: dict, anchors, valid) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
+    """The forward+backward passes a micro-batch runs as: itself, or under train.batch_anchors equal row
+    slices (config.slice_size; the last padded with empty rows, which hold no anchor), each a (batch,
+    anchors, valid). Their gradients, each scaled by the step's normalizer, add up to the micro-batch's;
+    the batch's token count goes with the first slice."""
+    rows, slots = anchors.shape
+    per = slice_size(rows, slots, step.batch_anchors)
+    if per >= rows:
+        return [(batch, anchors, valid)]
+    out = []
+    for start in range(0, rows, per):
+        part = {k: pad_rows(v[start:start + per], per, 0) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()}
+        part["tokens"] = batch["tokens"] if start == 0 else 0
+        out.append((part, pad_rows(anchors[start:start + per], per, -1),
+                    pad_rows(valid[start:start + per], per, False)))
+    return out
+
+
+def pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
+    """`t` with rows of `value` appended up to `rows` rows."""
+    if len(t) == rows:
+        return t
+    return torch.cat([t, t.new_full((rows - len(t), *t.shape[1:]), value)])
 
 
 def forward_backward(step: Step, batch: dict, anchors, valid, normalizer=None):

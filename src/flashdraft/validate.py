@@ -31,7 +31,7 @@ from .distributed import Dist, all_sum, barrier
 from .errors import UserError
 from .holdout import anchor_seed
 from .io import atomic_path
-from .train_step import anchors_for, batch_tensors
+from .train_step import anchors_for, batch_tensors, row_slices
 
 VAL_PREFIX = "val_"
 
@@ -78,12 +78,12 @@ class Validator:
                 for k in mine:
                     rows = self.batches[0 if k is None else k]
                     batch = self.collate([self.store[i] for i in rows])
-                    tensors = batch_tensors(view, batch)
                     # the training's anchor sampling, with fixed seeds
                     pad = len(batch["loss_mask"]) - len(rows)
                     seeds = [anchor_seed(self.ids[i]) for i in rows] + [None] * pad
                     anchors, valid = anchors_for(step_fn, batch["loss_mask"], seeds=seeds)
-                    _, stats = view.family.loss(view, tensors, anchors, valid)
+                    stats = sum(view.family.loss(view, batch_tensors(view, part), a, v)[1]
+                                for part, a, v in row_slices(view, batch, anchors, valid))
                     if per is None:
                         per = torch.zeros(n, len(stats), dtype=torch.float64, device=d.device)
                     if k is not None:

@@ -32,7 +32,8 @@ from flashdraft.config_check import (  # noqa: E402
     schema_valid_part,
     target_problem,
 )
-from flashdraft.gpu import gpu_capabilities, visible_gpus  # noqa: E402
+from flashdraft.gpu import gpu_capabilities, gpu_memory_bytes, visible_gpus  # noqa: E402
+from flashdraft import memory  # noqa: E402
 from flashdraft.io import console_env, file_digests  # noqa: E402
 from flashdraft.reruns import deleted_line, deleted_shards, redo_lines, store_leftovers  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
@@ -58,6 +59,8 @@ def read_config():
             # the sources' first rows: once, not again in each job a cluster or a subprocess runs
             sources = file_problems(cfg, cfg.results.rstrip("/"), read_sources=workflow.is_main_process)
             found.lines += sources + problems + run_here_problems(cfg)
+            if not found.lines:  # each GPU stage's predicted peak against the card
+                found.lines += memory.check(cfg, gpu_memory_bytes)
             for w in warnings:
                 print(f"warning: {w}", file=sys.stderr)
     if found.lines:
