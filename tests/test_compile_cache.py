@@ -89,6 +89,7 @@ def test_compiled_code_of_another_user_or_writable_by_others_is_never_loaded(tmp
     would run: a link, another user's or one every user can write is not used; the step compiles afresh."""
     from flashdraft.compile_cache import (
         ARTIFACTS,
+        INDUCTOR_FILES,
         META,
         fresh_inductor_dir,
         load_compile_cache,
@@ -119,6 +120,24 @@ def test_compiled_code_of_another_user_or_writable_by_others_is_never_loaded(tmp
     assert load_compile_cache(cache, {}, Dist()) is False  # refused before the blob is read as code
     said = capsys.readouterr()
     assert f"compile cache: not loaded ({cache / ARTIFACTS} is writable by every user)" in said.out + said.err
+    # the blob this user's, the Inductor files beside it (unpacked as code) or the meta (naming the dir
+    # they go to) another's or writable by all: nothing of it is loaded
+    (cache / ARTIFACTS).chmod(0o600)
+    for name in (INDUCTOR_FILES, META):
+        (cache / INDUCTOR_FILES).write_bytes(b"")
+        for f in (cache / INDUCTOR_FILES, cache / META):
+            f.chmod(0o600)
+        (cache / name).chmod(0o666)
+        assert load_compile_cache(cache, {}, Dist()) is False
+        said = capsys.readouterr()
+        assert f"compile cache: not loaded ({cache / name} is writable by every user)" in said.out + said.err
+        if os.getuid() == 0:
+            (cache / name).chmod(0o644)
+            os.chown(cache / name, 4242, 4242)
+            assert load_compile_cache(cache, {}, Dist()) is False
+            said = capsys.readouterr()
+            assert f"not loaded ({cache / name} belongs to user id 4242)" in said.out + said.err
+            os.chown(cache / name, os.getuid(), os.getgid())
     if os.getuid() == 0:  # another user's dir in the temp dir, where this user's would go
         theirs = warmup_inductor_dir(tmp_path / "other")
         theirs.mkdir()

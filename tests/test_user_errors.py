@@ -214,3 +214,34 @@ def test_a_stop_that_library_code_wraps_in_an_error_still_exits_as_the_stop():
     p = run_python(code)
     assert p.returncode == 143, p.stderr
     assert "Traceback" not in p.stderr and "stopped by signal 15 (RuntimeError on the way out)" in p.stderr
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "wrapped-by-a-compile"])
+def test_running_out_of_gpu_memory_is_one_line_naming_stage_prediction_and_keys(tmp_path, wrapped):
+    """torch's OutOfMemoryError in a stage (or Inductor's error around it) ends it with one line: the
+    stage, its predicted peak, the memory there and the keys to lower; --verbose keeps the traceback."""
+    from flashdraft.shapes import QWEN3_8B
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", **QWEN3_8B}))
+    raise_it = ("raise RuntimeError('compile failed: ' + str(e)) from e" if wrapped else "raise e")
+    code = (
+        "import torch\n"
+        "from flashdraft import errors, memory\n"
+        "from flashdraft.config import Config, TargetConfig, TrainConfig\n"
+        "@errors.cli\n"
+        "def main(argv):\n"
+        f"    memory.on_oom('warmup', Config(train=TrainConfig(batch_tokens=16384), target=TargetConfig("
+        f"path={str(tmp_path)!r})), 3, peak_of='train')\n"
+        "    e = torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 3.00 GiB.')\n"
+        f"    {raise_it}\n"
+        "import sys\n"
+        "main(sys.argv[1:])\n"
+    )
+    p = run_python(code)
+    line = one_line_error(p)
+    expected = (r"-c: error: stage warmup ran out of GPU memory: predicted peak [\d.]+ GiB \(bucket \d+, \d+ "
+                r"rows a forward, ddp\), the GPU's memory; lower train\.batch_anchors, train\.batch_tokens, "
+                r"train\.max_anchors \(python -m flashdraft\.plan .*\)")
+    assert re.fullmatch(expected, line), line
+    verbose = run_python(code.replace("main(sys.argv[1:])", "main(['--verbose'])"))
+    assert verbose.returncode == 1 and "Traceback" in verbose.stderr and "OutOfMemoryError" in verbose.stderr

@@ -376,22 +376,27 @@ def test_a_source_rewritten_under_its_old_mtime_reruns_the_prompts(tmp_path):
 
 
 def test_paths_with_spaces_quotes_and_shell_syntax_stay_plain_text(tmp_path):
-    """Every job of the DAG, from a checkout whose path holds a space and a quote, with a target path and
-    a GPU lock dir holding `$(...)`: all run, and nothing in those strings is executed."""
+    """Every job of the DAG, from a checkout whose path holds a space and a quote, with a run directory
+    (`results:`), a target path and a GPU lock dir holding `$(...)`: all run, and nothing in those strings
+    is executed."""
     root = tmp_path / "it's a checkout"
     shutil.copytree(REPO, root, ignore=shutil.ignore_patterns(
         ".git", ".venv", ".whl", "wheelhouse", "results", ".snakemake", "__pycache__", ".gl"))
     work = root / "work"
     work.mkdir()
+    results = "runs/r $(touch PWNED) ü"
+    sources = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["prompts"]["sources"]
     cheap = {"toy.num_docs": 200, "toy.steps": 0, "toy.source_rows": 20, "hidden.shards": 1,
-             "train.max_steps": 2, "train.compile": False,
-             "target.path": "results/toy/$(touch PWNED)target",
+             "train.max_steps": 2, "train.compile": False, "results": results,
+             "target.path": f"{results}/toy/$(touch PWNED)target",
+             "prompts.sources": [{**s, "path": s["path"].replace("results/", f"{results}/", 1)}
+                                 for s in sources],
              "gpus.lock_dir": str(tmp_path / "locks $(touch PWNED)")}
     config = write_config(work / "config.yaml", {**SMALL, **cheap})
     snakemake(work, "--cores", "2", config=config, snakefile=root / "workflow" / "Snakefile",
               env={"PYTHONPATH": str(root / "src")})
-    assert (work / "results" / "report.html").exists()
-    assert (work / "results" / "toy" / "$(touch PWNED)target" / "config.json").exists()
+    assert (work / results / "report.html").exists()
+    assert (work / results / "toy" / "$(touch PWNED)target" / "config.json").exists()
     assert not [p for p in tmp_path.rglob("PWNED*")], "a path was run as a command"
 
 

@@ -118,6 +118,12 @@ def not_ours(path: Path) -> str | None:
     return None
 
 
+def code_not_ours(*paths: Path) -> str | None:
+    """The first reason (not_ours) why one of `paths` that exists, compiled code or what names where it
+    is loaded from, must not be loaded; None when all are this user's."""
+    return next((why for p in paths if os.path.lexists(p) and (why := not_ours(p))), None)
+
+
 @contextlib.contextmanager
 def fresh_inductor_dir(path: Path):
     """Inductor compiles into `path`, emptied first, for the block, so it holds exactly this warmup's
@@ -191,7 +197,8 @@ def load_compile_cache(cache_dir, key: dict, d: Dist) -> bool:
     differ = sorted(k for k in key if theirs.get(k) != key[k])
     if differ:
         log(d, f"compile cache: warmup key differs in {differ}; expect cache misses")
-    if why := not_ours(blob):  # the blob is code this process would run
+    files = Path(cache_dir) / INDUCTOR_FILES
+    if why := code_not_ours(blob, files, meta):  # code this process would run, and where it unpacks it
         log(d, f"compile cache: not loaded ({why}); compiling from scratch")
         return False
     if blob.stat().st_size == 0:
@@ -200,7 +207,7 @@ def load_compile_cache(cache_dir, key: dict, d: Dist) -> bool:
         return False
     use_inductor_dir(info.get("inductor_dir"), d)  # before anything lands in Inductor's dir
     torch.compiler.load_cache_artifacts(blob.read_bytes())
-    files, dest = Path(cache_dir) / INDUCTOR_FILES, inductor_cache_dir()
+    dest = inductor_cache_dir()
     added = merge_inductor_files(files, dest) if files.exists() else 0
     log(d, f"compile cache: loaded {blob} ({blob.stat().st_size} bytes); {added} Inductor files added to "
            f"{dest}")

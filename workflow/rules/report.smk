@@ -21,7 +21,7 @@ rule report:
         drafter_dir=parent("input", "drafter"),
         checkpoints=f"{RESULTS}/checkpoints",
         bench_dir=BENCH,
-        hidden_dir="" if STREAM else f"--hidden-dir {RESULTS}/hidden",
+        hidden_dir=[] if STREAM else ["--hidden-dir", f"{RESULTS}/hidden"],
         cmd=stage("report.py"),
     conda:
         CONDA_ENV
@@ -32,6 +32,6 @@ rule report:
     shell:
         "{params.cmd} --out {output.html:q} --plots-dir {output.plots:q} --eval-dir {params.eval_dir:q}"
         " --metrics {input.metrics:q} --prompt-stats {input.stats:q} --benchmarks-dir {params.bench_dir:q}"
-        " {params.hidden_dir} --regenerated {input.regenerated:q} --target {input.target:q}"
+        " {params.hidden_dir:q} --regenerated {input.regenerated:q} --target {input.target:q}"
         " --drafter {params.drafter_dir:q} --checkpoints {params.checkpoints:q}"
         " > {log:q} 2>&1"
