@@ -35,12 +35,39 @@ def docs(repo: Path = REPO) -> list[Path]:
     return [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
 
 
+def number(value) -> float | int:
+    """A figure as a number: a file's text ("12.5") read as one; anything else (a dict, a list) an error."""
+    if isinstance(value, str):
+        try:
+            return float(value)  # a figure some files keep as text
+        except ValueError:
+            raise UserError(f"the value {value!r} is not a number") from None
+    if not isinstance(value, (int, float)):
+        raise UserError(f"the value is a {type(value).__name__}, not a number")
+    return value
+
+
+def split_format(fmt: str) -> tuple[str, str | None, float | None]:
+    """FORMAT as its Python format spec and its `*N` or `/N` (None, None: neither)."""
+    m = re.fullmatch(r"([^*/]*)(?:([*/])([\d.e+-]+))?", fmt)
+    try:
+        n = float(m[3]) if m and m[2] else None
+    except ValueError:  # a factor float() cannot read ("1..2")
+        m = None
+    if m is None:
+        raise UserError(f"format {fmt}: not SPEC, SPEC*N or SPEC/N (N a number)")
+    if m[2] == "/" and n == 0:
+        raise UserError(f"format {fmt}: divides by 0")
+    return m[1], m[2], n
+
+
 def render(value, fmt: str | None) -> str:
-    value = float(value) if isinstance(value, str) else value  # a figure some files keep as text
-    spec, op, n = re.fullmatch(r"([^*/]*)(?:([*/])([\d.e+-]+))?", fmt or ".3g").groups()
-    if op:
-        value = value * float(n) if op == "*" else value / float(n)
-    return format(value, spec)
+    value, (spec, op, n) = number(value), split_format(fmt or ".3g")
+    value = value * n if op == "*" else value / n if op else value
+    try:
+        return format(value, spec)
+    except ValueError as e:  # not a format spec (".zz")
+        raise UserError(f"format {fmt}: {e}") from None
 
 
 def rewrite(text: str, where: str) -> tuple[str, list[str], list[tuple[str, str]]]:
@@ -52,7 +79,7 @@ def rewrite(text: str, where: str) -> tuple[str, list[str], list[tuple[str, str]
         try:
             new = render(figure(m["file"], key), m["fmt"])
         except UserError as e:
-            raise SystemExit(f"{where}: {e}") from None
+            raise SystemExit(f"{where}: {m.group(0)}: {e}") from None
         if new != m["value"]:
             changed.append(f"{where}: {m['value']} -> {new} ({m['file']} {key})")
         quoted.append((m["file"], key))

@@ -278,7 +278,9 @@ def main():
     out = Path(args.out or REPO / "benchmarks" / "results" / f"memory_{name}.json")
 
     def write(result):  # after every point: a run stopped part-way keeps what it measured
-        write_result(out, result, goals={"max_rel_error": 0.10, "production_peak_of_card": 0.92},
+        params = {"preset": args.preset, "only": args.only, "production": args.production,
+                  "steps": args.steps, "timeout_s": args.timeout}
+        write_result(out, result, params, goals={"max_rel_error": 0.10, "production_peak_of_card": 0.92},
                      device=torch.device("cuda:0") if cuda else None)
 
     rows = []

@@ -79,6 +79,23 @@ def run(root: Path, name: str, preset: str, out: Path, work: Path) -> dict:
     return rates(name, json.loads(out.read_text()))
 
 
+def commit(ref: str) -> str:
+    """The commit `ref` names in this checkout; a ref that looks like an option (`--output=F`) stays a ref."""
+    got = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", "--end-of-options",
+                          f"{ref}^{{commit}}"], capture_output=True, text=True)
+    if got.returncode:
+        raise SystemExit(f"--ref {ref}: names no commit of {REPO}")
+    return got.stdout.strip()
+
+
+def unpack(ref: str, sha: str, dest: Path):
+    """TREE at commit `sha` (--ref `ref`) into `dest`."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", sha, "--", *TREE], capture_output=True)
+    if archive.returncode:
+        raise SystemExit(f"--ref {ref}: {' '.join(archive.stderr.decode().split())}")
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ref", required=True, help="the earlier commit")
@@ -95,16 +112,13 @@ def main():
                          f"{' '.join(TREE)}` into it")
     name = f"train_side_by_side_{args.preset}" if args.only == ["train_drafter"] else "engine_side_by_side"
     args.out = args.out or REPO / "benchmarks" / "results" / f"{name}.json"
+    sha = commit(args.ref) if args.ref_dir is None else None  # a bad --ref: one line, before any run
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         old = args.ref_dir.resolve() if args.ref_dir else Path(tmp) / "old"
-        if args.ref_dir is None:
+        if sha:
             old.mkdir()
-            archive = subprocess.run(["git", "-C", str(REPO), "archive", args.ref, *TREE],
-                                     capture_output=True)
-            if archive.returncode:
-                raise SystemExit(f"--ref {args.ref}: {archive.stderr.decode().strip()}")
-            subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+            unpack(args.ref, sha, old)
         sides = {"old": old, "new": REPO}
         got = {name: {side: [] for side in sides} for name in args.only}
         for name in args.only:

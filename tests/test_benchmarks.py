@@ -29,6 +29,7 @@ RUNS = {
     "eval_decode": ["--preset", "tiny", "--prompts", "1", "--prompt-len", "16", "--new-tokens", "8"],
     "expand_prompts": ["--rows", "2000", "--total", "2000", "--eval-count", "20"],
     "loss_head": ["--preset", "tiny", "--repeats", "1"],
+    "memory": ["--preset", "tiny", "--only", "eager 128x2", "--work", "{work}"],  # no GPU: measures none
     "make_run_stages": ["--results", "{work}"],  # a results/benchmarks tree written by the test
     "precompute_hidden": ["--mode", "gpu", "--preset", "tiny", "--tokens", "2000", "--min-len", "64",
                           "--max-len", "128", "--batch-tokens", "1024", "--work", "{work}"],
@@ -127,3 +128,18 @@ def test_every_script_imports_and_parses_help():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.count("\nok ") + proc.stdout.startswith("ok ") == len(paths), proc.stdout
+
+
+@pytest.mark.parametrize("ref", ["--output={victim}", "no-such-commit"])
+def test_side_by_side_a_ref_naming_no_commit_is_one_line_and_writes_no_file(ref, tmp_path):
+    """`--ref=--output=FILE` is a ref, never `git archive`'s option (which would truncate FILE); a ref that
+    names no commit is one line naming --ref, before any benchmark runs."""
+    victim = tmp_path / "keep.txt"
+    victim.write_text("kept\n")
+    ref = ref.format(victim=victim)
+    proc = subprocess.run([sys.executable, str(BENCH / "side_by_side.py"), f"--ref={ref}", "--preset", "tiny",
+                           "--only", "train_drafter", "--repeats", "1", "--out", str(tmp_path / "out.json")],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert victim.read_text() == "kept\n"
+    assert proc.returncode == 1 and not (tmp_path / "out.json").exists(), proc.stderr[-3000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(f"--ref {ref}:"), proc.stderr

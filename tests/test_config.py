@@ -149,6 +149,34 @@ def test_every_schema_mistake_is_a_line_and_the_rest_of_the_config_is_still_chec
     assert schema_valid_part(data, SCHEMA) is None
 
 
+@pytest.mark.parametrize("section, key, value", [("drafter", "family", None), ("hidden", "mode", 5),
+                                                ("toy", "steps", -1.5)])
+def test_a_value_breaking_two_schema_rules_is_two_lines_not_a_crash(section, key, value):
+    """A wrong type and a wrong value of one key: both lines, and the key's default stands for the rest
+    of the checks (it is removed once, not twice)."""
+    from flashdraft.config_check import schema_problems, schema_valid_part
+
+    data = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    data.setdefault(section, {})[key] = value
+    lines = schema_problems(data, SCHEMA)
+    assert len(lines) == 2 and all(x.startswith(f"config key {section}.{key}: ") for x in lines), lines
+    part = schema_valid_part(data, SCHEMA)
+    assert part is not None and key not in part[section]
+
+
+def test_a_family_whose_draft_weights_are_all_zero_is_refused():
+    from flashdraft.config_check import config_problems
+
+    cfg = Config()
+    cfg.drafter.family = "dspark"
+    cfg.drafter.dspark.ce_weight = cfg.drafter.dspark.l1_weight = 0.0
+    problems, _ = config_problems(cfg, {})
+    assert ("config keys drafter.dspark.ce_weight and drafter.dspark.l1_weight are all 0: the loss would "
+            "train no draft and export an untrained drafter; give at least one a weight > 0") in problems
+    cfg.drafter.dspark.l1_weight = 0.5
+    assert not [x for x in config_problems(cfg, {})[0] if "weight" in x]
+
+
 def test_a_target_after_configfile_is_named_as_one():
     from flashdraft.config_check import configfile_problems
 

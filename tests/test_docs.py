@@ -16,6 +16,7 @@ import sys
 import typing
 from pathlib import Path
 
+import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -367,6 +368,38 @@ def test_a_re_measured_figure_is_found_and_written(tmp_path, monkeypatch):
     assert page.startswith("speed 1.3<!--fig r.json x.0.speed .1f-->x")
     assert "| `r.json` | cpu | not recorded | `python r.py` | `eval.tau` = 3.142 (README.md)<br>`s` = 150 " \
            "(README.md)<br>`x.0.speed` = 1.26 (docs/performance.md) |" in page
+
+
+
+def figure_problem(tmp_path: Path, monkeypatch, marker: str) -> str:
+    """What figures.regenerate reports for a README.md quoting `marker` (r.json: `eval` a dict, `s` 150)."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(f"see {marker} here\n")
+    (tmp_path / "docs" / "performance.md").write_text(f"{figures.START}\n{figures.END}\n")
+    results_dir = tmp_path / "benchmarks" / "results"
+    results_dir.mkdir(parents=True)
+    (results_dir / "r.json").write_text(json.dumps({"eval": {"tau": 3.1416}, "s": 150}))
+    monkeypatch.setattr(results, "CHECKOUT_RESULTS", results_dir)
+    results.result.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as e:
+            figures.regenerate(tmp_path, rates={})
+    finally:
+        results.result.cache_clear()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("marker, why", [
+    ("1<!--fig r.json s .zz-->", "format .zz"),
+    ("1<!--fig r.json eval .2f-->", "a dict, not a number"),
+    ("1<!--fig r.json s .1f/0-->", "divides by 0"),
+    ("1<!--fig r.json s .1f*x-->", "format .1f*x"),
+])
+def test_a_bad_figure_marker_is_one_line_naming_the_doc_the_marker_and_why(tmp_path, monkeypatch, marker,
+                                                                           why):
+    problem = figure_problem(tmp_path, monkeypatch, marker)
+    assert len(problem.splitlines()) == 1, problem
+    assert problem.startswith(f"README.md: {marker}: ") and why in problem, problem
 
 
 

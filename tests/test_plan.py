@@ -582,3 +582,141 @@ def test_the_committed_production_plan_is_the_planner_s_output(tmp_path):
     assert json.loads(out.read_text()) == json.loads((RESULTS / "plan_production.json").read_text())
     assert "--target-config qwen3-8b --gpus 8 --json benchmarks/results/plan_production.json" in \
         (REPO / "docs" / "planning.md").read_text()
+
+
+# The planner's cost stays bounded: an absurd GPU count is refused in one line before any work, the
+# recommendation tries a bounded set of splits, and stream mode's chunks are counted, not listed.
+
+
+def bounded_plan_cli(*args, cwd, timeout=90):
+    """The planner's command in a child of its own child: its exit status, output and peak memory (the
+    planner's ru_maxrss, KiB); a planner still running after `timeout` s is killed and fails the test."""
+    wrapper = ("import json, resource, subprocess, sys\n"
+               f"p = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout={timeout})\n"
+               "print(json.dumps({'rc': p.returncode, 'stdout': p.stdout, 'stderr': p.stderr,\n"
+               "                  'maxrss_kib': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))\n")
+    proc = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "flashdraft.plan",
+                           *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout + 30)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # the wrapper's: the planner answered in time
+    return json.loads(proc.stdout)
+
+
+def test_an_absurd_gpu_count_is_one_line_naming_the_limit(tmp_path):
+    out = bounded_plan_cli("--configfile", PRODUCTION, "--target-config", "qwen3-8b", "--gpus", 10**9,
+                           cwd=tmp_path)
+    from flashdraft.estimate import MAX_GPUS
+
+    assert out["rc"] == 1 and not out["stdout"]
+    (line,) = out["stderr"].strip().splitlines()
+    assert "--gpus 1000000000" in line and f"{MAX_GPUS:,}" in line, line
+    many = with_keys(tmp_path, PRODUCTION, gpus__target=10**9)  # the default --gpus: gpus.target
+    out = bounded_plan_cli("--configfile", many, "--target-config", "qwen3-8b", cwd=tmp_path)
+    assert out["rc"] == 1
+    (line,) = out["stderr"].strip().splitlines()
+    assert "gpus.target" in line and f"{MAX_GPUS:,}" in line, line
+    # at the limit: a plan, its recommendation from a bounded set of splits
+    out = bounded_plan_cli("--configfile", PRODUCTION, "--target-config", "qwen3-8b", "--gpus", MAX_GPUS,
+                           cwd=tmp_path)
+    assert out["rc"] == 0, out["stderr"]
+    assert re.search(r"^recommended: hidden\.mode \w+, gpus\.target \d+, gpus\.drafter \d+: ", out["stdout"],
+                     re.M)
+    assert len(re.findall(r"^\| stream \| \d+ \| \d+ \|", out["stdout"], re.M)) < 1000
+
+
+def test_a_trillion_prompts_are_planned_in_bounded_memory(tmp_path):
+    big = tmp_path / "trillion.yaml"
+    big.write_text("prompts:\n  total: 1000000000000\n")
+    out = bounded_plan_cli("--configfile", PRODUCTION, big, "--target-config", "qwen3-8b", "--gpus", 8,
+                           cwd=tmp_path)
+    assert out["rc"] == 0, out["stderr"]
+    assert "training samples 1,000,000,000,000: prompts.total" in out["stdout"]
+    assert re.search(r"^recommended: hidden\.mode stream, ", out["stdout"], re.M)
+    assert out["maxrss_kib"] < 2**20, out["maxrss_kib"]  # under 1 GiB
+
+
+def _old_chunk_sizes(total, train, full):
+    """Every chunk's tokens, listed one by one (the planner's chunking before it counted them)."""
+    epoch = [full] * (total // full) + ([total % full] if total % full else [])
+    sizes, left = [], train
+    while left > 0 and epoch:
+        for size in epoch:
+            sizes.append(int(min(size, left)))
+            left -= sizes[-1]
+            if left <= 0:
+                break
+    return sizes
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # production: 6 epochs of whole chunks and a remainder
+    {"train__max_steps": 1000},  # cut mid-epoch
+    {"train__max_steps": 50000, "train__epochs": 3},
+    {"hidden__chunk_tokens": 49152 * 7, "train__epochs": 2},  # thousands of chunks: past the exact loop
+    {"hidden__chunk_tokens": 49152 * 11, "train__max_steps": 40000},
+    {"train__global_batch_tokens": 0, "hidden__chunk_tokens": 16384 * 60, "eval__shards": 0},
+])
+def test_stream_chunks_in_closed_form_are_the_chunk_by_chunk_plan(tmp_path, monkeypatch, overrides):
+    from flashdraft import estimate
+    from flashdraft.estimate import Run, chunk_sizes, stream_mode
+
+    cfg = load(with_keys(tmp_path, PRODUCTION, **overrides), target=QWEN3_8B)
+    run = Run(cfg, token_stats(cfg, tmp_path / "none"), QWEN3_8B, 1.0, 8)
+    split = Split(5, 3)
+    cap, _, sizes = chunk_sizes(run, split, 2 * 10**12)
+    step = run.step_tokens(split)
+    listed = _old_chunk_sizes(run.tok.total, run.train_tokens(split), max(cap // step, 1) * step)
+    assert len(sizes) == len(listed) and list(sizes) == listed and sizes == tuple(listed)
+    assert (sum(sizes), max(sizes), sizes[0], sizes[-1]) == (sum(listed), max(listed), listed[0], listed[-1])
+    plans = {}
+    for name, exact in (("listed", 10**9), ("closed", 0)):
+        monkeypatch.setattr(estimate, "EXACT_CHUNKS", exact)
+        plans[name] = stream_mode(run, split, 2 * 10**12)
+    a, b = plans["listed"], plans["closed"]
+    assert a.hours == pytest.approx(b.hours, rel=1e-9) and a.wall_hours == pytest.approx(b.wall_hours, rel=1e-9)
+    assert (a.peak_disk, a.gpu_hours, a.chunks.per_epoch) == (b.peak_disk, b.gpu_hours, b.chunks.per_epoch)
+    assert (a.chunks.precompute_s, a.chunks.train_s, a.chunks.startup_s) == pytest.approx(
+        (b.chunks.precompute_s, b.chunks.train_s, b.chunks.startup_s))
+
+
+def test_the_pipeline_of_runs_of_equal_chunks_is_the_chunk_by_chunk_pipeline():
+    import random
+
+    from flashdraft.estimate import pipeline_seconds_runs
+
+    rng = random.Random(0)
+    for _ in range(300):
+        segments = []
+        for _ in range(rng.randint(1, 4)):
+            pattern = tuple((rng.uniform(0, 10), rng.uniform(0, 10), rng.randint(1, 40))
+                            for _ in range(rng.randint(1, 3)))
+            segments.append((pattern, rng.randint(1, 6)))
+        pre, train = [], []
+        for pattern, times in segments:
+            for p, t, n in pattern * times:
+                pre += [p] * n
+                train += [t] * n
+        assert pipeline_seconds_runs(segments) == pytest.approx(pipeline_seconds(pre, train), rel=1e-12)
+    assert pipeline_seconds_runs([]) == pipeline_seconds([], []) == 0.0
+
+
+@pytest.mark.parametrize("overrides", [{}, {"hidden__dtype": "bfloat16"},
+                                       {"train__global_batch_tokens": 0, "eval__shards": 0}])
+def test_the_recommendation_is_the_exhaustive_search_s(tmp_path, overrides):
+    """Every split up to a few hundred GPUs, as before; past that, a grid refined around its best split
+    (a bounded number of plans whatever the count): the same answer as trying every split."""
+    from flashdraft.estimate import EXHAUSTIVE_GPUS, Run, recommend
+
+    cfg = load(with_keys(tmp_path, PRODUCTION, **overrides), target=QWEN3_8B)
+    tok = token_stats(cfg, tmp_path / "none")
+    for n in (1, 2, 3, 5, 8, 13, 32, 64, EXHAUSTIVE_GPUS + 1, 700, 2500):
+        run = Run(cfg, tok, QWEN3_8B, 1.0, n)
+        for budget in (2 * 10**12, 20 * 10**12):
+            bounded = recommend(run, budget, "test")
+            every = recommend(run, budget, "test", targets=range(1, n))
+            assert (bounded.best.mode, bounded.best.split, bounded.best.wall_hours) == \
+                (every.best.mode, every.best.split, every.best.wall_hours), (n, budget)
+            if n <= 64:  # every split, as listed before
+                assert [(m.mode, m.split) for m in bounded.candidates] == \
+                    [(m.mode, m.split) for m in every.candidates]
+            else:
+                assert len(bounded.candidates) < 200

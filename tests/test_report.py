@@ -244,3 +244,45 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert set(widths) == {"acceptance", "tau-hist", "train-loss", "train-acc", "stage-time"}
     assert all(int(w) > 100 for w in widths.values()), widths
     assert "Drafter report" in dom
+
+
+# What a hostile target path would make of Snakemake's report page, were it rendered as RST markup: a
+# javascript: link, a raw HTML directive, an element with a handler. Each would set data-ran="yes".
+RAN = "document.body.setAttribute('data-ran', 'y' + 'es')"
+HOSTILE = [f"x`` `click <javascript:{RAN}>`_ ``y",
+           f"x``\n\n.. raw:: html\n\n   <img src=x onerror=\"{RAN}\">\n\n``y",
+           f"x\u2028\u2028.. raw:: html\u2028\u2028   <img src=x onerror=\"{RAN}\">",
+           f"<img src=x onerror=\"{RAN}\">"]
+
+
+def snakemake_workflow_description(config: dict) -> str:
+    """workflow/report/workflow.rst as `snakemake --report` renders it (snakemake.report: Jinja with its
+    settings, then docutils to an HTML body) into the page, where its script sets it as innerHTML."""
+    from docutils.core import publish_parts
+    from jinja2 import Environment
+
+    class Snakemake:
+        pass
+
+    Snakemake.config = config
+    text = (Path(__file__).parents[1] / "workflow" / "report" / "workflow.rst").read_text()
+    rst = Environment(trim_blocks=True, lstrip_blocks=True).from_string(text).render(snakemake=Snakemake)
+    return publish_parts(rst, writer_name="html")["html_body"]  # as snakemake.report calls it
+
+
+def test_config_values_in_snakemake_s_report_run_no_script(tmp_path):
+    """Hostile target paths and family names, rendered into the description of Snakemake's report and
+    opened in headless Chromium with every link clicked: no script runs, and the value reads as text."""
+    page = tmp_path / "page.html"
+    descs = [snakemake_workflow_description({"target": {"path": p}, "drafter": {"family": p}})
+             for p in HOSTILE]
+    put = "".join(f"<div id='d{i}'></div>" for i in range(len(descs)))
+    fill = "".join(f"document.getElementById('d{i}').innerHTML = {json.dumps(d)};"
+                   for i, d in enumerate(descs))
+    page.write_text(f"<!doctype html><html><body>{put}<script>{fill}</script></body></html>")
+    dom = headless_dom(page, tmp_path, "for (const a of document.querySelectorAll('a')) a.click()")
+    assert 'data-ran="yes"' not in dom
+    assert dom.count("<img") == 0 and "javascript:" not in re.sub(r"<tt[^>]*>.*?</tt>", "", dom, flags=re.S)
+    plain = snakemake_workflow_description({"target": {"path": "results/toy/target"}})
+    assert ('A <tt class="docutils literal">dflash</tt> drafter trained for the target at '
+            '<tt class="docutils literal">results/toy/target</tt>') in plain

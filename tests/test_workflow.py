@@ -136,6 +136,17 @@ def test_every_problem_of_a_first_config_is_reported_in_one_dry_run(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+def test_an_overlay_given_alone_says_so_and_shows_the_form_that_works(tmp_path):
+    overlay = tmp_path / "stream.yaml"
+    shutil.copy(REPO / "config" / "stream.yaml", overlay)
+    proc = snakemake(tmp_path, "-n", "--cores", "1", config=overlay, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Job stats" not in out
+    assert (f"--configfile {overlay}: no target or prompts section: an overlay changes a whole config's "
+            f"keys; give it after one: snakemake --cores all --configfile config/config.yaml {overlay}"
+            in out.splitlines()), out
+
+
 def test_a_target_written_after_configfile_is_named_before_any_job(tmp_path):
     """`--configfile my.yaml results/eval/summary.json`: Snakemake reads the target as a second config
     (a JSON file it can read); the workflow says so in one line instead of naming the output's keys."""
@@ -632,7 +643,8 @@ def test_snakemake_report_renders_with_plots(small_run, tmp_path):
     # the workflow's description (its template rendered with the run's config), as the report embeds it
     desc = json.loads(re.search(r"var workflow_desc = (\".*?\");\n", out.read_text()).group(1))
     target = yaml.safe_load(config.read_text())["target"]["path"]
-    assert f'A dflash drafter trained for the target at <tt class="docutils literal">{target}</tt>' in desc
+    assert ('A <tt class="docutils literal">dflash</tt> drafter trained for the target at '
+            f'<tt class="docutils literal">{target}</tt>') in desc
     assert "config[" not in desc and "{{" not in desc
 
 

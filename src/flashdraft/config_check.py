@@ -52,6 +52,17 @@ def configfile_problems(paths, results: str) -> list[str]:
             for p in (p.relative_to(here) if p.is_relative_to(here) else p for p in bad)]
 
 
+def overlay_problem(paths, data: dict) -> str | None:
+    """Config files given without the keys every run needs (target, prompts): overlays (config/stream.yaml,
+    config/dspark.yaml) read alone; the line shows the form that works."""
+    missing = [k for k in ("target", "prompts") if k not in data]
+    if not paths or not missing:
+        return None
+    given = " ".join(str(p) for p in paths)
+    return (f"--configfile {given}: no {' or '.join(missing)} section: an overlay changes a whole config's "
+            f"keys; give it after one: snakemake --cores all --configfile config/config.yaml {given}")
+
+
 class Problems:
     """The checks before any job, gathered: `run` calls a check and keeps the lines of the UserError it
     raises instead of stopping there, so that the user reads every problem at once (one line each, each
@@ -107,17 +118,18 @@ def schema_valid_part(data: dict, schema_path) -> dict | None:
     enough (a required key, a config that is no mapping)."""
     import copy
 
-    part = copy.deepcopy(data)
+    part, removed = copy.deepcopy(data), set()
     for e in reversed(_schema_errors(data, schema_path)):  # a list's later items first: indices hold
         path = list(e.absolute_path)
         if e.validator == "additionalProperties":
             holder = _at(part, path)
             for key in set(holder) - set(e.schema.get("properties", {})):
                 del holder[key]
-        elif path:
-            del _at(part, path[:-1])[path[-1]]
-        else:
+        elif not path:
             return None
+        elif tuple(path) not in removed:  # a value may break several rules: removed once
+            removed.add(tuple(path))
+            del _at(part, path[:-1])[path[-1]]
     return None if _schema_errors(part, schema_path) else part
 
 
@@ -158,6 +170,7 @@ def config_problems(cfg: Config, target: dict | None = None) -> tuple[list[str],
     t, world = cfg.train, max(1, cfg.gpus.drafter) * cfg.gpus.drafter_nodes
     found.run(_check_global_batch, t, world)
     found.run(_check_window, cfg.drafter)
+    found.run(_check_draft_weights, cfg.drafter)
     found.run(_one_of, "train.loss", t.loss, OBJECTIVES)
     found.run(_one_of, "train.compile_scope", t.compile_scope, COMPILE_SCOPES)
     if t.fp8 is not None and t.fp8 not in FP8_RECIPES:
@@ -228,6 +241,18 @@ def _raise(problem: str | None) -> None:
 def _one_of(key: str, value, choices, more: str = "") -> None:
     if value not in choices:
         raise UserError(f"config key {key}: {value!r}; use one of {', '.join(choices)}{more}")
+
+
+def _check_draft_weights(d) -> None:
+    """drafter.family's loss weights that train the drafts (families.FamilyInfo.draft_weights): not all 0."""
+    from .families import family_info
+
+    keys = family_info(d.family).draft_weights
+    section = getattr(d, d.family, None)
+    if keys and section is not None and not any(getattr(section, k) for k in keys):
+        names = " and ".join(f"drafter.{d.family}.{k}" for k in keys)
+        raise UserError(f"config keys {names} are all 0: the loss would train no draft and export an "
+                        "untrained drafter; give at least one a weight > 0")
 
 
 def _check_chars(p) -> None:

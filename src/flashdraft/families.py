@@ -22,6 +22,9 @@ class FamilyInfo:
     vllm_method: str
     sglang_algorithm: str
     anchor_drafts: bool  # the anchor's slot predicts too: a block of B gives B drafts (else B - 1)
+    # its section's loss weights (drafter.<family>.<key>) that train the drafts: not all may be 0, which
+    # would train nothing and export an untrained drafter
+    draft_weights: tuple[str, ...] = ()
 
     def drafts(self, block_size: int) -> int:
         """Draft tokens per block: what a serving engine's speculative token count is set to."""
@@ -53,7 +56,8 @@ FAMILIES: dict[str, FamilyInfo] = {
     "dflash": FamilyInfo("flashdraft.dflash", last_hidden=False, architecture="DFlashDraftModel",
                          vllm_method="dflash", sglang_algorithm="DFLASH", anchor_drafts=False),
     "dspark": FamilyInfo("flashdraft.dspark", last_hidden=True, architecture="Qwen3DSparkModel",
-                         vllm_method="dspark", sglang_algorithm="DSPARK", anchor_drafts=True),
+                         vllm_method="dspark", sglang_algorithm="DSPARK", anchor_drafts=True,
+                         draft_weights=("ce_weight", "l1_weight")),
 }
 
 

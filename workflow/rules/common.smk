@@ -28,6 +28,7 @@ from flashdraft.config_check import (  # noqa: E402
     file_problems,
     fp8_problem,
     gpu_problems,
+    overlay_problem,
     schema_problems,
     schema_valid_part,
     target_problem,
@@ -49,6 +50,8 @@ def read_config():
     results = str(config.get("results", "results"))
     found = Problems(configfile_problems(workflow.overwrite_configfiles, results))
     if not found.lines:  # a target read as a config: its keys' lines would only hide that
+        overlay = overlay_problem(workflow.overwrite_configfiles, config)
+        found.lines += [overlay] if overlay else []
         found.lines += schema_problems(config, SCHEMA)  # one line naming each key, not the whole schema
         if not found.lines:
             validate(config, schema="../schemas/config.schema.yaml")  # fills in the schema's defaults
