@@ -22,7 +22,6 @@ $(VENV)/.installed: envs/requirements.txt $(NODEPS) pyproject.toml
 
 run: install
 	$(SNAKEMAKE) --cores all --configfile $(CONFIG)
-	@echo "Report: $(CURDIR)/results/report.html"
 
 lint: install
 	$(VENV)/bin/ruff check src scripts tests benchmarks

@@ -386,6 +386,18 @@ def test_a_source_rewritten_under_its_old_mtime_reruns_the_prompts(tmp_path):
     assert to_do() == {"prompts": 1}
 
 
+def test_a_job_run_again_keeps_its_previous_log(small_run):
+    """A job that runs again (killed, failed, or forced) starts a new log: the previous attempt's is kept
+    beside it, which Snakemake would otherwise delete as the job starts."""
+    work, config, _ = small_run
+    log = work / "results" / "logs" / "report.log"
+    first = log.read_text()
+    assert first
+    proc = snakemake(work, "--cores", "1", "--forcerun", "report", "results/report.html", config=config)
+    assert (work / "results" / "logs" / "report.log.previous").read_text() == first
+    assert log.exists() and "the previous attempt's log is" in proc.stderr
+
+
 def test_paths_with_spaces_quotes_and_shell_syntax_stay_plain_text(tmp_path):
     """Every job of the DAG, from a checkout whose path holds a space and a quote, with a run directory
     (`results:`), a target path and a GPU lock dir holding `$(...)`: all run, and nothing in those strings
@@ -409,6 +421,21 @@ def test_paths_with_spaces_quotes_and_shell_syntax_stay_plain_text(tmp_path):
     assert (work / results / "report.html").exists()
     assert (work / results / "toy" / "$(touch PWNED)target" / "config.json").exists()
     assert not [p for p in tmp_path.rglob("PWNED*")], "a path was run as a command"
+
+
+def test_a_finished_run_ends_with_its_result(small_run):
+    """Its last lines: each drafter's tau, speedup and losslessness (the evaluation's summary), the report's
+    path and the commands that serve the drafter."""
+    work, _, proc = small_run
+    lines = proc.stdout.splitlines()
+    start = lines.index("flashdraft: the drafter is trained and evaluated")
+    end = lines[start:]
+    summary = json.loads((work / "results" / "eval" / "summary.json").read_text())
+    tau = summary["dflash"]["tau_pooled"]
+    assert any(re.fullmatch(rf"  dflash: tau {tau:.2f} pooled, .* speedup [\d.]+x  lossless (True|False)", x)
+               for x in end), end
+    assert f"  report: {(work / 'results' / 'report.html').resolve()}" in end
+    assert [x.split(":")[0] for x in end[-2:]] == ["  serve it with vLLM", "  serve it with SGLang"]
 
 
 def test_every_stage_artifact(small_run):

@@ -67,8 +67,16 @@ def read_config():
             for w in warnings:
                 print(f"warning: {w}", file=sys.stderr)
     if found.lines:
-        raise WorkflowError("\n".join(found.unique()))
+        stop(found.unique())
     return cfg
+
+
+def stop(lines):
+    """End the run before any job: the problems, one line each, as a list (no traceback: a mistake in the
+    config is not a crash)."""
+    head = f"flashdraft: the run cannot start: {len(lines)} problem{'s' if len(lines) > 1 else ''} to fix:"
+    print("\n".join([head, *lines]), file=sys.stderr)
+    raise SystemExit(1)
 
 
 def run_here_problems(cfg):
@@ -146,9 +154,29 @@ def say_redone():
         print(f"note: {line}", file=sys.stderr)
 
 
+def keep_previous_logs():
+    """Before the first job: the log of each job about to run again (a killed training's, a failed
+    stage's), which Snakemake would delete as the job starts, is kept beside it as <log>.previous."""
+    for job in workflow.dag.needrun_jobs():
+        for log in map(str, job.log):
+            if os.path.isfile(log) and os.path.getsize(log):
+                os.replace(log, f"{log}.previous")
+                print(f"note: {log}: the previous attempt's log is {log}.previous", file=sys.stderr)
+
+
 onstart:
     check_last_hidden()
     say_redone()
+    keep_previous_logs()
+
+
+onsuccess:
+    # a run that made the whole DAG ends with its result, not a path: tau, speedup, lossless, report, serve
+    if any(job.rule.name == "all" for job in workflow.dag.targetjobs):
+        from flashdraft.report import run_end  # plots and torch: imported once, at the end
+
+        for line in run_end(RESULTS, CFG.target.path):
+            print(line)
 
 
 def section(name, keys=None):
