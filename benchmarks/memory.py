@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -206,7 +207,20 @@ def production_shard(work: Path, drafter: dict, buckets: list[int], samples: int
     return path
 
 
-def production(preset_name: str, work: Path, steps: int, timeout: float) -> dict:
+def logged(cmd: list[str], log: Path, timeout: float) -> tuple[int, str]:
+    """Run `cmd` with its output going to `log` as it comes (kept when the run is stopped part-way); its
+    exit status and output."""
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, log.read_text()
+
+
+def production(preset_name: str, work: Path, steps: int, timeout: float, logs: Path) -> dict:
+    """production.yaml's warmup, then its training for `steps` steps; their logs go to `logs`/."""
     preset = PRESETS[preset_name]
     prod = load_config(str(REPO / "config" / "production.yaml"))
     train = {**json.loads(json.dumps(prod.train.__dict__)), "max_steps": steps, "checkpoint_every": 10**9,
@@ -218,27 +232,27 @@ def production(preset_name: str, work: Path, steps: int, timeout: float) -> dict
                "block_size": prod.drafter.block_size}
     shard = production_shard(work, drafter, train["buckets"], 4 * (len(train["buckets"]) * 2) * 4)
     cache = work / "production" / "compile_cache"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    logs.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    warm = subprocess.run([sys.executable, str(REPO / "scripts" / "warmup.py"), "--cfg", json.dumps(train),
-                           "--drafter-cfg", json.dumps(drafter), "--target", str(work / "target"),
-                           "--out-dir", str(cache), str(shard)], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    rc, text = logged([sys.executable, str(REPO / "scripts" / "warmup.py"), "--cfg", json.dumps(train),
+                       "--drafter-cfg", json.dumps(drafter), "--target", str(work / "target"),
+                       "--out-dir", str(cache), str(shard)], logs / "production_warmup.log", timeout)
     out = {"train": train, "drafter": drafter, "warmup_seconds": round(time.perf_counter() - t0, 1),
-           "warmup_exit": warm.returncode, "warmup_tail": warm.stderr.strip().splitlines()[-4:],
-           "warmup_peak_gib": {int(b): float(x) for b, x in WARMUP_PEAK.findall(warm.stderr)}}
-    if warm.returncode:
+           "warmup_exit": rc, "warmup_tail": text.strip().splitlines()[-4:],
+           "warmup_peak_gib": {int(b): float(x) for b, x in WARMUP_PEAK.findall(text)}}
+    if rc:
         return out
     run = work / "production" / "run"
+    shutil.rmtree(run, ignore_errors=True)  # a fresh run: no checkpoint to resume, no export in the way
     t0 = time.perf_counter()
-    tr = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "--cfg", json.dumps(train),
-                         "--drafter-cfg", json.dumps(drafter), "--target", str(work / "target"),
-                         "--checkpoints", str(run / "checkpoints"), "--metrics", str(run / "metrics.csv"),
-                         "--out", str(run / "drafter"), "--compile-cache", str(cache), *[str(shard)] * 40],
-                        capture_output=True, text=True, env=env, timeout=timeout)
-    peaks = PEAK.findall(tr.stderr)
-    out.update(train_seconds=round(time.perf_counter() - t0, 1), train_exit=tr.returncode,
-               train_tail=tr.stderr.strip().splitlines()[-4:],
+    rc, text = logged([sys.executable, str(REPO / "scripts" / "train.py"), "--cfg", json.dumps(train),
+                       "--drafter-cfg", json.dumps(drafter), "--target", str(work / "target"),
+                       "--checkpoints", str(run / "checkpoints"), "--metrics", str(run / "metrics.csv"),
+                       "--out", str(run / "drafter"), "--compile-cache", str(cache), *[str(shard)] * 40],
+                      logs / "production_train.log", timeout)
+    peaks = PEAK.findall(text)
+    out.update(train_seconds=round(time.perf_counter() - t0, 1), train_exit=rc,
+               train_tail=text.strip().splitlines()[-4:],
                train_peak_gib=float(peaks[-1][0]) if peaks else None,
                train_reserved_gib=float(peaks[-1][1]) if peaks else None)
     return out
@@ -253,6 +267,8 @@ def main():
     p.add_argument("--no-points", action="store_true", help="skip the points (with --production)")
     p.add_argument("--steps", type=int, default=200, help="--production: training steps")
     p.add_argument("--timeout", type=float, default=300, help="seconds a point's process may take")
+    p.add_argument("--production-timeout", type=float, default=600,
+                   help="--production: seconds the warmup, and then the training, may take each")
     p.add_argument("--refit", default=None, help="a result file: fit its measured points again, no GPU")
     p.add_argument("--point", default=None, help=argparse.SUPPRESS)  # internal: measure one point
     p.add_argument("--out", default=None)
@@ -296,7 +312,8 @@ def main():
     result = {"what": __doc__.split("\n\n")[0].replace("\n", " "), "preset": args.preset, "points": rows,
               **summarize(args.preset, rows, gpu.total_memory if gpu else None)}
     if args.production:
-        result["production"] = production(args.preset, work, args.steps if cuda else 6, 600)
+        steps = args.steps if cuda else 6
+        result["production"] = production(args.preset, work, steps, args.production_timeout, out.parent)
         print(json.dumps(result["production"], indent=1), flush=True)
     write(result)
     print(f"max_rel_error {result['max_rel_error']} -> {out}")

@@ -336,11 +336,8 @@ def test_training_on_the_sources_answers(tmp_path):
     than prompts.total, which would otherwise be filled with answerless augmented prompts."""
     cheap = {"toy.num_docs": 200, "toy.steps": 0, "toy.source_rows": 20, "regenerate.enabled": False,
              "hidden.shards": 1, "train.max_steps": 2, "train.compile": False}
-    # in a run directory of its own (results: a key), the toy and its sources included
-    own = {"results": "runs/sources", "target.path": "runs/sources/toy/target",
-           "prompts.sources": [{**s, "path": s["path"].replace("results/", "runs/sources/", 1)}
-                               for s in yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-                               ["prompts"]["sources"]]}
+    # in a run directory of its own (results: the only key changed): the toy and its sources included
+    own = {"results": "runs/sources"}
     config = write_config(tmp_path / "config.yaml", {**SMALL, **cheap, **own})
     snakemake(tmp_path, "--cores", "2", "runs/sources/eval/summary.json", config=config)
     assert not (tmp_path / "results").exists()
@@ -408,12 +405,9 @@ def test_paths_with_spaces_quotes_and_shell_syntax_stay_plain_text(tmp_path):
     work = root / "work"
     work.mkdir()
     results = "runs/r $(touch PWNED) ü"
-    sources = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["prompts"]["sources"]
     cheap = {"toy.num_docs": 200, "toy.steps": 0, "toy.source_rows": 20, "hidden.shards": 1,
              "train.max_steps": 2, "train.compile": False, "results": results,
-             "target.path": f"{results}/toy/$(touch PWNED)target",
-             "prompts.sources": [{**s, "path": s["path"].replace("results/", f"{results}/", 1)}
-                                 for s in sources],
+             "target.path": "{results}/toy/$(touch PWNED)target",
              "gpus.lock_dir": str(tmp_path / "locks $(touch PWNED)")}
     config = write_config(work / "config.yaml", {**SMALL, **cheap})
     snakemake(work, "--cores", "2", config=config, snakefile=root / "workflow" / "Snakefile",
@@ -669,7 +663,7 @@ def test_snakemake_report_renders_with_plots(small_run, tmp_path):
         assert name in dom, name
     # the workflow's description (its template rendered with the run's config), as the report embeds it
     desc = json.loads(re.search(r"var workflow_desc = (\".*?\");\n", out.read_text()).group(1))
-    target = yaml.safe_load(config.read_text())["target"]["path"]
+    target = yaml.safe_load(config.read_text())["target"]["path"].replace("{results}", "results")
     assert ('A <tt class="docutils literal">dflash</tt> drafter trained for the target at '
             f'<tt class="docutils literal">{target}</tt>') in desc
     assert "config[" not in desc and "{{" not in desc

@@ -25,7 +25,7 @@ from .io import parse_bytes
 
 @dataclass
 class TargetConfig:
-    path: str = "results/toy/target"  # HF model directory (or the toy target built by the workflow)
+    path: str = "{results}/toy/target"  # HF model directory (or the toy target built by the workflow)
     build_toy: bool = False  # build the toy target at `path` (embedded default)
     dtype: str = "bfloat16"  # dtype the target runs in: float32 | bfloat16 | float16
 
@@ -421,11 +421,36 @@ def load_section(cls, text: str | None, where: str):
     return from_dict(cls, data, where)
 
 
+# A path that starts with RUN_DIR/ is inside the run's directory (`results`): the toy's target and sources
+# of config/config.yaml, so that `results: runs/NAME` keeps everything of its run there.
+RUN_DIR = "{results}"
+
+
+def in_run_dir(obj, results: str):
+    """`obj` (a config dataclass, list or value) with every string starting with RUN_DIR/ made a path under
+    `results`, in place; returns it."""
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            setattr(obj, f.name, in_run_dir(getattr(obj, f.name), results))
+    elif isinstance(obj, list):
+        obj[:] = [in_run_dir(x, results) for x in obj]
+    elif isinstance(obj, str) and obj.startswith(RUN_DIR + "/"):
+        return results.rstrip("/") + obj[len(RUN_DIR):]
+    return obj
+
+
+def config_from(data: dict | None) -> Config:
+    """The run's Config from its YAML's data: the dataclasses' defaults for what it leaves out, RUN_DIR
+    paths placed in its `results`."""
+    cfg = from_dict(Config, data, "config")
+    return in_run_dir(cfg, cfg.results)
+
+
 def load_config(path: str) -> Config:
     import yaml
 
     with open(path) as f:
-        return from_dict(Config, yaml.safe_load(f), "config")
+        return config_from(yaml.safe_load(f))
 
 
 def to_json(obj) -> str:

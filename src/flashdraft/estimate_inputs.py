@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, from_dict
+from .config import Config, config_from
 from .config_check import Problems, check, schema_problems, schema_valid_part
 from .errors import UserError
 from .hf_config import read_target_config
@@ -51,7 +51,7 @@ def load(configfile, base=DEFAULT_CONFIG, target: dict | None = None) -> Config:
     if part is None:
         found.raise_all()
     try:
-        cfg = from_dict(Config, part)
+        cfg = config_from(part)
     except ValueError as e:
         found.lines.append(f"{configfile}: {e}")
         found.raise_all()
@@ -190,11 +190,15 @@ def token_stats(cfg: Config, results) -> Tokens:
         answer = min(ASSUMED_ANSWER_TOKENS, cfg.regenerate.max_new_tokens)
         notes.append(f"answer tokens {answer} per sample: ASSUMED (no regenerated answers yet; "
                      f"regenerate.max_new_tokens {cfg.regenerate.max_new_tokens})")
-    manifests = [r / "hidden" / f"shard-{i:05d}.json" for i in range(cfg.hidden.shards)]
-    if all(m.exists() for m in manifests):
-        total = sum(json.loads(m.read_text())["tokens"] for m in manifests)
-        notes.append(f"hidden-state tokens {total:,}: the {len(manifests)} manifests in "
-                     f"{manifests[0].parent}")
+    shards = range(cfg.hidden.shards)  # each manifest looked for in turn, up to the first missing one
+
+    def manifest(i: int) -> Path:
+        return r / "hidden" / f"shard-{i:05d}.json"
+
+    if all(manifest(i).exists() for i in shards):
+        total = sum(json.loads(manifest(i).read_text())["tokens"] for i in shards)
+        notes.append(f"hidden-state tokens {total:,}: the {len(shards)} manifests in "
+                     f"{manifest(0).parent}")
     else:
         total = int(samples * min(prompt + answer, cfg.hidden.max_length))
         notes.append(f"hidden-state tokens {total:,}: samples x min(prompt + answer, hidden.max_length "

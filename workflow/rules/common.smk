@@ -16,7 +16,7 @@ from flashdraft.config import (  # noqa: E402
     STREAM_RING,
     WARMUP_TRAIN_KEYS,
     Config,
-    from_dict,
+    config_from,
     needs_last_hidden,
     run_config_digest,
 )
@@ -57,7 +57,7 @@ def read_config():
             validate(config, schema="../schemas/config.schema.yaml")  # fills in the schema's defaults
         data = schema_valid_part(config, SCHEMA) if found.lines else config
         if data is not None:
-            cfg = from_dict(Config, data)
+            cfg = config_from(data)
             problems, warnings = config_problems(cfg, {} if target_problem(cfg) else None)
             # the sources' first rows: once, not again in each job a cluster or a subprocess runs
             sources = file_problems(cfg, cfg.results.rstrip("/"), read_sources=workflow.is_main_process)
