@@ -174,6 +174,21 @@ def summarize(preset_name: str, rows: list[dict], gpu_bytes: int | None) -> dict
             "gpu_bytes": gpu_bytes}
 
 
+def judge_production(preset_name: str, prod: dict, coefficients: dict | None, gpu_bytes: int | None) -> dict:
+    """Production's measured training peak beside the model's prediction (its keys as run, one process)
+    and as a share of the card."""
+    measured = prod.get("train_peak_gib")
+    if not measured or not gpu_bytes:
+        return {}
+    drafter, train = from_dict(DrafterConfig, prod["drafter"]), from_dict(TrainConfig, prod["train"])
+    cfg = Config(drafter=drafter, train=train)
+    predicted = memory.train_peak(cfg, PRESETS[preset_name]["target"], 1, gpu_bytes, coefficients).bytes
+    return {"predicted_gib": round(predicted / memory.GIB, 2),
+            "rel_error": round(predicted / (measured * memory.GIB) - 1, 4),
+            "peak_of_card": round(measured * memory.GIB / gpu_bytes, 3),
+            "reserved_of_card": round(prod["train_reserved_gib"] * memory.GIB / gpu_bytes, 3)}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # production.yaml on this GPU
 
@@ -280,6 +295,9 @@ def main():
     if args.refit:
         old = json.loads(Path(args.refit).read_text())
         old.update(summarize(old["preset"], old["points"], old.get("gpu_bytes")))
+        if "production" in old:
+            old["production"].update(judge_production(old["preset"], old["production"], old["coefficients"],
+                                                      old.get("gpu_bytes")))
         Path(args.refit).write_text(json.dumps(old, indent=2) + "\n")
         print(f"refit {args.refit}: max_rel_error {old['max_rel_error']}")
         return
@@ -314,6 +332,8 @@ def main():
     if args.production:
         steps = args.steps if cuda else 6
         result["production"] = production(args.preset, work, steps, args.production_timeout, out.parent)
+        result["production"].update(judge_production(args.preset, result["production"],
+                                                     result["coefficients"], result["gpu_bytes"]))
         print(json.dumps(result["production"], indent=1), flush=True)
     write(result)
     print(f"max_rel_error {result['max_rel_error']} -> {out}")
