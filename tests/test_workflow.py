@@ -136,6 +136,19 @@ def test_every_problem_of_a_first_config_is_reported_in_one_dry_run(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+def test_a_run_the_disk_cannot_hold_stops_before_any_job(tmp_path):
+    """The whole run's planned disk (here made huge by hidden.disk_margin) against the free space: one
+    line naming the fix, no job run, nothing written; a dry run, which writes nothing, is not refused."""
+    config = write_config(tmp_path / "config.yaml", {"hidden.disk_margin": 1e15})
+    proc = snakemake(tmp_path, "--cores", "1", config=config, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out
+    [line] = [x for x in out.splitlines() if x.startswith("disk: the run needs about ")]
+    assert "are free; free space there" in line and "hidden.mode: stream" not in line  # nothing would fit
+    assert not (tmp_path / "results" / "logs").exists()
+    assert snakemake(tmp_path, "-n", "--cores", "1", config=config).returncode == 0
+
+
 def test_an_overlay_given_alone_says_so_and_shows_the_form_that_works(tmp_path):
     overlay = tmp_path / "stream.yaml"
     shutil.copy(REPO / "config" / "stream.yaml", overlay)

@@ -40,12 +40,14 @@ def preflight(tokens: int, meta: ShardMeta, out_dir, margin: float = 0.1) -> int
         d = d.parent
     free = shutil.disk_usage(d).free
     if need > free:
+        fp8 = "" if meta.dtype.quantized else ", or set hidden.dtype: float8_e4m3 (halves it)"
         raise UserError(
             f"not enough disk space in {out_dir}: hidden states need about {human_bytes(need)} "
             f"({need} bytes: {tokens} tokens x {meta.token_bytes} bytes/token "
             f"+ {margin:.0%} margin) "
             f"but only {human_bytes(free)} ({free} bytes) are free; free space there, or lower "
-            "hidden.max_length or hidden.dtype (float8_e4m3 halves it)"
+            f"hidden.max_length{fp8}"
+            ", or set hidden.mode: stream with hidden.disk_budget (two chunks on disk at once)"
         )
     return need
 

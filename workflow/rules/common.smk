@@ -35,6 +35,9 @@ from flashdraft.config_check import (  # noqa: E402
 )
 from flashdraft.gpu import gpu_capabilities, gpu_memory_bytes, visible_gpus  # noqa: E402
 from flashdraft import memory  # noqa: E402
+from flashdraft.disk import disk_problem  # noqa: E402
+from flashdraft.errors import UserError  # noqa: E402
+from flashdraft.estimate_inputs import target_shapes  # noqa: E402
 from flashdraft.io import console_env, file_digests  # noqa: E402
 from flashdraft.reruns import deleted_line, deleted_shards, redo_lines, store_leftovers  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
@@ -77,6 +80,17 @@ def stop(lines):
     head = f"flashdraft: the run cannot start: {len(lines)} problem{'s' if len(lines) > 1 else ''} to fix:"
     print("\n".join([head, *lines]), file=sys.stderr)
     raise SystemExit(1)
+
+
+def check_run_disk():
+    """Before the first job (onstart: not in a dry run, which writes nothing): the whole run's planned disk
+    against the free space under its results directory (disk.py), once the target's shapes are known."""
+    try:
+        problem = disk_problem(CFG, target_shapes(CFG), RESULTS)
+    except (UserError, KeyError):  # no config.json yet, or not a decoder's: the target's own check names it
+        return
+    if problem:
+        stop([problem])
 
 
 def run_here_problems(cfg):
@@ -165,6 +179,7 @@ def keep_previous_logs():
 
 
 onstart:
+    check_run_disk()
     check_last_hidden()
     say_redone()
     keep_previous_logs()
