@@ -1,11 +1,13 @@
 """GPU leases. No GPU exists here, so the tests name the GPU ids (`pool`); the flock logic is real."""
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 from conftest import one_line_error
@@ -188,3 +190,42 @@ def test_compute_capabilities_of_the_visible_gpus():
                                                   ("1", "NVIDIA H100 80GB HBM3", (9, 0))]
     assert select_visible(rows, "1,-1,0") == [("1", "NVIDIA H100 80GB HBM3", (9, 0))]
     assert select_visible(rows, "") == []
+
+
+def as_user(uid: int, group: int, lock_dir: Path) -> int:
+    """In a child process of user `uid` (its own group, and `group`) under umask 022: a lease of GPU 0 in
+    `lock_dir`, taken and given back; the child's exit status (0: it held the lock)."""
+    pid = os.fork()
+    if pid == 0:  # the child: no exec, so no interpreter the other user would have to read
+        code = 1
+        try:
+            os.setgroups([group])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.umask(0o022)
+            with Lease(1, lock_dir, pool=["0"], timeout_s=20) as lease:
+                code = 0 if lease.gpus == ["0"] else 2
+        except BaseException as e:  # noqa: BLE001
+            print(f"user {uid}: {e!r}", file=sys.stderr)
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run as two other users")
+def test_two_users_of_a_group_share_its_lock_dir_under_umask_022():
+    """docs/cluster.md's group lock dir (chmod 2770): the first user creates the lock file under umask
+    022, and a second user of the group takes the same GPU's lock after it."""
+    group, users = 4250, (4243, 4244)
+    top = Path(tempfile.mkdtemp(prefix="flashdraft-group-locks-", dir="/tmp"))
+    try:
+        top.chmod(0o755)
+        shared = top / "locks"
+        shared.mkdir()
+        os.chown(shared, users[0], group)
+        shared.chmod(0o2770)
+        assert [as_user(uid, group, shared) for uid in users] == [0, 0]
+        lock = shared / "gpu0.lock"
+        assert stat.S_IMODE(lock.stat().st_mode) == 0o660 and lock.stat().st_gid == group
+    finally:
+        shutil.rmtree(top)

@@ -15,6 +15,7 @@ our own is rewritten with the holder's pid.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import os
 import shutil
@@ -142,15 +143,29 @@ def open_lock_dir(path) -> Path:
 
 
 def open_lock_file(path: Path):
-    """The lock file at `path`, created (mode 0660) or opened without following a link."""
+    """The lock file at `path`, opened without following a link: created group-writable (mode 0660 whatever
+    the umask, so that the other users of a group lock dir can open it too), or opened read-only when it is
+    another user's that we may not write (a flock needs no write access)."""
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o660)
+        mode = "r+"
+    except PermissionError:
+        try:
+            fd, mode = os.open(path, os.O_RDONLY | flags), "r"
+        except OSError as e:
+            raise UserError(f"GPU lock file {path}: {e.strerror}; make it writable by the group of "
+                            "gpus.lock_dir (chmod 660) or remove it") from None
     except OSError as e:
-        raise UserError(f"GPU lock file {path}: {e.strerror} (a link there is refused); remove it") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        why = "a link there is refused" if e.errno == errno.ELOOP else e.strerror
+        raise UserError(f"GPU lock file {path}: {why}; remove it") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise UserError(f"GPU lock file {path} is not a regular file; remove it")
-    return os.fdopen(fd, "r+")
+    if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != 0o660:
+        os.fchmod(fd, 0o660)  # the umask took the group's write: give it back
+    return os.fdopen(fd, mode)
 
 
 class Lease:
