@@ -158,3 +158,41 @@ def test_run_key_changes_with_config_and_data(train_shards, tmp_path):
         manifest_path(dst).write_text(json.dumps({**manifest, "rows": manifest["rows"] + 1}))
     assert key != run_key(cfg, dcfg, copy)
     assert to_json(cfg) == to_json(TrainConfig())
+
+
+def test_adding_a_drafter_family_changes_no_existing_run_s_config(monkeypatch):
+    """A new family brings its own section (drafter.<family>): the run config of every existing family's
+    run, which its run key and stream mode's rerun trigger hash, stays what it was."""
+    import dataclasses
+
+    from flashdraft import config, families
+
+    @dataclasses.dataclass
+    class NewFamilySection:
+        weight: float = 1.0
+
+    @dataclasses.dataclass
+    class WithNewFamily(DrafterConfig):
+        newfam: NewFamilySection = dataclasses.field(default_factory=NewFamilySection)
+
+    runs = [(TrainConfig(), DrafterConfig(family=f, block_size=b))
+            for f, b in (("dflash", 16), ("dspark", 7))]
+    before = [run_config(t, d) for t, d in runs]
+    monkeypatch.setitem(families.FAMILIES, "newfam", families.FAMILIES["dflash"])
+    assert config.FAMILIES is families.FAMILIES
+    after = [run_config(t, WithNewFamily(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)}))
+             for t, d in runs]
+    assert after == before
+    assert '"newfam": {"weight": 1.0}' in run_config(TrainConfig(), WithNewFamily(family="newfam"))
+
+
+def test_the_schema_s_families_are_the_registry_s():
+    import yaml
+
+    from flashdraft.families import FAMILIES
+
+    schema_file = Path(__file__).parents[1] / "workflow" / "schemas" / "config.schema.yaml"
+    schema = yaml.safe_load(schema_file.read_text())
+    family = schema["properties"]["drafter"]["properties"]["family"]
+    assert family["enum"] == list(FAMILIES)
+    assert {k for k in FAMILIES if k != "dflash"} <= set(schema["properties"]["drafter"]["properties"])

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .families import family_info
+from .families import FAMILIES, family_info
 from .io import parse_bytes
 
 
@@ -466,11 +466,12 @@ def run_config(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
     skip = {"parallel", "export"} | ({"val_samples", "val_every"} if not cfg.val_samples else set()) | \
         ({"batch_anchors"} if not cfg.batch_anchors else set())
     same_run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
-    # a DFlash run keeps the key it had before drafter families existed; another family's options count
+    # a family's own section (drafter.<family>) counts in its runs only, so that adding a family changes no
+    # run's key; a DFlash run keeps the key it had before drafter families existed (no `family` either)
     drafter = {k: v for k, v in dataclasses.asdict(drafter_cfg).items()
-               if drafter_cfg.family != "dflash" or k not in ("family", "dspark")}
-    if drafter_cfg.family != "dspark":
-        drafter.pop("dspark", None)
+               if k not in FAMILIES or k == drafter_cfg.family}
+    if drafter_cfg.family == "dflash":
+        drafter.pop("family")
     return json.dumps(same_run, sort_keys=True) + json.dumps(drafter, sort_keys=True)
 
 
