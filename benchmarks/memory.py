@@ -183,7 +183,9 @@ def judge_production(preset_name: str, prod: dict, coefficients: dict | None, gp
     drafter, train = from_dict(DrafterConfig, prod["drafter"]), from_dict(TrainConfig, prod["train"])
     cfg = Config(drafter=drafter, train=train)
     predicted = memory.train_peak(cfg, PRESETS[preset_name]["target"], 1, gpu_bytes, coefficients).bytes
-    return {"predicted_gib": round(predicted / memory.GIB, 2),
+    last = json.loads(prod["train_tail"][-1]) if prod.get("train_tail", [""])[-1].startswith("{") else {}
+    return {"tokens_per_s_per_gpu": last.get("tokens_per_s") and round(last["tokens_per_s"], 1),
+            "predicted_gib": round(predicted / memory.GIB, 2),
             "rel_error": round(predicted / (measured * memory.GIB) - 1, 4),
             "peak_of_card": round(measured * memory.GIB / gpu_bytes, 3),
             "reserved_of_card": round(prod["train_reserved_gib"] * memory.GIB / gpu_bytes, 3)}
