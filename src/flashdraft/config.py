@@ -221,6 +221,12 @@ class TrainConfig:
 COMPILED_TRAIN_KEYS = ("max_anchors", "batch_anchors", "batch_tokens", "buckets", "compile", "compile_scope",
                        "compile_loss", "fp8", "attention", "dtype")
 WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
+
+
+def warmup_train_keys(cfg: TrainConfig) -> tuple[str, ...]:
+    """WARMUP_TRAIN_KEYS, less train.batch_anchors when unset: a run keeps the warmup it had before the key
+    existed (no warmup to redo, no training job to run again)."""
+    return tuple(k for k in WARMUP_TRAIN_KEYS if k != "batch_anchors" or cfg.batch_anchors)
 # The train keys stream mode's data plan depends on (flashdraft.stream): a change in one needs a new plan.
 PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets",
                    "val_samples")

@@ -14,11 +14,11 @@ sys.path.insert(0, str(REPO / "src"))
 from flashdraft.config import (  # noqa: E402
     PLAN_TRAIN_KEYS,
     STREAM_RING,
-    WARMUP_TRAIN_KEYS,
     Config,
     config_from,
     needs_last_hidden,
     run_config_digest,
+    warmup_train_keys,
 )
 from flashdraft.config_check import (  # noqa: E402
     Problems,
