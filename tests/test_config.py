@@ -392,3 +392,15 @@ def test_regeneration_s_hf_engine_takes_eval_s_word_and_its_old_one_alike(spelli
     data = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     data.setdefault("regenerate", {})["engine"] = spelling
     check_schema(data, SCHEMA)  # raises on a value the schema refuses
+
+
+def test_a_key_added_later_is_no_rerun_trigger_while_unset():
+    """train.batch_anchors (0: no bound) is left out of the stages' params, so a run made before the key
+    existed has nothing to redo; set, it is one of them."""
+    import dataclasses
+
+    from flashdraft.config import LATER_KEYS, stage_params
+
+    assert "batch_anchors" not in stage_params("train", dataclasses.asdict(TrainConfig()))
+    assert stage_params("train", dataclasses.asdict(TrainConfig(batch_anchors=2560)))["batch_anchors"] == 2560
+    assert all(getattr(TrainConfig(), k) == v for k, v in LATER_KEYS["train"].items())  # the defaults

@@ -222,11 +222,15 @@ COMPILED_TRAIN_KEYS = ("max_anchors", "batch_anchors", "batch_tokens", "buckets"
                        "compile_loss", "fp8", "attention", "dtype")
 WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
 
+# Keys added after runs existed, left out of a stage's params (its rerun trigger) while at the value that
+# changes nothing: a run made before a key existed has nothing to redo (run_config does the same).
+LATER_KEYS = {"train": {"batch_anchors": 0}}
 
-def warmup_train_keys(cfg: TrainConfig) -> tuple[str, ...]:
-    """WARMUP_TRAIN_KEYS, less train.batch_anchors when unset: a run keeps the warmup it had before the key
-    existed (no warmup to redo, no training job to run again)."""
-    return tuple(k for k in WARMUP_TRAIN_KEYS if k != "batch_anchors" or cfg.batch_anchors)
+
+def stage_params(section: str, values: dict) -> dict:
+    """A config section's `values` as a stage's params: LATER_KEYS at their unset value left out."""
+    later = LATER_KEYS.get(section, {})
+    return {k: v for k, v in values.items() if k not in later or later[k] != v}
 # The train keys stream mode's data plan depends on (flashdraft.stream): a change in one needs a new plan.
 PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets",
                    "val_samples")

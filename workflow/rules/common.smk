@@ -14,11 +14,12 @@ sys.path.insert(0, str(REPO / "src"))
 from flashdraft.config import (  # noqa: E402
     PLAN_TRAIN_KEYS,
     STREAM_RING,
+    WARMUP_TRAIN_KEYS,
     Config,
     config_from,
     needs_last_hidden,
     run_config_digest,
-    warmup_train_keys,
+    stage_params,
 )
 from flashdraft.config_check import (  # noqa: E402
     Problems,
@@ -201,7 +202,7 @@ def section(name, keys=None):
     d = json.loads(json.dumps(getattr(CFG, name), default=lambda o: o.__dict__))
     if keys is not None:
         d = {k: d[k] for k in keys}
-    text = json.dumps(d, sort_keys=True)
+    text = json.dumps(stage_params(name, d), sort_keys=True)
     return lambda wildcards: text
 
 

@@ -8,7 +8,7 @@ rule warmup:
         inductor=f"{RESULTS}/compile_cache/inductor.tar",
         meta=f"{RESULTS}/compile_cache/meta.json",
     params:
-        cfg=section("train", warmup_train_keys(CFG.train)),
+        cfg=section("train", WARMUP_TRAIN_KEYS),
         drafter=section("drafter"),
         out_dir=parent("output"),
         arrows=[] if STREAM else shard_files("arrow"),
