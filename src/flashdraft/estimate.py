@@ -2,12 +2,15 @@
 and drafter's parameters and the bytes of a hidden-state token from the shapes, each store-mode stage's
 work, rate, GPUs and hours (`stage_table`), both hidden-state modes on a split of the GPUs (`store_mode`,
 `stream_mode` with its chunks and pipeline) and the recommended mode and split under a disk budget
-(`recommend`). Of the disk it reads only the committed benchmark results its rates come from
+(`recommend`). Its cost does not grow with the GPU count or the token count: the recommendation tries a
+bounded number of splits, and stream mode's chunks are counted in runs of equal chunks, never listed one by
+one. Of the disk it reads only the committed benchmark results its rates come from
 (flashdraft.results); a `Run` holds the rest of what the estimate reads (estimate_inputs)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from .config import Config, feature_layers, needs_last_hidden, stream_chunk_tokens
@@ -89,6 +92,12 @@ REFERENCE_TARGET = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden
 EVAL_DECODERS = 3  # speculative decoders per prompt, beside target-only (evaluate.run_rows)
 FAMILY_DECODERS = 2  # of them, the drafter family's (trained and untrained); the third is n-gram lookup
 CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's two fp32 moments (checkpoint.save_checkpoint)
+MAX_GPUS = 100_000  # the most GPUs the planner plans for (--gpus, else gpus.target): plan.main refuses more
+EXHAUSTIVE_GPUS = 256  # up to this many GPUs the recommendation tries every split; past it, `refined_split`
+SPLIT_GRID = 24  # splits one level of `refined_split` tries in each window
+SPLIT_KEEP = 8  # the best splits of one level whose neighbourhoods the next level refines
+EXACT_CHUNKS = 4096  # up to this many chunks, stream mode's pipeline is run chunk by chunk; past it, in runs
+MAX_CHUNKS = 10**15  # the most stream-mode chunks the planner counts (a run's, over every epoch)
 
 
 def layer_parameters(c: dict) -> int:
@@ -316,6 +325,80 @@ def store_mode(run: Run, split: Split) -> ModePlan:
                     run.gpu_hours(split, run.tok.total))
 
 
+class ChunkSizes(Sequence):
+    """Every chunk's hidden-state tokens, in order, held as runs: `segments`, each a pattern of (tokens,
+    chunks) runs repeated some times. Its length, sum and largest come in closed form; the chunks one by one
+    only when iterated or indexed."""
+
+    def __init__(self, segments=()):
+        self.segments = tuple((tuple((int(size), int(n)) for size, n in pattern if n > 0), int(times))
+                              for pattern, times in segments)
+        self.segments = tuple((p, t) for p, t in self.segments if p and t > 0)
+
+    @property
+    def length(self) -> int:
+        return sum(times * sum(n for _, n in pattern) for pattern, times in self.segments)
+
+    @property
+    def total(self) -> int:
+        """Tokens over every chunk: sum(self)."""
+        return sum(times * sum(size * n for size, n in pattern) for pattern, times in self.segments)
+
+    @property
+    def largest(self) -> int:
+        """max(self, default=0)."""
+        return max((size for pattern, _ in self.segments for size, _ in pattern), default=0)
+
+    def without_first(self) -> tuple[int, ChunkSizes]:
+        """The first chunk's tokens and the chunks after it (an empty sequence has no first: IndexError)."""
+        if not self.segments:
+            raise IndexError("no chunks")
+        (pattern, times), *rest = self.segments
+        (first, n), *others = pattern
+        return first, ChunkSizes([(((first, n - 1), *others), 1), (pattern, times - 1), *rest])
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[int]:
+        for pattern, times in self.segments:
+            for _ in range(times):
+                for size, n in pattern:
+                    for _ in range(n):
+                        yield size
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self.length)))
+        i = index + self.length if index < 0 else index
+        if not 0 <= i < self.length:
+            raise IndexError("chunk index out of range")
+        for pattern, times in self.segments:
+            per = sum(n for _, n in pattern)
+            if i >= per * times:
+                i -= per * times
+                continue
+            i %= per
+            for size, n in pattern:
+                if i < n:
+                    return size
+                i -= n
+        raise AssertionError("unreachable")
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, ChunkSizes) and other.segments == self.segments:
+            return True
+        if not isinstance(other, Sequence) or isinstance(other, str) or len(other) != self.length:
+            return False
+        return all(a == b for a, b in zip(self, other, strict=True))
+
+    def __hash__(self) -> int:
+        return hash((self.length, self.total, self.largest))  # equal sequences, however held, hash alike
+
+    def __repr__(self) -> str:
+        return f"ChunkSizes({list(self.segments)!r})"
+
+
 @dataclass(frozen=True)
 class Chunks:
     """Stream mode's chunks: every epoch cut into whole optimizer steps of at most `cap` tokens."""
@@ -323,15 +406,17 @@ class Chunks:
     source: str  # where the cap comes from
     step_tokens: int
     per_epoch: int
-    sizes: tuple[int, ...]  # hidden-state tokens of every chunk of the run, in order
+    sizes: ChunkSizes  # hidden-state tokens of every chunk of the run, in order
     precompute_s: float  # the first (a full) chunk's, on gpus.target GPUs
     train_s: float  # its training on gpus.drafter GPUs
     startup_s: float  # its job's launch to first step, checkpoint load and save
 
 
-def chunk_sizes(run: Run, split: Split, budget: int) -> tuple[int, str, tuple[int, ...]]:
+def chunk_sizes(run: Run, split: Split, budget: int) -> tuple[int, str, ChunkSizes]:
     """The chunk cap, where it comes from, and every chunk's tokens: each epoch's hidden-state tokens in
-    whole optimizer steps (counted at their full budget, so a chunk holds at least this many steps)."""
+    whole optimizer steps (counted at their full budget, so a chunk holds at least this many steps), the
+    training tokens' epochs over them, the last one cut where training stops (train.max_steps). Counted, not
+    listed: a UserError past MAX_CHUNKS chunks."""
     h = run.cfg.hidden
     hidden = h if h.chunk_tokens else replace(h, disk_budget=budget)
     per_token = run.token_bytes
@@ -341,15 +426,20 @@ def chunk_sizes(run: Run, split: Split, budget: int) -> tuple[int, str, tuple[in
     source = (f"hidden.chunk_tokens {cap:,}" if h.chunk_tokens else
               f"hidden.disk_budget {human_bytes(budget)} / 2 chunks / {per_token:,} bytes per token")
     full = max(cap // step, 1) * step  # the check's bound of a step may fall below its token budget
-    epoch = [full] * (run.tok.total // full) + ([run.tok.total % full] if run.tok.total % full else [])
-    sizes, left = [], run.train_tokens(split)
-    while left > 0 and epoch:
-        for size in epoch:
-            sizes.append(int(min(size, left)))
-            left -= sizes[-1]
-            if left <= 0:
-                break
-    return cap, source, tuple(sizes)
+    total, train = run.tok.total, int(run.train_tokens(split))
+    whole, rem = divmod(total, full)
+    epoch = ((full, whole), (rem, 1 if rem else 0))  # an epoch: its whole chunks, then what is left of it
+    epochs, left = divmod(train, total) if total > 0 and train > 0 else (0, 0)
+    cut = min(left // full, whole)  # the last, cut epoch: its whole chunks, then the tokens left
+    last = ((full, cut), (left - cut * full, 1 if left > cut * full else 0))
+    sizes = ChunkSizes([(epoch, epochs), (last, 1)])
+    if sizes.length > MAX_CHUNKS:
+        key = "hidden.chunk_tokens" if h.chunk_tokens else "hidden.disk_budget"
+        raise UserError(f"config key {key}: chunks of {full:,} tokens ({source}) cut the run's {train:,} "
+                        f"training tokens into {sizes.length:,} chunks, past the planner's limit of "
+                        f"{MAX_CHUNKS:,}; give larger chunks or fewer tokens (prompts.total, train.epochs, "
+                        "train.max_steps)")
+    return cap, source, sizes
 
 
 def pipeline_seconds(precompute: list[float], train: list[float]) -> float:
@@ -363,9 +453,49 @@ def pipeline_seconds(precompute: list[float], train: list[float]) -> float:
     return train_end[-1] if train_end else 0.0
 
 
+_NONE = -math.inf  # max-plus zero
+_Matrix = tuple[tuple[float, float, float], ...]
+_IDENTITY: _Matrix = ((0.0, _NONE, _NONE), (_NONE, 0.0, _NONE), (_NONE, _NONE, 0.0))
+
+
+def _times(a: _Matrix, b: _Matrix) -> _Matrix:
+    """Max-plus product: b's steps, then a's."""
+    return tuple(tuple(max(a[i][k] + b[k][j] for k in range(3)) for j in range(3)) for i in range(3))
+
+
+def _power(a: _Matrix, n: int) -> _Matrix:
+    out = _IDENTITY
+    while n:
+        if n & 1:
+            out = _times(out, a)
+        a, n = _times(a, a), n >> 1
+    return out
+
+
+def _chunk_step(p: float, t: float) -> _Matrix:
+    """pipeline_seconds' recurrence for one chunk of precompute p and training t, in max-plus algebra, on
+    the state (the previous chunk's precompute end, its training end, the training end before it)."""
+    return ((p, _NONE, p), (p + t, t, p + t), (_NONE, 0.0, _NONE))
+
+
+def pipeline_seconds_runs(segments) -> float:
+    """pipeline_seconds over runs of equal chunks without listing them: `segments`, each a pattern of
+    (precompute, training, chunks) runs repeated some times; each run a matrix power (log of its chunks)."""
+    state = _IDENTITY
+    for pattern, times in segments:
+        once = _IDENTITY
+        for p, t, n in pattern:
+            once = _times(_power(_chunk_step(p, t), n), once)
+        state = _times(_power(once, times), state)
+    if state == _IDENTITY:
+        return 0.0
+    return max(state[1])  # the last chunk's training end, every time starting at 0
+
+
 def stream_mode(run: Run, split: Split, budget: int) -> ModePlan:
     """Regeneration, then the chunk pipeline, then evaluation; a UserError when a chunk cannot hold one
-    optimizer step."""
+    optimizer step. Up to EXACT_CHUNKS chunks the pipeline runs chunk by chunk; past it, in closed form over
+    runs of equal chunks (pipeline_seconds_runs), the same figures to rounding."""
     cfg = run.cfg
     table = stage_table(run, split)
     cap, source, sizes = chunk_sizes(run, split, budget)
@@ -373,24 +503,42 @@ def stream_mode(run: Run, split: Split, budget: int) -> ModePlan:
     pre_rate = rate(run.precompute_key(), run.scale) * max(1, split.target)
     train_rate = run.train_rate(split) * run.world(split)
     step, every = run.step_tokens(split), cfg.train.checkpoint_every
-    pre = [n / pre_rate for n in sizes]
-    train = [n / train_rate for n in sizes]
-    startup = [run.launch_s(resumed=c > 0) + run.last_save_s()
-               + run.save_s() * (n / step / every) for c, n in enumerate(sizes)]  # + the saves within it
-    chunk_train = [t + s for t, s in zip(train, startup, strict=True)]
-    pipeline = pipeline_seconds(pre, chunk_train) / 3600 if on_gpus else None
-    busy = (lambda xs: sum(xs) / 3600) if on_gpus else (lambda xs: None)
-    hours = {"regeneration": table["regeneration"]["hours"], "precompute": busy(pre), "training": busy(train),
-             "start-up and checkpoints": busy(startup), "pipeline": pipeline,
+
+    def startup_s(n: int, resumed: bool) -> float:  # the launch, the last save and the saves within the chunk
+        return run.launch_s(resumed=resumed) + run.last_save_s() + run.save_s() * (n / step / every)
+
+    count = sizes.length
+    if count <= EXACT_CHUNKS:
+        pre = [n / pre_rate for n in sizes]
+        train = [n / train_rate for n in sizes]
+        startup = [startup_s(n, c > 0) for c, n in enumerate(sizes)]
+        chunk_train = [t + s for t, s in zip(train, startup, strict=True)]
+        pipeline_s = pipeline_seconds(pre, chunk_train)
+        busy_s = {"precompute": sum(pre), "training": sum(train), "start-up and checkpoints": sum(startup)}
+    else:
+        first, rest = sizes.without_first()
+        runs = [(((first / pre_rate, first / train_rate + startup_s(first, False), 1),), 1)]
+        runs += [(tuple((n / pre_rate, n / train_rate + startup_s(n, True), k) for n, k in pattern), times)
+                 for pattern, times in rest.segments]
+        pipeline_s = pipeline_seconds_runs(runs)
+        total = sizes.total
+        startup_total = (run.launch_s(resumed=False) + (count - 1) * run.launch_s(resumed=True)
+                         + count * run.last_save_s() + run.save_s() * (total / step / every))
+        busy_s = {"precompute": total / pre_rate, "training": total / train_rate,
+                  "start-up and checkpoints": startup_total}
+    first = sizes[0] if count else 0
+    pipeline = pipeline_s / 3600 if on_gpus else None
+    busy = {k: v / 3600 if on_gpus else None for k, v in busy_s.items()}
+    hours = {"regeneration": table["regeneration"]["hours"], **busy, "pipeline": pipeline,
              "evaluation": table["evaluation"]["hours"]}
     gpus = {"regeneration": table["regeneration"]["gpus"], "precompute": max(1, split.target),
             "training": run.world(split), "start-up and checkpoints": run.world(split),
             "pipeline": max(1, split.target) + run.world(split), "evaluation": table["evaluation"]["gpus"]}
-    chunks = Chunks(cap, source, step, len(sizes) and math.ceil(len(sizes) / cfg.train.epochs), sizes,
-                    pre[0], train[0], startup[0])
-    peak = 2 * max(sizes, default=0) * run.token_bytes
+    chunks = Chunks(cap, source, step, count and math.ceil(count / cfg.train.epochs), sizes,
+                    first / pre_rate, first / train_rate, startup_s(first, False) if count else 0.0)
+    peak = 2 * sizes.largest * run.token_bytes
     wall = _wall([hours["regeneration"], pipeline, hours["evaluation"]])
-    return ModePlan("stream", split, hours, gpus, wall, peak, run.gpu_hours(split, sum(sizes)), chunks)
+    return ModePlan("stream", split, hours, gpus, wall, peak, run.gpu_hours(split, sizes.total), chunks)
 
 
 @dataclass
@@ -408,17 +556,50 @@ class Recommendation:
         return self.best.gpu_hours / self.gpus if self.best else None
 
 
-def recommend(run: Run, budget: int, budget_source: str) -> Recommendation:
-    """Every split of the `run.gpus` GPUs in both modes; the shortest wall time whose hidden states fit
-    `budget`. Store mode runs its stages one after another, so each may take all N GPUs; stream mode runs
-    precompute and training at once, on gpus.target + gpus.drafter = N."""
+def refined_split(lo: int, hi: int, cost) -> int:
+    """The target GPUs of least `cost` from lo to hi, for a cost that mostly falls then rises with them
+    (precompute speeds up, training slows down; the chunks' count may wiggle it): SPLIT_GRID points evenly
+    spaced over the range, then SPLIT_GRID again over each of the SPLIT_KEEP best points' neighbourhoods (a
+    spacing either side), and so on down to a spacing of one. The spacing falls by SPLIT_GRID / 2 a level:
+    log(hi - lo) levels of at most SPLIT_KEEP x SPLIT_GRID points. Ties go to the fewest target GPUs, as in
+    trying every split."""
+    step = max(1, -(-(hi - lo) // (SPLIT_GRID - 1)))
+    windows = {(lo, hi)}
+    while True:
+        points = sorted({min(a + k * step, b) for a, b in windows for k in range(-(-(b - a) // step) + 1)})
+        ranked = sorted(points, key=lambda t: (cost(t), t))
+        if step == 1:
+            return ranked[0]
+        windows = {(max(lo, t - step), min(hi, t + step)) for t in ranked[:SPLIT_KEEP]}
+        step = max(1, -(-2 * step // (SPLIT_GRID - 1)))
+
+
+def recommend(run: Run, budget: int, budget_source: str, targets=None) -> Recommendation:
+    """Both modes on splits of the `run.gpus` GPUs; the shortest wall time whose hidden states fit `budget`.
+    Store mode runs its stages one after another, so each may take all N GPUs; stream mode runs precompute
+    and training at once, on gpus.target + gpus.drafter = N: every such split up to EXHAUSTIVE_GPUS GPUs (or
+    those of `targets`' gpus.target), past it the splits `refined_split` tries on its way to the best."""
     n = run.gpus
-    candidates, refused = [store_mode(run, Split(n, n))], {}
-    for t in range(1, n):
-        try:
-            candidates.append(stream_mode(run, Split(t, n - t), budget))
-        except UserError as e:
-            refused[f"stream {t}+{n - t}"] = str(e)
+    plans: dict[int, ModePlan | str] = {}  # gpus.target -> the stream plan, or why it cannot run
+
+    def wall(t: int) -> float:  # stream mode's wall hours on t + (n - t); inf where it cannot run or fit
+        if t not in plans:
+            try:
+                plans[t] = stream_mode(run, Split(t, n - t), budget)
+            except UserError as e:
+                plans[t] = str(e)
+        m = plans[t]
+        fits = isinstance(m, ModePlan) and m.wall_hours is not None and m.peak_disk <= budget
+        return m.wall_hours if fits else math.inf
+
+    if targets is None and n > EXHAUSTIVE_GPUS:
+        refined_split(1, n - 1, wall)
+    else:
+        for t in range(1, n) if targets is None else targets:
+            wall(t)
+    candidates = [store_mode(run, Split(n, n))]
+    candidates += [plans[t] for t in sorted(plans) if isinstance(plans[t], ModePlan)]
+    refused = {f"stream {t}+{n - t}": plans[t] for t in sorted(plans) if isinstance(plans[t], str)}
     fits = [c for c in candidates if c.wall_hours is not None and c.peak_disk <= budget]
     best = min(fits, key=lambda c: c.wall_hours, default=None)
     if best is None and n and all(c.wall_hours is not None for c in candidates):

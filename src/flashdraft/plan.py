@@ -39,6 +39,7 @@ from . import memory
 from .config import Config, needs_last_hidden
 from .errors import UserError, cli
 from .estimate import (
+    EXHAUSTIVE_GPUS,
     RATES,
     REFERENCE_TARGET,
     ModePlan,
@@ -293,7 +294,8 @@ def describe_chunks(m: ModePlan) -> str:
 
 
 def render_recommendation(r: Recommendation) -> list[str]:
-    lines = ["", f"every split of {r.gpus} GPUs, hidden states <= {human_bytes(r.budget)}:",
+    which = "every split" if r.gpus <= EXHAUSTIVE_GPUS else "the splits tried (a bounded search)"
+    lines = ["", f"{which} of {r.gpus} GPUs, hidden states <= {human_bytes(r.budget)}:",
              "| mode | gpus.target | gpus.drafter | wall hours | peak hidden-state disk, TB | fits |",
              "| --- | --- | --- | --- | --- | --- |"]
     for m in r.candidates:
@@ -320,6 +322,8 @@ def render_recommendation(r: Recommendation) -> list[str]:
 
 @cli
 def main(argv=None):
+    from .estimate import MAX_GPUS  # the most GPUs the planner plans for
+
     ap = argparse.ArgumentParser(prog="python -m flashdraft.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configfile", required=True, nargs="+",
@@ -329,7 +333,7 @@ def main(argv=None):
     ap.add_argument("--gpus", type=int, default=None,
                     help="GPUs the one-GPU jobs (regeneration, precompute, evaluation) share at once, "
                          "e.g. the node's (the profile's gpu resource), and the GPUs the recommendation "
-                         "splits; default: gpus.target")
+                         f"splits (at most {MAX_GPUS:,}); default: gpus.target")
     ap.add_argument("--disk-budget", default=None,
                     help="bytes of hidden states allowed on disk at once, e.g. 2TB; default: "
                          f"hidden.disk_budget, else {human_bytes(DEFAULT_DISK_BUDGET)}")
@@ -343,8 +347,8 @@ def main(argv=None):
                     help="also write both modes, the recommendation and the floor as JSON to PATH "
                          "(-: print only that)")
     a = ap.parse_args(argv)
-    if a.gpus is not None and a.gpus < 0:
-        raise UserError(f"--gpus {a.gpus}: give a GPU count >= 0")
+    if a.gpus is not None and not 0 <= a.gpus <= MAX_GPUS:
+        raise UserError(f"--gpus {a.gpus}: give a GPU count from 0 to {MAX_GPUS:,} (the planner's limit)")
     try:
         budget = None if a.disk_budget is None else parse_bytes(a.disk_budget, "--disk-budget")
     except ValueError as e:
@@ -353,6 +357,9 @@ def main(argv=None):
         raise UserError(f"--json {a.json}: no folder {Path(a.json).resolve().parent}; create it first")
     target = read_shapes(a.target_config) if a.target_config else None
     cfg = load(a.configfile, target=target)
+    if a.gpus is None and cfg.gpus.target > MAX_GPUS:
+        raise UserError(f"config key gpus.target: {cfg.gpus.target} GPUs, past the planner's limit of "
+                        f"{MAX_GPUS:,}; plan fewer with --gpus")
     if a.gpu_memory is not None and a.gpu_memory <= 0:
         raise UserError(f"--gpu-memory {a.gpu_memory}: give the GiB of one GPU, e.g. 80")
     card = None if a.gpu_memory is None else (int(a.gpu_memory * memory.GIB), "--gpu-memory")
