@@ -57,4 +57,5 @@ def redo_lines(jobs) -> list[str]:
             counts[rule] += 1
             reasons.setdefault(rule, {}).update(dict.fromkeys(why))  # in order, each once
     return [f"this run makes {n} finished {rule} output(s) again ({'; '.join(reasons[rule])}); "
-            "`snakemake -n` lists each job's reason before a run" for rule, n in counts.items()]
+            "`snakemake -n` lists each job's reason before a run"
+            for rule, n in sorted(counts.items(), key=lambda kv: COSTLY.index(kv[0]))]  # in the DAG's order

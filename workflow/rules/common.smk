@@ -88,8 +88,8 @@ def check_run_disk():
     against the free space under its results directory (disk.py), once the target's shapes are known."""
     try:
         problem = disk_problem(CFG, target_shapes(CFG), RESULTS)
-    except (UserError, KeyError):  # no config.json yet, or not a decoder's: the target's own check names it
-        return
+    except (UserError, KeyError, OSError, ValueError):  # a target or an earlier stage's file it cannot read
+        return  # yet: the estimate is skipped, the job that reads the file names it
     if problem:
         stop([problem])
 
@@ -180,9 +180,9 @@ def keep_previous_logs():
 
 
 onstart:
-    check_run_disk()
     check_last_hidden()
     say_redone()
+    check_run_disk()
     keep_previous_logs()
 
 
