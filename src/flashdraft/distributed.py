@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import io
-from .memory import parallel_mode  # noqa: F401  (torch-free: the planner and the checks read it too)
+from .parallel import parallel_mode  # noqa: F401  (torch-free: the planner and the checks read it too)
 
 
 @dataclass

@@ -293,6 +293,26 @@ def summary_text(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def run_end(results, target) -> list[str]:
+    """What a finished run prints last: each drafter's tau, speedup and losslessness, the report's path and
+    the commands that serve the drafter; [] before the run has a report."""
+    from .report import serve_commands
+
+    r = Path(results)
+    summary, report, config = r / "eval" / "summary.json", r / "report.html", r / "drafter" / "config.json"
+    if not (summary.exists() and report.exists()):
+        return []
+    lines = ["flashdraft: the drafter is trained and evaluated", *[f"  {x}" for x in
+                                                                  summary_text(json.loads(summary.read_text()))
+                                                                  .splitlines()],
+             f"  report: {report.resolve()}"]
+    if config.exists():
+        cmds = serve_commands(str(Path(target).resolve()), str(config.parent.resolve()),
+                              json.loads(config.read_text()))
+        lines += [f"  serve it with {engine}: {cmd}" for engine, cmd in cmds.items()]
+    return lines
+
+
 def run(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, out_dir, seed=0) -> dict:
     """The whole evaluation in one job: every prompt, then per_prompt.parquet and summary.json."""
     rows, block_size = run_rows(cfg, target, drafter_dir, prompts_path, seed)

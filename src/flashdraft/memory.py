@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from .config import Config, feature_layers, needs_last_hidden, num_anchor_slots, rows_per_batch, slice_size
+from .parallel import parallel_mode
 
 GIB = 2**30
 COEFFICIENTS_FILE = "memory_h100.json"  # under benchmarks/results/: the fit the model reads
@@ -186,20 +187,6 @@ def train_state(cfg: Config, shapes: dict, world: int, mode: str) -> dict[str, i
     if mode == "ddp":
         parts["DDP gradient buckets (fp32)"] = 4 * p
     return parts
-
-
-def parallel_mode(name: str, params: int, world: int, gpu_memory: int | None) -> str:
-    """single (one process), ddp or fsdp. auto: fsdp when one full copy of the training state (fp32
-    weights and gradients, AdamW's two moments: 16 bytes per parameter) would take over a third of the
-    GPU's memory (`gpu_memory` bytes, None on CPU): the activations of a step take about twice the state
-    (docs/architecture.md has the 8B-shaped drafter's figures), and the frozen target head needs room too."""
-    if name not in ("auto", "ddp", "fsdp"):
-        raise ValueError(f"train.parallel must be auto, ddp or fsdp, not {name!r}")
-    if world == 1:
-        return "single"
-    if name != "auto":
-        return name
-    return "fsdp" if gpu_memory is not None and 16 * params > gpu_memory / 3 else "ddp"
 
 
 def config_parallel_mode(cfg: Config, shapes: dict, world: int, gpu_bytes: int | None) -> str:

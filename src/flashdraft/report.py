@@ -74,26 +74,6 @@ def serve_commands(target: str, drafter: str, config: dict) -> dict[str, str]:
             "SGLang": shlex.join(sglang)}
 
 
-def run_end(results, target) -> list[str]:
-    """What a finished run prints last: each drafter's tau, speedup and losslessness, the report's path and
-    the commands that serve the drafter; [] before the run has a report."""
-    from .evaluate import summary_text
-
-    r = Path(results)
-    summary, report, config = r / "eval" / "summary.json", r / "report.html", r / "drafter" / "config.json"
-    if not (summary.exists() and report.exists()):
-        return []
-    lines = ["flashdraft: the drafter is trained and evaluated", *[f"  {x}" for x in
-                                                                  summary_text(json.loads(summary.read_text()))
-                                                                  .splitlines()],
-             f"  report: {report.resolve()}"]
-    if config.exists():
-        cmds = serve_commands(str(Path(target).resolve()), str(config.parent.resolve()),
-                              json.loads(config.read_text()))
-        lines += [f"  serve it with {engine}: {cmd}" for engine, cmd in cmds.items()]
-    return lines
-
-
 def run_section(metrics_csv, target=None, drafter_dir=None, checkpoints=None) -> str:
     """What was trained, with which code, where its export is, and the commands that serve it."""
     from .io import code_version

@@ -189,7 +189,7 @@ onstart:
 onsuccess:
     # a run that made the whole DAG ends with its result, not a path: tau, speedup, lossless, report, serve
     if any(job.rule.name == "all" for job in workflow.dag.targetjobs):
-        from flashdraft.report import run_end  # plots and torch: imported once, at the end
+        from flashdraft.evaluate import run_end  # torch: imported once, at the end
 
         for line in run_end(RESULTS, CFG.target.path):
             print(line)
