@@ -473,9 +473,8 @@ def run_config(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
     # DDP and FSDP resume each other; the export's choice is made after training; without validation its
     # keys change nothing (and runs keep the keys they had before those keys existed: so does a dflash run
     # its drafter key, from before drafter.family)
-    skip = {"parallel", "export"} | ({"val_samples", "val_every"} if not cfg.val_samples else set()) | \
-        ({"batch_anchors"} if not cfg.batch_anchors else set())
-    same_run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+    skip = {"parallel", "export"} | ({"val_samples", "val_every"} if not cfg.val_samples else set())
+    same_run = stage_params("train", {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip})
     # a family's own section (drafter.<family>) counts in its runs only, so that adding a family changes no
     # run's key; a DFlash run keeps the key it had before drafter families existed (no `family` either)
     drafter = {k: v for k, v in dataclasses.asdict(drafter_cfg).items()

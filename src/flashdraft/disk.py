@@ -6,11 +6,10 @@ disk under the results directory is not counted again."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from .config import STREAM_RING, Config, stream_chunk_tokens
-from .io import FP8, human_bytes
+from .io import FP8, free_bytes, human_bytes
 
 ANSWER_TOKEN_BYTES = 8  # a regenerated answer's token on disk (its text and id in Parquet), generously
 
@@ -41,13 +40,6 @@ def floor3(n: int) -> int:
 def on_disk(path: Path) -> int:
     """Bytes of the files under `path` (0 when it does not exist)."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
-
-
-def free_bytes(path: Path) -> int:
-    d = path.resolve()
-    while not d.exists():
-        d = d.parent
-    return shutil.disk_usage(d).free
 
 
 def disk_problem(cfg: Config, shapes: dict, results, free: int | None = None) -> str | None:

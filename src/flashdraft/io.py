@@ -94,6 +94,14 @@ def parse_bytes(value, key: str = "size") -> int:
     return int(Decimal(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+def free_bytes(path) -> int:
+    """Free bytes on the disk that holds `path` (its nearest existing ancestor when it is not made yet)."""
+    d = Path(path).resolve()
+    while not d.exists():
+        d = d.parent
+    return shutil.disk_usage(d).free
+
+
 def human_bytes(n: float) -> str:
     """Bytes in decimal units, three significant digits: 2.05 TB, 500 GB, 12 B."""
     for unit, size in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):

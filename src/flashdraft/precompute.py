@@ -11,7 +11,6 @@ written. docs/architecture.md walks through it.
 from __future__ import annotations
 
 import queue
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from .config import DrafterConfig, HiddenConfig, TargetConfig
 from .errors import UserError, disk_full, disk_full_error
 from .hidden import ShardMeta, hidden_bytes, manifest_path, quantize_fp8
 from .hidden_write import ShardWriter, open_shard, write_manifest
-from .io import StorageDtype, device, human_bytes, log, progress
+from .io import StorageDtype, device, free_bytes, human_bytes, log, progress
 from .shards import shard_of
 from .target import decoder_prefix, feature_layer_ids, layers_needed, load_target, select_features
 
@@ -35,10 +34,7 @@ def preflight(tokens: int, meta: ShardMeta, out_dir, margin: float = 0.1) -> int
     """Refuse to start when the disk under `out_dir` cannot hold the estimated bytes (+ margin) of
     `tokens` tokens of shards like `meta`."""
     need = int(hidden_bytes(tokens, meta) * (1 + margin))
-    d = Path(out_dir).resolve()
-    while not d.exists():
-        d = d.parent
-    free = shutil.disk_usage(d).free
+    free = free_bytes(out_dir)
     if need > free:
         fp8 = "" if meta.dtype.quantized else ", or set hidden.dtype: float8_e4m3 (halves it)"
         raise UserError(
