@@ -245,3 +245,81 @@ def test_running_out_of_gpu_memory_is_one_line_naming_stage_prediction_and_keys(
     assert re.fullmatch(expected, line), line
     verbose = run_python(code.replace("main(sys.argv[1:])", "main(['--verbose'])"))
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr and "OutOfMemoryError" in verbose.stderr
+
+
+# ---- a failed job on the workflow's console (flashdraft.errors.FailureConsole) ----
+
+TRACEBACK = """\
+[gpu] 0 GPU(s) leased: CUDA_VISIBLE_DEVICES=''
+Traceback (most recent call last):
+  File "scripts/evaluate.py", line 47, in <module>
+    main()
+TypeError: unsupported operand type(s) for /: 'Tensor' and 'NoneType'
+"""
+RANKS = "[rank0]: train: error: bad shard\n[rank1]: train: error: bad shard\nChildFailedError:\n  rank: 0\n"
+
+
+@pytest.mark.parametrize("log, cause, expected", [
+    ("read mine: 200 rows\nprompts: error: no usable prompt in any source\n", None,
+     "failed: prompts: error: no usable prompt in any source"),
+    (RANKS, None, "failed: train: error: bad shard"),
+    ("prompts: error: a\nprompts: error: b\n", None, "failed:\n  prompts: error: a\n  prompts: error: b"),
+    (TRACEBACK, None, "failed (a crash: the traceback is in its log): TypeError: unsupported operand type(s) "
+                      "for /: 'Tensor' and 'NoneType'"),
+    ("step 1\rstep 2\rstep 3\n", "exit status 137: killed by SIGKILL",
+     "failed (exit status 137: killed by SIGKILL): its log ends: step 3"),
+    ("", "exit status 2", "failed (exit status 2): nothing in its log"),
+], ids=["one-line-error", "every-rank-says-it", "several-problems", "crash", "killed", "empty-log"])
+def test_a_failed_job_is_the_error_its_log_ends_with_and_the_log(tmp_path, log, cause, expected):
+    from flashdraft.errors import job_failure
+
+    (tmp_path / "prompts.log").write_text(log)
+    path = str(tmp_path / "prompts.log")
+    assert job_failure("prompts", [path], cause) == f"rule prompts {expected}\n  log: {path}"
+
+
+@pytest.mark.parametrize("message, cause", [
+    ("Command 'x > l.log 2>&1' returned non-zero exit status 1.", None),
+    ("Command 'x' returned non-zero exit status 143.", "exit status 143: killed by SIGTERM"),
+    ("Command 'x' returned non-zero exit status 3.", "exit status 3"),
+    ("Command 'x' died with <Signals.SIGKILL: 9>.", "killed by SIGKILL"),
+    (None, None),
+])
+def test_how_a_job_s_command_ended(message, cause):
+    from flashdraft.errors import exit_cause
+
+    assert exit_cause(message) == cause
+
+
+def test_the_console_says_a_failed_job_once_and_leaves_the_rest_to_the_complete_log(tmp_path):
+    """Snakemake's exception (with the command), its error block for the job (at once and again at the
+    end), its last words: one account of the job on the console, the rest to the formatter it wraps."""
+    import logging
+
+    from flashdraft.errors import RUN_FAILED, FailureConsole
+
+    log = tmp_path / "prompts.log"
+    log.write_text("prompts: error: no usable prompt\n")
+    console = FailureConsole(logging.Formatter("inner: %(message)s"))
+
+    def say(msg, **extra):
+        return console.format(logging.makeLogRecord({"msg": msg, "levelno": logging.ERROR, **extra}))
+
+    command = (f"RuleException:\nCalledProcessError in file x:\nCommand 'cmd > {log} 2>&1' returned "
+               "non-zero exit status 143.")
+    job = {"event": "job_error", "jobid": 2, "rule_name": "prompts", "rule_msg": None, "log": [str(log)]}
+    complete = "Complete log(s): /w/.snakemake/log/x.log"
+    assert say(command, event="error", exception="RuleException") == ""
+    assert say("Error in rule prompts, jobid: 2", **job) == (
+        "rule prompts failed (exit status 143: killed by SIGTERM): prompts: error: no usable prompt\n"
+        f"  log: {log}")
+    assert say("Shutting down.") == "inner: Shutting down."
+    assert say("Exiting because a job execution failed. Look below for error messages") == ""
+    assert say("Error in rule prompts, jobid: 2", **job) == ""
+    assert console.failed == {2: "prompts"}
+    assert say(complete) == f"inner: {complete}"
+    console.summarized = True  # the workflow's own last lines said where that log is
+    assert say(complete) == ""
+    assert say(f"WorkflowError:\n{RUN_FAILED}.", event="error", exception="WorkflowError") == ""
+    other = say("WorkflowError:\nsomething else", event="error", exception="WorkflowError")
+    assert other == "inner: WorkflowError:\nsomething else"

@@ -259,6 +259,31 @@ def test_a_rerun_says_before_its_first_job_which_finished_costly_outputs_it_make
     assert proc.returncode != 0  # the fake files fail the first job
 
 
+def test_a_failed_job_says_its_error_once_with_its_log_and_the_rerun(tmp_path):
+    """A job that fails (the prompts stage: prompts.min_chars above every toy prompt) is its error line
+    once on the console, with its log; the run ends with the command that reruns it. Neither the job's
+    command line nor a traceback is printed; Snakemake's whole account is in the run's complete log."""
+    config = write_config(tmp_path / "config.yaml", {"toy.steps": 0, "toy.num_docs": 200,
+                                                     "prompts.min_chars": 1999})
+    proc = snakemake(tmp_path, "--cores", "2", config=config, check=False)
+    out = proc.stdout + proc.stderr
+    lines = out.splitlines()
+    error = ("prompts: error: no usable prompt in any source; see the reasons in "
+             "results/prompts/rejects.parquet")
+    assert proc.returncode != 0 and out.count(error) == 1, out
+    assert f"rule prompts failed: {error}" in lines and "  log: results/logs/prompts.log" in lines, out
+    assert error in (tmp_path / "results" / "logs" / "prompts.log").read_text()
+    [complete] = list((tmp_path / ".snakemake" / "log").glob("*.snakemake.log"))
+    assert lines[-2] == ("flashdraft: the run stopped; 1 job failed (above: its error and log); Snakemake's "
+                         f"account, with each job's command line: .snakemake/log/{complete.name}"), out
+    rerun = shlex.split(lines[-1].removeprefix("rerun once fixed: "))
+    assert lines[-1].startswith("rerun once fixed: snakemake ") and rerun[-2:] == ["--cores", "all"], out
+    assert rerun[rerun.index("--configfile") + 1] == str(config), out
+    assert "Traceback (most recent call last)" not in out and "Error in rule" not in out, out
+    assert "--out-dir results/prompts" not in out and "WorkflowError" not in out, out  # no command line
+    assert "--out-dir results/prompts" in complete.read_text()
+
+
 def test_a_model_type_of_transformers_in_a_package_of_another_name_is_not_remote_code(tmp_path):
     """gemma3_text's classes live in transformers' gemma3 package: it ships, though an auto_map is there."""
     model = tmp_path / "models" / "gemma"

@@ -5,7 +5,6 @@ import shutil
 import sys
 from pathlib import Path
 
-from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 REPO = Path(workflow.basedir).parent
@@ -37,7 +36,7 @@ from flashdraft.config_check import (  # noqa: E402
 from flashdraft.gpu import gpu_capabilities, gpu_memory_bytes, visible_gpus  # noqa: E402
 from flashdraft import memory  # noqa: E402
 from flashdraft.disk import disk_problem  # noqa: E402
-from flashdraft.errors import UserError  # noqa: E402
+from flashdraft.errors import FailureConsole, UserError  # noqa: E402
 from flashdraft.estimate_inputs import target_shapes  # noqa: E402
 from flashdraft.io import console_env, file_digests  # noqa: E402
 from flashdraft.reruns import deleted_line, deleted_shards, redo_lines, store_leftovers  # noqa: E402
@@ -50,7 +49,7 @@ SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 
 def read_config():
     """The config as a Config, once every check that needs no job has run: all the problems found, one line
-    each, end the run in one WorkflowError before any job (the warnings are printed either way)."""
+    each, end the run in one stop() before any job (the warnings are printed either way)."""
     results = str(config.get("results", "results"))
     found = Problems(configfile_problems(workflow.overwrite_configfiles, results))
     if not found.lines:  # a target read as a config: its keys' lines would only hide that
@@ -155,10 +154,9 @@ def check_last_hidden():
                          ["hidden_chunk", "hidden_val"])
     if old:
         shown = ", ".join(old[:3]) + (f" and {len(old) - 3} more" if len(old) > 3 else "")
-        raise WorkflowError(
-            f"config key drafter.family: {CFG.drafter.family} trains on the target's last hidden state, "
-            f"but {len(old)} hidden shard(s) were made without it ({shown}); rerun the hidden stage "
-            f"(snakemake --forcerun {' '.join(sorted(rules))})")
+        stop([f"config key drafter.family: {CFG.drafter.family} trains on the target's last hidden state, "
+              f"but {len(old)} hidden shard(s) were made without it ({shown}); rerun the hidden stage "
+              f"(snakemake --forcerun {' '.join(sorted(rules))})"])
 
 
 def say_redone():
@@ -184,6 +182,10 @@ onstart:
     say_redone()
     check_run_disk()
     keep_previous_logs()
+
+
+onerror:
+    say_failed(log)
 
 
 onsuccess:
@@ -459,6 +461,37 @@ def rerun_command():
 os.environ.setdefault("FLASHDRAFT_RERUN", rerun_command())
 
 
+def failure_console():
+    """The console says a failed job once, in two lines (flashdraft.errors.FailureConsole): the error its
+    log ends with, and the log; Snakemake's account, with the job's 1-2 KB command line, goes to the run's
+    complete log. Set on Snakemake's own console handler, which a logger plugin writing to the console
+    replaces: that one's account stays as it is."""
+    from snakemake.logging import logger
+
+    for handler in logger.handlers:
+        if handler.name == "DefaultStreamHandler" and handler.formatter is not None:
+            if not isinstance(handler.formatter, FailureConsole):
+                handler.setFormatter(FailureConsole(handler.formatter))
+            return handler.formatter
+    return None
+
+
+def say_failed(logs):
+    """When a job failed (onerror): how many, where the run's complete log is, and last on the console the
+    command that reruns the run (with the targets it was given)."""
+    n = len(FAILURES.failed) if FAILURES else 0
+    whose = "its error and log" if n == 1 else "each one's error and log"
+    said = [f"{n} job{'s' if n > 1 else ''} failed (above: {whose})" if n else ""]
+    where = [os.path.relpath(f) if Path(f).resolve().is_relative_to(Path.cwd()) else f for f in logs]
+    said += [f"Snakemake's account, with each job's command line: {', '.join(where)}" if where else ""]
+    targets = workflow.dag_settings.targets
+    targets = list(targets) if isinstance(targets, list | tuple) else sorted(targets or ())
+    print("; ".join(["flashdraft: the run stopped", *filter(None, said)]), file=sys.stderr)
+    print(f"rerun once fixed: {shlex.join(shlex.split(rerun_command()) + targets)}", file=sys.stderr)
+    if FAILURES:
+        FAILURES.summarized = True
+
+
 def share_console():
     """The jobs' status lines (flashdraft.io.progress) go to this process's stderr, the console the user
     watches, while their output goes to their logs. Through the environment, which no rerun compares."""
@@ -481,6 +514,7 @@ def say_store_leftovers():
         print(f"note: {line}", file=sys.stderr)
 
 
+FAILURES = failure_console() if workflow.is_main_process else None  # a cluster job's log says it all
 if workflow.is_main_process:  # not again in each job a cluster or a subprocess runs
     say_deleted_shards()
     say_store_leftovers()
