@@ -124,10 +124,11 @@ class _Rejects:
         self.schema = pa.schema(
             [("source", pa.string()), ("row", pa.int64()), ("reason", pa.string()), ("raw", pa.string())]
         )
-        self.writer, self.rows = pq.ParquetWriter(path, self.schema), []
+        self.writer, self.rows, self.reasons = pq.ParquetWriter(path, self.schema), [], Counter()
 
     def add(self, row: dict):
         self.rows.append(row)
+        self.reasons[row["reason"]] += 1
         if len(self.rows) >= CHUNK:
             self.flush()
 
@@ -338,7 +339,12 @@ def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False, target=
         quota = quotas({n: len(p) for n, p in pools.items()}, weights, want)
         picked = np.concatenate([_rng(cfg.seed, n).permutation(p)[: quota[n]] for n, p in pools.items()])
         if not len(picked):
-            raise UserError(f"no usable prompt in any source; see the reasons in {out_dir}/rejects.parquet")
+            # the reasons in the line itself: a failed job's outputs (rejects.parquet too) are removed
+            keys = {"too short": f"under prompts.min_chars {cfg.min_chars}",
+                    "too long": f"over prompts.max_chars {cfg.max_chars}"}
+            top = "; ".join(f"{n} {r}" + (f" ({keys[r]})" if r in keys else "")
+                            for r, n in rejects.reasons.most_common(3)) or "no rows read"
+            raise UserError(f"no usable prompt in any source (rejected: {top})")
         picked = _rng(cfg.seed, "mix").permutation(picked)
         n_eval = min(cfg.eval_count, len(picked) // 2)  # a small pool still leaves half for training
         eval_idx, train_idx = picked[:n_eval], picked[n_eval:]
