@@ -10,9 +10,12 @@ and the block differ:
 - dflash_b8:  DFlash at the embedded default's block 8 (7 drafts), decay loss, gamma 4
 - dspark_b7:  config/dspark.yaml: block 7 (7 drafts: the anchor is the first prediction slot), Markov rank
               256, confidence head, 0.1 CE + 0.9 L1 + 1.0 BCE, gamma 4
-DFlash runs share one work dir (its hidden states), DSpark its own (its shards hold the last hidden state
-too). tau is the evaluation's `tau_pooled` (emitted tokens per verify step, accepted drafts + the bonus
-token, as the reference `dflash_generate` counts it), pooled over the held-out prompts; lossless: every
+- dflash_paper_b7: config/dflash_paper.yaml, the DSpark paper's DFlash baseline: dspark_b7's network
+              without either head, CE alone, gamma 4
+Runs whose shards hold no last hidden state (the DFlash ones and the paper's baseline) share one work dir
+(its hidden states), DSpark its own (its shards hold the last hidden state too). tau is the evaluation's
+`tau_pooled` (emitted tokens per verify step, accepted drafts + the bonus token, as the reference
+`dflash_generate` counts it), pooled over the held-out prompts; lossless: every
 greedy output equals target-only decoding's. The goal the JSON reports: DSpark's mean tau at block 7 at
 least 1.1x DFlash's at block 7 (the paper's gap on Qwen3-8B is 1.16-1.20x).
 """
@@ -26,12 +29,17 @@ from harness import write_result
 from toy_bench import REPO, run_one, stats
 
 DSPARK = yaml.safe_load((REPO / "config" / "dspark.yaml").read_text())
+PAPER = yaml.safe_load((REPO / "config" / "dflash_paper.yaml").read_text())
 VARIANTS = {  # name: (family, overrides)
     "dflash_b7": ("dflash", {"train.loss": "decay", "drafter.block_size": 7, "train.gamma": 4.0}),
     "dflash_b8": ("dflash", {"train.loss": "decay", "drafter.block_size": 8, "train.gamma": 4.0}),
     "dspark_b7": ("dspark", {"drafter.family": "dspark", "drafter.block_size": 7, "train.gamma": 4.0,
                              **{f"drafter.dspark.{k}": v for k, v in DSPARK["drafter"]["dspark"].items()}}),
+    "dflash_paper_b7": ("dspark", {"drafter.family": "dspark", "drafter.block_size": 7, "train.gamma": 4.0,
+                                   **{f"drafter.dspark.{k}": v
+                                      for k, v in PAPER["drafter"]["dspark"].items()}}),
 }
+STORE = {"dspark_b7": "dspark"}  # the work dir of a variant whose shards hold the last hidden state
 GOAL = 1.1
 
 
@@ -47,7 +55,7 @@ def main():
     for seed in args.seeds:
         for v in args.variants:
             family, overrides = VARIANTS[v]
-            work = args.work / family  # a family's runs share its hidden states
+            work = args.work / STORE.get(v, "dflash")  # runs of the same shards share their hidden states
             work.mkdir(parents=True, exist_ok=True)
             name = f"{v}-seed{seed}"
             runs[name] = r = run_one(work, name, {"train.seed": seed, **overrides}, drafter=family)

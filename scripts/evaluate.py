@@ -24,7 +24,6 @@ def main(argv=None):
     out.add_argument("--out-rows", help="writes this shard's per-prompt rows (parquet) here")
     p.add_argument("--shard", type=int, default=0, help="evaluate only this shard's prompts (--out-rows)")
     p.add_argument("--num-shards", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if not 0 <= a.shard < a.num_shards:
         p.error(f"--shard {a.shard} is not in 0..{a.num_shards - 1}")
@@ -34,12 +33,12 @@ def main(argv=None):
     target = load_section(TargetConfig, a.target_cfg, "target")
     memory.on_oom("evaluate", Config(eval=cfg, target=target))
     if a.out_rows:
-        rows, _ = run_rows(cfg, target, a.drafter, a.prompts, a.seed, a.shard, a.num_shards)
+        rows, _ = run_rows(cfg, target, a.drafter, a.prompts, a.shard, a.num_shards)
         write_rows(rows, a.out_rows)
         prompts = len({r["id"] for r in rows})
         print(f"evaluate shard {a.shard}/{a.num_shards}: {prompts} prompts -> {a.out_rows}")
         return
-    print(summary_text(run(cfg, target, a.drafter, a.prompts, a.out_dir, seed=a.seed)))
+    print(summary_text(run(cfg, target, a.drafter, a.prompts, a.out_dir)))
     print(f"-> {a.out_dir}/summary.json, {a.out_dir}/per_prompt.parquet")
 
 

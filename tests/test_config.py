@@ -404,3 +404,28 @@ def test_a_key_added_later_is_no_rerun_trigger_while_unset():
     assert "batch_anchors" not in stage_params("train", dataclasses.asdict(TrainConfig()))
     assert stage_params("train", dataclasses.asdict(TrainConfig(batch_anchors=2560)))["batch_anchors"] == 2560
     assert all(getattr(TrainConfig(), k) == v for k, v in LATER_KEYS["train"].items())  # the defaults
+    # regenerate.top_p and top_k (off: 1.0, 0): a run's regeneration from before them is not redone
+    assert all(getattr(RegenerateConfig(), k) == v for k, v in LATER_KEYS["regenerate"].items())
+    assert {"top_p", "top_k"}.isdisjoint(stage_params("regenerate", dataclasses.asdict(RegenerateConfig())))
+    sampled = RegenerateConfig(temperature=0.7, top_p=0.8, top_k=20)
+    params = stage_params("regenerate", dataclasses.asdict(sampled))
+    assert (params["top_p"], params["top_k"]) == (0.8, 20)
+
+
+def test_eval_temperatures_and_the_former_single_temperature():
+    """eval.temperatures (default [0, 1]); eval.temperature, the key of configs from before it, is that one
+    temperature alone; the schema and the dataclass refuse an empty list, a repeat and a negative one."""
+    from flashdraft.config import EvalConfig
+
+    assert EvalConfig().temperatures == [0.0, 1.0]
+    legacy = from_dict(Config, {"eval": {"temperature": 0.7}}, "config").eval
+    assert legacy.temperatures == [0.7] and legacy.temperature is None
+    assert from_dict(Config, {"eval": {"temperatures": [1, 0]}}, "config").eval.temperatures == [1, 0]
+    data = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    for ok in ({"temperature": 0.0}, {"temperatures": [0, 1], "seed": 3}):
+        check_schema({**data, "eval": {**data["eval"], **ok}}, SCHEMA)
+    for bad in ([], [0, 0], [-1]):
+        with pytest.raises(UserError, match=r"eval\.temperatures"):
+            EvalConfig(temperatures=bad)
+        with pytest.raises(Exception, match="temperatures"):
+            check_schema({**data, "eval": {**data["eval"], "temperatures": bad}}, SCHEMA)

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from flashdraft.chat import prompt_messages, render
 from flashdraft.decode import SlotDecoder
-from flashdraft.step import KV_BLOCK, RECIPES, unsupported
+from flashdraft.step import KV_BLOCK, RECIPES, pick, unsupported
 from flashdraft.target import load_for_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,6 +80,46 @@ def test_sampling_is_seeded_and_rows_are_independent_of_slots(data):
     assert a == b
     assert all(len(t) == NEW if f == "length" else len(t) < NEW for t, f in a.values())
     assert a != _decoded(model, tok, ids, eos, 8)  # not greedy
+
+
+def test_top_k_1_is_greedy_and_top_p_top_k_sample_only_their_tokens(data):
+    """Sampled with top_k 1 (or a top_p below the likeliest token's probability), the one token left is the
+    greedy one, at any temperature and seed; wider, the answers are sampled again."""
+    model, tok, eos = load_for_generate(str(data / "target"), "float32")
+    _, ids = _prompts(data, tok)
+    greedy = _decoded(model, tok, ids, eos, 8)
+    assert _decoded(model, tok, ids, eos, 8, temperature=1.5, seed=3, top_k=1) == greedy
+    assert _decoded(model, tok, ids, eos, 8, temperature=1.0, seed=4, top_p=1e-6) == greedy
+    assert _decoded(model, tok, ids, eos, 8, temperature=1.0, seed=3, top_k=50, top_p=0.9) != greedy
+
+
+def test_pick_samples_within_top_k_then_top_p_in_their_proportions():
+    """step.pick: top_k keeps the k likeliest tokens, top_p then the fewest likeliest whose probabilities
+    (renormalized over those k) reach p; the kept ones are drawn in proportion to their probabilities."""
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, 0.2])
+    n, g = 20000, torch.Generator().manual_seed(0)
+
+    def freq(**kw):
+        draws = pick(logits.expand(n, -1), 1.0, g, **kw)
+        assert draws.shape == (n,)
+        return torch.bincount(draws, minlength=len(logits)).double() / n
+
+    def law(keep):
+        p = torch.zeros(len(logits), dtype=torch.float64)
+        p[keep] = torch.softmax(logits[keep].double(), -1)
+        return p
+
+    probs = torch.softmax(logits.double(), -1)  # 0.43, 0.26, 0.16, 0.06, ...; of the top 3: 0.51, 0.31, 0.19
+    for kw, keep in [({}, list(range(8))), ({"top_k": 3}, [0, 1, 2]), ({"top_p": 0.6}, [0, 1]),
+                     ({"top_p": 0.9}, [0, 1, 2, 3]), ({"top_k": 3, "top_p": 0.7}, [0, 1]),
+                     ({"top_k": 1}, [0])]:
+        f, want = freq(**kw), law(keep)
+        assert (f[want == 0] == 0).all(), kw  # nothing outside the kept tokens
+        assert torch.allclose(f, want, atol=0.015), (kw, f, want)  # > 4 sd at n draws
+    assert probs[0] < 0.6 < probs[:2].sum() and probs[:3].sum() < 0.9 < probs[:4].sum()  # where p cuts
+    assert torch.softmax(logits[:3].double(), -1)[0] < 0.7 < torch.softmax(logits[:3].double(), -1)[:2].sum()
+    assert int(pick(logits, 0.0, g, top_k=3, top_p=0.5)) == 0  # greedy ignores them
+    assert pick(logits, 1.0, g, top_k=2).shape == ()  # one row in, one token out
 
 
 @pytest.mark.gpu

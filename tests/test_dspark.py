@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -57,12 +58,17 @@ def tiny_spec(**kw) -> DSparkSpec:
     return DSparkSpec(**{**base, **kw})
 
 
+HEADS_OFF = dict(markov_rank=0, confidence_head=False)  # the DSpark paper's DFlash baseline
+CE_ONLY = dict(gamma=3.0, ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
+
+
 def drafter(seed=0, **kw) -> DSparkDrafter:
     torch.manual_seed(seed)
     d = DSparkDrafter(tiny_spec(**kw))
-    with torch.no_grad():  # a Markov bias as large as the base logits, so that it changes what is picked
-        d.markov_head.markov_w1.weight.mul_(40)
-        d.markov_head.markov_w2.weight.mul_(40)
+    if d.markov_head is not None:
+        with torch.no_grad():  # a Markov bias as large as the base logits, so that it changes what is picked
+            d.markov_head.markov_w1.weight.mul_(40)
+            d.markov_head.markov_w2.weight.mul_(40)
     return d
 
 
@@ -174,7 +180,9 @@ def dense_loss(d, data, gamma, ce_weight, l1_weight, confidence_weight):
     detached); the sum over sum(w)."""
     ids, loss_mask, hidden, last, embed, head, anchors, valid = data
     out = train_forward(d, ids, hidden, anchors, valid, embed, "sdpa")
-    w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
+    markov = d.markov_head is not None
+    w1 = d.markov_head.markov_w1.weight if markov else None
+    w2 = d.markov_head.markov_w2.weight if markov else None
     num, den = 0.0, 0.0
     for r in range(ids.shape[0]):
         for j in range(anchors.shape[1]):
@@ -185,8 +193,9 @@ def dense_loss(d, data, gamma, ce_weight, l1_weight, confidence_weight):
                 label = a + k + 1
                 if label >= ids.shape[1] or loss_mask[r, label] == 0:
                     break
-                w, h, e = math.exp(-k / gamma), out[r, j, k], w1[ids[r, a + k]]
-                logits = h @ head.T + w2 @ e
+                w, h = math.exp(-k / gamma), out[r, j, k]
+                e = w1[ids[r, a + k]] if markov else None
+                logits = h @ head.T + (w2 @ e if markov else 0.0)
                 ce = F.cross_entropy(logits, ids[r, label])
                 l1 = (logits.softmax(-1) - (last[r, a + k] @ head.T).softmax(-1)).abs().sum()
                 term = ce_weight * ce + l1_weight * l1
@@ -199,9 +208,8 @@ def dense_loss(d, data, gamma, ce_weight, l1_weight, confidence_weight):
     return num / den
 
 
-@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
 @pytest.mark.parametrize("heads", [dict(), dict(confidence_with_markov=False), dict(confidence_head=False),
-                                   dict(markov_rank=0, confidence_with_markov=False)])
+                                   dict(markov_rank=0, confidence_with_markov=False), HEADS_OFF])
 def test_chunked_loss_and_gradients_equal_the_dense_formulas(data, heads):
     d = drafter(**heads)
     want = dense_loss(d, data, **KW)
@@ -247,6 +255,69 @@ def test_a_batch_without_anchors_gives_zero_loss_and_zero_gradients(data):
     loss.backward()
     assert loss.item() == 0.0 and stats[7] == 0
     assert all(p.grad is None or not p.grad.any() for p in d.parameters())
+
+
+def test_the_heads_off_loss_is_the_ce_alone_without_the_teacher(data):
+    """The DSpark paper's DFlash baseline trains with the cross-entropy alone (DeepSpec's
+    config/dflash/dflash_qwen3_8b.py: ce_loss_alpha 1, l1_loss_alpha 0, no heads): without the target's last
+    hidden state the loss and its gradients are the dense CE's, every parameter (the backbone's, there are
+    no others) learns, a given teacher changes nothing, and the teacher's stats are NaN."""
+    ids, loss_mask, hidden, last, embed, head, anchors, valid = data
+    d = drafter(**HEADS_OFF)
+    want = dense_loss(d, data, **CE_ONLY)
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in d.named_parameters()}
+    assert all(g.abs().sum() > 0 for g in ref.values())
+    for teacher in (None, last):
+        d.zero_grad()
+        loss, stats = dspark_loss(d, ids, loss_mask, hidden, teacher, anchors, valid, embed, head, **CE_ONLY)
+        loss.backward()
+        assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+        for n, p in d.named_parameters():
+            torch.testing.assert_close(p.grad, ref[n], atol=1e-6, rtol=1e-4, msg=n)
+        row = dspark_summarize(stats, B)
+        assert row["loss"] == pytest.approx(row["ce"], rel=1e-6) and 1.0 <= row["sim_tau"] <= B + 1
+        assert math.isnan(row["l1"]) == math.isnan(row["expected_tau"]) == (teacher is None)
+    confident = dict(markov_rank=0, confidence_with_markov=False)  # a confidence head: it reads the teacher
+    for heads, kw in ((HEADS_OFF, {"l1_weight": 0.1}), (confident, {})):
+        with pytest.raises(ValueError, match="dspark_loss needs last_hidden"):
+            dspark_loss(drafter(**heads), ids, loss_mask, hidden, None, anchors, valid, embed, head,
+                        **{**CE_ONLY, **kw})
+
+
+def test_the_family_reads_the_last_hidden_state_only_where_a_term_does():
+    """config.needs_last_hidden: a dspark drafter's shards hold the target's last hidden state where its L1
+    or confidence term has a weight; the CE-only baseline's do not, and its loss leaves a store's column
+    unread (the same loss with and without it)."""
+    from flashdraft.config import TrainConfig, needs_last_hidden
+    from flashdraft.dspark import loss, loss_options
+
+    paper = DrafterConfig(family="dspark", block_size=B, dspark=DSparkConfig(
+        markov_rank=0, ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0, confidence_with_markov=False))
+    assert not needs_last_hidden(paper) and not needs_last_hidden(DrafterConfig())
+    assert needs_last_hidden(DrafterConfig(family="dspark"))
+    def changed(**kw):
+        return dataclasses.replace(paper, dspark=dataclasses.replace(paper.dspark, **kw))
+
+    for change in (dict(l1_weight=0.1), dict(confidence_weight=0.5), dict(markov_rank=8, l1_weight=0.1)):
+        assert needs_last_hidden(changed(**change))
+    assert not needs_last_hidden(changed(markov_rank=8))  # a Markov head alone reads no teacher
+    g = torch.Generator().manual_seed(5)
+    s = 24
+    t = {"input_ids": torch.randint(0, MASK, (1, s), generator=g), "loss_mask": torch.ones(1, s),
+         "hidden": torch.randn(1, s, 2 * H, generator=g), "last_hidden": torch.randn(1, s, H, generator=g)}
+    anchors = torch.tensor([[2, 9, 15]])
+    d = drafter(**HEADS_OFF)
+    step = types.SimpleNamespace(model=d, spec=d.spec, embed=torch.randn(V, H, generator=g),
+                                 head=torch.randn(V, H, generator=g), attention="sdpa",
+                                 options=loss_options(TrainConfig(gamma=3.0), paper, d.spec))
+    assert step.options.teacher is False
+    full, stats = loss(step, t, anchors, anchors >= 0)
+    bare, _ = loss(step, {k: v for k, v in t.items() if k != "last_hidden"}, anchors, anchors >= 0)
+    assert full.item() == bare.item() and math.isnan(dspark_summarize(stats, B)["l1"])
+    step.options = loss_options(TrainConfig(gamma=3.0), DrafterConfig(family="dspark"), d.spec)
+    with pytest.raises(ValueError, match="holding the target's last hidden state"):
+        loss(step, {k: v for k, v in t.items() if k != "last_hidden"}, anchors, anchors >= 0)
 
 
 def test_under_ddp_the_loss_is_the_same_and_a_batch_without_anchors_reaches_every_parameter(data, tmp_path):
@@ -377,10 +448,28 @@ def test_markov_corrected_greedy_pick_is_the_step_by_step_reference(data):
         torch.testing.assert_close(logits[k], base + (w2 @ w1[drafts[k - 1]]).detach(), atol=1e-5, rtol=1e-5)
 
 
+def test_a_heads_off_drafter_is_the_backbone_and_drafts_the_argmax_of_its_base_logits(data):
+    """markov_rank 0 and no confidence head (DeepSpec builds neither: `build_markov_head` returns None at
+    rank 0): the drafter's tensors are the DFlash backbone's, and every slot is picked from its base logits
+    alone: the argmax at T=0, at T>0 a sample of softmax(logits/T), carried with that distribution."""
+    _, _, hidden, _, embed, head, _, _ = data
+    d = drafter(**HEADS_OFF).eval()
+    assert d.markov_head is None and d.confidence_head is None
+    assert d.state_dict().keys() == DFlashDrafter(backbone_spec(d.spec)).state_dict().keys()
+    with torch.no_grad():
+        h = d.block_hidden(hidden[:1, :10], 7, embed)
+        base = (h @ head.T).float()
+        drafts, q, logits = d.pick_block(h, 7, head)
+    assert q is None and drafts.tolist() == base.argmax(-1).tolist()
+    torch.testing.assert_close(logits, base, atol=0, rtol=0)
+    drafts, q, logits = d.pick_block(h, 7, head, 0.7, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(q, torch.softmax(base / 0.7, -1))
+    assert drafts.shape == (B,) and all(q[k, t] > 0 for k, t in enumerate(drafts.tolist()))
+
+
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """A tiny random target, its greedy continuations of four prompts, and a DSpark drafter fitted to them
-    for a few steps (enough for acceptance from none to a whole block)."""
+def toy_data(tmp_path_factory):
+    """A tiny random target, its greedy continuations of four prompts, and their training tensors."""
     root = tmp_path_factory.mktemp("dspark")
     build_toy_target(ToyConfig(steps=0, num_docs=200), str(root / "target"))
     model, tokenizer = load_target(str(root / "target"), "float32", torch.device("cpu"))  # fitted on the CPU
@@ -399,6 +488,13 @@ def toy(tmp_path_factory):
             hidden[j, : len(seq)] = select_features(out.hidden_states, spec.target_layer_ids)[0]
             last[j, : len(seq)] = out.last_hidden_state[0]
             ids[j, : len(seq)], loss_mask[j, len(p) : len(seq)] = torch.tensor(seq), 1
+    return model, tokenizer, spec, prompts, (ids, loss_mask, hidden, last)
+
+
+def fit(toy_data, spec, teacher=True, **kw):
+    """A drafter of `spec` fitted to the toy's continuations for 60 steps; `teacher` False: trained without
+    the target's last hidden state. Returns what the toy fixtures give."""
+    model, tokenizer, _, prompts, (ids, loss_mask, hidden, last) = toy_data
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     torch.manual_seed(0)
     d = DSparkDrafter(spec)
@@ -406,7 +502,8 @@ def toy(tmp_path_factory):
     gen, rows = torch.Generator().manual_seed(0), []
     for _ in range(60):
         anchors, valid = sample_anchors(loss_mask, 16, B, gen)
-        loss, stats = dspark_loss(d, ids, loss_mask, hidden, last, anchors, valid, embed, head, **KW)
+        loss, stats = dspark_loss(d, ids, loss_mask, hidden, last if teacher else None, anchors, valid, embed,
+                                  head, **{**KW, **kw})
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -414,13 +511,29 @@ def toy(tmp_path_factory):
     return model, tokenizer, spec, d.eval(), prompts, rows
 
 
-def test_training_raises_acceptance(toy):
-    rows = toy[-1]
+@pytest.fixture(scope="module")
+def toy(toy_data):
+    """A DSpark drafter fitted to the toy's continuations for a few steps (enough for acceptance from none
+    to a whole block)."""
+    return fit(toy_data, toy_data[2])
+
+
+@pytest.fixture(scope="module")
+def toy_heads_off(toy_data):
+    """The DSpark paper's DFlash baseline fitted as `toy`: no Markov or confidence head, CE alone, no
+    teacher."""
+    return fit(toy_data, dataclasses.replace(toy_data[2], **HEADS_OFF), teacher=False, **CE_ONLY)
+
+
+@pytest.mark.parametrize("fitted", ["toy", "toy_heads_off"])
+def test_training_raises_acceptance(fitted, request):
+    rows = request.getfixturevalue(fitted)[-1]
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["sim_tau"] > rows[0]["sim_tau"] + 1
 
 
-def test_speculative_decoding_is_lossless_and_cached_equals_uncached_and_static(toy):
-    model, tokenizer, spec, d, prompts, _ = toy
+@pytest.mark.parametrize("fitted", ["toy", "toy_heads_off"])
+def test_speculative_decoding_is_lossless_and_cached_equals_uncached_and_static(fitted, request):
+    model, tokenizer, spec, d, prompts, _ = request.getfixturevalue(fitted)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     eos = set(eos_ids(model, tokenizer))
     plain = make_session(model, "auto", 256, (), B + 1)
@@ -440,6 +553,8 @@ def test_speculative_decoding_is_lossless_and_cached_equals_uncached_and_static(
     # B drafts per step: whole blocks (B drafts + the bonus), rejections and partial runs all happened
     assert any(e == B + 1 for e, _ in steps) and any(a == 0 for _, a in steps)
     assert any(0 < a < B for _, a in steps)
+    if d.confidence_head is None:
+        return
     # a confidence threshold above every confidence drafts nothing: plain decoding, still lossless
     silent = DSparkProposer(d, embed, head, confidence_threshold=1.0)
     out = speculative_decode(featured, silent, prompts[0], 20, eos)
@@ -448,12 +563,13 @@ def test_speculative_decoding_is_lossless_and_cached_equals_uncached_and_static(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_drafting_is_lossless_and_drafts_as_the_cached_drafter(toy):
+@pytest.mark.parametrize("fitted", ["toy", "toy_heads_off"])
+def test_cuda_graph_drafting_is_lossless_and_drafts_as_the_cached_drafter(fitted, request):
     """On CUDA, the static engine: the target's session and the drafter's block step compiled and captured
     as CUDA graphs (float32) decode what target-only decoding does, with the cached drafter's drafts."""
     import copy
 
-    model, tokenizer, spec, d, prompts, _ = toy
+    model, tokenizer, spec, d, prompts, _ = request.getfixturevalue(fitted)
     model, d = copy.deepcopy(model).cuda(), copy.deepcopy(d).cuda()
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     eos = set(eos_ids(model, tokenizer))
@@ -467,6 +583,18 @@ def test_cuda_graph_drafting_is_lossless_and_drafts_as_the_cached_drafter(toy):
         cached = speculative_decode(featured, DSparkProposer(d, embed, head), p, 40, eos)
         assert static.tokens == cached.tokens == want
         assert static.emitted == cached.emitted
+
+
+def test_heads_off_proposals_are_the_argmax_of_the_base_logits(toy_heads_off):
+    """The trained baseline's proposal at T=0: the block over the verified context, each slot's argmax."""
+    model, _, spec, d, prompts, _ = toy_heads_off
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    featured = make_session(model, "auto", 256, spec.target_layer_ids, B + 1)
+    _, feats = featured.prefill(prompts[0])
+    drafts, q = DSparkProposer(d, embed, head).propose(prompts[0] + [7], feats, B, 0.0, None)
+    with torch.no_grad():
+        want = (d.block_hidden(feats, 7, embed) @ head.T).argmax(-1).tolist()
+    assert q is None and drafts == want and len(set(want)) > 1
 
 
 def test_sampling_proposals_carry_their_distributions(toy):
@@ -522,13 +650,50 @@ def test_export_is_deepspec_layout_and_loads_back_bit_exactly(data, tmp_path):
 def test_config_refuses_other_markov_heads():
     config = tiny_spec().to_config_dict()
     assert DSparkSpec.from_config_dict(config) == tiny_spec()
-    for change in ({"markov_head_type": "gated"}, {"markov_rank": 0}):
+    for change in ({"markov_head_type": "gated"}, {"markov_rank": -1}, {"markov_head_type": None}):
         with pytest.raises(ValueError, match="only DSpark's vanilla Markov head"):
             DSparkSpec.from_config_dict({**config, **change})
+    # markov_rank 0: no Markov head, whatever type is named (DeepSpec's build_markov_head reads none)
+    none = {**config, "markov_rank": 0, "confidence_head_with_markov": False}
+    assert DSparkSpec.from_config_dict(none) == tiny_spec(markov_rank=0, confidence_with_markov=False)
     no_head = tiny_spec(confidence_head=False)
     assert DSparkSpec.from_config_dict(no_head.to_config_dict()) == no_head
     deepspec = {k: v for k, v in no_head.to_config_dict().items() if k != "confidence_head_with_markov"}
     assert DSparkSpec.from_config_dict(deepspec) == no_head  # DeepSpec writes the key only with a head
+
+
+def test_a_heads_off_export_is_deepspec_s_layout_and_loads_back_bit_exactly(data, tmp_path):
+    """No markov_head.* or confidence_head.* tensors, markov_rank 0 and no markov_head_type in config.json
+    (DeepSpec's build_draft_config writes the type only with a head); it loads back bit-exactly, and
+    DeepSpec's own checkpoint of it (the target's tensors inside, no confidence_head_with_markov) starts a
+    run of the same heads, and no other."""
+    _, _, hidden, _, embed, head, _, _ = data
+    d = drafter(**HEADS_OFF)
+    export_drafter(d, d.spec, tmp_path / "drafter")
+    with safe_open(tmp_path / "drafter" / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == set(DFlashDrafter(backbone_spec(d.spec)).state_dict())
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and "markov_head_type" not in config
+    heads = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")
+    assert [config[k] for k in heads] == [0, False, False]
+    loaded, spec = load_drafter(tmp_path / "drafter")
+    assert spec == d.spec and loaded.markov_head is None and loaded.confidence_head is None
+    mine, theirs = d.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    with torch.no_grad():
+        h1, h2 = d.block_hidden(hidden[:1, :9], 3, embed), loaded.block_hidden(hidden[:1, :9], 3, embed)
+        assert torch.equal(d.pick_block(h1, 3, head)[2], loaded.pick_block(h2, 3, head)[2])
+    path = tmp_path / "deepspec"
+    deepspec_checkpoint(path, d)
+    written = json.loads((path / "config.json").read_text())
+    del written["confidence_head_with_markov"]
+    (path / "config.json").write_text(json.dumps(written))
+    state = init_weights(path, d.spec)
+    assert state.keys() == mine.keys() and all(torch.equal(state[k], mine[k]) for k in mine)
+    with pytest.raises(UserError, match=r"markov_rank 0, this drafter 8; set drafter.dspark.markov_rank: 0"):
+        init_weights(path, tiny_spec())
+    with pytest.raises(ValueError, match="only with a Markov head"):
+        tiny_spec(markov_rank=0)  # a confidence head reading the Markov features of none
 
 
 def deepspec_checkpoint(path, d, extra=None, **config):
@@ -597,3 +762,90 @@ def test_gpu_flex_and_sdpa_agree_and_bf16_tracks_float32(data):
     torch.testing.assert_close(results["sdpa"][1], results["flex"][1], atol=1e-4, rtol=1e-3)
     assert results["bf16"][0] == pytest.approx(results["sdpa"][0], rel=0.05)
     assert results["bf16"][1].isfinite().all() and results["bf16"][1].abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (f) config/dflash_paper.yaml: the DSpark paper's DFlash baseline
+
+
+def overlay(*names):
+    """The Config of the embedded default with `names` (files of config/) over it, as Snakemake merges
+    them, validated against the schema."""
+    from snakemake.utils import validate
+
+    from flashdraft.config import config_from
+    from flashdraft.estimate_inputs import merge_into
+
+    repo = Path(__file__).resolve().parents[1]
+    data = {}
+    for name in ("config.yaml", *names):
+        merge_into(data, yaml.safe_load((repo / "config" / name).read_text()))
+    validate(data, str(repo / "workflow" / "schemas" / "config.schema.yaml"))
+    return config_from(data)
+
+
+def test_the_paper_baseline_config_is_heads_off_on_dflash_shards_at_dflash_rates():
+    """config/dflash_paper.yaml over the embedded default: a dspark drafter of block 7 without either head,
+    trained with CE alone (DeepSpec's config/dflash/dflash_qwen3_8b.py), that passes the checks; its hidden
+    shards are a dflash run's (no last hidden state: a token's bytes are DFlash's), and the planner gives it
+    DFlash's training and decoding rates, where config/dspark.yaml pays both measured factors."""
+    from flashdraft.config import needs_last_hidden
+    from flashdraft.config_check import check
+    from flashdraft.estimate import Run, Split, token_bytes
+    from flashdraft.shapes import QWEN3_8B
+
+    paper, dspark, dflash = overlay("dflash_paper.yaml"), overlay("dspark.yaml"), overlay()
+    d = paper.drafter
+    assert (d.family, d.block_size, paper.train.loss_gamma(d.block_size)) == ("dspark", 7, 4.0)
+    assert (d.dspark.markov_rank, d.dspark.ce_weight, d.dspark.l1_weight, d.dspark.confidence_weight) == (
+        0, 1.0, 0.0, 0.0)
+    check(paper)
+    target = types.SimpleNamespace(num_hidden_layers=6, hidden_size=H, intermediate_size=128, vocab_size=V,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e4)
+    spec = DSparkSpec.from_target(target, 90, d)
+    assert (spec.markov_rank, spec.confidence_head, spec.verify_width) == (0, False, 8)
+    assert not needs_last_hidden(d) and needs_last_hidden(dspark.drafter)
+    assert token_bytes(paper, QWEN3_8B) == token_bytes(dflash, QWEN3_8B) < token_bytes(dspark, QWEN3_8B)
+    split = Split(target=1, drafter=1)
+
+    def keys(cfg):
+        run = Run(cfg, None, QWEN3_8B, 1.0, 1)
+        return run.train_keys(split) + run.eval_keys()
+
+    assert keys(paper) == keys(dflash)
+    assert {"train_dspark_factor", "eval_dspark_factor"} <= set(keys(dspark))
+
+
+def test_a_confidence_head_on_the_markov_features_of_no_markov_head_is_refused():
+    from flashdraft.config_check import check
+
+    cfg = overlay("dflash_paper.yaml")
+    cfg.drafter.dspark.confidence_weight = 1.0
+    check(cfg)  # a confidence head over the slot's hidden state alone
+    cfg.drafter.dspark.confidence_with_markov = True
+    with pytest.raises(UserError, match=r"confidence_with_markov: true reads the Markov head's features, and "
+                                        r"drafter\.dspark\.markov_rank 0 builds none"):
+        check(cfg)
+
+
+@pytest.mark.slow
+def test_the_paper_baseline_trains_from_shards_without_the_last_hidden_state(tmp_path):
+    """scripts/train.py with config/dflash_paper.yaml's drafter on shards a dflash run makes (no
+    last_hidden column): the loss falls, metrics.csv's teacher columns are empty, and the export is a
+    DSpark drafter with neither head."""
+    from conftest import toy_hidden_shards
+    from train_helpers import TRAIN, losses, read_rows, run, train_cmd
+
+    paper = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "dflash_paper.yaml").read_text())
+    backbone = {"num_layers": 2, "block_size": paper["drafter"]["block_size"]}
+    shards = toy_hidden_shards(tmp_path, backbone)
+    drafter = {**backbone, "family": "dspark", "dspark": paper["drafter"]["dspark"]}
+    run(train_cmd(tmp_path, shards, tmp_path / "out", {**TRAIN, **paper["train"], "max_steps": 8}, nproc=1,
+                  drafter=drafter))
+    rows = read_rows(tmp_path / "out" / "metrics.csv")
+    assert losses(rows)[-1] < losses(rows)[0]
+    assert all(math.isnan(float(r["l1"])) and math.isnan(float(r["expected_tau"])) for r in rows)
+    assert all(float(r["loss"]) == pytest.approx(float(r["ce"]), rel=1e-6) for r in rows)
+    d, spec = load_drafter(tmp_path / "out" / "drafter")
+    assert (spec.family, spec.markov_rank, spec.confidence_head) == ("dspark", 0, False)
+    assert d.markov_head is None and d.confidence_head is None

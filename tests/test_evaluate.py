@@ -129,7 +129,7 @@ def test_untrained_drafter_is_lossless(toy):
     _, model, tokenizer, prompts, layer_ids = toy
     drafter, spec = untrained(model, tokenizer)
     assert list(spec.target_layer_ids) == layer_ids
-    cfg = EvalConfig(num_prompts=len(prompts), max_new_tokens=MAX_NEW)
+    cfg = EvalConfig(num_prompts=len(prompts), max_new_tokens=MAX_NEW, temperatures=[0.0])
     proposers = {"dflash_untrained": DFlashProposer(drafter, *head(model)), "ngram": NgramProposer(B - 1)}
     rows = evaluate(model, tokenizer, proposers, prompts, layer_ids, B, cfg)
     assert len(rows) == 3 * len(prompts)
@@ -331,11 +331,55 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert abs(acc - float(p[0])) < 0.05
 
 
+def rejection_chain_counts(verify_fn, p_logits, q, n, gen, length=3):
+    """How often each sequence of `length` tokens starts an output decoded by verify steps against a
+    context-free target (its logits `p_logits` [V] at every position), with drafts of one token per row of
+    q drawn from that row. Decoding goes on after a rejection, so later tokens come from later draft
+    positions, residual samples and bonus tokens alike."""
+    vocab = q.shape[-1]
+    logits = p_logits.expand(len(q) + 1, vocab)
+    counts = torch.zeros(vocab**length, dtype=torch.float64)
+    for _ in range(n):
+        out = []
+        while len(out) < length:
+            draft = [int(torch.multinomial(row, 1, generator=gen)) for row in q]
+            accepted, nxt = verify_fn(draft, logits, q, 1.0, gen)
+            out += [*draft[:accepted], nxt]
+        counts[sum(t * vocab**i for i, t in enumerate(reversed(out[:length])))] += 1
+    return counts
+
+
+def test_rejection_sampling_keeps_the_target_distribution_at_every_draft_position():
+    """Lossless in distribution over a whole verify step, not only its first draft: against a target
+    whose next-token law is p whatever the context, speculative decoding must emit i.i.d. samples of p, so
+    the first 3 tokens of an output follow p x p x p (64 cells), though each draft position drafts from
+    its own q_k, far from p. A rule that resamples from p instead of the residual max(p - q, 0) after a
+    rejection fails the same check: the test can tell."""
+    p_logits = torch.tensor([1.0, 0.5, 0.0, -0.5])
+    q = torch.softmax(torch.tensor([[-1.0, 0.0, 1.5, 0.5], [0.5, -1.0, 0.0, 1.5], [0.0, 1.0, -1.0, 1.0]]), -1)
+    p = torch.softmax(p_logits, -1).double()
+    exact = torch.einsum("i,j,k->ijk", p, p, p).flatten()
+    n = 5000
+    counts = rejection_chain_counts(verify, p_logits, q, n, torch.Generator().manual_seed(0))
+    assert chi_square_p_value(counts, n * exact) > 1e-3
+
+    def resample_from_p(draft, logits, q, temperature, generator):
+        probs = torch.softmax(logits / temperature, -1)
+        for i, d in enumerate(draft):
+            if torch.rand((), generator=generator) * q[i][d] < probs[i, d]:
+                continue
+            return i, int(torch.multinomial(probs[i], 1, generator=generator))  # the bug: not the residual
+        return len(draft), int(torch.multinomial(probs[len(draft)], 1, generator=generator))
+
+    wrong = rejection_chain_counts(resample_from_p, p_logits, q, n, torch.Generator().manual_seed(0))
+    assert chi_square_p_value(wrong, n * exact) < 1e-6
+
+
 def chi_square_p_value(counts, expected):
     """Pearson's test of `counts` against `expected` (same total), cells expected below 5 pooled."""
     small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected
     stat = ((obs - exp) ** 2 / exp).sum()
     return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2), stat / 2))  # chi2 survival
 
@@ -384,6 +428,49 @@ def test_sampled_speculation_runs_and_is_not_called_lossless(toy):
     assert [r["lossless"] for r in rows] == [None, None, None]
     assert all(0 < r["new_tokens"] <= 12 and 1 <= r["tau"] <= B for r in rows)
     assert summarize(rows, B)["ngram"]["lossless_all"] is None
+
+
+def test_each_temperature_is_evaluated_and_the_greedy_numbers_stay_as_they_were(toy):
+    """eval.temperatures [0, 1]: every prompt decoded at both; the T=0 rows and summary numbers are those of
+    a greedy-only evaluation (the headline of summary.json), T=1's are under by_temperature, sampled and
+    seeded by eval.seed (a different seed, other samples)."""
+    _, model, tokenizer, prompts, layer_ids = toy
+    drafter, _ = untrained(model, tokenizer)
+
+    def run(**kw):
+        proposers = {"ngram": NgramProposer(B - 1), "dflash_untrained": DFlashProposer(drafter, *head(model))}
+        cfg = EvalConfig(max_new_tokens=16, **kw)
+        return evaluate(model, tokenizer, proposers, prompts[:2], layer_ids, B, cfg)
+
+    both, greedy = run(temperatures=[0.0, 1.0]), run(temperatures=[0.0])
+    assert EvalConfig().temperatures == [0.0, 1.0]  # the default
+    names = ("target_only", "ngram", "dflash_untrained")
+    assert [(r["id"], r["temperature"], r["drafter"]) for r in both] == [
+        (p, t, d) for p in ("p0", "p1") for t in (0.0, 1.0) for d in names]
+
+    def same(rows):  # as JSON text: NaN (no logit gap) equals NaN
+        return json.dumps([{k: v for k, v in r.items() if k not in TIMING} for r in rows])
+
+    assert same([r for r in both if r["temperature"] == 0]) == same(greedy)
+    sampled = [r for r in both if r["temperature"] == 1]
+    assert all(r["lossless"] is None for r in sampled) and all(r["lossless"] for r in greedy)
+    s, g = summarize(both, B), summarize(greedy, B)
+    assert s.keys() == g.keys() and all(s[k]["temperature"] == 0.0 for k in s)
+    for name in ("ngram", "dflash_untrained"):
+        assert without_timing({name: s[name]})[name] | {"by_temperature": None} == \
+            without_timing({name: g[name]})[name] | {"by_temperature": None}
+        assert list(s[name]["by_temperature"]) == ["0", "1"]
+        at1 = s[name]["by_temperature"]["1"]
+        assert at1["lossless_all"] is None and at1["prompts"] == 2
+        assert at1["tau_pooled"] == summarize(sampled, B)[name]["tau_pooled"]
+        skip = TIMING | {"speedup", "temperature", "by_temperature"}
+        assert {k: v for k, v in s[name]["by_temperature"]["0"].items() if k not in skip} == \
+            {k: v for k, v in s[name].items() if k not in skip}
+    json.dumps(s, allow_nan=False)
+    assert [r["output"] for r in run(temperatures=[1.0])] == [r["output"] for r in sampled]  # seeded
+    assert [r["output"] for r in run(temperatures=[1.0], seed=5)] != [r["output"] for r in sampled]
+    # the former single-temperature key: that temperature alone
+    assert EvalConfig(temperature=0.7).temperatures == [0.7]
 
 
 def test_mismatched_drafter_is_refused_by_name(toy):
@@ -450,8 +537,13 @@ TIMING = {"decode_s", "tokens_per_s"}  # wall-clock columns: differ from run to 
 
 
 def without_timing(summary):
-    return {k: {m: x for m, x in v.items() if m not in {"tokens_per_s", "speedup"}}
-            for k, v in summary.items()}
+    """A summary without its wall-clock numbers, at every temperature too."""
+    def strip(v):
+        out = {m: x for m, x in v.items() if m not in {"tokens_per_s", "speedup"}}
+        if "by_temperature" in out:
+            out["by_temperature"] = {t: strip(x) for t, x in out["by_temperature"].items()}
+        return out
+    return {k: strip(v) for k, v in summary.items()}
 
 
 def script(name):
@@ -464,8 +556,9 @@ def script(name):
     return module.main
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_merged_shards_equal_one_job(toy, tmp_path, temperature):
+@pytest.mark.parametrize("temperatures", [{"temperature": 0.0}, {"temperatures": [0.0, 0.8]}],
+                         ids=["greedy", "greedy-and-sampled"])
+def test_merged_shards_equal_one_job(toy, tmp_path, temperatures):
     """scripts/evaluate.py over the whole set against 3 shard jobs of it joined by scripts/evaluate_merge.py,
     as the evaluate and evaluate_merge rules run them."""
     from flashdraft.drafter_io import export_drafter
@@ -476,7 +569,7 @@ def test_merged_shards_equal_one_job(toy, tmp_path, temperature):
     conversations = task_conversations(7, seed=3)
     prompts = [{"id": f"q{i}", "source": "toy", "messages": c} for i, c in enumerate(conversations)]
     pd.DataFrame(prompts).to_parquet(tmp_path / "eval.parquet")
-    cfg = json.dumps({"num_prompts": 6, "max_new_tokens": 10, "temperature": temperature})  # not the 7th
+    cfg = json.dumps({"num_prompts": 6, "max_new_tokens": 10, **temperatures})  # not the 7th
     target = to_json(TargetConfig(path=str(path), dtype="float32"))
     common = ["--cfg", cfg, "--target-cfg", target,
               "--drafter", str(tmp_path / "drafter"), "--prompts", str(tmp_path / "eval.parquet")]
@@ -493,7 +586,8 @@ def test_merged_shards_equal_one_job(toy, tmp_path, temperature):
 
     a, b = (pd.read_parquet(tmp_path / d / "per_prompt.parquet").drop(columns=list(TIMING))
             for d in ("one", "merged"))
-    assert len(a) == 6 * 4 and list(a.columns) == list(b.columns)
+    count = len(temperatures.get("temperatures", [0]))
+    assert len(a) == 6 * 4 * count and list(a.columns) == list(b.columns)
     pd.testing.assert_frame_equal(a, b)
     one, merged = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "merged"))
     assert one.keys() == merged.keys() and without_timing(merged) == without_timing(one)

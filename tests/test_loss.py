@@ -98,17 +98,25 @@ def test_loss_is_weighted_ce_of_predict_block_logits(setup):
     with torch.no_grad():
         loss, stats = dflash_loss(drafter, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(gamma),
                                   chunk_blocks=2)
-    num, den = 0.0, 0.0
+    num, den, expected = 0.0, 0.0, []
     for r in range(2):
         for a in anchors[r][valid[r]].tolist():
             logits = drafter.predict_block(hidden[r : r + 1, :a], ids[r, a].item(), embed, head)
-            for k in range(1, B):
+            reached, tau = 1.0, 1.0  # expected_tau: each draft position is reached with the product of
+            for k in range(1, B):  # the drafter's probabilities of the labels before it, at T=1
                 if a + k < ids.shape[1]:
                     w = loss_mask[r, a + k].item() * math.exp(-(k - 1) / gamma)
                     num += w * F.cross_entropy(logits[k - 1], ids[r, a + k]).item()
                     den += w
+                p = torch.softmax(logits[k - 1], -1)[ids[r, a + k]].item() if a + k < ids.shape[1] else 0.0
+                reached *= p * (a + k < ids.shape[1] and loss_mask[r, a + k].item())
+                tau += reached
+            expected.append(tau)
     assert loss.item() == pytest.approx(num / den, rel=1e-4)
-    assert summarize(stats, B)["loss"] == pytest.approx(num / den, rel=1e-4)
+    row = summarize(stats, B)
+    assert row["loss"] == pytest.approx(num / den, rel=1e-4)
+    assert row["expected_tau"] == pytest.approx(sum(expected) / len(expected), rel=1e-4)
+    assert 1.0 < row["expected_tau"] < B
 
 
 def test_chunked_loss_equals_unchunked_in_value_and_gradient(setup):
@@ -216,11 +224,15 @@ def test_linear_cross_entropy_equals_autograd_in_value_gradient_and_argmax(head_
     tol = dict(rtol=1e-5, atol=1e-5) if head_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     for chunk in (1, 8, 64):
         x = h.detach().clone().requires_grad_(True)
-        total, correct = LinearCrossEntropy.apply(x, head, labels, weights, chunk)
+        total, correct, ce = LinearCrossEntropy.apply(x, head, labels, weights, chunk)
         (total * 2.0).backward()
         torch.testing.assert_close(total, want.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(x.grad, want_grad, **tol)
         assert torch.equal(correct, logits.argmax(-1) == labels) and not correct.requires_grad
+        # each row's CE, weighted or not: the drafter's probability of its label is exp(-CE)
+        torch.testing.assert_close(ce, F.cross_entropy(logits, labels, reduction="none").detach(),
+                                   rtol=1e-5, atol=1e-5)
+        assert not ce.requires_grad
     assert head.grad is None
 
 
@@ -237,7 +249,7 @@ def test_compiled_cross_entropy_chunks_equal_eager_ones(dpace):
     out = {}
     for compiled in (False, True):
         x = h.clone().requires_grad_(True)
-        total, correct = LinearCrossEntropy.apply(x, head, labels, weights, chunk, dpace, compiled)
+        total, correct, _ = LinearCrossEntropy.apply(x, head, labels, weights, chunk, dpace, compiled)
         total.backward()
         out[compiled] = total.detach(), correct, x.grad
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
@@ -256,18 +268,50 @@ def test_compiled_cross_entropy_compiles_at_its_first_full_chunk_under_fail_on_r
     loss_module._compiled_ce_chunk = None
     with torch.compiler.set_stance("fail_on_recompile"):
         for _ in range(2):
-            total, _ = LinearCrossEntropy.apply(h, head, labels, weights, 10, None, True)
+            total, *_ = LinearCrossEntropy.apply(h, head, labels, weights, 10, None, True)
         assert loss_module.compiled_ce_chunk().ran
         with pytest.raises(RuntimeError, match="fail_on_recompile"):  # another chunk size: a recompile
             LinearCrossEntropy.apply(h, head, labels, weights, 5, None, True)
-    want, _ = LinearCrossEntropy.apply(h, head, labels, weights, 10, None, False)
+    want, *_ = LinearCrossEntropy.apply(h, head, labels, weights, 10, None, False)
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
+
+
+def test_expected_tau_is_the_mean_acceptance_length_of_rejection_sampling():
+    """expected_tau's acceptance probability of a position, 1 - TV(q, p), is speculative.verify's at T=1:
+    over many verify steps with context-free distributions (the drafter's q_k, the target's p_k), the mean
+    tokens a step emits (accepted drafts + the bonus) is expected_tau; against a one-hot target (a DFlash
+    store's token y) the probability is q(y), what dflash_loss counts."""
+    from flashdraft.loss import expected_tau
+    from flashdraft.speculative import verify
+
+    g = torch.Generator().manual_seed(0)
+    n, vocab, trials = 3, 6, 4000
+    q = torch.softmax(torch.randn(n, vocab, generator=g) * 1.5, -1)
+    y = torch.tensor([2, 0, 4])
+    one_hot = torch.full((n + 1, vocab), -math.inf)
+    one_hot[torch.arange(n), y], one_hot[n, 0] = 0.0, 0.0
+    spread = torch.randn(n + 1, vocab, generator=g) * 1.5
+    for logits, accept in [(spread, None), (one_hot, q[torch.arange(n), y])]:
+        p = torch.softmax(logits, -1)[:n]
+        if accept is None:
+            accept = 1 - (q - p).abs().sum(-1) / 2
+        want = float(expected_tau(accept[None])[0])
+        emitted = 0
+        for _ in range(trials):
+            draft = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(n)]
+            emitted += verify(draft, logits, q, 1.0, g)[0] + 1
+        # a step emits 1..n+1 tokens: sd <= (n+1)/2, so 4 sd of the mean
+        assert abs(emitted / trials - want) < 4 * (n + 1) / 2 / trials**0.5, (emitted / trials, want)
+        # and the check can tell: 1 - L1 (no half) for the acceptance probability is far off
+        wrong = float(expected_tau((1 - (q - p).abs().sum(-1)).clamp(0)[None])[0])
+        assert abs(emitted / trials - wrong) > 0.2
 
 
 def test_simulated_tau_and_per_position_metrics():
     hit = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     assert simulated_tau(hit).tolist() == [3.0, 1.0, 5.0]  # accepted prefix + the bonus token
-    stats = torch.tensor([6.0, 3.0, 9.0, 3.0, 2, 3, 2, 3, 3, 3, 3, 3])  # B = 5: 4 positions
+    stats = torch.tensor([6.0, 3.0, 9.0, 3.0, 2, 3, 2, 3, 3, 3, 3, 3, 7.5])  # B = 5: 4 positions
     row = summarize(stats, 5)
     assert row["loss"] == 2.0 and row["sim_tau"] == 3.0 and row["acc"] == 10 / 12
+    assert row["expected_tau"] == 2.5
     assert [row[f"acc_pos_{k}"] for k in range(1, 5)] == [2 / 3, 1.0, 2 / 3, 1.0]

@@ -15,9 +15,10 @@ from flashdraft.metrics import MetricsLogger, metric_fields
 B = 4  # block size: 3 draft positions
 
 
-def stats(ce, w, tau, blocks, correct, counted) -> torch.Tensor:
-    """One micro-batch's dflash_loss stats: [sum w*CE, normalizer, sum tau, blocks, correct_k, counted_k]."""
-    t = torch.tensor([ce, w, tau, blocks, *correct, *counted], dtype=torch.float32)
+def stats(ce, w, tau, blocks, correct, counted, expected=0.0) -> torch.Tensor:
+    """One micro-batch's dflash_loss stats: [sum w*CE, normalizer, sum tau, blocks, correct_k, counted_k,
+    sum expected_tau]."""
+    t = torch.tensor([ce, w, tau, blocks, *correct, *counted, expected], dtype=torch.float32)
     assert t.numel() == stats_size(B)
     return t
 
@@ -33,12 +34,12 @@ def logger(tmp_path, step=0, rows=None, window=None, val=False):
 
 def test_a_row_is_the_windows_sums_as_means(tmp_path):
     m = logger(tmp_path)
-    m.add(stats(6.0, 2.0, 5.0, 2, [2, 1, 0], [2, 2, 1]), tokens=100)
-    m.add(stats(3.0, 1.0, 2.0, 1, [1, 0, 0], [1, 1, 1]), tokens=50)
+    m.add(stats(6.0, 2.0, 5.0, 2, [2, 1, 0], [2, 2, 1], 4.5), tokens=100)
+    m.add(stats(3.0, 1.0, 2.0, 1, [1, 0, 0], [1, 1, 1], 1.5), tokens=50)
     row = m.log(step=1, epoch=0.5, lr=1e-3, grad_norm=2.0)
     m.close()
     assert row["loss"] == pytest.approx(9.0 / 3.0)  # the weighted mean over both micro-batches
-    assert row["sim_tau"] == pytest.approx(7.0 / 3)
+    assert row["sim_tau"] == pytest.approx(7.0 / 3) and row["expected_tau"] == pytest.approx(6.0 / 3)
     assert row["acc"] == pytest.approx(4 / 8)
     assert [row[f"acc_pos_{k}"] for k in (1, 2, 3)] == pytest.approx([1.0, 1 / 3, 0.0])
     assert row["tokens_per_s"] > 0
@@ -85,3 +86,25 @@ def test_validation_columns_are_empty_where_it_did_not_run(tmp_path):
     rows = read_csv(tmp_path / "metrics.csv")
     assert list(rows[0]) == metric_fields(B, val=True)
     assert rows[0]["val_loss"] == "" and float(rows[1]["val_loss"]) == 0.5
+
+
+def test_a_window_checkpointed_before_a_metric_existed_resumes_with_that_metric_unknown(tmp_path):
+    """A checkpoint of a version whose stats ended before expected_tau: its open window resumes, the other
+    metrics of the next row as an uninterrupted run's, expected_tau NaN there only (its sums are missing)."""
+    first, second = stats(2.0, 1.0, 2.0, 1, [1, 0, 0], [1, 1, 1], 1.5), stats(4.0, 1.0, 3.0, 1, [1, 1, 0],
+                                                                              [1, 1, 1], 2.5)
+    run = logger(tmp_path / "a")
+    run.add(first, 10)
+    run.add(second, 10)
+    logged = run.log(1, 0.1, 1e-3, 1.0)
+    run.close()
+    old = [*first[:-1].tolist(), 10.0]  # the window as the earlier version saved it: no expected_tau
+    resumed = logger(tmp_path / "b", window=old)
+    resumed.add(second, 10)
+    again = resumed.log(1, 0.1, 1e-3, 1.0)
+    for k in ("loss", "acc", "sim_tau", "acc_pos_1", "acc_pos_2"):
+        assert again[k] == pytest.approx(logged[k]), k
+    assert math.isnan(again["expected_tau"])
+    resumed.add(second, 10)  # the next window is whole again
+    assert resumed.log(2, 0.2, 1e-3, 1.0)["expected_tau"] == pytest.approx(2.5)
+    resumed.close()

@@ -271,3 +271,42 @@ def test_a_prompt_past_the_targets_positions_is_a_recorded_failure(data, tmp_pat
     if engine == "static":
         slots = re.search(r"static-cache engine, \d+ slots of (\d+) positions", capsys.readouterr().err)
         assert slots and int(slots[1]) < 100, slots
+
+
+@pytest.mark.parametrize("engine", ["static", "generate"])
+def test_top_k_1_regenerates_the_greedy_answers(data, reference, tmp_path, engine):
+    """Sampled within top_k 1, every answer is the greedy one, in both engines of the hf backend; a wider
+    top_k samples other answers."""
+    greedy = reference[1] if engine == "static" else _run(
+        data, tmp_path / "greedy", dataclasses.replace(CFG, engine=engine))[1]
+    one = dataclasses.replace(CFG, engine=engine, temperature=1.5, top_k=1)
+    assert _run(data, tmp_path / "top_k_1", one)[1].equals(greedy)
+    wide = dataclasses.replace(CFG, engine=engine, temperature=1.5, top_k=50, top_p=0.95)
+    assert not _run(data, tmp_path / "wide", wide)[1].equals(greedy)
+
+
+def test_sampling_keys_left_unset_change_no_run(data, reference, tmp_path):
+    """regenerate.top_p and top_k at their defaults (off) are neither in the stage's params (its rerun
+    trigger) nor in the key of its parts, nor sent to a server: a run made before they existed redoes
+    nothing. Set, they are in all three."""
+    import json
+
+    from flashdraft.config import stage_params
+    from flashdraft.regenerate import sampling_fields
+
+    default = json.loads(to_json(RegenerateConfig()))
+    assert {"top_p", "top_k"} & set(stage_params("regenerate", default)) == set()
+    assert sampling_fields(RegenerateConfig()) == {}
+    held = json.loads((data / "reference" / "parts" / "meta.json").read_text())["cfg"]
+    assert "top_p" not in held and "top_k" not in held
+    cfg = RegenerateConfig(temperature=0.7, top_p=0.8, top_k=20)  # DeepSpec's data scripts' values
+    assert {"top_p": 0.8, "top_k": 20}.items() <= stage_params("regenerate", json.loads(to_json(cfg))).items()
+    assert sampling_fields(cfg) == {"top_p": 0.8, "top_k": 20}
+    # parts keyed without them (as every run before them) are not another config's: they are kept
+    work = tmp_path / "run"
+    _run(data, work)
+    parts = sorted((work / "parts").glob("part-*.parquet"))
+    meta = json.loads((work / "parts" / "meta.json").read_text())
+    assert meta["cfg"] == held and parts
+    _run(data, work, dataclasses.replace(CFG, temperature=0.7, top_k=1))  # another config: started over
+    assert json.loads((work / "parts" / "meta.json").read_text())["cfg"]["top_k"] == 1

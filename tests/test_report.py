@@ -5,6 +5,7 @@ import re
 import shlex
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -205,6 +206,43 @@ def test_report_has_plots_tables_and_numbers(tmp_path):
     assert "<td>total</td><td>448.25</td>" in doc
     # last training row
     assert "<td>40</td><td>0</td><td>1.25</td><td>0.65</td><td>2.60</td>" in doc
+
+
+def test_report_shows_tau_at_every_temperature_and_the_expected_tau(tmp_path):
+    """eval.temperatures [0, 1]: the headline table is T=0's, a table gives tau at each temperature, the
+    per-prompt table a column per drafter and temperature (losslessness from the greedy rows alone); the
+    validation table has expected_tau beside sim_tau."""
+    inputs = write_inputs(tmp_path)
+    rows = eval_rows()
+    for index, (pid, new, dflash, ngram) in enumerate([
+        ("a", 36, [(2, 3)] * 10 + [(1, 3)] * 15, [(1, 0)] * 35),  # tau 1.4 and 1.0
+        ("b", 12, [(2, 3)] * 5 + [(1, 3)], [(1, 0)] * 11),  # tau 11/6 and 1.0
+    ]):
+        row = partial(decoded_row, pid, num_prompt_tokens=20, lossless=None, index=index, temperature=1.0)
+        rows += [row("target_only", target_only(new, 0.01 * new)), row("dflash", decoded(dflash, 0.1)),
+                 row("ngram", decoded(ngram, 0.2))]
+    summary = write_outputs(sorted(rows, key=lambda r: r["prompt_index"]), B, inputs["eval_dir"])
+    assert summary["dflash"]["temperature"] == 0.0 and list(summary["dflash"]["by_temperature"]) == ["0", "1"]
+    assert summary["dflash"]["tau_pooled"] == summary["dflash"]["by_temperature"]["0"]["tau_pooled"]
+    assert summary["dflash"]["by_temperature"]["1"]["tau_pooled"] == 46 / 31
+    metrics = pd.read_csv(inputs["metrics_csv"])
+    metrics["expected_tau"] = [1.05, 1.3, 1.6, 1.9, 2.0]
+    metrics["val_loss"], metrics["val_acc"] = [None, None, 2.5, None, 1.5], [None, None, 0.4, None, 0.5]
+    metrics["val_sim_tau"] = [None, None, 1.8, None, 2.3]
+    metrics["val_expected_tau"] = [None, None, 1.5, None, 1.75]
+    metrics.to_csv(inputs["metrics_csv"], index=False)
+    doc = build_report(tmp_path / "r.html", **inputs)
+    assert "<p>Decoded at temperature 0:</p>" in doc
+    assert "<td>dflash</td><td>3.29</td><td>3.12</td><td>2</td>" in doc  # the headline: T=0's, as before
+    assert "<h3>tau by temperature</h3>" in doc and "<th>tau pooled T=1</th>" in doc
+    assert "<td>dflash</td><td>3.29</td><td>3.12</td>" in doc.split("tau by temperature")[1]
+    assert "<td>1.48</td><td>1.62</td>" in doc.split("tau by temperature")[1]  # dflash at T=1: 46/31, mean
+    header = "<th>tau dflash T=0</th><th>tau ngram T=0</th><th>tau dflash T=1</th><th>tau ngram T=1</th>"
+    assert header in doc
+    assert "<td>a</td><td>36</td><td>3.50</td><td>1.25</td><td>1.40</td><td>1.00</td><td>NO</td>" in doc
+    assert "<td>b</td><td>12</td><td>2.75</td><td>1.10</td><td>1.83</td><td>1.00</td><td>yes</td>" in doc
+    assert "<th>val_sim_tau</th><th>val_expected_tau</th>" in doc and "<td>2.30</td><td>1.75</td>" in doc
+    assert "<th>sim_tau</th><th>expected_tau</th>" in doc
 
 
 def test_serve_commands_follow_the_family():

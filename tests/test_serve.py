@@ -106,6 +106,10 @@ def _post(srv, body: bytes, length=None, send_body=True):
     ({"max_tokens": 32769}, "`max_tokens` must be an integer in 1..32768, got 32769"),
     ({"temperature": -0.5}, "`temperature` must be a number >= 0"),
     ({"temperature": "0.5"}, "`temperature` must be a number >= 0"),
+    ({"top_p": 0}, "`top_p` must be a number in (0, 1], got 0"),
+    ({"top_p": 1.5}, "`top_p` must be a number in (0, 1], got 1.5"),
+    ({"top_k": -2}, "`top_k` must be an integer >= 0 (0 or -1: off), got -2"),
+    ({"top_k": 2.5}, "`top_k` must be an integer >= 0"),
     ({"chat_template_kwargs": ["x"]}, "`chat_template_kwargs` must be an object"),
     ({"messages": [{"role": "user", "content": 5}]}, "`messages[0].content` must be a string, got a number"),
     ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": [{"text": "hi"}]}]},
@@ -115,7 +119,8 @@ def _post(srv, body: bytes, length=None, send_body=True):
      "`messages[0]` must be an object with a string `role` and `content`, got a string"),
 ], ids=["list", "string", "max-tokens-0", "max-tokens-negative", "max-completion-tokens-0",
         "max-tokens-string", "max-tokens-float", "max-tokens-over-limit", "temperature-negative",
-        "temperature-string", "template-kwargs-list", "content-number", "content-array", "no-role",
+        "temperature-string", "top-p-0", "top-p-over-1", "top-k-negative", "top-k-float",
+        "template-kwargs-list", "content-number", "content-array", "no-role",
         "message-string"])
 def test_bad_fields_are_400(server, body, words):
     if isinstance(body, dict):
@@ -167,6 +172,12 @@ def test_openai_equals_hf(data, server, hf_reference, tmp_path):
     assert len(set(ids)) == 40
     assert table.equals(hf_reference)  # answers, token counts, finish reasons, prompt order
     assert pq.read_table(tmp_path / "errors.parquet").num_rows == 0
+
+
+def test_top_k_1_through_the_server_is_greedy(data, server, hf_reference, tmp_path):
+    """regenerate.top_k reaches the server in the request (temperature 1.5, top_k 1: the greedy answers)."""
+    _, table = _run(data, tmp_path, _openai(_url(server), temperature=1.5, top_k=1))
+    assert table.equals(hf_reference)
 
 
 def test_retries_recover_injected_503(data, server, hf_reference, tmp_path):

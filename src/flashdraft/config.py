@@ -91,6 +91,10 @@ class RegenerateConfig:
     max_new_tokens: int = 1024
     batch_size: int = 0  # sequences decoded at once; 0: static engine from free GPU memory, else 16
     temperature: float = 0.0
+    # above temperature 0, sampling keeps the top_k likeliest tokens (0: all), then the fewest whose
+    # probabilities add up to top_p (1.0: all); DeepSpec's data scripts: temperature 0.7, top_p 0.8, top_k 20
+    top_p: float = 1.0
+    top_k: int = 0
     thinking: bool = False
     part_rows: int = 256  # rows per atomically committed parquet part
     max_error_fraction: float = 0.05  # fail the stage when more rows than this fail
@@ -139,7 +143,7 @@ class HiddenConfig:
 class DSparkConfig:
     """drafter.family dspark: its heads and its loss's weights (DeepSpec's Qwen3 recipe)."""
 
-    markov_rank: int = 256  # r of the vanilla Markov head (markov_w1 [V, r], markov_w2 [r, V])
+    markov_rank: int = 256  # r of the vanilla Markov head (markov_w1 [V, r], markov_w2 [r, V]); 0: none
     ce_weight: float = 0.1  # the block CE's weight in the loss
     l1_weight: float = 0.9  # the L1 distance to the target's distribution
     confidence_weight: float = 1.0  # the confidence head's BCE; 0: no confidence head
@@ -224,7 +228,7 @@ WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
 
 # Keys added after runs existed, left out of a stage's params (its rerun trigger) while at the value that
 # changes nothing: a run made before a key existed has nothing to redo (run_config does the same).
-LATER_KEYS = {"train": {"batch_anchors": 0}}
+LATER_KEYS = {"train": {"batch_anchors": 0}, "regenerate": {"top_p": 1.0, "top_k": 0}}
 
 
 def stage_params(section: str, values: dict) -> dict:
@@ -243,9 +247,22 @@ COMPILE_SCOPES = ("model", "layer")
 class EvalConfig:
     num_prompts: int = 64
     max_new_tokens: int = 256
-    temperature: float = 0.0
+    # every prompt is decoded at each: 0 greedy (lossless checked token for token), above 0 sampled (the
+    # paper's T=1); the first gives summary.json's headline numbers, each its own under by_temperature
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    temperature: float | None = None  # one temperature only: the same as temperatures: [temperature]
+    seed: int = 0  # prompt i samples from seed + i; the untrained baseline's weights come from it too
     shards: int = 0  # jobs the prompts are split into, one GPU each; 0: gpus.target (at least 1)
     engine: str = "auto"  # the target's cache: auto | static (flashdraft.session) | hf (DynamicCache)
+
+    def __post_init__(self):
+        # `temperature` is the key of configs written before `temperatures`: one temperature, as they had it
+        if self.temperature is not None:
+            self.temperatures, self.temperature = [self.temperature], None
+        if not self.temperatures or len(set(self.temperatures)) != len(self.temperatures) or \
+                any(t < 0 for t in self.temperatures):
+            raise UserError(f"config key eval.temperatures: {self.temperatures}; give one or more distinct "
+                            "temperatures >= 0, e.g. [0, 1]")
 
 
 @dataclass
@@ -491,8 +508,13 @@ def run_config_digest(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
 
 def needs_last_hidden(drafter: DrafterConfig) -> bool:
     """Whether drafter.family trains on the target's last hidden state, which its hidden shards then hold
-    per token beside the K layers' features (the `last_hidden` column; families.FamilyInfo.last_hidden)."""
-    return family_info(drafter.family).last_hidden
+    per token beside the K layers' features (the `last_hidden` column; families.FamilyInfo.last_hidden):
+    a family that has one, where a term reading it has a weight (FamilyInfo.teacher_weights)."""
+    info = family_info(drafter.family)
+    section = getattr(drafter, drafter.family, None)
+    if not info.last_hidden or not info.teacher_weights or section is None:
+        return info.last_hidden
+    return any(getattr(section, k) for k in info.teacher_weights)
 
 
 def feature_layers(num_target_layers: int, drafter: DrafterConfig) -> list[int]:

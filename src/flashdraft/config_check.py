@@ -171,6 +171,7 @@ def config_problems(cfg: Config, target: dict | None = None) -> tuple[list[str],
     found.run(_check_global_batch, t, world)
     found.run(_check_window, cfg.drafter)
     found.run(_check_draft_weights, cfg.drafter)
+    found.run(_check_dspark_heads, cfg.drafter)
     found.run(_one_of, "train.loss", t.loss, OBJECTIVES)
     found.run(_one_of, "train.compile_scope", t.compile_scope, COMPILE_SCOPES)
     if t.fp8 is not None and t.fp8 not in FP8_RECIPES:
@@ -253,6 +254,16 @@ def _check_draft_weights(d) -> None:
         names = " and ".join(f"drafter.{d.family}.{k}" for k in keys)
         raise UserError(f"config keys {names} are all 0: the loss would train no draft and export an "
                         "untrained drafter; give at least one a weight > 0")
+
+
+def _check_dspark_heads(d) -> None:
+    """A DSpark confidence head that reads the Markov features needs a Markov head."""
+    h = d.dspark
+    if d.family == "dspark" and not h.markov_rank and h.confidence_weight and h.confidence_with_markov:
+        raise UserError("config key drafter.dspark.confidence_with_markov: true reads the Markov head's "
+                        "features, and drafter.dspark.markov_rank 0 builds none; set it false (the "
+                        "confidence head reads the slot's hidden state alone), or "
+                        "drafter.dspark.confidence_weight: 0 (no confidence head)")
 
 
 def _check_chars(p) -> None:

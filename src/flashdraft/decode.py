@@ -54,15 +54,18 @@ class SlotDecoder:
     `graphs`: capture decode steps as CUDA graphs (default: on CUDA). `compiled`: compiled layer halves
     and FlexAttention over each row's own KV blocks (default: on CUDA; off, the same math runs eagerly
     with SDPA over a dense mask). `refill`: free slots that trigger a prefill of waiting prompts while
-    others decode (default: an eighth of the slots). `prefill_tokens`: padded tokens per prefill."""
+    others decode (default: an eighth of the slots). `prefill_tokens`: padded tokens per prefill.
+    `temperature` 0: greedy; above, sampled, within `top_k` and `top_p` where set (`step.pick`)."""
 
     def __init__(self, model, slots: int, max_len: int, eos: list[int], pad_id: int,
                  temperature: float = 0.0, seed: int = 0, graphs: bool | None = None,
-                 compiled: bool | None = None, refill: int | None = None, prefill_tokens: int = 16384):
+                 compiled: bool | None = None, refill: int | None = None, prefill_tokens: int = 16384,
+                 top_p: float = 1.0, top_k: int = 0):
         dev = model.device
         cuda = dev.type == "cuda"
         self.model, self.head = model, model.get_output_embeddings()
         self.slots, self.eos, self.pad_id, self.temperature = slots, set(eos), pad_id, temperature
+        self.sampling = dict(top_p=top_p, top_k=top_k)
         self.compiled = cuda if compiled is None else compiled
         self.max_len = round_len(max_len) if cuda or self.compiled else max_len
         self.refill = refill or max(1, slots // 8)
@@ -129,7 +132,8 @@ class SlotDecoder:
         elif self.graphs.on:
             length = min(self.max_len, -(-length // BUCKET) * BUCKET)
         logits, greedy = self.graphs.run(length, self._step, length)
-        nxt = greedy if self.temperature == 0 else pick(logits, self.temperature, self.generator)
+        nxt = greedy if self.temperature == 0 else pick(logits, self.temperature, self.generator,
+                                                         **self.sampling)
         self.tokens.copy_(nxt)
         return nxt.tolist()
 
@@ -143,7 +147,7 @@ class SlotDecoder:
         rows, lengths = torch.tensor(slots, device=dev), torch.tensor(n, device=dev)
         h, _ = prefill(self.model, self.cache, rows, ids.to(dev))
         logits = self.head(h[torch.arange(len(n), device=dev), lengths - 1])
-        first = pick(logits, self.temperature, self.generator)
+        first = pick(logits, self.temperature, self.generator, **self.sampling)
         self.tokens[rows], self.pos[rows], self.live[rows] = first, lengths, 1
         return first.tolist()
 

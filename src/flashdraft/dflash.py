@@ -30,7 +30,7 @@ def proposer(drafter, embed_weight, lm_head_weight, cached: bool = True):
 
 
 def metric_names(block_size: int) -> list[str]:
-    return ["loss", "acc", *(f"acc_pos_{k}" for k in range(1, block_size)), "sim_tau"]
+    return ["loss", "acc", *(f"acc_pos_{k}" for k in range(1, block_size)), "sim_tau", "expected_tau"]
 
 
 FAMILY = Family(

@@ -8,6 +8,11 @@ at anchor+k+1**: B inputs give B drafts. Slot k's logits are `h_k @ W.T + markov
 W the target's frozen LM head and prev_k the token before slot k's: the anchor token for k=0, then the
 true token at anchor+k in training and the token picked for slot k-1 when drafting. The confidence head
 reads `[h_k ; markov_w1[prev_k]]` and predicts the acceptance rate 1 - L1/2 of its slot.
+
+Either head can be off, as in DeepSpec: markov_rank 0 builds no Markov head (slot k's logits are its base
+logits, each slot picked on its own), confidence weight 0 no confidence head. Both off and the loss
+weights 1 CE + 0 L1 make the DSpark paper's DFlash baseline (config/dflash_paper.yaml); then nothing reads
+the target's last hidden state, and the shards need not hold it (config.needs_last_hidden).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import drafter_io
-from .config import DrafterConfig, DSparkConfig
+from .config import DrafterConfig, DSparkConfig, needs_last_hidden
 from .families import FAMILIES, Family
 from .loss import simulated_tau, train_forward
 from .model import DFlashDrafter, DraftCache, DrafterSpec
@@ -34,13 +39,20 @@ NUM_ANCHORS = 512  # DeepSpec's loader requires config.num_anchors (its training
 @dataclass
 class DSparkSpec(DrafterSpec):
     family: ClassVar[str] = "dspark"
-    markov_rank: int = 256  # r: markov_w1 [V, r], markov_w2 [r -> V]
+    markov_rank: int = 256  # r: markov_w1 [V, r], markov_w2 [r -> V]; 0: no Markov head
     confidence_head: bool = True
     confidence_with_markov: bool = True  # the confidence head reads markov_w1[prev] beside h
 
     def __post_init__(self):
         if self.sliding_window is not None:
             raise ValueError("a DSpark drafter has no sliding window")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank {self.markov_rank}: 0 (no Markov head) or more")
+        if not self.markov_rank:
+            if self.confidence_head and self.confidence_with_markov:
+                raise ValueError("a confidence head reads the Markov features only with a Markov head "
+                                 "(markov_rank > 0); set confidence_head_with_markov false")
+            self.confidence_with_markov = False  # without either head there are none to read
 
     @property
     def verify_width(self) -> int:
@@ -51,7 +63,7 @@ class DSparkSpec(DrafterSpec):
     def from_target(cls, target_config, tokenizer, drafter_cfg: DrafterConfig,
                     dspark_cfg: DSparkConfig | None = None) -> DSparkSpec:
         """DrafterSpec.from_target plus the heads of `dspark_cfg` (default drafter_cfg.dspark); the
-        confidence head exists where its loss weight is not 0."""
+        confidence head exists where its loss weight is not 0, the Markov head where its rank is."""
         d = drafter_cfg.dspark if dspark_cfg is None else dspark_cfg
         return dataclasses.replace(super().from_target(target_config, tokenizer, drafter_cfg),
                                    markov_rank=d.markov_rank, confidence_head=d.confidence_weight > 0,
@@ -59,12 +71,14 @@ class DSparkSpec(DrafterSpec):
 
     def to_config_dict(self, dtype: str = "bfloat16") -> dict:
         """config.json in DeepSpec's layout (what SGLang and vLLM load): the Qwen3 fields, with the DSpark
-        keys at the top level instead of DFlash's dflash_config."""
+        keys at the top level instead of DFlash's dflash_config; markov_head_type only with a Markov head
+        (DeepSpec's build_draft_config writes it only then)."""
         d = super().to_config_dict(dtype)
         del d["dflash_config"]
+        kind = {"markov_head_type": "vanilla"} if self.markov_rank else {}
         d.update(architectures=[FAMILIES["dspark"].architecture], mask_token_id=self.mask_token_id,
                  target_layer_ids=list(self.target_layer_ids), num_anchors=NUM_ANCHORS,
-                 markov_rank=self.markov_rank, markov_head_type="vanilla",
+                 markov_rank=self.markov_rank, **kind,
                  enable_confidence_head=self.confidence_head,
                  confidence_head_with_markov=self.confidence_with_markov)
         return d
@@ -72,14 +86,16 @@ class DSparkSpec(DrafterSpec):
     @classmethod
     def from_config_dict(cls, d: dict) -> DSparkSpec:
         """The spec of a DSpark export's config.json (ours or DeepSpec's, which leaves
-        confidence_head_with_markov out where it has no confidence head); only the vanilla Markov head."""
-        rank, kind = d["markov_rank"], d.get("markov_head_type")
-        if int(rank) <= 0 or kind != "vanilla":
+        confidence_head_with_markov out where it has no confidence head, and markov_head_type where it
+        has no Markov head); only the vanilla Markov head, or none (markov_rank 0)."""
+        rank, kind = int(d["markov_rank"]), d.get("markov_head_type")
+        if rank < 0 or (rank and kind != "vanilla"):
             raise ValueError(f"markov_rank {rank}, markov_head_type {kind!r}: only DSpark's vanilla Markov "
-                             "head (markov_rank > 0, markov_head_type 'vanilla') is supported")
+                             "head (markov_rank > 0, markov_head_type 'vanilla') or none (markov_rank 0) is "
+                             "supported")
         confidence = bool(d.get("enable_confidence_head", False))
-        with_markov = bool(d.get("confidence_head_with_markov", True))
-        return dataclasses.replace(super().from_config_dict(d), markov_rank=int(rank),
+        with_markov = bool(d.get("confidence_head_with_markov", rank > 0))
+        return dataclasses.replace(super().from_config_dict(d), markov_rank=rank,
                                    confidence_head=confidence, confidence_with_markov=with_markov)
 
 
@@ -111,20 +127,21 @@ class ConfidenceHead(nn.Module):
 
 class DSparkDrafter(DFlashDrafter):
     """DFlashDrafter (its block_hidden / block_hidden_cached give the slots' hidden states) with the Markov
-    and confidence heads. Initialized as DeepSpec's (HF's _init_weights): every Linear weight and the
-    embedding normal(0, 0.02), the confidence bias 0, norms 1."""
+    and confidence heads (each None where the spec has none). Initialized as DeepSpec's (HF's
+    _init_weights): every Linear weight and the embedding normal(0, 0.02), the confidence bias 0, norms 1."""
 
     spec_class = DSparkSpec
     foreign_keys = ("embed_tokens.weight", "lm_head.weight")  # DeepSpec's checkpoints carry the target's
 
     def __init__(self, spec: DSparkSpec, init: bool = True):
         super().__init__(spec, init)
-        self.markov_head = MarkovHead(spec.vocab_size, spec.markov_rank)
+        self.markov_head = MarkovHead(spec.vocab_size, spec.markov_rank) if spec.markov_rank else None
         dim = spec.hidden_size + spec.markov_rank * spec.confidence_with_markov
         self.confidence_head = ConfidenceHead(dim) if spec.confidence_head else None
         if init:
-            nn.init.normal_(self.markov_head.markov_w1.weight, std=0.02)
-            nn.init.normal_(self.markov_head.markov_w2.weight, std=0.02)
+            if self.markov_head is not None:
+                nn.init.normal_(self.markov_head.markov_w1.weight, std=0.02)
+                nn.init.normal_(self.markov_head.markov_w2.weight, std=0.02)
             if self.confidence_head is not None:
                 nn.init.normal_(self.confidence_head.proj.weight, std=0.02)
                 nn.init.zeros_(self.confidence_head.proj.bias)
@@ -133,8 +150,13 @@ class DSparkDrafter(DFlashDrafter):
         """The logit bias `[.., V]` of the previous tokens `prev` `[..]`."""
         return self.markov_head.markov_w2(self.markov_head.markov_w1(prev))
 
+    def prev_embeds(self, prev):
+        """markov_w1 of the previous tokens `prev` `[..]` (None without a Markov head)."""
+        return None if self.markov_head is None else self.markov_head.markov_w1(prev)
+
     def confidence(self, h, prev_embeds):
-        """Confidence logits `[..]` of slot hidden states `[.., H]` and markov_w1 of their previous tokens."""
+        """Confidence logits `[..]` of slot hidden states `[.., H]` and markov_w1 of their previous tokens
+        (`prev_embeds`, read only with confidence_with_markov)."""
         x = torch.cat([h, prev_embeds.to(h.dtype)], -1) if self.spec.confidence_with_markov else h
         return self.confidence_head.proj(x).squeeze(-1)
 
@@ -142,9 +164,15 @@ class DSparkDrafter(DFlashDrafter):
     def pick_block(self, h, last_token: int, lm_head_weight, temperature: float = 0.0, generator=None):
         """Drafts for the slots' hidden states h `[n, H]`, left to right: slot k's logits are its base
         logits plus the Markov bias of the token before it (`last_token`, the anchor, for slot 0, then each
-        pick). T=0: argmax; T>0: a sample of softmax(logits/T). Returns (draft tensor `[n]`, distributions
-        `[n, V]` at T>0 else None, the logits `[n, V]` float32)."""
+        pick); without a Markov head the base logits, every slot at once. T=0: argmax; T>0: a sample of
+        softmax(logits/T). Returns (draft tensor `[n]`, distributions `[n, V]` at T>0 else None, the logits
+        `[n, V]` float32)."""
         base = (h @ lm_head_weight.to(h.dtype).T).float()
+        if self.markov_head is None:
+            if temperature == 0:
+                return base.argmax(-1), None, base
+            q = torch.softmax(base / temperature, -1)
+            return torch.multinomial(q, 1, generator=generator)[:, 0], q, base
         prev = torch.tensor([last_token], device=h.device)
         picks, qs = [], []
         for k in range(h.shape[0]):
@@ -191,23 +219,32 @@ def dspark_normalizer(input_ids, loss_mask, anchors, valid, block_size: int, gam
 def dspark_chunk(h, e, w2, head, teacher, y, w, ce_weight: float, l1_weight: float):
     """One chunk of MarkovLinearLoss: (sum of w*(ce_weight*CE + l1_weight*L1), CE, L1, argmax == label, and
     the gradients for h, e and w2). Softmaxes and the gradient are made in place: the `[chunk, V]` float32
-    buffers are the draft softmax p, and the teacher's q turned into p - q, its sign, then the gradient."""
+    buffers are the draft softmax p, and the teacher's q turned into p - q, its sign, then the gradient.
+    e and w2 None: no Markov head (no bias, no gradients for them); teacher None: no L1 term (L1 NaN)."""
     dt = head.dtype
     z = (h.to(dt) @ head.T).float()
-    z += e.to(dt) @ w2.T
+    if e is not None:
+        z += e.to(dt) @ w2.T
     lse = z.logsumexp(-1)
     ce = lse - z.gather(1, y[:, None]).squeeze(1)
     correct = z.argmax(-1) == y
     p = z.sub_(lse[:, None]).exp_()
-    q = (teacher.to(dt) @ head.T).float()
-    d = q.sub_(q.logsumexp(-1, keepdim=True)).exp_().sub_(p).neg_()  # p - q
-    l1 = torch.linalg.vector_norm(d, 1, -1)
-    s = d.sign_()
-    # d L1 / d z = p * (sign(p - q) - <p, sign(p - q)>);  d CE / d z = p - onehot(y)
-    grad = s.sub_(torch.linalg.vecdot(p, s)[:, None]).mul_(p).mul_(l1_weight).add_(p, alpha=ce_weight)
+    if teacher is None:
+        l1, rows = torch.full_like(ce, math.nan), ce_weight * ce
+        grad = p.mul_(ce_weight)  # d CE / d z = p - onehot(y)
+    else:
+        q = (teacher.to(dt) @ head.T).float()
+        d = q.sub_(q.logsumexp(-1, keepdim=True)).exp_().sub_(p).neg_()  # p - q
+        l1 = torch.linalg.vector_norm(d, 1, -1)
+        rows = ce_weight * ce + l1_weight * l1
+        s = d.sign_()
+        # d L1 / d z = p * (sign(p - q) - <p, sign(p - q)>);  d CE / d z = p - onehot(y)
+        grad = s.sub_(torch.linalg.vecdot(p, s)[:, None]).mul_(p).mul_(l1_weight).add_(p, alpha=ce_weight)
     grad[torch.arange(len(y), device=y.device), y] -= ce_weight
     g = grad.mul_(w[:, None]).to(dt)
-    total = (w * (ce_weight * ce + l1_weight * l1)).sum()
+    total = (w * rows).sum()
+    if e is None:
+        return total, ce, l1, correct, (g @ head).to(h.dtype), None, None
     return total, ce, l1, correct, (g @ head).to(h.dtype), (g @ w2).to(e.dtype), (g.T @ e.to(dt)).float()
 
 
@@ -217,34 +254,39 @@ class MarkovLinearLoss(torch.autograd.Function):
     `[V, H]`, t_i the target's last hidden state at the row's position: `chunk` rows at a time, with the
     gradients for h, e and W2 made in the forward while each chunk's logits exist (as LinearCrossEntropy;
     W and t get none). Also returns, without gradient, each row's CE, L1 and whether its argmax is its
-    label. Matmuls in W's dtype, softmaxes in float32."""
+    label. Matmuls in W's dtype, softmaxes in float32. e and W2 None: no Markov head; teacher None: no L1
+    term (dspark_chunk)."""
 
     @staticmethod
     def forward(ctx, h, e, w2, head, teacher, labels, weights, ce_weight: float, l1_weight: float,
                 chunk: int):
-        n, dev = h.shape[0], h.device
-        grad_h, grad_e = torch.empty_like(h), torch.empty_like(e)
-        grad_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=dev)
+        n, dev, markov = h.shape[0], h.device, e is not None
+        grad_h = torch.empty_like(h)
+        grad_e = torch.empty_like(e) if markov else None
+        grad_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=dev) if markov else None
         total = torch.zeros((), dtype=torch.float32, device=dev)
         ce, l1 = torch.empty(n, device=dev), torch.empty(n, device=dev)
         correct = torch.empty(n, dtype=torch.bool, device=dev)
         with torch.autocast(dev.type, enabled=False):
-            w2h = w2.to(head.dtype)
+            w2h = w2.to(head.dtype) if markov else None
             for i in range(0, n, chunk):
                 j = slice(i, i + chunk)
-                out = dspark_chunk(h[j], e[j], w2h, head, teacher[j], labels[j], weights[j].float(),
+                out = dspark_chunk(h[j], e[j] if markov else None, w2h, head,
+                                   None if teacher is None else teacher[j], labels[j], weights[j].float(),
                                    ce_weight, l1_weight)
                 total += out[0]
-                ce[j], l1[j], correct[j], grad_h[j], grad_e[j] = out[1:6]
-                grad_w2 += out[6]
-        ctx.save_for_backward(grad_h, grad_e, grad_w2.to(w2.dtype))
+                ce[j], l1[j], correct[j], grad_h[j] = out[1:5]
+                if markov:
+                    grad_e[j] = out[5]
+                    grad_w2 += out[6]
+        ctx.save_for_backward(grad_h, grad_e, grad_w2.to(w2.dtype) if markov else None)
         ctx.mark_non_differentiable(ce, l1, correct)
         return total, ce, l1, correct
 
     @staticmethod
     def backward(ctx, grad_total, *_):
-        grad_h, grad_e, grad_w2 = ctx.saved_tensors
-        return grad_h * grad_total, grad_e * grad_total, grad_w2 * grad_total, *[None] * 7
+        grads = [None if g is None else g * grad_total for g in ctx.saved_tensors]
+        return *grads, *[None] * 7
 
 
 def dspark_loss(model, input_ids, loss_mask, hidden, last_hidden, anchors, valid, embed_weight,
@@ -256,11 +298,16 @@ def dspark_loss(model, input_ids, loss_mask, hidden, last_hidden, anchors, valid
     last hidden state `last_hidden` `[b, S, H]` at anchor+k; BCE of the confidence logit against 1 - L1/2
     (detached). normalizer: a given one (a global batch's) instead of this batch's sum(w). The vocabulary
     side runs `chunk_blocks` blocks at a time (MarkovLinearLoss). `model`: a DSparkDrafter, maybe in DDP.
+    Without a Markov head the logits are the base ones; `last_hidden` None (no L1 weight, no confidence
+    head): no teacher, and the L1 and expected_tau stats are NaN.
 
     Returns (loss, stats): stats a detached float vector of sums, summable across steps and ranks
     (`dspark_summarize`): [loss numerator, sum w*CE, sum w*L1, sum w*BCE, sum w, sum sim_tau,
     sum expected_tau, blocks, correct_k (B), counted_k (B)]."""
     drafter = model.module if hasattr(model, "module") else model
+    if last_hidden is None and (l1_weight or drafter.confidence_head is not None):
+        raise ValueError("the L1 term and the confidence head read the target's last hidden state: "
+                         "dspark_loss needs last_hidden")
     bs = drafter.spec.block_size
     out = train_forward(model, input_ids, hidden, anchors, valid, embed_weight, attention)
     labels, prev, pos, weights, eval_mask = dspark_labels(input_ids, loss_mask, anchors, valid, bs, gamma)
@@ -269,13 +316,15 @@ def dspark_loss(model, input_ids, loss_mask, hidden, last_hidden, anchors, valid
     h = out.flatten(0, 1)[sel]  # [n, B, H]
     labels, prev, pos, weights, eval_mask = (t.flatten(0, 1)[sel] for t in (labels, prev, pos, weights,
                                                                               eval_mask))
-    rows_of = torch.arange(anchors.shape[0], device=anchors.device)[:, None].expand_as(anchors).flatten()[sel]
-    teacher = last_hidden[rows_of[:, None], pos]  # [n, B, H]
     rows, w, y = h.flatten(0, 1), weights.flatten(), labels.flatten()
-    e = drafter.markov_head.markov_w1(prev.flatten())
-    w2 = drafter.markov_head.markov_w2.weight
-    total, ce, l1, correct = MarkovLinearLoss.apply(rows, e, w2, lm_head_weight, teacher.flatten(0, 1), y, w,
-                                                    ce_weight, l1_weight, chunk_blocks * bs)
+    teacher = None
+    if last_hidden is not None:
+        rows_of = torch.arange(anchors.shape[0], device=anchors.device)[:, None].expand_as(anchors).flatten()
+        teacher = last_hidden[rows_of[sel][:, None], pos].flatten(0, 1)  # [n * B, H]
+    e = drafter.prev_embeds(prev.flatten())
+    w2 = None if drafter.markov_head is None else drafter.markov_head.markov_w2.weight
+    total, ce, l1, correct = MarkovLinearLoss.apply(rows, e, w2, lm_head_weight, teacher, y, w, ce_weight,
+                                                    l1_weight, chunk_blocks * bs)
     accept = (1.0 - l1 / 2).clamp(0.0, 1.0)  # the acceptance rate of rejection sampling, per slot
     bce_sum = torch.zeros((), device=rows.device)
     if drafter.confidence_head is not None:
@@ -304,7 +353,8 @@ def dspark_summarize(stats, block_size: int) -> dict:
     """Metrics from summed `dspark_loss` stats: loss and its terms ce, l1, confidence (each per unit of
     weight; confidence 0 without a head), acc, acc_pos_1..B (acc_pos_j: the token at anchor+j, slot j-1),
     sim_tau (greedy: drafts up to the first miss + the bonus) and expected_tau (DeepSpec's
-    tau_probabilistic: sum of the cumulative products of 1 - L1/2, + the bonus), per block."""
+    tau_probabilistic: sum of the cumulative products of 1 - L1/2, + the bonus), per block; l1 and
+    expected_tau NaN where the loss had no teacher."""
     s = stats.double().cpu().tolist()
     total, ce, l1, bce, w, tau, expected, blocks = s[:8]
     correct, counted = s[8 : 8 + block_size], s[8 + block_size : 8 + 2 * block_size]
@@ -379,7 +429,7 @@ class DSparkProposer(Proposer):
         if self.threshold <= 0 or self.drafter.confidence_head is None:
             return len(drafts)
         prev = torch.cat([torch.tensor([last_token], device=drafts.device), drafts[:-1]])
-        conf = self.drafter.confidence(h, self.drafter.markov_head.markov_w1(prev)).float().sigmoid()
+        conf = self.drafter.confidence(h, self.drafter.prev_embeds(prev)).float().sigmoid()
         low = (conf < self.threshold).nonzero()
         return int(low[0, 0]) if len(low) else len(drafts)
 
@@ -390,25 +440,29 @@ class DSparkProposer(Proposer):
 
 @dataclass(frozen=True)
 class DSparkLoss:
-    """The run's loss options: drafter.dspark's weights and train.gamma's decay."""
+    """The run's loss options: drafter.dspark's weights, train.gamma's decay, and whether a term reads the
+    target's last hidden state (config.needs_last_hidden)."""
 
     gamma: float
     ce_weight: float
     l1_weight: float
     confidence_weight: float
+    teacher: bool = True
 
 
 def loss_options(train_cfg, drafter_cfg: DrafterConfig, spec: DSparkSpec) -> DSparkLoss:
     d = drafter_cfg.dspark
-    return DSparkLoss(train_cfg.loss_gamma(spec.block_size), d.ce_weight, d.l1_weight, d.confidence_weight)
+    return DSparkLoss(train_cfg.loss_gamma(spec.block_size), d.ce_weight, d.l1_weight, d.confidence_weight,
+                      needs_last_hidden(drafter_cfg))
 
 
 def loss(step, t: dict, anchors, valid, normalizer=None):
-    """dspark_loss of one micro-batch."""
-    if "last_hidden" not in t:
-        raise ValueError("a DSpark drafter trains on hidden shards holding the target's last hidden state")
+    """dspark_loss of one micro-batch; a store's last hidden state is not read where no term needs it."""
     o = step.options
-    return dspark_loss(step.model, t["input_ids"], t["loss_mask"], t["hidden"], t["last_hidden"], anchors,
+    if o.teacher and "last_hidden" not in t:
+        raise ValueError("a DSpark drafter trains on hidden shards holding the target's last hidden state")
+    last = t["last_hidden"] if o.teacher else None
+    return dspark_loss(step.model, t["input_ids"], t["loss_mask"], t["hidden"], last, anchors,
                        valid, step.embed, step.head, gamma=o.gamma, ce_weight=o.ce_weight,
                        l1_weight=o.l1_weight, confidence_weight=o.confidence_weight, attention=step.attention,
                        normalizer=normalizer)

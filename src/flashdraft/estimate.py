@@ -185,7 +185,18 @@ class Run:
         """The rates training is planned with: the per-GPU rate, and the measured factors of train.fp8 and
         of a drafter family other than dflash."""
         return [self.train_key(split)] + (["train_fp8_speedup"] if self.cfg.train.fp8 else []) + \
-            (["train_dspark_factor"] if self.cfg.drafter.family == "dspark" else [])
+            (["train_dspark_factor"] if self.dspark_costs("train") else [])
+
+    def dspark_costs(self, stage: str) -> bool:
+        """Whether a dspark drafter pays the measured factor against dflash at `stage` (train, eval): in
+        training for its Markov head or a term reading the target's distribution (the L1 and confidence
+        terms), in decoding for its Markov picks one after another. A heads-off one (markov_rank 0, CE
+        only: the DSpark paper's DFlash baseline) runs at DFlash's rates: the backbone and one CE over the
+        vocabulary per slot, one argmax over the block (not measured apart)."""
+        d = self.cfg.drafter
+        if d.family != "dspark":
+            return False
+        return bool(d.dspark.markov_rank) or (stage == "train" and needs_last_hidden(d))
 
     def train_rate(self, split: Split) -> float:
         """Training tokens/s per GPU."""
@@ -228,14 +239,15 @@ class Run:
         """The rates evaluation is planned with: target-only, the speculative decoders, and the measured
         factor of a drafter family other than dflash."""
         return ["eval_target_only", "eval_speculative"] + \
-            (["eval_dspark_factor"] if self.cfg.drafter.family == "dspark" else [])
+            (["eval_dspark_factor"] if self.dspark_costs("eval") else [])
 
     def eval_prompt_s(self) -> float:
-        """One evaluation prompt on one GPU: target-only and every speculative decoder."""
+        """One evaluation prompt on one GPU: target-only and every speculative decoder, at each of
+        eval.temperatures (each at the measured rates, which are greedy decoding's)."""
         target_only, spec, *factor = (rate(k, self.scale) for k in self.eval_keys())
         family = spec * math.prod(factor)  # the family's decoders; n-gram lookup at the plain rate
         per_token = 1 / target_only + FAMILY_DECODERS / family + (EVAL_DECODERS - FAMILY_DECODERS) / spec
-        return self.cfg.eval.max_new_tokens * per_token
+        return len(self.cfg.eval.temperatures) * self.cfg.eval.max_new_tokens * per_token
 
     def gpu_hours(self, split: Split, precompute_tokens: float) -> float:
         """The work of regeneration, precompute, training and evaluation on one GPU (what no overlap or
@@ -293,7 +305,7 @@ def stage_table(run: Run, split: Split) -> dict:
 
     e = cfg.eval
     jobs = e.shards or max(1, split.target)
-    work = tok.eval_prompts * e.max_new_tokens * (1 + EVAL_DECODERS)
+    work = tok.eval_prompts * len(e.temperatures) * e.max_new_tokens * (1 + EVAL_DECODERS)
     hours = _waves_hours(tok.eval_prompts * run.eval_prompt_s(), jobs, g, 1.0) if g else None
     stage("evaluation", work, "new tokens", run.eval_keys(), hours, min(g, jobs))
     return stages

@@ -1,16 +1,18 @@
-"""The evaluate stage: every drafter against target-only greedy decoding on the held-out prompts.
+"""The evaluate stage: every drafter against target-only decoding on the held-out prompts.
 
-Each prompt is decoded by target-only and by each drafter (`flashdraft.speculative`); a row per prompt
-and drafter records the tokens emitted per verify step (tau, counted as the reference counts it), the
-drafts accepted, tokens/s and losslessness: where a greedy output first leaves target-only's, and
-whether the target's two choices there are a numerical tie. `summarize` pools the rows per drafter.
-The stage runs in shards (`run_rows`, a split of the prompts per job) that `merge` joins.
+Each prompt is decoded by target-only and by each drafter (`flashdraft.speculative`) at each of
+`eval.temperatures`; a row per prompt, temperature and drafter records the tokens emitted per verify step
+(tau, counted as the reference counts it), the drafts accepted, tokens/s and, greedy, losslessness: where
+an output first leaves target-only's, and whether the target's two choices there are a numerical tie.
+`summarize` pools the rows per drafter and temperature. The stage runs in shards (`run_rows`, a split of
+the prompts per job) that `merge` joins.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -91,12 +93,14 @@ def first_mismatch(model, prompt_ids, ref: list[int], out: list[int]) -> tuple[i
 NO_MISMATCH = (-1, float("nan"), False)
 
 
-def decoded_row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=NO_MISMATCH, index=0) -> dict:
+def decoded_row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=NO_MISMATCH, index=0,
+                temperature=0.0) -> dict:
     steps = len(d.emitted)
     return {
         "prompt_index": index,  # position in the evaluated prompt set: the merged shards' order
         "id": pid,
         "drafter": name,
+        "temperature": float(temperature),
         "prompt_tokens": num_prompt_tokens,
         "new_tokens": len(d.tokens),
         "verify_steps": steps,
@@ -114,12 +118,13 @@ def decoded_row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=NO_
     }
 
 
-def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, cfg: EvalConfig, seed=0,
+def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, cfg: EvalConfig,
              indices=None):
-    """Run target-only and every drafter on each prompt; return per-prompt rows (dicts). `indices`: the
-    prompts' positions in the whole evaluated set (default 0, 1, ...), which seed their sampling, so a
-    shard of the set decodes each prompt exactly as one job over the whole set does."""
-    eos, dev, temp = eos_ids(model, tokenizer), model.device, cfg.temperature
+    """Run target-only and every drafter on each prompt at each of cfg.temperatures; return per-prompt rows
+    (dicts). `indices`: the prompts' positions in the whole evaluated set (default 0, 1, ...), which seed
+    their sampling (cfg.seed + index), so a shard of the set decodes each prompt exactly as one job over
+    the whole set does."""
+    eos, dev = eos_ids(model, tokenizer), model.device
     gen = torch.Generator(device=dev)
     indices = range(len(prompts)) if indices is None else indices
     encoded = [(i, p["id"], prompt_ids(tokenizer, list(p["messages"])))
@@ -133,22 +138,25 @@ def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, 
     session = {name: featured if prop.uses_features else plain for name, prop in proposers.items()}
     if encoded:  # warm up every path on the first prompt so the first timed prompt is not a cold start
         warm = min(cfg.max_new_tokens, 2 * block_size)
-        target_decode(plain, encoded[0][2], warm, eos, temp, gen)
-        for name, prop in proposers.items():
-            speculative_decode(session[name], prop, encoded[0][2], warm, eos, temp, gen)
+        for temp in cfg.temperatures:
+            target_decode(plain, encoded[0][2], warm, eos, temp, gen)
+            for name, prop in proposers.items():
+                speculative_decode(session[name], prop, encoded[0][2], warm, eos, temp, gen)
     rows = []
     for i, pid, ids in progress(encoded, desc="evaluate", unit="prompt"):
-        gen.manual_seed(seed + i)
-        ref = target_decode(plain, ids, cfg.max_new_tokens, eos, temp, gen)
-        rows.append(decoded_row(pid, "target_only", ref, len(ids), None if temp else True, index=i))
-        for name, prop in proposers.items():
-            gen.manual_seed(seed + i)
-            d = speculative_decode(session[name], prop, ids, cfg.max_new_tokens, eos, temp, gen)
-            if temp:  # sampled outputs differ by design; losslessness is checked greedily
-                rows.append(decoded_row(pid, name, d, len(ids), None, index=i))
-            else:
-                mismatch = first_mismatch(model, ids, ref.tokens, d.tokens)
-                rows.append(decoded_row(pid, name, d, len(ids), mismatch[0] < 0, mismatch, index=i))
+        for temp in cfg.temperatures:
+            row = partial(decoded_row, pid, num_prompt_tokens=len(ids), index=i, temperature=temp)
+            gen.manual_seed(cfg.seed + i)
+            ref = target_decode(plain, ids, cfg.max_new_tokens, eos, temp, gen)
+            rows.append(row("target_only", ref, lossless=None if temp else True))
+            for name, prop in proposers.items():
+                gen.manual_seed(cfg.seed + i)
+                d = speculative_decode(session[name], prop, ids, cfg.max_new_tokens, eos, temp, gen)
+                if temp:  # sampled outputs differ by design; losslessness is checked greedily
+                    rows.append(row(name, d, lossless=None))
+                else:
+                    mismatch = first_mismatch(model, ids, ref.tokens, d.tokens)
+                    rows.append(row(name, d, lossless=mismatch[0] < 0, mismatch=mismatch))
     return rows
 
 
@@ -156,10 +164,27 @@ def _ratio(a, b):
     return a / b if b > 0 else None  # None, not NaN: summary.json stays strict JSON
 
 
+def temperature_key(t: float) -> str:
+    """A temperature as summary.json's by_temperature names it: "0", "1", "0.7"."""
+    return f"{t:g}"
+
+
 def summarize(rows, block_size) -> dict:
-    """Per drafter: tau pooled over all verify steps (emitted tokens / steps) and the mean of the prompts'
-    own tau (what the reference's benchmark prints), the histogram of tokens emitted per step (1..B), and
-    per draft position k the fraction of steps that verified a draft at k it could emit and accepted it."""
+    """Per drafter, at each temperature of the rows (`summarize_at`): summary.json. A drafter's entry holds
+    its numbers at the first temperature (the headline: the greedy ones under the default [0, 1]), which
+    one that is (`temperature`), and its numbers at every temperature under `by_temperature`."""
+    temps = list(dict.fromkeys(r.get("temperature", 0.0) for r in rows)) or [0.0]
+    at = {t: summarize_at([r for r in rows if r.get("temperature", 0.0) == t], block_size) for t in temps}
+    return {name: {**s, "temperature": temps[0],
+                   "by_temperature": {temperature_key(t): at[t][name] for t in temps if name in at[t]}}
+            for name, s in at[temps[0]].items()}
+
+
+def summarize_at(rows, block_size) -> dict:
+    """Per drafter, over rows of one temperature: tau pooled over all verify steps (emitted tokens / steps)
+    and the mean of the prompts' own tau (what the reference's benchmark prints), the histogram of tokens
+    emitted per step (1..B), per draft position k the fraction of steps that verified a draft at k it could
+    emit and accepted it, and (greedy) losslessness against target-only."""
 
     def rate(rs):  # decode tokens/s: tokens after the prefill's first one, over decode time
         return _ratio(sum(r["new_tokens"] - 1 for r in rs), sum(r["decode_s"] for r in rs))
@@ -210,7 +235,7 @@ def shard_prompts(prompts_path, num_prompts: int, shard: int = 0, num_shards: in
     return [i for i, _ in mine], [p for _, p in mine]
 
 
-def run_rows(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, seed=0, shard=0,
+def run_rows(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, shard=0,
              num_shards=1) -> tuple[list[dict], int]:
     """Trained drafter, untrained drafter and n-gram lookup against target-only on one shard of the
     prompts: its rows and the block size."""
@@ -223,7 +248,7 @@ def run_rows(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, s
     drafter, spec = load_drafter(drafter_dir)
     check_drafter(spec, model.config)
     dev, dt = model.device, model.get_input_embeddings().weight.dtype
-    torch.manual_seed(seed)
+    torch.manual_seed(cfg.seed)
     kind = family(spec.family)
     untrained = kind.drafter(spec)  # same shape, random init: what training adds over nothing
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
@@ -234,7 +259,7 @@ def run_rows(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, s
         "ngram": NgramProposer(width - 1),
     }
     layer_ids = list(spec.target_layer_ids)
-    rows = evaluate(model, tokenizer, proposers, prompts, layer_ids, width, cfg, seed, indices)
+    rows = evaluate(model, tokenizer, proposers, prompts, layer_ids, width, cfg, indices)
     return rows, width
 
 
@@ -283,13 +308,20 @@ def merge(shard_paths, drafter_dir, out_dir) -> dict:
 
 
 def summary_text(summary: dict) -> str:
-    """A few lines for a stage's log: tokens/s, tau, speedup and losslessness per drafter."""
-    lines = [f"target_only: {summary['target_only']['tokens_per_s'] or 0:.1f} tok/s"]
-    for name, s in summary.items():
-        if name != "target_only":
-            pooled, mean, speedup = s["tau_pooled"] or 0, s["tau_prompt_mean"] or 0, s["speedup"] or 0
-            lines.append(f"{name}: tau {pooled:.2f} pooled, {mean:.2f} mean of prompts  "
-                         f"speedup {speedup:.2f}x  lossless {s['lossless_all']}")
+    """A few lines for a stage's log: tokens/s, tau, speedup and losslessness per drafter (the first
+    temperature's), then tau and speedup at each other temperature."""
+    base = summary["target_only"]
+    drafters = {k: v for k, v in summary.items() if k != "target_only"}
+    lines = [f"target_only: {base['tokens_per_s'] or 0:.1f} tok/s"]
+
+    def tau(s):
+        return (f"tau {s['tau_pooled'] or 0:.2f} pooled, {s['tau_prompt_mean'] or 0:.2f} mean of prompts  "
+                f"speedup {s['speedup'] or 0:.2f}x")
+
+    lines += [f"{name}: {tau(s)}  lossless {s['lossless_all']}" for name, s in drafters.items()]
+    others = [k for k in base.get("by_temperature", {}) if k != temperature_key(base["temperature"])]
+    lines += [f"{name} at T={k}: {tau(s['by_temperature'][k])}"
+              for k in others for name, s in drafters.items()]
     return "\n".join(lines)
 
 
@@ -313,7 +345,7 @@ def run_end(results, target) -> list[str]:
     return lines
 
 
-def run(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, out_dir, seed=0) -> dict:
+def run(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, out_dir) -> dict:
     """The whole evaluation in one job: every prompt, then per_prompt.parquet and summary.json."""
-    rows, block_size = run_rows(cfg, target, drafter_dir, prompts_path, seed)
+    rows, block_size = run_rows(cfg, target, drafter_dir, prompts_path)
     return write_outputs(rows, block_size, out_dir)

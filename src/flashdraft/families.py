@@ -25,6 +25,9 @@ class FamilyInfo:
     # its section's loss weights (drafter.<family>.<key>) that train the drafts: not all may be 0, which
     # would train nothing and export an untrained drafter
     draft_weights: tuple[str, ...] = ()
+    # its section's loss weights whose terms read the target's last hidden state (`last_hidden`): with all
+    # of them 0 the shards need not hold it (empty: a family with `last_hidden` always needs it)
+    teacher_weights: tuple[str, ...] = ()
 
     def drafts(self, block_size: int) -> int:
         """Draft tokens per block: what a serving engine's speculative token count is set to."""
@@ -57,7 +60,8 @@ FAMILIES: dict[str, FamilyInfo] = {
                          vllm_method="dflash", sglang_algorithm="DFLASH", anchor_drafts=False),
     "dspark": FamilyInfo("flashdraft.dspark", last_hidden=True, architecture="Qwen3DSparkModel",
                          vllm_method="dspark", sglang_algorithm="DSPARK", anchor_drafts=True,
-                         draft_weights=("ce_weight", "l1_weight")),
+                         draft_weights=("ce_weight", "l1_weight"),
+                         teacher_weights=("l1_weight", "confidence_weight")),
 }
 
 

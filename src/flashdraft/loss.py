@@ -123,8 +123,9 @@ def train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, atte
 
 
 def ce_chunk(h, weight, y, w, objective: Objective | None = None):
-    """One chunk of LinearCrossEntropy: (sum w*CE, whether each row's argmax is its label, the gradient
-    for h). The softmax is made in place in the logits' memory: one `[chunk, V]` float32 buffer."""
+    """One chunk of LinearCrossEntropy: (sum w*CE, whether each row's argmax is its label, each row's CE,
+    the gradient for h). The softmax is made in place in the logits' memory: one `[chunk, V]` float32
+    buffer."""
     logits = (h.to(weight.dtype) @ weight.T).float()
     lse = logits.logsumexp(-1)
     ce = lse - logits.gather(1, y[:, None]).squeeze(1)
@@ -133,7 +134,7 @@ def ce_chunk(h, weight, y, w, objective: Objective | None = None):
     correct = logits.argmax(-1) == y
     grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: d CE / d logits = p - onehot
     grad[torch.arange(len(y), device=y.device), y] -= 1.0
-    return (ce * w).sum(), correct, (grad.mul_(w[:, None]).to(weight.dtype) @ weight).to(h.dtype)
+    return (ce * w).sum(), correct, ce, (grad.mul_(w[:, None]).to(weight.dtype) @ weight).to(h.dtype)
 
 
 class CompiledCEChunk:
@@ -171,7 +172,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W.T, y_i) for rows h `[N, H]` of a frozen head W `[V, H]`, `chunk` rows at a
     time, with the gradient for h computed in the forward while each chunk's logits exist: no logits
     are kept for the backward and none are recomputed (W gets no gradient). Also returns, without a
-    gradient, whether each row's argmax is its label.
+    gradient, whether each row's argmax is its label and each row's CE (float32).
 
     objective: None (the weights `weights` are fixed), or an `Objective` whose `chunk_weights` makes each
     chunk's weights from its rows' CE and `weights` (`DPace`: rows are blocks of B-1 positions, a chunk
@@ -188,19 +189,21 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(labels.shape, dtype=torch.bool, device=h.device)
+        ce = torch.empty(labels.shape, dtype=torch.float32, device=h.device)
         fused = compiled_ce_chunk() if compiled else ce_chunk
         with torch.autocast(h.device.type, enabled=False):
             for i in range(0, h.shape[0], chunk):
                 j = slice(i, i + chunk)
                 run = fused if h[j].shape[0] == chunk else ce_chunk
-                ce, correct[j], grad_h[j] = run(h[j], weight, labels[j], weights[j].float(), objective)
-                total += ce
+                part, correct[j], ce[j], grad_h[j] = run(h[j], weight, labels[j], weights[j].float(),
+                                                         objective)
+                total += part
         ctx.save_for_backward(grad_h)
-        ctx.mark_non_differentiable(correct)
-        return total, correct
+        ctx.mark_non_differentiable(correct, ce)
+        return total, correct, ce
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct):
+    def backward(ctx, grad_total, _grad_correct, _grad_ce):
         (grad_h,) = ctx.saved_tensors
         return grad_h * grad_total, None, None, None, None, None, None
 
@@ -216,7 +219,8 @@ def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_wei
     backward needs none; `compile_loss`: its chunks compiled (compiled_ce_chunk).
 
     Returns (loss, stats): stats is one detached float vector of sums, summable across steps and ranks
-    (see `summarize`): [sum w*CE, sum normalizer, sum tau, blocks, correct_k (B-1), counted_k (B-1)]."""
+    (see `summarize`): [sum w*CE, sum normalizer, sum tau, blocks, correct_k (B-1), counted_k (B-1),
+    sum expected_tau]."""
     bs = _spec(drafter).block_size
     out = train_forward(drafter, input_ids, hidden, anchors, valid, embed_weight, attention)
     labels, weights, label_mask = block_labels(input_ids, loss_mask, anchors, valid, bs, objective.decay())
@@ -225,8 +229,8 @@ def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_wei
     h = out[:, :, 1:].flatten(0, 1)[sel]
     labels, weights, label_mask = (t.flatten(0, 1)[sel] for t in (labels, weights, label_mask))
     rows = h.flatten(0, 1)  # [blocks*(B-1), H]
-    ce_sum, correct = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), weights.flatten(),
-                                               chunk_blocks * (bs - 1), objective, compile_loss)
+    ce_sum, correct, ce = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), weights.flatten(),
+                                                   chunk_blocks * (bs - 1), objective, compile_loss)
     correct = correct.view_as(labels)
     loss = ce_sum / (own if normalizer is None else normalizer).clamp(min=1e-6)
     if isinstance(drafter, torch.nn.parallel.DistributedDataParallel):
@@ -236,9 +240,10 @@ def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_wei
     with torch.no_grad():
         hit = correct & label_mask
         tau = simulated_tau(hit)
+        expected = expected_tau(torch.exp(-ce.view_as(labels)) * label_mask)
         blocks = torch.tensor(float(h.shape[0]), device=h.device)
         head = torch.stack([ce_sum.detach(), own.float(), tau.sum(), blocks])
-        stats = torch.cat([head, hit.sum(0).float(), label_mask.sum(0).float()])
+        stats = torch.cat([head, hit.sum(0).float(), label_mask.sum(0).float(), expected.sum()[None]])
     return loss, stats
 
 
@@ -248,8 +253,19 @@ def simulated_tau(hit):
     return hit.long().cumprod(dim=1).sum(dim=1).float() + 1.0
 
 
+def expected_tau(accept):
+    """Expected acceptance length per block from each position's acceptance probability `[blocks, B-1]`
+    (0 where a position has no label): a draft position is reached when every one before it was
+    accepted, so 1 (the bonus token) + the sum over positions of the product of the probabilities up to
+    it. With the drafter sampling at T=1 and a target whose distribution is p, a position's probability
+    is sum_v min(q(v), p(v)) = 1 - TV(q, p) (rejection sampling), DeepSpec's `tau_probabilistic`; where
+    the data holds only the target's token y (a DFlash store), p is one-hot at y and it is q(y)."""
+    return accept.float().cumprod(dim=1).sum(dim=1) + 1.0
+
+
 def summarize(stats, block_size: int) -> dict:
-    """Metrics from summed `dflash_loss` stats: loss, acc, acc_pos_1..B-1, sim_tau."""
+    """Metrics from summed `dflash_loss` stats: loss, acc, acc_pos_1..B-1, sim_tau and expected_tau (per
+    block, `expected_tau` of the drafter's probability of each label)."""
     stats = stats.double().cpu().tolist()
     ce, w, tau, blocks = stats[:4]
     n = block_size - 1
@@ -258,8 +274,9 @@ def summarize(stats, block_size: int) -> dict:
     for k in range(n):
         row[f"acc_pos_{k + 1}"] = correct[k] / counted[k] if counted[k] else float("nan")
     row["sim_tau"] = tau / blocks if blocks else float("nan")
+    row["expected_tau"] = stats[4 + 2 * n] / blocks if blocks else float("nan")
     return row
 
 
 def stats_size(block_size: int) -> int:
-    return 4 + 2 * (block_size - 1)
+    return 5 + 2 * (block_size - 1)

@@ -5,6 +5,7 @@ ranks and steps since the last log."""
 from __future__ import annotations
 
 import csv
+import math
 import time
 from pathlib import Path
 
@@ -43,6 +44,13 @@ def write_metrics(path, rows: list[dict], fields: list[str]) -> None:
         w.writerows(rows)
 
 
+def resumed_window(window: list[float], width: int) -> list[float]:
+    """A checkpoint's open window at this version's `width`: a checkpoint of a version whose stats vector
+    ended earlier (stats are only ever appended) has no sums of the later ones, NaN in this window's row."""
+    stats, tokens = window[:-1], window[-1]
+    return [*stats, *[math.nan] * (width - 1 - len(stats)), tokens]
+
+
 class MetricsLogger:
     """One run's metrics from `step` on; `rows` and `window` come from the checkpoint on a resume (a
     resumed window lives on rank 0: the ranks' sum is what counts). close() ends the bar and TensorBoard."""
@@ -55,7 +63,7 @@ class MetricsLogger:
         width = self.family.stats_size(block_size) + 1  # + tokens
         self.window = torch.zeros(width, dtype=torch.float64, device=d.device)
         if window and d.main:
-            self.window += torch.tensor(window, dtype=torch.float64, device=d.device)
+            self.window += torch.tensor(resumed_window(window, width), dtype=torch.float64, device=d.device)
         self.live_csv = run_dir / "metrics.csv"
         if d.main:
             # drops the rows a killed run logged after its last checkpoint

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from .chat import prompt_messages, render
 from .chat_client import ChatClient, GiveUp
-from .config import RegenerateConfig, TargetConfig, to_json
+from .config import RegenerateConfig, TargetConfig, stage_params, to_json
 from .errors import UserError, rerun_command
 from .hf_config import past_positions, read_target_config
 from .io import log, progress, write_json, write_parquet
@@ -87,7 +87,8 @@ def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig,
                    eos: list[int]) -> list[Regenerated]:
     """Answer a batch of prompt rows."""
     prompts = [prompt_messages(r["messages"]) for r in rows]
-    out = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.thinking, eos)
+    out = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.thinking, eos,
+                   cfg.top_p, cfg.top_k)
     return [
         Regenerated.answered(row, prompt, answer, n, finish)
         for row, prompt, (answer, _, n, finish) in zip(rows, prompts, out, strict=True)
@@ -212,7 +213,8 @@ def _run_static(cfg, model, tokenizer, eos, todo: Pending) -> Answered:
     max_len = max(map(len, ids)) + cfg.max_new_tokens
     slots = cfg.batch_size or (auto_slots(model, max_len) if model.device.type == "cuda" else 32)
     slots = min(slots, len(rows))
-    decoder = SlotDecoder(model, slots, max_len, eos, tokenizer.pad_token_id, cfg.temperature)
+    decoder = SlotDecoder(model, slots, max_len, eos, tokenizer.pad_token_id, cfg.temperature,
+                          top_p=cfg.top_p, top_k=cfg.top_k)
     log(f"regenerate: static-cache engine, {slots} slots of {decoder.max_len} positions, "
         f"CUDA graphs {'on' if decoder.graphs.on else 'off'}, "
         f"compiled step {'on' if decoder.compiled else 'off'}")
@@ -238,6 +240,7 @@ def _ask(row, client: ChatClient, cfg, model, count) -> tuple[Regenerated, bool]
         "max_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature,
         "chat_template_kwargs": {"enable_thinking": cfg.thinking},
+        **sampling_fields(cfg),
     }
     try:
         reply = client.chat(body)
@@ -251,6 +254,12 @@ def _ask(row, client: ChatClient, cfg, model, count) -> tuple[Regenerated, bool]
         raise
     except Exception as e:  # a bad request or answer: committed, and retried by a rerun
         return Regenerated.failed(row, f"{type(e).__name__}: {e}", "answer"), True
+
+
+def sampling_fields(cfg: RegenerateConfig) -> dict:
+    """A request's top_p and top_k, only where set (off, they are not sent: a server's own defaults apply,
+    and a server that knows no top_k is not sent one)."""
+    return {**({"top_p": cfg.top_p} if cfg.top_p < 1 else {}), **({"top_k": cfg.top_k} if cfg.top_k else {})}
 
 
 def _run_openai(cfg, target, dtype, todo: Pending, server_gone=None) -> Answered:
@@ -458,7 +467,9 @@ def regenerate(
                          f"{', '.join(map(repr, BACKENDS))}")
 
     work = Path(work_dir)
-    key = {k: v for k, v in json.loads(to_json(cfg)).items() if k not in TRANSPORT_KEYS + ENGINE_KEYS}
+    # keys added later are left out at their unset value, as in the stage's params: parts stay ours
+    key = {k: v for k, v in stage_params("regenerate", json.loads(to_json(cfg))).items()
+           if k not in TRANSPORT_KEYS + ENGINE_KEYS}
     # before keys held the resolved paths of the target and the prompts: a work dir of that kind is
     # still ours when those paths match
     before = {"target": str(Path(path).resolve()), "dtype": dtype, "cfg": key,

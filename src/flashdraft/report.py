@@ -122,14 +122,18 @@ def eval_section(eval_dir) -> str:
     ]
     header = ["drafter", "tau pooled", "tau mean of prompts", "prompts", "tokens/s", "speedup", "lossless",
               "exact match", "differing (numerical ties)"]
-    out = "<h2>Evaluation</h2>" + table(header, rows)
+    first = summary.get("target_only", {}).get("temperature")
+    at = "" if first is None else f" at temperature {first:g}"
+    out = f"<h2>Evaluation</h2><p>Decoded{at}:</p>" + table(header, rows)
     out += "<p>tau: tokens a target verify step emits (accepted drafts + the target's bonus token, cut at "
     out += "the stop token and at max_new_tokens). Pooled: all emitted tokens over all steps; mean of "
     out += "prompts: the mean of each prompt's tau (what the reference DFlash benchmark prints). Lossless: "
     out += "greedy output equals the target's own greedy output on every prompt; exact match: the fraction "
-    out += "of prompts where it does. A differing output is a numerical tie when, where it first leaves "
-    out += "the target's, the target's two choices lie within a few ulps of its dtype of the top logit: "
-    out += "a block verify and a one-token step rounded a near-tie differently, not a drafter bug.</p>"
+    out += "of prompts where it does (sampled outputs are not compared: '-'). A differing output is a "
+    out += "numerical tie when, where it first leaves the target's, the target's two choices lie within a "
+    out += "few ulps of its dtype of the top logit: a block verify and a one-token step rounded a near-tie "
+    out += "differently, not a drafter bug.</p>"
+    out += temperatures_table(summary)
     out += divergences_table(drafters)
     if not drafters:
         return out
@@ -158,6 +162,20 @@ def eval_section(eval_dir) -> str:
     return out + "<h3>tau per verify step</h3>" + img(fig, "tau-hist", "histogram of tau per verify step")
 
 
+def temperatures_table(summary: dict) -> str:
+    """tau and speedup per drafter at every evaluated temperature (eval.temperatures); empty for one."""
+    temps = list(summary.get("target_only", {}).get("by_temperature", {}))
+    if len(temps) < 2:
+        return ""
+    keys = {"tau_pooled": "tau pooled", "tau_prompt_mean": "tau mean of prompts", "speedup": "speedup"}
+    rows = [[k, *(v["by_temperature"][t].get(m) for t in temps for m in keys)]
+            for k, v in summary.items() if k != "target_only"]
+    header = ["drafter", *(f"{what} T={t}" for t in temps for what in keys.values())]
+    return ("<h3>tau by temperature</h3>" + table(header, rows) + "<p>T=0: greedy; above: sampled from the "
+            "target's softmax at T, drafts accepted by rejection sampling (the output keeps the target's "
+            "distribution); the DSpark paper reports T=1.</p>")
+
+
 def divergences_table(drafters: dict) -> str:
     """Where each differing output first left the target's, folded away (empty when none differ)."""
     rows = [[k, d["id"], d["position"], d["logit_gap"], d["numerical_tie"]]
@@ -175,17 +193,25 @@ def per_prompt_section(eval_dir) -> str:
     path = Path(eval_dir) / "per_prompt.parquet"
     if not path.exists():
         return note(f"no per-prompt results at {path}")
-    df = pd.read_parquet(path, columns=["id", "drafter", "tau", "new_tokens", "lossless"])
-    tau = df.pivot_table(index="id", columns="drafter", values="tau", sort=False)
-    names = [c for c in tau.columns if c != "target_only"]
-    lossless = (
-        df[df["drafter"] != "target_only"]
-        .groupby("id", sort=False)["lossless"]
-        .agg(lambda x: None if x.isna().any() else bool(x.all()))
-    )
-    new = df[df["drafter"] == "target_only"].set_index("id")["new_tokens"]
+    import pyarrow.parquet as pq
+
+    columns = ["id", "drafter", "tau", "new_tokens", "lossless"]
+    has_t = "temperature" in pq.read_schema(path).names  # not in files written before eval.temperatures
+    df = pd.read_parquet(path, columns=columns + ["temperature"] * has_t)
+    if not has_t:
+        df["temperature"] = 0.0
+    temps = list(dict.fromkeys(df["temperature"]))
+    first = df[df["temperature"] == temps[0]]
+    # one column per drafter and temperature (named by T only when several were evaluated)
+    df["column"] = df["drafter"] + ("" if len(temps) < 2 else " T=" + df["temperature"].map("{:g}".format))
+    tau = df.pivot_table(index="id", columns="column", values="tau", sort=False)
+    names = [c for c in tau.columns if not c.startswith("target_only")]
+    greedy = df[(df["drafter"] != "target_only") & (df["temperature"] == 0)]
+    lossless = greedy.groupby("id", sort=False)["lossless"].agg(
+        lambda x: None if x.isna().any() else bool(x.all()))
+    new = first[first["drafter"] == "target_only"].set_index("id")["new_tokens"]
     rows = [[i, new.get(i), *(tau.at[i, c] for c in names), lossless.get(i)] for i in tau.index]
-    header = ["prompt", "new tokens", *(f"tau {c}" for c in names), "lossless"]
+    header = ["prompt", "new tokens", *(f"tau {c}" for c in names), "lossless (greedy)"]
     return f"<details><summary>tau per prompt ({len(rows)} prompts)</summary>{table(header, rows)}</details>"
 
 
@@ -213,11 +239,13 @@ def training_section(metrics_csv) -> str:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.plot(df["step"], df["sim_tau"], label="training")
         ax.plot(val["step"], val["val_sim_tau"], "o-", label="validation")
+        if "val_expected_tau" in val:
+            ax.plot(val["step"], val["val_expected_tau"], "s--", label="validation, expected_tau (T=1)")
         if exported:
             ax.axvline(exported["step"], color="k", ls=":", label=f"exported: step {exported['step']}")
-        ax.set(xlabel="step", ylabel="simulated acceptance length (sim_tau)")
+        ax.set(xlabel="step", ylabel="simulated acceptance length")
         ax.legend()
-        out += img(fig, "train-val-tau", "training and validation sim_tau per step")
+        out += img(fig, "train-val-tau", "training and validation sim_tau (and expected_tau) per step")
     pos = [c for c in df.columns if c.startswith("acc_pos_")]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     if "acc" in df:
@@ -228,14 +256,23 @@ def training_section(metrics_csv) -> str:
     ax.set(xlabel="step", ylabel="draft accuracy", ylim=(0, 1.02))
     ax.legend()
     out += img(fig, "train-acc", "training accuracy per step")
-    cols = [c for c in ["step", "epoch", "loss", "acc", "sim_tau", "lr", "tokens_per_s"] if c in df]
+    cols = [c for c in ["step", "epoch", "loss", "acc", "sim_tau", "expected_tau", "lr", "tokens_per_s"]
+            if c in df]
     last = [
         df[c].iloc[-1].item() for c in cols
     ]  # per column: a row of mixed dtypes would turn ints to floats
     out += "<h3>Last logged step</h3>" + table(cols, [last])
     if len(val):
-        vcols = ["step", "val_loss", "val_acc", "val_sim_tau"]
+        vcols = [c for c in ["step", "val_loss", "val_acc", "val_sim_tau", "val_expected_tau"] if c in val]
         out += "<h3>Validation</h3>" + table(vcols, [[r[c] for c in vcols] for _, r in val.iterrows()])
+        out += ("<p>Both taus are teacher-forced, per anchored block of the held-out samples. sim_tau: the "
+                "drafts the drafter's greedy picks get right up to the first miss, + the bonus token. "
+                "expected_tau (DeepSpec's tau_probabilistic): the tokens a verify step emits on average when "
+                "the drafter samples at T=1, 1 + the sum over draft positions of the product of the "
+                "acceptance probabilities up to it, each 1 - the total variation distance between the "
+                "drafter's and the target's distributions: dspark against the target's own distribution, "
+                "dflash, whose hidden shards hold none, against the stored token (the drafter's probability "
+                "of it).</p>")
     if exported:
         out += note(f"Exported step {exported['step']} of {exported['last_step']}: {exported['why']}.")
     return out

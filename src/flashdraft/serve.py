@@ -9,12 +9,12 @@ Ctrl-C stops it cleanly.
 
 Requests are checked before any work: a body over `max_body` bytes is a 413, a bad Content-Length, a
 body that is not a JSON object, or a field out of range (max_tokens in 1..`max_tokens_limit`, a
-temperature >= 0) is a 400; so is a conversation the chat template cannot answer (a role other than
-system, user, assistant; no user turn; an assistant turn last), text that is not Unicode (a
-lone UTF-16 surrogate), a prompt that with max_tokens runs past the model's max_position_embeddings, and
-`stream: true` (not supported). Error bodies are OpenAI's: {"error": {"message", "type", "code"}}. A
-client that stalls mid-request is dropped after `request_timeout` seconds, so it cannot hold a thread
-forever.
+temperature >= 0, a top_p in (0, 1], a top_k >= 0) is a 400; so is a conversation the chat template
+cannot answer (a role other than system, user, assistant; no user turn; an assistant turn last), text
+that is not Unicode (a lone UTF-16 surrogate), a prompt that with max_tokens runs past the model's
+max_position_embeddings, and `stream: true` (not supported). Error bodies are OpenAI's: {"error":
+{"message", "type", "code"}}. A client that stalls mid-request is dropped after `request_timeout` seconds,
+so it cannot hold a thread forever.
 """
 
 from __future__ import annotations
@@ -104,6 +104,13 @@ class Server(ThreadingHTTPServer):
         temperature = 1.0 if temperature is None else temperature
         if not _number(temperature) or not math.isfinite(temperature) or temperature < 0:
             raise ValueError(f"`temperature` must be a number >= 0, got {temperature!r}")
+        top_p, top_k = req.get("top_p"), req.get("top_k")
+        top_p = 1.0 if top_p is None else top_p
+        if not _number(top_p) or not 0 < top_p <= 1:
+            raise ValueError(f"`top_p` must be a number in (0, 1], got {top_p!r}")
+        top_k = 0 if top_k is None or top_k == -1 else top_k  # -1: off, as vLLM spells it
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+            raise ValueError(f"`top_k` must be an integer >= 0 (0 or -1: off), got {top_k!r}")
         kwargs = req.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise ValueError(f"`chat_template_kwargs` must be an object, got {kwargs!r}")
@@ -112,6 +119,7 @@ class Server(ThreadingHTTPServer):
             self._check_length(messages, max_tokens, thinking)
             [(answer, n_prompt, n, finish)] = generate(
                 self.model, self.tokenizer, [messages], max_tokens, float(temperature), thinking, self.eos,
+                float(top_p), top_k,
             )
         return {
             "object": "chat.completion",

@@ -17,6 +17,7 @@ one sequence at consecutive positions (verify). h is [rows, H]; q [rows, heads, 
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import NamedTuple
 
@@ -271,12 +272,23 @@ def target_step(model, layers: Layers, tokens, positions, write, attend, layer_i
     return h, features(outputs, h, layer_ids)
 
 
-def pick(logits, temperature: float, generator=None):
-    """The next token from `logits` [..., V]: greedy at temperature 0, else sampled."""
+def pick(logits, temperature: float, generator=None, top_p: float = 1.0, top_k: int = 0):
+    """The next token from `logits` [V] or [n, V]: greedy at temperature 0, else sampled from the softmax at
+    `temperature`, restricted (as transformers and vLLM do, in this order) to the `top_k` likeliest tokens
+    (0: all), then to the fewest likeliest whose probabilities add up to `top_p` (1.0: all)."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, -1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    logits, index = logits.float() / temperature, None
+    if 0 < top_k < logits.shape[-1]:
+        logits, index = logits.topk(top_k, -1)  # sorted, largest first
+    if top_p < 1:
+        if index is None:
+            logits, index = logits.sort(-1, descending=True)
+        probs = torch.softmax(logits, -1)
+        before = probs.cumsum(-1) - probs  # the mass of the likelier tokens: the first's is 0, always kept
+        logits = logits.masked_fill(before >= top_p, -math.inf)
+    token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+    return (token if index is None else index.gather(-1, token)).squeeze(-1)
 
 
 def block_mask(first, last, max_len: int, q_len: int, mask_mod) -> BlockMask:

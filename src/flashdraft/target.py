@@ -87,15 +87,18 @@ def load_for_generate(target: str, dtype: str):
 
 
 def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
-             thinking: bool, eos: list[int]) -> list[tuple[str, int, int, str]]:
-    """Answer a batch of chat prompts: (answer, prompt tokens, answer tokens, finish_reason) each."""
+             thinking: bool, eos: list[int], top_p: float = 1.0,
+             top_k: int = 0) -> list[tuple[str, int, int, str]]:
+    """Answer a batch of chat prompts: (answer, prompt tokens, answer tokens, finish_reason) each. Sampled
+    above temperature 0, within `top_p` and `top_k` where set (else as the model's generation_config says)."""
     import torch
 
     texts = [render(tokenizer, p, add_generation_prompt=True, thinking=thinking) for p in prompts]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     # greedy: unset the model's sampling defaults so generate does not warn that they are ignored
     sampling = (
-        dict(do_sample=True, temperature=temperature)
+        dict(do_sample=True, temperature=temperature, **({"top_p": top_p} if top_p < 1 else {}),
+             **({"top_k": top_k} if top_k else {}))
         if temperature > 0
         else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     )
