@@ -55,7 +55,8 @@ MFU = (tokens/s per GPU) * (FLOPs per token) / peak, peak the GPU's dense bf16 F
 features, frozen head) need no gradient.
 
 Usage: python benchmarks/train_drafter.py --preset tiny|qwen3-8b [--gpus 1,2] [--steps N]
-           [--log-every N] [--work DIR] [--out benchmarks/results/train_drafter_<preset>.json]
+           [--seq-len S] [--rows R] [--log-every N] [--work DIR]
+           [--out benchmarks/results/train_drafter_<preset>.json]
            [--set JSON] [--drafter JSON] [--baseline JSON] [--profile PATH] [--runs throughput cold resumed]
 A drafter family against another on the same data (one shard, with the target's last hidden state when
 either trains on it): --drafter '{"family": "dspark", "block_size": 7}' --baseline
@@ -278,6 +279,10 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, metavar="PATH",
                    help="after the measurements, profile one warm process's start to its first step here")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sample (the bucket trained), instead of the preset's")
+    p.add_argument("--rows", type=int, default=None,
+                   help="samples per micro-batch (train.batch_tokens = rows x seq-len), not the preset's")
     p.add_argument("--set", type=json.loads, default={}, metavar="JSON",
                    help="train config overrides of every run, e.g. '{\"compile_loss\": true}'")
     p.add_argument("--drafter", type=json.loads, default={}, metavar="JSON",
@@ -297,6 +302,7 @@ def main():
         write_json(saved, result)  # the measurement's own envelope kept
         return print_table(result, saved)
     preset = dict(PRESETS[args.preset])
+    preset |= {k: v for k, v in (("seq_len", args.seq_len), ("rows", args.rows)) if v is not None}
     preset["drafter"] = preset["drafter"] | args.drafter
     base_drafter = (args.baseline or {}).get("drafter")
     if base_drafter is not None:  # one shard serves both sides
