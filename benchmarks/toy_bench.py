@@ -7,6 +7,7 @@ killed benchmark resumes), and the statistics over seeds.
 import csv
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,12 +83,15 @@ def run_one(work: Path, name: str, overrides: dict, drafter: str = "dflash") -> 
     ran = {s: v for s, v in stage_seconds(work).items()
            if (bench / f"{s}.tsv").stat().st_mtime != before.get(bench / f"{s}.tsv")}
     d = summary[drafter]
+    # the per-prompt rows, for intervals over prompts: the next run in this work dir overwrites the file
+    shutil.copy(work / "results" / "eval" / "per_prompt.parquet", done.parent / "per_prompt.parquet")
     result = {
         "name": name, "overrides": overrides,
         "tau_pooled": d["tau_pooled"], "tau_prompt_mean": d["tau_prompt_mean"],
         "lossless_all": d["lossless_all"], "speedup_cpu": d["speedup"],
         "per_position_acceptance": d["per_position_acceptance"],
         "untrained_tau_pooled": summary[f"{drafter}_untrained"]["tau_pooled"],
+        "tau_pooled_by_temperature": {t: x["tau_pooled"] for t, x in d.get("by_temperature", {}).items()},
         "train_steps": int(rows[-1]["step"]), "final_train_loss": float(rows[-1]["loss"]),
         "final_sim_tau": float(rows[-1]["sim_tau"]),
         "global_batch_line": next(

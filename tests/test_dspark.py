@@ -26,6 +26,8 @@ from flashdraft.dspark import (
     DSparkDrafter,
     DSparkProposer,
     DSparkSpec,
+    GraphPicks,
+    dspark_chunk,
     dspark_labels,
     dspark_loss,
     dspark_normalizer,
@@ -35,7 +37,7 @@ from flashdraft.dspark import (
 )
 from flashdraft.errors import UserError
 from flashdraft.families import family, family_of_export
-from flashdraft.loss import sample_anchors, train_forward
+from flashdraft.loss import compiled_chunk, sample_anchors, train_forward
 from flashdraft.model import DFlashDrafter, DrafterSpec
 from flashdraft.speculative import make_session, speculative_decode, target_decode
 from flashdraft.target import eos_ids, load_target, select_features
@@ -225,6 +227,24 @@ def test_chunked_loss_and_gradients_equal_the_dense_formulas(data, heads):
             torch.testing.assert_close(p.grad, ref[n], atol=1e-6, rtol=1e-4, msg=n)
 
 
+@pytest.mark.parametrize("heads", [dict(), HEADS_OFF])
+def test_compiled_loss_chunks_equal_eager_ones(data, heads):
+    """train.compile_loss: the full chunks of dspark_chunk compiled (the last, shorter one eager) give the
+    eager loss, stats and gradients, with both heads and with none."""
+    d = drafter(**heads)
+    out = {}
+    for compiled in (False, True):
+        d.zero_grad()
+        loss, stats = loss_of(d, data, chunk_blocks=2, compile_loss=compiled)
+        loss.backward()
+        out[compiled] = loss.detach(), stats, {n: p.grad.clone() for n, p in d.named_parameters()}
+    assert compiled_chunk(dspark_chunk).ran  # a full chunk went through the compiled function
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-5, atol=1e-5, equal_nan=True)
+    for n, g in out[False][2].items():
+        torch.testing.assert_close(out[True][2][n], g, atol=1e-6, rtol=1e-4, msg=n)
+
+
 def p_numel(d, name):
     return dict(d.named_parameters())[name].numel()
 
@@ -309,7 +329,7 @@ def test_the_family_reads_the_last_hidden_state_only_where_a_term_does():
     anchors = torch.tensor([[2, 9, 15]])
     d = drafter(**HEADS_OFF)
     step = types.SimpleNamespace(model=d, spec=d.spec, embed=torch.randn(V, H, generator=g),
-                                 head=torch.randn(V, H, generator=g), attention="sdpa",
+                                 head=torch.randn(V, H, generator=g), attention="sdpa", compile_loss=False,
                                  options=loss_options(TrainConfig(gamma=3.0), paper, d.spec))
     assert step.options.teacher is False
     full, stats = loss(step, t, anchors, anchors >= 0)
@@ -595,6 +615,37 @@ def test_heads_off_proposals_are_the_argmax_of_the_base_logits(toy_heads_off):
     with torch.no_grad():
         want = (d.block_hidden(feats, 7, embed) @ head.T).argmax(-1).tolist()
     assert q is None and drafts == want and len(set(want)) > 1
+
+
+def test_graph_picks_are_pick_block_s_greedy_and_sample_by_the_inverse_cdf(data):
+    """GraphPicks (the picks replayed as CUDA graphs; run eagerly here): at T=0 pick_block's drafts; at T>0
+    each slot's distribution is softmax((base + Markov bias of the pick before) / T), as pick_block makes
+    it, and its pick is the inverse CDF at the slot's uniform; a block shorter than the graph's gives the
+    first slots of the full one, and the picks follow the distribution over many draws."""
+    _, _, hidden, _, embed, head, _, _ = data
+    d = drafter().eval()
+    with torch.no_grad():
+        d.markov_head.markov_w2.weight.mul_(5)
+        h = d.block_hidden(hidden[:1, :10], 7, embed)
+        picks = GraphPicks(d, head, B)
+        assert picks(h, 7, 0.0)[0].tolist() == d.pick_block(h, 7, head)[0].tolist()
+        assert picks(h[:3], 7, 0.0)[0].tolist() == d.pick_block(h, 7, head)[0][:3].tolist()
+        g = torch.Generator().manual_seed(0)
+        drafts, q = picks(h, 7, 0.9, g)
+        u = torch.rand(B, generator=torch.Generator().manual_seed(0))
+        w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
+        prev = 7
+        for k in range(B):
+            want = torch.softmax((h[k] @ head.T + w2 @ w1[prev]) / 0.9, -1)
+            torch.testing.assert_close(q[k], want, rtol=1e-5, atol=1e-7)
+            cdf = q[k].cumsum(-1)
+            t = int(drafts[k])
+            assert (t == 0 or cdf[t - 1] < u[k] * cdf[-1]) and u[k] * cdf[-1] <= cdf[t]
+            prev = t
+        first = torch.stack([picks(h[:1], 7, 0.9, g)[0][0] for _ in range(3000)])
+    p0 = torch.softmax((h[0] @ head.T + w2 @ w1[7]) / 0.9, -1)
+    seen = torch.bincount(first, minlength=p0.numel()).float() / len(first)
+    assert (seen - p0).abs().sum() / 2 < 0.1  # total variation of 3000 draws from p0
 
 
 def test_sampling_proposals_carry_their_distributions(toy):

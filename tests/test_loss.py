@@ -265,7 +265,7 @@ def test_compiled_cross_entropy_compiles_at_its_first_full_chunk_under_fail_on_r
     g = torch.Generator().manual_seed(2)
     h, head = torch.randn(20, 16, generator=g), torch.randn(50, 16, generator=g)
     labels, weights = torch.randint(0, 50, (20,), generator=g), torch.ones(20)
-    loss_module._compiled_ce_chunk = None
+    loss_module._compiled_chunks.clear()
     with torch.compiler.set_stance("fail_on_recompile"):
         for _ in range(2):
             total, *_ = LinearCrossEntropy.apply(h, head, labels, weights, 10, None, True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 from . import drafter_io
 from .config import DrafterConfig, DSparkConfig, needs_last_hidden
 from .families import FAMILIES, Family
-from .loss import simulated_tau, train_forward
+from .loss import compiled_chunk, simulated_tau, train_forward
 from .model import DFlashDrafter, DraftCache, DrafterSpec
 from .proposer import Proposer
 
@@ -255,12 +256,14 @@ class MarkovLinearLoss(torch.autograd.Function):
     gradients for h, e and W2 made in the forward while each chunk's logits exist (as LinearCrossEntropy;
     W and t get none). Also returns, without gradient, each row's CE, L1 and whether its argmax is its
     label. Matmuls in W's dtype, softmaxes in float32. e and W2 None: no Markov head; teacher None: no L1
-    term (dspark_chunk)."""
+    term (dspark_chunk). compiled: full chunks go through dspark_chunk compiled (train.compile_loss), the
+    last, shorter one eager."""
 
     @staticmethod
     def forward(ctx, h, e, w2, head, teacher, labels, weights, ce_weight: float, l1_weight: float,
-                chunk: int):
+                chunk: int, compiled: bool = False):
         n, dev, markov = h.shape[0], h.device, e is not None
+        fused = compiled_chunk(dspark_chunk) if compiled else dspark_chunk
         grad_h = torch.empty_like(h)
         grad_e = torch.empty_like(e) if markov else None
         grad_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=dev) if markov else None
@@ -271,7 +274,8 @@ class MarkovLinearLoss(torch.autograd.Function):
             w2h = w2.to(head.dtype) if markov else None
             for i in range(0, n, chunk):
                 j = slice(i, i + chunk)
-                out = dspark_chunk(h[j], e[j] if markov else None, w2h, head,
+                run = fused if h[j].shape[0] == chunk else dspark_chunk
+                out = run(h[j], e[j] if markov else None, w2h, head,
                                    None if teacher is None else teacher[j], labels[j], weights[j].float(),
                                    ce_weight, l1_weight)
                 total += out[0]
@@ -286,18 +290,20 @@ class MarkovLinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, *_):
         grads = [None if g is None else g * grad_total for g in ctx.saved_tensors]
-        return *grads, *[None] * 7
+        return *grads, *[None] * 8
 
 
 def dspark_loss(model, input_ids, loss_mask, hidden, last_hidden, anchors, valid, embed_weight,
                 lm_head_weight, *, gamma: float, ce_weight: float, l1_weight: float, confidence_weight: float,
-                attention: str = "sdpa", chunk_blocks: int = 128, normalizer=None):
+                attention: str = "sdpa", chunk_blocks: int = 128, normalizer=None,
+                compile_loss: bool = False):
     """DeepSpec's DSpark loss: (ce_weight * sum w*CE + l1_weight * sum w*L1 + confidence_weight * sum w*BCE)
     / normalizer, per slot k with w = eval_mask * exp(-k/gamma) (`dspark_labels`); CE of the Markov-corrected
     logits against token[anchor+k+1]; L1 = |p_draft - p_target|_1, p_target the target's softmax over its
     last hidden state `last_hidden` `[b, S, H]` at anchor+k; BCE of the confidence logit against 1 - L1/2
     (detached). normalizer: a given one (a global batch's) instead of this batch's sum(w). The vocabulary
-    side runs `chunk_blocks` blocks at a time (MarkovLinearLoss). `model`: a DSparkDrafter, maybe in DDP.
+    side runs `chunk_blocks` blocks at a time (MarkovLinearLoss; `compile_loss`: its full chunks compiled).
+    `model`: a DSparkDrafter, maybe in DDP.
     Without a Markov head the logits are the base ones; `last_hidden` None (no L1 weight, no confidence
     head): no teacher, and the L1 and expected_tau stats are NaN.
 
@@ -324,7 +330,7 @@ def dspark_loss(model, input_ids, loss_mask, hidden, last_hidden, anchors, valid
     e = drafter.prev_embeds(prev.flatten())
     w2 = None if drafter.markov_head is None else drafter.markov_head.markov_w2.weight
     total, ce, l1, correct = MarkovLinearLoss.apply(rows, e, w2, lm_head_weight, teacher, y, w, ce_weight,
-                                                    l1_weight, chunk_blocks * bs)
+                                                    l1_weight, chunk_blocks * bs, compile_loss)
     accept = (1.0 - l1 / 2).clamp(0.0, 1.0)  # the acceptance rate of rejection sampling, per slot
     bce_sum = torch.zeros((), device=rows.device)
     if drafter.confidence_head is not None:
@@ -374,6 +380,55 @@ def dspark_summarize(stats, block_size: int) -> dict:
 # drafting
 
 
+class GraphPicks:
+    """`DSparkDrafter.pick_block`'s left-to-right Markov picks as CUDA graphs, one greedy and one sampling,
+    replayed after the draft session's step instead of a dozen small kernels per slot launched one by one.
+    The slots' hidden states, the last token, the temperature and one uniform per slot (drawn from the
+    caller's generator before the replay) sit in static buffers; a sample is the inverse of its
+    distribution's CDF at that uniform (the distribution pick_block's torch.multinomial samples). A block
+    shorter than the graph's runs all slots: a slot's pick depends on those before it only."""
+
+    def __init__(self, drafter: DSparkDrafter, lm_head_weight, block_size: int):
+        from .step import Graphs
+
+        dev = lm_head_weight.device
+        self.drafter, self.head, self.vocab = drafter, lm_head_weight, drafter.spec.vocab_size
+        self.h = torch.zeros(block_size, drafter.spec.hidden_size, dtype=drafter.fc.weight.dtype, device=dev)
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.temperature = torch.ones(1, device=dev)
+        self.uniform = torch.zeros(block_size, device=dev)
+        self.graphs = Graphs(dev)
+
+    def _picks(self, sampled: bool):
+        base = (self.h @ self.head.to(self.h.dtype).T).float()
+        prev, picks, qs = self.last, [], []
+        for k in range(self.h.shape[0]):
+            base[k] += self.drafter.markov_bias(prev)[0].float()
+            if sampled:
+                qs.append(torch.softmax(base[k] / self.temperature, -1))
+                cdf = qs[-1].cumsum(-1)
+                prev = torch.searchsorted(cdf, self.uniform[k : k + 1] * cdf[-1:]).clamp_(max=self.vocab - 1)
+            else:
+                prev = base[k].argmax(-1, keepdim=True)
+            picks.append(prev)
+        return torch.cat(picks), torch.stack(qs) if sampled else None
+
+    @torch.inference_mode()
+    def __call__(self, h, last_token: int, temperature: float, generator=None):
+        """pick_block(h, last_token, ...)'s drafts `[n]` and distributions `[n, V]` (None at T=0)."""
+        if not self.graphs.ready:
+            self.graphs.capture({s: partial(self._picks, s) for s in (False, True)})
+        n, sampled = h.shape[0], temperature > 0
+        self.h[:n].copy_(h)
+        self.last.fill_(int(last_token))
+        if sampled:
+            self.temperature.fill_(temperature)
+            u = self.uniform
+            u.copy_(torch.rand(u.shape, generator=generator, device=u.device))
+        drafts, q = self.graphs.run(sampled, self._picks, sampled)
+        return drafts[:n].clone(), None if q is None else q[:n].clone()
+
+
 class DSparkProposer(Proposer):
     """A DSpark drafter: one parallel block over the target features of the verified context, then its
     slots picked left to right with the Markov bias (`DSparkDrafter.pick_block`); min(B, max_draft) drafts.
@@ -389,7 +444,7 @@ class DSparkProposer(Proposer):
                  confidence_threshold: float = 0.0):
         self.drafter, self.embed, self.head, self.cached = drafter, embed_weight, lm_head_weight, cached
         self.block_size, self.threshold = drafter.spec.block_size, confidence_threshold
-        self.session = None
+        self.session, self.picks = None, None
         self.reset()
 
     def static(self, max_len: int) -> DSparkProposer:
@@ -398,6 +453,8 @@ class DSparkProposer(Proposer):
             from .session import DraftSession
 
             self.session = DraftSession(self.drafter, self.embed, self.head, max_len, hidden_states=True)
+            if self.session.graphs.on and self.drafter.markov_head is not None:
+                self.picks = GraphPicks(self.drafter, self.head, self.block_size)
             self.reset()
         return self
 
@@ -419,7 +476,10 @@ class DSparkProposer(Proposer):
             f = self.features
             self.features = new_features if f is None else torch.cat([f, new_features], 1)
             h = self.drafter.block_hidden(self.features, tokens[-1], self.embed, size)
-        drafts, q, _ = self.drafter.pick_block(h, tokens[-1], self.head, temperature, generator)
+        if self.picks is not None:
+            drafts, q = self.picks(h, tokens[-1], temperature, generator)
+        else:
+            drafts, q, _ = self.drafter.pick_block(h, tokens[-1], self.head, temperature, generator)
         n = min(max_draft, self._confident(h, tokens[-1], drafts))
         return drafts[:n].tolist(), None if q is None else q[:n]
 
@@ -465,7 +525,7 @@ def loss(step, t: dict, anchors, valid, normalizer=None):
     return dspark_loss(step.model, t["input_ids"], t["loss_mask"], t["hidden"], last, anchors,
                        valid, step.embed, step.head, gamma=o.gamma, ce_weight=o.ce_weight,
                        l1_weight=o.l1_weight, confidence_weight=o.confidence_weight, attention=step.attention,
-                       normalizer=normalizer)
+                       normalizer=normalizer, compile_loss=step.compile_loss)
 
 
 def normalizer(step, t: dict, anchors, valid):

@@ -137,16 +137,17 @@ def ce_chunk(h, weight, y, w, objective: Objective | None = None):
     return (ce * w).sum(), correct, ce, (grad.mul_(w[:, None]).to(weight.dtype) @ weight).to(h.dtype)
 
 
-class CompiledCEChunk:
-    """ce_chunk compiled (train.compile_loss): the softmax, its gradient and the weighting fuse into a few
-    kernels instead of a pass over the `[chunk, V]` logits each. Full chunks only, so one static shape.
+class CompiledChunk:
+    """A loss chunk function compiled (train.compile_loss): ce_chunk, or a family's own (DSpark's
+    dspark_chunk), whose softmax, gradient and weighting fuse into a few kernels instead of a pass over the
+    `[chunk, V]` logits each. Full chunks only, so one static shape.
 
     Its one compile comes with the first full chunk, which can be any step's (a bucket whose first
     micro-batches hold fewer blocks than a chunk), not only a bucket's first: that call runs under the
     default stance, so training's fail_on_recompile guards every later one."""
 
-    def __init__(self):
-        self.fn = torch.compile(ce_chunk, dynamic=False)
+    def __init__(self, fn):
+        self.fn = torch.compile(fn, dynamic=False)
         self.ran = False
 
     def __call__(self, *args):
@@ -158,14 +159,18 @@ class CompiledCEChunk:
         return out
 
 
-_compiled_ce_chunk: CompiledCEChunk | None = None
+_compiled_chunks: dict = {}
 
 
-def compiled_ce_chunk() -> CompiledCEChunk:
-    global _compiled_ce_chunk
-    if _compiled_ce_chunk is None:
-        _compiled_ce_chunk = CompiledCEChunk()
-    return _compiled_ce_chunk
+def compiled_chunk(fn) -> CompiledChunk:
+    """`fn` compiled, once per process."""
+    if fn not in _compiled_chunks:
+        _compiled_chunks[fn] = CompiledChunk(fn)
+    return _compiled_chunks[fn]
+
+
+def compiled_ce_chunk() -> CompiledChunk:
+    return compiled_chunk(ce_chunk)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
