@@ -227,3 +227,27 @@ def test_each_rule_runs_the_script_of_its_name():
     for rule, script in scripts.items():
         assert (REPO / "scripts" / f"{script}.py").is_file(), (rule, script)
         assert script in (rule, rule.replace("_chunk", "").replace("_val", "")), (rule, script)
+
+
+# Each hidden-state mode's files: its functions (the mode interface) and its rules.
+MODE_FILES = {"store": ("store_mode.smk", "hidden.smk"), "stream": ("stream_mode.smk", "stream.smk")}
+
+
+def mode_interface(smk: Path) -> list[str]:
+    """The mode interface a mode's functions file names at its top, one `#   name()  what it is` a line."""
+    return re.findall(r"^#   (\w+)(?:\(\))? ", smk.read_text(), re.M)
+
+
+def test_only_the_mode_files_know_the_hidden_state_mode():
+    """Both modes' functions files name the same mode interface and define all of it; no other rule file
+    tests hidden.mode (the Snakefile includes one mode's files)."""
+    rules = REPO / "workflow" / "rules"
+    store, stream = (mode_interface(rules / MODE_FILES[m][0]) for m in ("store", "stream"))
+    assert store == stream and len(store) > 5, (store, stream)
+    for functions, _ in MODE_FILES.values():
+        defined = set(re.findall(r"^def (\w+)\(", (rules / functions).read_text(), re.M))
+        assert set(store) <= defined, (functions, set(store) - defined)
+    own = {name for files in MODE_FILES.values() for name in files}
+    for smk in sorted(rules.glob("*.smk")):
+        if smk.name not in own:
+            assert not re.search(r"\bSTREAM\b|\.mode\b", smk.read_text()), smk.name

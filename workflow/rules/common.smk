@@ -11,13 +11,10 @@ REPO = Path(workflow.basedir).parent
 sys.path.insert(0, str(REPO / "src"))
 
 from flashdraft.config import (  # noqa: E402
-    PLAN_TRAIN_KEYS,
-    STREAM_RING,
     WARMUP_TRAIN_KEYS,
     Config,
     config_from,
     needs_last_hidden,
-    run_config_digest,
     stage_params,
 )
 from flashdraft.config_check import (  # noqa: E402
@@ -39,7 +36,7 @@ from flashdraft.disk import disk_problem  # noqa: E402
 from flashdraft.errors import FailureConsole, UserError  # noqa: E402
 from flashdraft.estimate_inputs import target_shapes  # noqa: E402
 from flashdraft.io import console_env, file_digests  # noqa: E402
-from flashdraft.reruns import deleted_line, deleted_shards, redo_lines, store_leftovers  # noqa: E402
+from flashdraft.reruns import deleted_line, deleted_shards, redo_lines  # noqa: E402
 from flashdraft.shards import shard_sources  # noqa: E402
 from flashdraft.launch import on_every_node, torchrun  # noqa: E402
 
@@ -225,13 +222,6 @@ def last_hidden_params():
     return {"last_hidden": " ".join(LAST_HIDDEN_FLAGS)} if LAST_HIDDEN else {}
 
 
-def run_config():
-    """Params function: a digest of what makes a training run of the train and drafter sections
-    (flashdraft.config.run_config, which the run key hashes): the rerun trigger of stream mode's chunks."""
-    digest = run_config_digest(CFG.train, CFG.drafter)
-    return lambda wildcards: digest
-
-
 def source_digests(wildcards):
     """Params function: size and sha256 of each prompt source file the user brings, so that one rewritten
     under its old mtime (cp -p, rsync -t, tar x) reruns the prompts; digests are kept in .snakemake/
@@ -322,78 +312,8 @@ def regenerate_gpus():
     return {"openai": 0, "server": CFG.regenerate.server_gpus}.get(CFG.regenerate.backend, target_gpus())
 
 
-STREAM = CFG.hidden.mode == "stream"
-PLAN = f"{RESULTS}/plan"  # stream mode's data plan (a checkpoint rule's directory)
-CHUNKS = f"{RESULTS}/hidden/stream"  # a chunk's hidden parts: CHUNKS/epoch-EEE/chunk-CCCCC/part-PPPPP.arrow
-CHUNK_RE = r"epoch-\d{3}/chunk-\d{5}"
-VAL_SHARD = f"{RESULTS}/hidden/val.arrow"  # stream mode's validation samples (store mode splits its shards)
-VAL_VERIFIED = f"{RESULTS}/hidden/val-verify.json"  # hidden_val_verify's result
-
-
-def val_shard():
-    """Stream mode with train.val_samples: the validation shard and its verification, inputs of every
-    chunk's training."""
-    return {"val": VAL_SHARD, "val_verified": VAL_VERIFIED} if STREAM and CFG.train.val_samples else {}
-
-
-def tokens_files():
-    """Stream mode: the tokenized hidden shards, in shard order (the samples' numbering)."""
-    return [f"{RESULTS}/tokens/shard-{s}.parquet" for s in shard_ids()]
-
-
-def planned_chunks():
-    """Stream mode: the data plan's chunk names (epoch-EEE/chunk-CCCCC) in training order; known once the
-    data_plan checkpoint has run."""
-    plan = Path(checkpoints.data_plan.get().output[0]) / "plan.json"
-    return [f"epoch-{c['epoch']:03d}/chunk-{c['chunk']:05d}" for c in json.loads(plan.read_text())["chunks"]]
-
-
-def chunk_parts():
-    """Hidden-state jobs per chunk: one per target GPU (one on the CPU)."""
-    return max(1, CFG.gpus.target)
-
-
-def chunk_part_files(ext):
-    def f(wildcards):
-        return [f"{CHUNKS}/{wildcards.chunk}/part-{p:05d}.{ext}" for p in range(chunk_parts())]
-
-    return f
-
-
-def chunk_done(name):
-    return f"{RESULTS}/train/chunks/{name}.json"
-
-
-def previous_chunk(wildcards):
-    """A chunk trains from where the chunk before it ended."""
-    chunks = planned_chunks()
-    i = chunks.index(wildcards.chunk)
-    return [chunk_done(chunks[i - 1])] if i else []
-
-
-def ring_wait(wildcards):
-    """A chunk's hidden parts wait for the training of the chunk STREAM_RING places before it, whose own
-    parts are deleted then: no more than STREAM_RING chunks are on disk at once."""
-    chunks = planned_chunks()
-    i = chunks.index(wildcards.chunk)
-    return [chunk_done(chunks[i - STREAM_RING])] if i >= STREAM_RING else []
-
-
-def last_chunk(wildcards):
-    return chunk_done(planned_chunks()[-1])
-
-
-def hidden_manifests():
-    """What the warmup and the report read of the hidden states: store mode's shard manifests."""
-    return [] if STREAM else shard_files("json")
-
-
 def shard_ids():
     return [f"{i:05d}" for i in range(CFG.hidden.shards)]
-
-
-def shard_files(ext="arrow"):
-    return expand(f"{RESULTS}/hidden/shard-{{shard}}.{ext}", shard=shard_ids())
 
 
 def regenerate_shards():
@@ -424,13 +344,15 @@ def shards_kept():
     """The shards a finished run keeps, inputs of the default target `all`: a plain rerun makes one deleted
     by hand again, with what depends on it (Snakemake makes a missing file only for a job that runs).
     Stream mode's hidden chunks are temp(): not these."""
-    return regenerated() + (tokens_files() if STREAM else shard_files("arrow") + shard_files("json"))
+    return regenerated() + hidden_kept()
 
 
-def all_outputs():
+def all_outputs(wildcards):
+    """Input function of rule all, evaluated once the hidden-state mode's functions (included after rule
+    all) have defined the mode interface."""
     return [
         *shards_kept(),
-        *([] if STREAM else [f"{RESULTS}/hidden/verify.json"]),
+        *hidden_targets(),
         f"{RESULTS}/drafter/config.json",
         f"{RESULTS}/eval/summary.json",
         f"{RESULTS}/report.html",
@@ -498,24 +420,16 @@ def share_console():
     os.environ.update(console_env())
 
 
-def say_deleted_shards():
-    """One line naming the shards deleted since the run that used them (the default target makes them
-    again)."""
-    made_from = f"{PLAN}/plan.json" if STREAM else f"{RESULTS}/hidden/verify.json"
-    gone = deleted_shards(shards_kept(), made_from)
-    if gone:
-        print(f"note: {deleted_line(gone, rerun_command())}", file=sys.stderr)
-
-
-def say_store_leftovers():
-    """A stream-mode run: the store-mode shards of an earlier run, which nothing reads now, in one line."""
-    line = store_leftovers(f"{RESULTS}/hidden") if STREAM else None
-    if line:
+def say_files_on_disk():
+    """What a run says at its start about files on disk (the Snakefile calls it once the hidden-state mode's
+    functions are included): the shards deleted since the run that used them (the default target makes
+    them again), then the mode's own lines."""
+    gone = deleted_shards(shards_kept(), hidden_made_from())
+    lines = [deleted_line(gone, rerun_command())] if gone else []
+    for line in lines + hidden_notes():
         print(f"note: {line}", file=sys.stderr)
 
 
 FAILURES = failure_console() if workflow.is_main_process else None  # a cluster job's log says it all
 if workflow.is_main_process:  # not again in each job a cluster or a subprocess runs
-    say_deleted_shards()
-    say_store_leftovers()
     share_console()

@@ -21,7 +21,7 @@ rule report:
         drafter_dir=parent("input", "drafter"),
         checkpoints=f"{RESULTS}/checkpoints",
         bench_dir=BENCH,
-        hidden_dir=[] if STREAM else ["--hidden-dir", f"{RESULTS}/hidden"],
+        hidden_dir=report_hidden_args(),
         cmd=stage("report.py"),
     conda:
         CONDA_ENV

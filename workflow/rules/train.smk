@@ -1,7 +1,6 @@
 rule train:
     input:
-        **({"last_chunk": last_chunk, "plan": PLAN} if STREAM else
-           {"arrows": shard_files("arrow"), "verified": f"{RESULTS}/hidden/verify.json"}),
+        **train_data(),
         cache=f"{RESULTS}/compile_cache/meta.json",
         target=target_dir(),
         **init_from(),
@@ -16,9 +15,7 @@ rule train:
         cache_dir=parent("input", "cache"),
         drafter_dir=parent("output"),
         checkpoints=f"{RESULTS}/checkpoints",  # not an output: Snakemake never deletes it
-        # stream mode: every chunk has trained (train_chunk); this job exports the run's last checkpoint
-        data=lambda wildcards, input: f"--plan {shlex.quote(input.plan)}" if STREAM else
-        " ".join(shlex.quote(a) for a in input.arrows),
+        data=train_data_args,
         cmd=stage("train.py", gpus=CFG.gpus.drafter, nproc=max(1, CFG.gpus.drafter),
                   nodes=CFG.gpus.drafter_nodes),
     resources:

@@ -11,7 +11,7 @@ rule warmup:
         cfg=section("train", WARMUP_TRAIN_KEYS),
         drafter=section("drafter"),
         out_dir=parent("output"),
-        arrows=[] if STREAM else shard_files("arrow"),
+        arrows=warmup_shards(),
         world=train_world(),  # with train.parallel, whether training shards the drafter (then: nothing to do)
         cmd=stage("warmup.py", gpus=min(1, CFG.gpus.drafter)),
     resources:
