@@ -25,6 +25,7 @@ run: install
 
 lint: install
 	$(VENV)/bin/ruff check src scripts tests benchmarks
+	$(VENV)/bin/ruff format --check src scripts tests benchmarks
 	$(SNAKEMAKE) --lint --configfile $(CONFIG)
 
 # The suite on TEST_WORKERS processes (pytest-xdist): each test module stays on one worker, so its

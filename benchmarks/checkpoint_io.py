@@ -66,8 +66,9 @@ def training_state(preset: dict, device):
     torch.manual_seed(0)
     with torch.device(device):
         drafter = DFlashDrafter(spec)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.0,
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda"
+    )
     for p in drafter.parameters():
         p.grad = torch.randn_like(p)
     optimizer.step()
@@ -121,7 +122,8 @@ def resume_whole(ckpt, path, reading):
 
 def state_of(drafter, optimizer) -> list[torch.Tensor]:
     return [t.detach().clone() for t in drafter.state_dict().values()] + [
-        t.clone() for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        t.clone() for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)
+    ]
 
 
 def measure(preset: dict, work: Path, repeats: int, cold: bool, report) -> None:
@@ -136,30 +138,33 @@ def measure(preset: dict, work: Path, repeats: int, cold: bool, report) -> None:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         row = {"repeat": r}
-        row["save_before_s"] = timed(lambda: save_before(work / "before", drafter, optimizer, scheduler),
-                                     device)
-        ckpt = Checkpointer(work / "after", Dist(device=device), drafter, optimizer, scheduler, False,
-                            keep=1)
+        row["save_before_s"] = timed(
+            lambda: save_before(work / "before", drafter, optimizer, scheduler), device
+        )
+        ckpt = Checkpointer(work / "after", Dist(device=device), drafter, optimizer, scheduler, False, keep=1)
         for step, name in enumerate(("first", "second"), 1):
             row[f"save_{name}_blocking_s"] = timed(partial(ckpt.save, {"step": step}), device)
             t = timed(ckpt.wait, device)
             row[f"save_{name}_s"] = row[f"save_{name}_blocking_s"] + t
-        reserved = Checkpointer(work / "reserved", Dist(device=device), drafter, optimizer, scheduler, False,
-                                keep=1)
+        reserved = Checkpointer(
+            work / "reserved", Dist(device=device), drafter, optimizer, scheduler, False, keep=1
+        )
         row["reserve_s"] = timed(partial(reserve_whole, reserved), device)
         row["save_reserved_blocking_s"] = timed(partial(reserved.save, {"step": 1}), device)
         reserved.wait()
         row["in_chunk_save_blocking_s"] = row["save_second_blocking_s"]
         row["save_after_s"] = row["save_second_s"]
         path = work / "after" / "step-00000002"
-        row["load_before_s"] = timed(lambda: load_before(work / "before", drafter, optimizer, scheduler,
-                                                         device), device)
+        row["load_before_s"] = timed(
+            lambda: load_before(work / "before", drafter, optimizer, scheduler, device), device
+        )
         for variant in ("", "_cold") if cold else ("",):
             if variant and not drop_page_cache():
                 row["cold"] = False
                 break
-            fresh = Checkpointer(work / "after", Dist(device=device), drafter, optimizer, scheduler, False,
-                                 keep=1)
+            fresh = Checkpointer(
+                work / "after", Dist(device=device), drafter, optimizer, scheduler, False, keep=1
+            )
             reading = start_reading(path, device)
             row[f"read{variant}_s"] = timed(partial(read_whole, reading), device)
             row[f"load_after{variant}_s"] = timed(partial(resume_whole, fresh, path, reading), device)
@@ -173,7 +178,9 @@ def summarize(rows: list[dict], nbytes: int) -> dict:
     best = {k: min(r[k] for r in rows) for k in rows[0] if k.endswith("_s")}
     gb = nbytes / 1e9
     return {
-        "bytes": nbytes, "runs": rows, "best_s": best,
+        "bytes": nbytes,
+        "runs": rows,
+        "best_s": best,
         "save_speedup": best["save_before_s"] / best["save_after_s"],
         "in_chunk_save_blocking_s": best["in_chunk_save_blocking_s"],
         "in_chunk_save_speedup": best["save_before_s"] / best["in_chunk_save_blocking_s"],
@@ -199,8 +206,12 @@ def main():
     p.add_argument("--cold", action="store_true", help="also load with the page cache dropped (root only)")
     p.add_argument("--work", default=None, help="where the checkpoints are written (default: a temp dir)")
     p.add_argument("--out", default=None)
-    p.add_argument("--from-log", default=None, metavar="LOG",
-                   help="summarize the rows a run printed (one cut short before writing its JSON)")
+    p.add_argument(
+        "--from-log",
+        default=None,
+        metavar="LOG",
+        help="summarize the rows a run printed (one cut short before writing its JSON)",
+    )
     p.add_argument("--device", default=None, help="with --from-log: the device the run was made on")
     args = p.parse_args()
     preset = PRESETS[args.preset]
@@ -214,8 +225,11 @@ def main():
         return write_result(out, result, params=vars(args), device=preset["device"])
 
     if args.from_log:
-        rows = [json.loads(line) for line in Path(args.from_log).read_text().splitlines()
-                if line.startswith('{"repeat"')]
+        rows = [
+            json.loads(line)
+            for line in Path(args.from_log).read_text().splitlines()
+            if line.startswith('{"repeat"')
+        ]
         result = report(rows, state_bytes(preset))
     else:
         if preset["device"] == "cuda" and not torch.cuda.is_available():
@@ -229,11 +243,13 @@ def main():
             shutil.rmtree(work, ignore_errors=True)
         result = json.loads(out.read_text())
     b = result["best_s"]
-    print(f"{result['bytes'] / 1e9:.2f} GB: save {b['save_before_s']:.2f} s -> {b['save_after_s']:.2f} s "
-          f"({result['save_speedup']:.2f}x; training waits {b['in_chunk_save_blocking_s']:.2f} s of it, the "
-          f"first save {b['save_first_blocking_s']:.2f} s), load {b['load_before_s']:.2f} s -> "
-          f"{b['load_after_s']:.2f} s after a {b['read_s']:.2f} s background read "
-          f"({result['load_speedup']:.2f}x); {out}")
+    print(
+        f"{result['bytes'] / 1e9:.2f} GB: save {b['save_before_s']:.2f} s -> {b['save_after_s']:.2f} s "
+        f"({result['save_speedup']:.2f}x; training waits {b['in_chunk_save_blocking_s']:.2f} s of it, the "
+        f"first save {b['save_first_blocking_s']:.2f} s), load {b['load_before_s']:.2f} s -> "
+        f"{b['load_after_s']:.2f} s after a {b['read_s']:.2f} s background read "
+        f"({result['load_speedup']:.2f}x); {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -66,30 +66,51 @@ def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
         def flex_mask(anchors, valid, ctx_len, block_size):
             b, a = anchors.shape
             mod = model.dflash_mask_mod(anchors, valid, ctx_len, block_size)
-            return compiled(mod, B=b, H=None, Q_LEN=a * block_size, KV_LEN=ctx_len + a * block_size,
-                            device=anchors.device)
+            return compiled(
+                mod, B=b, H=None, Q_LEN=a * block_size, KV_LEN=ctx_len + a * block_size, device=anchors.device
+            )
 
         loss_module.flex_mask = flex_mask  # train_forward looks it up in its module
     if phase == "warm":
         torch.compiler.load_cache_artifacts((cache / "artifacts.bin").read_bytes())
         merge_inductor_files(cache / "inductor.tar", inductor_cache_dir())
     drafter_cfg = DrafterConfig(**preset["drafter"], mask_token_id=preset["mask_token_id"])
-    spec = model.DrafterSpec.from_target(Qwen3Config(**preset["target"]), preset["target"]["vocab_size"],
-                                         drafter_cfg)
+    spec = model.DrafterSpec.from_target(
+        Qwen3Config(**preset["target"]), preset["target"]["vocab_size"], drafter_cfg
+    )
     torch.manual_seed(0)
     with torch.device(dev):
         drafter = model.DFlashDrafter(spec)
     for m in drafter.layers if scope == "regional" else [drafter]:
         m.compile(dynamic=False)
     amp = torch.bfloat16 if dev.type == "cuda" else None
-    head = [torch.randn(spec.vocab_size, spec.hidden_size, device=dev, dtype=amp or torch.float32) * 0.02
-            for _ in range(2)]
-    step = Step(drafter, spec, family("dflash"), head[0], head[1], Decay(7.0), preset["attention"],
-                preset["max_anchors"], False, dev, amp)
+    head = [
+        torch.randn(spec.vocab_size, spec.hidden_size, device=dev, dtype=amp or torch.float32) * 0.02
+        for _ in range(2)
+    ]
+    step = Step(
+        drafter,
+        spec,
+        family("dflash"),
+        head[0],
+        head[1],
+        Decay(7.0),
+        preset["attention"],
+        preset["max_anchors"],
+        False,
+        dev,
+        amp,
+    )
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=dev.type == "cuda")
     g = torch.Generator().manual_seed(0)
-    batch = random_batch(preset["seq_len"], preset["rows"], spec.num_features * spec.hidden_size,
-                         spec.vocab_size, amp or torch.float32, g)
+    batch = random_batch(
+        preset["seq_len"],
+        preset["rows"],
+        spec.num_features * spec.hidden_size,
+        spec.vocab_size,
+        amp or torch.float32,
+        g,
+    )
 
     def one():
         anchors, valid = anchors_for(step, batch["loss_mask"], g)
@@ -106,9 +127,17 @@ def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
         one()
     with torch.compiler.set_stance("fail_on_recompile"):
         steady = time_it(one, warmup=0, repeats=1, number=STEADY, device=dev).median_s
-    out = {"scope": scope, "mask": mask, "phase": phase, "first_step_s": round(first, 2),
-           "steady_ms": round(1e3 * steady, 1), "loss": loss, "counters": counters, "phases": phases,
-           "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None}
+    out = {
+        "scope": scope,
+        "mask": mask,
+        "phase": phase,
+        "first_step_s": round(first, 2),
+        "steady_ms": round(1e3 * steady, 1),
+        "loss": loss,
+        "counters": counters,
+        "phases": phases,
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None,
+    }
     if phase == "cold":
         artifacts = torch.compiler.save_cache_artifacts()
         (cache / "artifacts.bin").write_bytes(artifacts[0] if artifacts else b"")
@@ -118,22 +147,36 @@ def child(preset: dict, scope: str, mask: str, phase: str, cache: Path) -> dict:
 
 def run_child(preset_name: str, scope: str, mask: str, phase: str, cache: Path, work: Path) -> dict:
     inductor = Path(tempfile.mkdtemp(prefix=f"inductor-{scope}-{mask}-{phase}-", dir=work))
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor),
-           "TRITON_CACHE_DIR": str(inductor / "triton"),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+        "TRITON_CACHE_DIR": str(inductor / "triton"),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     if PRESETS[preset_name]["device"] == "cpu":
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, "--preset", preset_name, "--child", f"{scope}:{mask}:{phase}",
-           str(cache)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--preset",
+        preset_name,
+        "--child",
+        f"{scope}:{mask}:{phase}",
+        str(cache),
+    ]
     log = work / f"{scope}-{mask}-{phase}.log"
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=env, timeout=1200)
     if proc.returncode != 0:
-        raise SystemExit(f"{scope}:{mask} {phase} failed (exit {proc.returncode}); see {log}:\n"
-                         + log.read_text()[-3000:])
+        raise SystemExit(
+            f"{scope}:{mask} {phase} failed (exit {proc.returncode}); see {log}:\n" + log.read_text()[-3000:]
+        )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"{scope}:{mask} {phase}: first step {result['first_step_s']} s, steady {result['steady_ms']} ms, "
-          f"caches {result['counters']}", flush=True)
+    print(
+        f"{scope}:{mask} {phase}: first step {result['first_step_s']} s, steady {result['steady_ms']} ms, "
+        f"caches {result['counters']}",
+        flush=True,
+    )
     return result
 
 
@@ -158,8 +201,9 @@ def main():
     for v in variants:
         scope, mask = v.split(":")
         if scope not in ("whole", "regional") or mask not in ("eager", "compiled"):
-            raise SystemExit(f"--variants: {v!r} is not SCOPE:MASK (SCOPE whole|regional, "
-                             "MASK eager|compiled)")
+            raise SystemExit(
+                f"--variants: {v!r} is not SCOPE:MASK (SCOPE whole|regional, MASK eager|compiled)"
+            )
         if mask == "compiled" and preset["attention"] != "flex":
             raise SystemExit(f"--variants: {v!r}: a compiled block mask needs flex attention (GPU presets)")
     t0 = time.perf_counter()
@@ -170,23 +214,37 @@ def main():
         cache.mkdir(parents=True, exist_ok=True)
         cold = run_child(args.preset, scope, mask, "cold", cache, work)
         warm = run_child(args.preset, scope, mask, "warm", cache, work)
-        rows.append({"variant": v, "cold": cold, "warm": warm,
-                     "warm_over_cold": round(warm["first_step_s"] / cold["first_step_s"], 3)})
+        rows.append(
+            {
+                "variant": v,
+                "cold": cold,
+                "warm": warm,
+                "warm_over_cold": round(warm["first_step_s"] / cold["first_step_s"], 3),
+            }
+        )
     result = {
         "what": "first and steady training step per compile variant, cold vs warm compile cache, fresh "
-                "processes and Inductor dirs; random data",
-        "preset": args.preset, "shapes": {k: preset[k] for k in ("target", "drafter", "seq_len", "rows",
-                                                                 "max_anchors", "attention")},
-        "steady_steps": STEADY, "variants": rows, "wall_s": round(time.perf_counter() - t0, 1),
+        "processes and Inductor dirs; random data",
+        "preset": args.preset,
+        "shapes": {
+            k: preset[k] for k in ("target", "drafter", "seq_len", "rows", "max_anchors", "attention")
+        },
+        "steady_steps": STEADY,
+        "variants": rows,
+        "wall_s": round(time.perf_counter() - t0, 1),
     }
     out = Path(args.out or REPO / "benchmarks" / "results" / f"compile_variants_{args.preset}.json")
     write_result(out, result, params=vars(args), device=preset["device"])
     print(f"\n{args.preset} -> {out}")
-    print(f"{'variant':18} {'cold 1st s':>10} {'warm 1st s':>10} {'warm/cold':>9} {'steady ms':>9} "
-          f"{'peak GiB':>8}")
+    print(
+        f"{'variant':18} {'cold 1st s':>10} {'warm 1st s':>10} {'warm/cold':>9} {'steady ms':>9} "
+        f"{'peak GiB':>8}"
+    )
     for r in rows:
-        print(f"{r['variant']:18} {r['cold']['first_step_s']:10.2f} {r['warm']['first_step_s']:10.2f} "
-              f"{r['warm_over_cold']:9.3f} {r['warm']['steady_ms']:9.1f} {str(r['warm']['peak_gib']):>8}")
+        print(
+            f"{r['variant']:18} {r['cold']['first_step_s']:10.2f} {r['warm']['first_step_s']:10.2f} "
+            f"{r['warm_over_cold']:9.3f} {r['warm']['steady_ms']:9.1f} {str(r['warm']['peak_gib']):>8}"
+        )
 
 
 if __name__ == "__main__":

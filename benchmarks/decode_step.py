@@ -43,8 +43,13 @@ def kernel_split(dec, length: int) -> dict:
     for e in prof.key_averages():
         name, ms = e.key.lower(), e.device_time_total / 1e3
         attention = ("sdpa", "flash", "attention", "fmha", "flex", "triton_tem")  # tem: flex's template
-        kind = ("attention" if any(k in name for k in attention) else
-                "matmul" if any(k in name for k in ("gemm", "nvjet", "cutlass", "splitk")) else "other")
+        kind = (
+            "attention"
+            if any(k in name for k in attention)
+            else "matmul"
+            if any(k in name for k in ("gemm", "nvjet", "cutlass", "splitk"))
+            else "other"
+        )
         split[kind] += ms
     return split
 
@@ -61,8 +66,9 @@ def main():
     hbm = hbm_bytes_per_s(dev)
     if hbm is None:
         raise SystemExit(f"{dev}: no HBM bandwidth in shapes.HBM_BYTES_PER_S")
-    weights = sum(t.numel() * t.element_size() for n, t in model.named_parameters()
-                  if "embed_tokens" not in n)
+    weights = sum(
+        t.numel() * t.element_size() for n, t in model.named_parameters() if "embed_tokens" not in n
+    )
     kv = kv_bytes_per_token(model.config, model.dtype.itemsize)
     rows = []
     for b in args.batch:
@@ -78,23 +84,44 @@ def main():
                 prefill = timed(partial(dec._prefill, list(range(n)), [[5] * 300] * n), 3)
             bound = (weights + b * args.length * kv) / hbm
             n_pre = n * 300
-            rows.append({"batch": b, "variant": variant, "length": args.length, "step_ms": step * 1e3,
-                         "bound_step_ms": bound * 1e3, "step_over_bound": bound / step,
-                         "kernels_ms": split, "tokens_per_s": b / step, "capture_s": capture,
-                         "prefill_tokens": n_pre, "prefill_ms": prefill * 1e3,
-                         "prefill_tflops": 2 * (weights / 2) * n_pre / prefill / 1e12})  # 2 FLOPs/bf16 weight
+            rows.append(
+                {
+                    "batch": b,
+                    "variant": variant,
+                    "length": args.length,
+                    "step_ms": step * 1e3,
+                    "bound_step_ms": bound * 1e3,
+                    "step_over_bound": bound / step,
+                    "kernels_ms": split,
+                    "tokens_per_s": b / step,
+                    "capture_s": capture,
+                    "prefill_tokens": n_pre,
+                    "prefill_ms": prefill * 1e3,
+                    "prefill_tflops": 2 * (weights / 2) * n_pre / prefill / 1e12,
+                }
+            )  # 2 FLOPs/bf16 weight
             del dec, graph
             torch.cuda.empty_cache()
-    result = {"device": dev, "torch": torch.__version__, "weight_bytes_per_step": weights,
-              "kv_bytes_per_token": kv, "hbm_bytes_per_s": hbm, "rows": rows}
+    result = {
+        "device": dev,
+        "torch": torch.__version__,
+        "weight_bytes_per_step": weights,
+        "kv_bytes_per_token": kv,
+        "hbm_bytes_per_s": hbm,
+        "rows": rows,
+    }
     write_result(args.out, result, params=vars(args))
-    print(f"{'batch':>6}{'variant':>9}{'step ms':>9}{'bound ms':>10}{'ratio':>7}{'matmul':>8}{'attn':>7}"
-          f"{'other':>7}{'prefill ms':>12}{'TFLOP/s':>9}")
+    print(
+        f"{'batch':>6}{'variant':>9}{'step ms':>9}{'bound ms':>10}{'ratio':>7}{'matmul':>8}{'attn':>7}"
+        f"{'other':>7}{'prefill ms':>12}{'TFLOP/s':>9}"
+    )
     for r in rows:
         k = r["kernels_ms"]
-        print(f"{r['batch']:6d}{r['variant']:>9}{r['step_ms']:9.2f}{r['bound_step_ms']:10.2f}"
-              f"{r['step_over_bound']:7.2f}{k['matmul']:8.2f}{k['attention']:7.2f}{k['other']:7.2f}{r['prefill_ms']:12.1f}"
-              f"{r['prefill_tflops']:9.0f}")
+        print(
+            f"{r['batch']:6d}{r['variant']:>9}{r['step_ms']:9.2f}{r['bound_step_ms']:10.2f}"
+            f"{r['step_over_bound']:7.2f}{k['matmul']:8.2f}{k['attention']:7.2f}{k['other']:7.2f}{r['prefill_ms']:12.1f}"
+            f"{r['prefill_tflops']:9.0f}"
+        )
 
 
 if __name__ == "__main__":

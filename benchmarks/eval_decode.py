@@ -138,8 +138,13 @@ def run_mode(session, prompts, new_tokens, proposer=None):
         tokens += len(d.tokens) - 1
         seconds += d.seconds
         steps += len(d.emitted)
-    r = {"tokens_per_s": tokens / seconds, "decode_s": round(seconds, 3), "tokens": tokens, "steps": steps,
-         "tau": tokens / steps}  # the tokens after the prefill's first are the ones the steps emitted
+    r = {
+        "tokens_per_s": tokens / seconds,
+        "decode_s": round(seconds, 3),
+        "tokens": tokens,
+        "steps": steps,
+        "tau": tokens / steps,
+    }  # the tokens after the prefill's first are the ones the steps emitted
     if proposer is not None:
         t_draft, t_verify = proposer.seconds / steps, (seconds - proposer.seconds) / steps
         r |= {"draft_ms_per_step": 1e3 * t_draft, "verify_ms_per_step": 1e3 * t_verify}
@@ -181,8 +186,10 @@ class Bench:
         main_width = next(iter(drafters.values()))[1].verify_width
         self.plain = make_session(model, engine, self.max_len, (), main_width)
         # one featured session per family: each verifies blocks of its own width
-        self.featured = {name: make_session(model, engine, self.max_len, list(spec.target_layer_ids),
-                                            spec.verify_width) for name, (_, spec) in drafters.items()}
+        self.featured = {
+            name: make_session(model, engine, self.max_len, list(spec.target_layer_ids), spec.verify_width)
+            for name, (_, spec) in drafters.items()
+        }
         t0 = time.perf_counter()
         for s in (self.plain, *self.featured.values()):  # compile and capture (static, on a GPU), untimed
             getattr(s, "prepare", lambda: None)()
@@ -197,8 +204,11 @@ class Bench:
         if proposer is not None:  # greedy speculation gives target-only's output, bar bf16 near-ties
             self.modes[name]["outputs_equal_target_only"] = count_equal(outputs, self.refs)
         m = self.modes[name]
-        print(f"{self.engine} {name}: {m['tokens_per_s']:.1f} tokens/s, tau {m['tau']:.2f} "
-              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        print(
+            f"{self.engine} {name}: {m['tokens_per_s']:.1f} tokens/s, tau {m['tau']:.2f} "
+            f"({time.perf_counter() - t0:.1f} s)",
+            flush=True,
+        )
         return outputs
 
     def target_only(self):
@@ -255,8 +265,11 @@ def step_costs(oracle: dict, base: float) -> dict:
     """Per verify step at full acceptance (the oracle's), and the tokens/s they give at the TAUS."""
     draft, verify = oracle["draft_ms_per_step"], oracle["verify_ms_per_step"]
     t_step = (draft + verify) / 1e3
-    return {"draft_ms_per_step": draft, "verify_ms_per_step": verify,
-            "projected": {str(t): {"tokens_per_s": t / t_step, "speedup": t / t_step / base} for t in TAUS}}
+    return {
+        "draft_ms_per_step": draft,
+        "verify_ms_per_step": verify,
+        "projected": {str(t): {"tokens_per_s": t / t_step, "speedup": t / t_step / base} for t in TAUS},
+    }
 
 
 def family_records(modes: dict, drafters: dict, families: list[str]) -> dict:
@@ -265,9 +278,13 @@ def family_records(modes: dict, drafters: dict, families: list[str]) -> dict:
     for name, (_, spec) in drafters.items():
         oracle = modes[oracle_mode(families, name)]
         drafts = family_info(name).drafts(spec.block_size)
-        out[name] = {"block_size": spec.block_size, "drafts_per_block": drafts,
-                     "verify_width": spec.verify_width, **step_costs(oracle, base),
-                     "oracle_speedup": oracle["tokens_per_s"] / base}
+        out[name] = {
+            "block_size": spec.block_size,
+            "drafts_per_block": drafts,
+            "verify_width": spec.verify_width,
+            **step_costs(oracle, base),
+            "oracle_speedup": oracle["tokens_per_s"] / base,
+        }
     return out
 
 
@@ -301,11 +318,13 @@ def bandwidth_bound(model, args) -> float | None:
     """Tokens/s of a one-token step at batch 1 that reads every weight but the input embedding and the KV
     cache at the mean context once, at the GPU's HBM bandwidth (None where it is not known)."""
     dev = model.device
-    weights = sum(t.numel() * t.element_size() for n, t in model.named_parameters()
-                  if "embed_tokens" not in n)
+    weights = sum(
+        t.numel() * t.element_size() for n, t in model.named_parameters() if "embed_tokens" not in n
+    )
     context = args.prompt_len + args.new_tokens / 2
-    hbm = args.hbm_bytes_per_s or (hbm_bytes_per_s(torch.cuda.get_device_name(dev)) if dev.type == "cuda"
-                                   else None)
+    hbm = args.hbm_bytes_per_s or (
+        hbm_bytes_per_s(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else None
+    )
     kv = kv_bytes_per_token(model.config, model.dtype.itemsize)
     return hbm / (weights + context * kv) if hbm else None
 
@@ -318,9 +337,9 @@ def summarize(args, preset, model, drafters, runs, t_start) -> dict:
     costs = step_costs(o, base)
     machinery = {
         "formula": "tokens_per_s(tau) = tau / (t_draft + t_verify), t_draft and t_verify per verify step, "
-                   "measured in the oracle mode (every verify step scores a full block of its verify "
-                   "width, B tokens or B+1 where the anchor's slot drafts too, and, all drafts accepted, "
-                   "never crops the KV cache; the cached and uncached modes' steps include the crop)",
+        "measured in the oracle mode (every verify step scores a full block of its verify "
+        "width, B tokens or B+1 where the anchor's slot drafts too, and, all drafts accepted, "
+        "never crops the KV cache; the cached and uncached modes' steps include the crop)",
         "draft_ms_per_step": costs["draft_ms_per_step"],
         "verify_ms_per_step": costs["verify_ms_per_step"],
         "target_only_ms_per_token": modes["target_only"]["ms_per_token"],
@@ -329,22 +348,31 @@ def summarize(args, preset, model, drafters, runs, t_start) -> dict:
     bound = bandwidth_bound(model, args)
     result = {
         "what": f"decode tokens/s (after the prefill), target-only greedy vs {' and '.join(args.families)} "
-                "speculative decoding, random weights, evaluate.py code paths",
+        "speculative decoding, random weights, evaluate.py code paths",
         "preset": args.preset,
-        "shapes": {"target": preset["target"], "dtype": preset["dtype"], "drafter_layers": spec.num_layers,
-                   "block_size": spec.block_size, "target_layer_ids": list(spec.target_layer_ids)},
-        "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "shapes": {
+            "target": preset["target"],
+            "dtype": preset["dtype"],
+            "drafter_layers": spec.num_layers,
+            "block_size": spec.block_size,
+            "target_layer_ids": list(spec.target_layer_ids),
+        },
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
         "engine": main_engine,
         "modes": modes,
         **{f"modes_{e}": r["modes"] for e, r in runs.items() if e != main_engine},
         "setup_s": {e: r["setup_s"] for e, r in runs.items()},
         "bound_tokens_per_s": bound,
         "bound": "batch 1: HBM bytes/s over (every weight but the input embedding + the KV cache at the mean "
-                 "context, prompt_len + new_tokens/2) per token",
+        "context, prompt_len + new_tokens/2) per token",
         "target_only_over_bound": base / bound if bound else None,
         "oracle_speedup": o["tokens_per_s"] / base,
-        "goals": {"target_only_over_bound>=0.4": base / bound >= 0.4 if bound else None,
-                  "oracle_speedup>=8": o["tokens_per_s"] / base >= 8},
+        "goals": {
+            "target_only_over_bound>=0.4": base / bound >= 0.4 if bound else None,
+            "oracle_speedup>=8": o["tokens_per_s"] / base >= 8,
+        },
         "machinery": machinery,
     }
     if args.families != [REFERENCE]:  # the DFlash-only JSON keeps the keys its readers know
@@ -356,8 +384,10 @@ def summarize(args, preset, model, drafters, runs, t_start) -> dict:
 
 def report(result: dict, runs: dict, out: Path):
     """The table: every mode of every engine, the main family's projection, the others' records."""
-    print(f"\n{result['preset']} on {result['machine']['device']}, {result['prompts']} prompts x "
-          f"{result['prompt_len']} tokens, {result['new_tokens']} new, {result['wall_s']} s -> {out}")
+    print(
+        f"\n{result['preset']} on {result['machine']['device']}, {result['prompts']} prompts x "
+        f"{result['prompt_len']} tokens, {result['new_tokens']} new, {result['wall_s']} s -> {out}"
+    )
     print(f"{'mode':<24}{'tau':>7}{'tok/s':>10}{'speedup':>9}{'draft ms':>10}{'verify ms':>11}")
     for name, m in [(f"{e} {n}", m) for e, r in runs.items() for n, m in r["modes"].items()]:
         if "draft_ms_per_step" in m:
@@ -368,16 +398,22 @@ def report(result: dict, runs: dict, out: Path):
     records = result.get("families", {"": result["machinery"]})  # DFlash alone: its machinery
     for name, r in records.items():
         for tau, v in r["projected"].items():
-            print(f"{(name + ' projected').strip():<24}{float(tau):>7.2f}{v['tokens_per_s']:>10.1f}"
-                  f"{v['speedup']:>9.2f}")
+            print(
+                f"{(name + ' projected').strip():<24}{float(tau):>7.2f}{v['tokens_per_s']:>10.1f}"
+                f"{v['speedup']:>9.2f}"
+            )
     for key, v in result.items():
         if key.endswith(f"_over_{REFERENCE}"):
-            print(f"{key} at block {v['block_size']}: draft ms per step {v['draft_ms_per_step']:.2f}x, "
-                  f"verify ms per step {v['verify_ms_per_step']:.2f}x, "
-                  f"tokens/s at equal tau {v['tokens_per_s_at_equal_tau']:.2f}x")
+            print(
+                f"{key} at block {v['block_size']}: draft ms per step {v['draft_ms_per_step']:.2f}x, "
+                f"verify ms per step {v['verify_ms_per_step']:.2f}x, "
+                f"tokens/s at equal tau {v['tokens_per_s_at_equal_tau']:.2f}x"
+            )
     ratio = result["target_only_over_bound"]
-    print(f"target-only over its bound: {'-' if ratio is None else f'{ratio:.2f}'}; "
-          f"oracle speedup {result['oracle_speedup']:.2f}; goals {result['goals']}")
+    print(
+        f"target-only over its bound: {'-' if ratio is None else f'{ratio:.2f}'}; "
+        f"oracle speedup {result['oracle_speedup']:.2f}; goals {result['goals']}"
+    )
 
 
 def main():
@@ -386,13 +422,24 @@ def main():
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--engines", nargs="+", default=["static", "hf"], choices=["static", "hf"],
-                   help="the first is the main one (modes, goals); the others are reported beside it")
-    p.add_argument("--families", nargs="+", default=[REFERENCE], choices=list(FAMILIES),
-                   help="drafter families, each on the same target and prompts; the first is the main one "
-                        "(oracle_speedup, goals, machinery)")
-    p.add_argument("--block-size", type=int, default=None, help="every family's block size (default: the "
-                                                                "preset's)")
+    p.add_argument(
+        "--engines",
+        nargs="+",
+        default=["static", "hf"],
+        choices=["static", "hf"],
+        help="the first is the main one (modes, goals); the others are reported beside it",
+    )
+    p.add_argument(
+        "--families",
+        nargs="+",
+        default=[REFERENCE],
+        choices=list(FAMILIES),
+        help="drafter families, each on the same target and prompts; the first is the main one "
+        "(oracle_speedup, goals, machinery)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=None, help="every family's block size (default: the preset's)"
+    )
     p.add_argument("--hbm-bytes-per-s", type=float, default=None, help="for GPUs not in the table")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -408,9 +455,12 @@ def main():
     spec = drafters[args.families[0]][1]
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, spec.mask_token_id, (args.prompts, args.prompt_len), generator=gen).tolist()
-    print(f"built {args.preset} in {time.perf_counter() - t_start:.1f} s; {', '.join(args.families)}: "
-          f"drafter layers {spec.num_layers}, block {spec.block_size}, target layers "
-          f"{list(spec.target_layer_ids)}", flush=True)
+    print(
+        f"built {args.preset} in {time.perf_counter() - t_start:.1f} s; {', '.join(args.families)}: "
+        f"drafter layers {spec.num_layers}, block {spec.block_size}, target layers "
+        f"{list(spec.target_layer_ids)}",
+        flush=True,
+    )
 
     runs = {engine: bench_engine(engine, model, drafters, prompts, args) for engine in args.engines}
     result = summarize(args, preset, model, drafters, runs, t_start)

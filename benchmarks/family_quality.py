@@ -39,9 +39,15 @@ from toy_bench import REPO, run_one, stats
 DSPARK = yaml.safe_load((REPO / "config" / "dspark.yaml").read_text())
 PAPER = yaml.safe_load((REPO / "config" / "dflash_paper.yaml").read_text())
 EVAL_PROMPTS = 200
-COMMON = {"toy.source_rows": 500, "prompts.eval_count": EVAL_PROMPTS, "eval.num_prompts": EVAL_PROMPTS,
-          "eval.temperatures": [0.0, 1.0], "regenerate.temperature": 0.7, "regenerate.top_p": 0.8,
-          "regenerate.top_k": 20}
+COMMON = {
+    "toy.source_rows": 500,
+    "prompts.eval_count": EVAL_PROMPTS,
+    "eval.num_prompts": EVAL_PROMPTS,
+    "eval.temperatures": [0.0, 1.0],
+    "regenerate.temperature": 0.7,
+    "regenerate.top_p": 0.8,
+    "regenerate.top_k": 20,
+}
 
 
 def dspark_section(cfg: dict) -> dict:
@@ -50,17 +56,23 @@ def dspark_section(cfg: dict) -> dict:
 
 VARIANTS = {  # name: (family, overrides)
     "dflash_b7": ("dflash", {"train.loss": "decay", "drafter.block_size": 7, "train.gamma": 4.0}),
-    "dflash_paper_b7": ("dspark", {"drafter.family": "dspark", "drafter.block_size": 7, "train.gamma": 4.0,
-                                   **dspark_section(PAPER)}),
-    "dspark_b7": ("dspark", {"drafter.family": "dspark", "drafter.block_size": 7, "train.gamma": 4.0,
-                             **dspark_section(DSPARK)}),
+    "dflash_paper_b7": (
+        "dspark",
+        {"drafter.family": "dspark", "drafter.block_size": 7, "train.gamma": 4.0, **dspark_section(PAPER)},
+    ),
+    "dspark_b7": (
+        "dspark",
+        {"drafter.family": "dspark", "drafter.block_size": 7, "train.gamma": 4.0, **dspark_section(DSPARK)},
+    ),
     "dflash_b8": ("dflash", {"train.loss": "decay", "drafter.block_size": 8, "train.gamma": 4.0}),
 }
 DEFAULT = ["dflash_b7", "dflash_paper_b7", "dspark_b7"]
 STORE = {"dspark_b7": "dspark"}  # the work dir of a variant whose shards hold the last hidden state
-RATIOS = {"dspark_over_dflash_paper": ("dspark_b7", "dflash_paper_b7"),
-          "dspark_over_dflash": ("dspark_b7", "dflash_b7"),
-          "dflash_paper_over_dflash": ("dflash_paper_b7", "dflash_b7")}
+RATIOS = {
+    "dspark_over_dflash_paper": ("dspark_b7", "dflash_paper_b7"),
+    "dspark_over_dflash": ("dspark_b7", "dflash_b7"),
+    "dflash_paper_over_dflash": ("dflash_paper_b7", "dflash_b7"),
+}
 GOAL = 1.1
 DRAWS = 4000
 
@@ -89,9 +101,13 @@ def bootstrap(counts: dict, seeds: list[int], draws: int = DRAWS, seed: int = 0)
 
     out = {"tau_pooled": {v: {"value": round(float(point[v]), 4), "ci95": interval(taus[v])} for v in counts}}
     out["ratios"] = {
-        name: {"value": round(float(point[a] / point[b]), 4),
-               "ci95": interval(np.asarray(taus[a]) / np.asarray(taus[b]))}
-        for name, (a, b) in RATIOS.items() if a in counts and b in counts}
+        name: {
+            "value": round(float(point[a] / point[b]), 4),
+            "ci95": interval(np.asarray(taus[a]) / np.asarray(taus[b])),
+        }
+        for name, (a, b) in RATIOS.items()
+        if a in counts and b in counts
+    }
     return out
 
 
@@ -100,8 +116,12 @@ def main():
     p.add_argument("--work", type=Path, default=Path("/tmp/flashdraft-family-quality"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=DEFAULT, choices=list(VARIANTS))
-    p.add_argument("--long-epochs", type=int, default=0,
-                   help="also train seed 0 of dflash_paper_b7 and dspark_b7 this many epochs")
+    p.add_argument(
+        "--long-epochs",
+        type=int,
+        default=0,
+        help="also train seed 0 of dflash_paper_b7 and dspark_b7 this many epochs",
+    )
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dspark_vs_dflash_toy.json")
     args = p.parse_args()
     t0 = time.perf_counter()
@@ -112,12 +132,16 @@ def main():
         work = args.work / STORE.get(v, "dflash")  # runs of the same shards share their hidden states
         work.mkdir(parents=True, exist_ok=True)
         name = f"{v}-seed{seed}{suffix}"
-        runs[name] = r = run_one(work, name, {**COMMON, "train.seed": seed, **overrides, **extra},
-                                 drafter=family)
+        runs[name] = r = run_one(
+            work, name, {**COMMON, "train.seed": seed, **overrides, **extra}, drafter=family
+        )
         where[name] = (work, family)
         taus = "  ".join(f"T={t} {x:.3f}" for t, x in r["tau_pooled_by_temperature"].items())
-        print(f"{name:28s} tau_pooled {taus}  lossless {r['lossless_all']}  steps {r['train_steps']}  "
-              f"{r['wall_s']:.0f} s", flush=True)
+        print(
+            f"{name:28s} tau_pooled {taus}  lossless {r['lossless_all']}  steps {r['train_steps']}  "
+            f"{r['wall_s']:.0f} s",
+            flush=True,
+        )
 
     for seed in args.seeds:
         for v in args.variants:
@@ -129,18 +153,24 @@ def main():
     variants = {}
     for v in args.variants:
         rs = [runs[f"{v}-seed{s}"] for s in args.seeds]
-        variants[v] = {"family": VARIANTS[v][0], "overrides": VARIANTS[v][1],
-                       "tau_pooled_by_temperature": {
-                           t: stats([r["tau_pooled_by_temperature"][t] for r in rs])
-                           for t in rs[0]["tau_pooled_by_temperature"]},
-                       "train_steps": sorted({r["train_steps"] for r in rs}),
-                       "lossless_all_greedy": all(r["lossless_all"] for r in rs)}
+        variants[v] = {
+            "family": VARIANTS[v][0],
+            "overrides": VARIANTS[v][1],
+            "tau_pooled_by_temperature": {
+                t: stats([r["tau_pooled_by_temperature"][t] for r in rs])
+                for t in rs[0]["tau_pooled_by_temperature"]
+            },
+            "train_steps": sorted({r["train_steps"] for r in rs}),
+            "lossless_all_greedy": all(r["lossless_all"] for r in rs),
+        }
     by_temperature = {}
     for t in (0.0, 1.0):
         counts = {}
         for v in args.variants:
-            pairs = [per_prompt(*[where[f"{v}-seed{s}"][0], f"{v}-seed{s}", where[f"{v}-seed{s}"][1], t])
-                     for s in args.seeds]
+            pairs = [
+                per_prompt(*[where[f"{v}-seed{s}"][0], f"{v}-seed{s}", where[f"{v}-seed{s}"][1], t])
+                for s in args.seeds
+            ]
             counts[v] = (np.stack([e for e, _ in pairs]), np.stack([s for _, s in pairs]))
         by_temperature[f"{t:g}"] = bootstrap(counts, args.seeds)
     prompts = int(next(iter(counts.values()))[0].shape[1])
@@ -157,24 +187,42 @@ def main():
             longer[f"{t:g}"] = {
                 "tau_pooled": {k: round(float(x), 4) for k, x in taus.items()},
                 "dspark_over_dflash_paper": {
-                    "epochs_default": round(float(taus[f"{a}-seed{args.seeds[0]}"]
-                                                  / taus[f"{b}-seed{args.seeds[0]}"]), 4),
-                    f"epochs_{args.long_epochs}": round(float(
-                        taus[f"{a}-seed{args.seeds[0]}-epochs{args.long_epochs}"]
-                        / taus[f"{b}-seed{args.seeds[0]}-epochs{args.long_epochs}"]), 4)}}
+                    "epochs_default": round(
+                        float(taus[f"{a}-seed{args.seeds[0]}"] / taus[f"{b}-seed{args.seeds[0]}"]), 4
+                    ),
+                    f"epochs_{args.long_epochs}": round(
+                        float(
+                            taus[f"{a}-seed{args.seeds[0]}-epochs{args.long_epochs}"]
+                            / taus[f"{b}-seed{args.seeds[0]}-epochs{args.long_epochs}"]
+                        ),
+                        4,
+                    ),
+                },
+            }
     t1 = by_temperature["1"]["ratios"].get("dspark_over_dflash_paper")
-    goal = t1 and {"dspark_over_dflash_paper_t1": t1["value"], "ci95": t1["ci95"], "goal": GOAL,
-                   "met": t1["value"] >= GOAL, "resolved": t1["ci95"][0] >= GOAL or t1["ci95"][1] < GOAL}
+    goal = t1 and {
+        "dspark_over_dflash_paper_t1": t1["value"],
+        "ci95": t1["ci95"],
+        "goal": GOAL,
+        "met": t1["value"] >= GOAL,
+        "resolved": t1["ci95"][0] >= GOAL or t1["ci95"][1] < GOAL,
+    }
     result = {
         "what": "tau_pooled of the trained toy drafter at T=0 and T=1 on held-out prompts: our DFlash, the "
-                "DSpark paper's DFlash (DSpark's network without heads, CE) and DSpark, the same samples "
-                "(answers sampled), steps and drafter layers; 3 seeds per variant, bootstrap intervals over "
-                "seeds and prompts",
+        "DSpark paper's DFlash (DSpark's network without heads, CE) and DSpark, the same samples "
+        "(answers sampled), steps and drafter layers; 3 seeds per variant, bootstrap intervals over "
+        "seeds and prompts",
         "tau": "emitted tokens per verify step (accepted drafts + bonus, cut at stop and max_new_tokens), "
-               "pooled over all verify steps of the held-out prompts and seeds (eval summary tau_pooled)",
-        "common_overrides": COMMON, "held_out_prompts": prompts, "seeds": args.seeds,
-        "bootstrap_draws": DRAWS, "variants": variants, "by_temperature": by_temperature,
-        "longer_training": longer, "goal": goal, "runs": runs,
+        "pooled over all verify steps of the held-out prompts and seeds (eval summary tau_pooled)",
+        "common_overrides": COMMON,
+        "held_out_prompts": prompts,
+        "seeds": args.seeds,
+        "bootstrap_draws": DRAWS,
+        "variants": variants,
+        "by_temperature": by_temperature,
+        "longer_training": longer,
+        "goal": goal,
+        "runs": runs,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     write_result(args.out, result, params={k: str(v) for k, v in vars(args).items()}, device="cpu")
@@ -187,8 +235,10 @@ def main():
     if longer:
         print(f"\nlonger training: {longer}")
     if goal:
-        print(f"\nDSpark / paper DFlash at T=1: {goal['dspark_over_dflash_paper_t1']:.3f} {goal['ci95']} "
-              f"(goal {GOAL}: {'met' if goal['met'] else 'not met'})")
+        print(
+            f"\nDSpark / paper DFlash at T=1: {goal['dspark_over_dflash_paper_t1']:.3f} {goal['ci95']} "
+            f"(goal {GOAL}: {'met' if goal['met'] else 'not met'})"
+        )
     print(f"-> {args.out}")
 
 

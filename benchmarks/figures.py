@@ -25,8 +25,10 @@ from flashdraft.estimate import RATES  # noqa: E402
 from flashdraft.results import figure, provenance  # noqa: E402
 
 # a number not inside another (the 40 of "16-40" is not -40); a key with spaces in double quotes
-MARK = re.compile(r"(?<![\w.])(?P<value>[-+]?\d[\d,]*(?:\.\d+)?%?)"
-                  r'<!--fig (?P<file>\S+) (?:"(?P<qkey>[^"]+)"|(?P<key>\S+))(?: (?P<fmt>\S+))?-->')
+MARK = re.compile(
+    r"(?<![\w.])(?P<value>[-+]?\d[\d,]*(?:\.\d+)?%?)"
+    r'<!--fig (?P<file>\S+) (?:"(?P<qkey>[^"]+)"|(?P<key>\S+))(?: (?P<fmt>\S+))?-->'
+)
 TABLE_DOC = "docs/performance.md"
 START, END = "<!-- figures: python benchmarks/figures.py writes it -->", "<!-- end of figures -->"
 
@@ -83,7 +85,7 @@ def rewrite(text: str, where: str) -> tuple[str, list[str], list[tuple[str, str]
         if new != m["value"]:
             changed.append(f"{where}: {m['value']} -> {new} ({m['file']} {key})")
         quoted.append((m["file"], key))
-        return new + m.group(0)[len(m["value"]):]
+        return new + m.group(0)[len(m["value"]) :]
 
     return MARK.sub(one, text), changed, quoted
 
@@ -96,11 +98,16 @@ def table(quoted: dict[tuple[str, str], list[str]], rates: dict) -> str:
     by_file: dict[str, list[str]] = {}
     for (file, key), where in sorted(quoted.items()):
         value = figure(file, key)
-        shown = render(value, ",.0f" if abs(value) >= 1000 else ".4g") if isinstance(value, (int, float)) \
+        shown = (
+            render(value, ",.0f" if abs(value) >= 1000 else ".4g")
+            if isinstance(value, (int, float))
             else str(value)
+        )
         by_file.setdefault(file, []).append(f"`{key}` = {shown} ({', '.join(dict.fromkeys(where))})")
-    rows = ["| file (benchmarks/results/) | device | commit | command | figures (where quoted) |",
-            "| --- | --- | --- | --- | --- |"]
+    rows = [
+        "| file (benchmarks/results/) | device | commit | command | figures (where quoted) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for file, figs in by_file.items():
         p = {k: v or "not recorded" for k, v in provenance(file).items()}
         command = f"`{p['command']}`" if p["command"] != "not recorded" else p["command"]

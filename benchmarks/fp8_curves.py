@@ -56,14 +56,34 @@ from flashdraft.train_step import load_spec
 SHAPES = {  # the curve's data and step on each preset
     # short samples: over 2,048 tokens of context the chain's signal is diluted past what 300 steps learn
     # (on the toy's shapes, 2,048-token samples learn nothing in 120 steps where 256-token ones do)
-    "qwen3-8b": dict(seq_len=256, rows=16, samples=512, val_samples=32, steps=300, val_every=50,
-                     variants=["bf16", "fp8_tensorwise", "fp8_rowwise"], timeout=420),
-    "tiny": dict(seq_len=256, rows=4, samples=48, val_samples=8, steps=20, val_every=10, variants=["bf16"],
-                 timeout=300),
+    "qwen3-8b": dict(
+        seq_len=256,
+        rows=16,
+        samples=512,
+        val_samples=32,
+        steps=300,
+        val_every=50,
+        variants=["bf16", "fp8_tensorwise", "fp8_rowwise"],
+        timeout=420,
+    ),
+    "tiny": dict(
+        seq_len=256, rows=4, samples=48, val_samples=8, steps=20, val_every=10, variants=["bf16"], timeout=300
+    ),
 }
 VARIANTS = {"bf16": None, "fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise"}
-PRODUCTION_KEYS = ("lr", "warmup_ratio", "grad_clip", "weight_decay", "loss", "gamma", "dpace_alpha",
-                   "compile_scope", "compile_loss", "dtype", "seed")
+PRODUCTION_KEYS = (
+    "lr",
+    "warmup_ratio",
+    "grad_clip",
+    "weight_decay",
+    "loss",
+    "gamma",
+    "dpace_alpha",
+    "compile_scope",
+    "compile_loss",
+    "dtype",
+    "seed",
+)
 CHAIN = dict(tokens=4096, probs=(0.55, 0.25, 0.12, 0.08), ahead="lm_head", now=0.5, noise=0.1)
 LOG_EVERY = 10
 LAST = 100  # the loss gap is taken over the last LAST steps
@@ -88,8 +108,9 @@ def markov_shard(work: Path, preset: dict, shape: dict) -> Path:
     head = head / head.std(dim=-1, keepdim=True)  # each chain token's LM-head row, unit scale
     now = torch.randn(n, k * h, generator=g, device=dev)
     scale = (1 + CHAIN["now"] ** 2 + CHAIN["noise"] ** 2) ** -0.5  # unit variance
-    meta = ShardMeta(target="markov", target_layer_ids=spec.target_layer_ids, hidden_size=h,
-                     dtype="float8_e4m3")
+    meta = ShardMeta(
+        target="markov", target_layer_ids=spec.target_layer_ids, hidden_size=h, dtype="float8_e4m3"
+    )
     chains = np.random.default_rng(0)
     succ_np, x = succ.cpu().numpy(), np.empty((shape["samples"], s + k), dtype=np.int64)
     x[:, 0] = chains.integers(0, n, shape["samples"])
@@ -100,8 +121,11 @@ def markov_shard(work: Path, preset: dict, shape: dict) -> Path:
     with open_shard(path, meta) as w:
         for i, row in enumerate(torch.from_numpy(x).to(dev)):
             ahead = torch.cat([head[row[j + 1 : j + 1 + s]] for j in range(k)], dim=-1)  # [s, k * h]
-            feats = ahead + CHAIN["now"] * now[row[:s]] + \
-                CHAIN["noise"] * torch.randn(s, k * h, generator=g, device=dev)
+            feats = (
+                ahead
+                + CHAIN["now"] * now[row[:s]]
+                + CHAIN["noise"] * torch.randn(s, k * h, generator=g, device=dev)
+            )
             q, sc = quantize_fp8(feats * scale)
             w.write(f"m{i:05d}", vocab[row[:s]].tolist(), [1] * s, q.cpu(), sc.cpu())
     write_manifest(manifest_path(path), w)
@@ -120,25 +144,39 @@ def train_cfg(preset: dict, shape: dict, fp8: str | None) -> dict:
     s, cuda = shape["seq_len"], preset["device"] == "cuda"
     cfg = {k: keys[k] for k in PRODUCTION_KEYS if k in keys}
     return cfg | {
-        "max_steps": shape["steps"], "batch_tokens": shape["rows"] * s, "global_batch_tokens": 0,
-        "buckets": [s], "max_anchors": preset["max_anchors"], "attention": preset["attention"],
+        "max_steps": shape["steps"],
+        "batch_tokens": shape["rows"] * s,
+        "global_batch_tokens": 0,
+        "buckets": [s],
+        "max_anchors": preset["max_anchors"],
+        "attention": preset["attention"],
         # on the CPU (tiny: a check of the machinery) eager, the loss too: a compile takes longer than the run
-        "compile": cuda, "compile_loss": cuda and cfg.get("compile_loss", False), "dtype": preset["dtype"],
+        "compile": cuda,
+        "compile_loss": cuda and cfg.get("compile_loss", False),
+        "dtype": preset["dtype"],
         "fp8": fp8,
-        "checkpoint_every": 10**9, "keep_checkpoints": 1, "log_every": LOG_EVERY,
-        "val_samples": shape["val_samples"], "val_every": shape["val_every"], "export": "last"}
+        "checkpoint_every": 10**9,
+        "keep_checkpoints": 1,
+        "log_every": LOG_EVERY,
+        "val_samples": shape["val_samples"],
+        "val_every": shape["val_every"],
+        "export": "last",
+    }
 
 
 def gaps(rows: dict, base: dict, steps: int) -> dict:
     """The variant's rows against bf16's, by step."""
+
     def at(rs, key):
         return {int(r["step"]): float(r[key]) for r in rs if r.get(key) not in (None, "")}
 
     loss, ref = at(rows, "loss"), at(base, "loss")
     late = [s for s in sorted(ref) if s > steps - LAST and s in loss]
     rel = [loss[s] / ref[s] - 1 for s in late]
-    out = {"loss_rel_gap_last_100": max(map(abs, rel)) if rel else None,
-           "loss_mean_rel_diff_last_100": sum(rel) / len(rel) if rel else None}
+    out = {
+        "loss_rel_gap_last_100": max(map(abs, rel)) if rel else None,
+        "loss_mean_rel_diff_last_100": sum(rel) / len(rel) if rel else None,
+    }
     for key in ("val_loss", "val_sim_tau"):
         v, r = at(rows, key), at(base, key)
         common = sorted(set(v) & set(r))
@@ -153,8 +191,11 @@ def kept_runs(path: Path | None, preset: dict, shape: dict) -> dict:
         return {}
     old, plain = json.loads(path.read_text()), lambda x: json.loads(json.dumps(x))
     train = train_cfg(preset, shape, None) | {"fp8": "per variant"}
-    same = old["shape"] | {"timeout": None} == plain(shape | {"timeout": None}) and \
-        old["chain"] == plain(CHAIN) and old["train"] == plain(train)
+    same = (
+        old["shape"] | {"timeout": None} == plain(shape | {"timeout": None})
+        and old["chain"] == plain(CHAIN)
+        and old["train"] == plain(train)
+    )
     if not same:
         raise SystemExit(f"{path}: another shape, chain or training; not merged")
     return {v: r for v, r in old["runs"].items() if r["complete"]}
@@ -169,18 +210,39 @@ def main():
     p.add_argument("--rows", type=int, default=None, help="samples per optimizer step")
     p.add_argument("--timeout", type=float, default=None, help="seconds for the variants' runs, together")
     p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS))
-    p.add_argument("--concurrent", type=int, default=None, help="variants training at once on the GPU "
-                   "(default: 2 on a card of 120 GB or more, else 1: each holds up to 63 GB at the qwen3-8b "
-                   "shape)")
-    p.add_argument("--merge", type=Path, default=None, metavar="JSON",
-                   help="keep the complete runs of this earlier result (same data and training) and run "
-                        "only the other variants")
+    p.add_argument(
+        "--concurrent",
+        type=int,
+        default=None,
+        help="variants training at once on the GPU "
+        "(default: 2 on a card of 120 GB or more, else 1: each holds up to 63 GB at the qwen3-8b "
+        "shape)",
+    )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="keep the complete runs of this earlier result (same data and training) and run "
+        "only the other variants",
+    )
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     preset, shape = dict(PRESETS[args.preset]), dict(SHAPES[args.preset])
-    shape.update({k: v for k, v in (("steps", args.steps), ("val_every", args.val_every), ("rows", args.rows),
-                                    ("seq_len", args.seq_len), ("timeout", args.timeout)) if v})
+    shape.update(
+        {
+            k: v
+            for k, v in (
+                ("steps", args.steps),
+                ("val_every", args.val_every),
+                ("rows", args.rows),
+                ("seq_len", args.seq_len),
+                ("timeout", args.timeout),
+            )
+            if v
+        }
+    )
     variants = args.variants or shape.pop("variants")
     shape.pop("variants", None)
     cuda = preset["device"] == "cuda"
@@ -207,14 +269,21 @@ def main():
             for v in variants[wave : wave + args.concurrent]:
                 cfg = train_cfg(preset, shape, VARIANTS[v])
                 name = f"curve-{v}"
-                procs[v] = Proc(name, launch(preset, 1, cfg, work, name, [shard]),
-                                base_env(preset, work / "inductor" / name), work / "logs")
+                procs[v] = Proc(
+                    name,
+                    launch(preset, 1, cfg, work, name, [shard]),
+                    base_env(preset, work / "inductor" / name),
+                    work / "logs",
+                )
             for v, proc in procs.items():
                 run_dir = work / "runs" / f"curve-{v}"
                 try:
-                    done = proc.wait_for(lambda d=run_dir: any(
-                        int(r["step"]) >= steps and r.get("val_sim_tau") for r in live_rows(d)),
-                        max(1.0, deadline - time.perf_counter()))
+                    done = proc.wait_for(
+                        lambda d=run_dir: any(
+                            int(r["step"]) >= steps and r.get("val_sim_tau") for r in live_rows(d)
+                        ),
+                        max(1.0, deadline - time.perf_counter()),
+                    )
                 except TimeoutError:
                     done = False
                 proc.stop()
@@ -225,24 +294,36 @@ def main():
         for proc in Proc.live:
             proc.stop()
     base = runs.get("bf16")
-    compare = {v: gaps(r["rows"], base["rows"], steps) for v, r in runs.items()
-               if v != "bf16" and base and r["complete"] and base["complete"]}
+    compare = {
+        v: gaps(r["rows"], base["rows"], steps)
+        for v, r in runs.items()
+        if v != "bf16" and base and r["complete"] and base["complete"]
+    }
     device = torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu"
     result = {
         "what": "the production drafter trained by scripts/train.py per variant on the same Markov-chain "
-                "data and seed: logged rows (loss every 10 steps, validation every val_every), and each "
-                "float8 variant against bf16",
-        "preset": args.preset, "device": device, "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"), "shape": shape, "chain": CHAIN,
-        "chain_entropy_nats": entropy(), "train": train_cfg(preset, shape, None) | {"fp8": "per variant"},
-        "complete": all(r["complete"] for r in runs.values()), "runs": runs, "vs_bf16": compare,
+        "data and seed: logged rows (loss every 10 steps, validation every val_every), and each "
+        "float8 variant against bf16",
+        "preset": args.preset,
+        "device": device,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "shape": shape,
+        "chain": CHAIN,
+        "chain_entropy_nats": entropy(),
+        "train": train_cfg(preset, shape, None) | {"fp8": "per variant"},
+        "complete": all(r["complete"] for r in runs.values()),
+        "runs": runs,
+        "vs_bf16": compare,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     write_result(out, result, params=vars(args), device=preset["device"])
     for v, r in runs.items():
         last = r["rows"][-1] if r["rows"] else {}
-        print(f"{v:16} complete {r['complete']}  last loss {last.get('loss')}  val_sim_tau "
-              f"{last.get('val_sim_tau')}  {compare.get(v, {}).get('loss_rel_gap_last_100', '')}")
+        print(
+            f"{v:16} complete {r['complete']}  last loss {last.get('loss')}  val_sim_tau "
+            f"{last.get('val_sim_tau')}  {compare.get(v, {}).get('loss_rel_gap_last_100', '')}"
+        )
     print(f"-> {out}")
 
 

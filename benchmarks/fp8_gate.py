@@ -42,9 +42,13 @@ CURVES, QUALITY, PARITY = "fp8_curves_qwen3-8b.json", "train_quality_gpu.json", 
 
 def interval(runs: dict, key: str, variant: str, base: str) -> dict:
     """The variant's mean minus the base's, with its 95% bootstrap interval, over the seeds both ran."""
+
     def values(v):
-        return {r["name"].rsplit("-seed", 1)[1]: r[key] for r in runs.values()
-                if r["name"].startswith(f"{v}-seed") and r.get(key) is not None}
+        return {
+            r["name"].rsplit("-seed", 1)[1]: r[key]
+            for r in runs.values()
+            if r["name"].startswith(f"{v}-seed") and r.get(key) is not None
+        }
 
     x, y = values(variant), values(base)
     seeds = sorted(set(x) & set(y))
@@ -61,8 +65,10 @@ def curve_gaps(curves: dict, name: str) -> tuple[float | None, float | None]:
     versus = curves.get("vs_bf16", {}).get(name, {})
     steps = curves.get("shape", {}).get("steps", 0)
     late = [d for s, d in versus.get("val_sim_tau", {}).items() if int(s) > steps - LAST]
-    return (versus.get("loss_rel_gap_last_100"),
-            min((d["variant"] / d["bf16"] - 1 for d in late), default=None))
+    return (
+        versus.get("loss_rel_gap_last_100"),
+        min((d["variant"] / d["bf16"] - 1 for d in late), default=None),
+    )
 
 
 def decide(curves: dict, quality: dict, mode: str) -> dict:
@@ -77,18 +83,26 @@ def decide(curves: dict, quality: dict, mode: str) -> dict:
     gap, sim_gap = curve_gaps(curves, name)
     objective = curves.get("train", {}).get("loss", TrainConfig().loss)
     runs = quality.get("runs", {})
-    fp8_variant = next((v for v, d in quality.get("variants", {}).items()
-                        if d["overrides"].get("train.fp8") == mode), None)
+    fp8_variant = next(
+        (v for v, d in quality.get("variants", {}).items() if d["overrides"].get("train.fp8") == mode), None
+    )
     if fp8_variant is None:
         missing.append(f"{QUALITY}: a variant with train.fp8 {mode}")
     tau = interval(runs, "tau_pooled", fp8_variant, "bf16") if fp8_variant else None
     sim = interval(runs, "final_sim_tau", fp8_variant, "bf16") if fp8_variant else None
     by_loss = objective == "decay"
-    figures = {"objective": objective, "loss_rel_gap_last_100": gap,
-               "val_sim_tau_rel_diff_min_last_100": sim_gap, "loss_gap_limit": LOSS_GAP,
-               "curve_measure": "loss_rel_gap_last_100 <= limit" if by_loss else
-               "val_sim_tau_rel_diff_min_last_100 >= -limit (the dpace loss grows as the drafter improves)",
-               "toy_tau": tau, "toy_sim_tau": sim, "val_sim_tau": versus.get("val_sim_tau")}
+    figures = {
+        "objective": objective,
+        "loss_rel_gap_last_100": gap,
+        "val_sim_tau_rel_diff_min_last_100": sim_gap,
+        "loss_gap_limit": LOSS_GAP,
+        "curve_measure": "loss_rel_gap_last_100 <= limit"
+        if by_loss
+        else "val_sim_tau_rel_diff_min_last_100 >= -limit (the dpace loss grows as the drafter improves)",
+        "toy_tau": tau,
+        "toy_sim_tau": sim,
+        "val_sim_tau": versus.get("val_sim_tau"),
+    }
     if missing:
         return figures | {"decision": "undecided", "missing": missing}
     curve_ok = gap <= LOSS_GAP if by_loss else sim_gap is not None and sim_gap >= -LOSS_GAP
@@ -105,16 +119,29 @@ def main():
     # production's float8 mode; tensorwise, the one measured fastest, once production has moved off float8
     mode = yaml.safe_load((REPO / "config" / "production.yaml").read_text())["train"]["fp8"] or "tensorwise"
     curves, quality, parity = read(CURVES), read(QUALITY), read(PARITY)
-    gate = {"what": "whether config/production.yaml keeps train.fp8, by the rule of benchmarks/fp8_gate.py",
-            "production_fp8": mode, "inputs": [CURVES, QUALITY, PARITY],
-            "curves_device": curves.get("device"), "quality_device": quality.get("device"),
-            "parity_ratio_to_noise": {v: r.get("ratio_to_noise")
-                                      for v, r in parity.get("variants", {}).items() if v.startswith("fp8")},
-            **decide(curves, quality, mode),
-            # the other float8 modes' curves, beside the decision (not a condition of it)
-            "other_modes": {v: dict(zip(("loss_rel_gap_last_100", "val_sim_tau_rel_diff_min_last_100"),
-                                        curve_gaps(curves, v), strict=True))
-                            for v in curves.get("vs_bf16", {}) if v != f"fp8_{mode}"}}
+    gate = {
+        "what": "whether config/production.yaml keeps train.fp8, by the rule of benchmarks/fp8_gate.py",
+        "production_fp8": mode,
+        "inputs": [CURVES, QUALITY, PARITY],
+        "curves_device": curves.get("device"),
+        "quality_device": quality.get("device"),
+        "parity_ratio_to_noise": {
+            v: r.get("ratio_to_noise") for v, r in parity.get("variants", {}).items() if v.startswith("fp8")
+        },
+        **decide(curves, quality, mode),
+        # the other float8 modes' curves, beside the decision (not a condition of it)
+        "other_modes": {
+            v: dict(
+                zip(
+                    ("loss_rel_gap_last_100", "val_sim_tau_rel_diff_min_last_100"),
+                    curve_gaps(curves, v),
+                    strict=True,
+                )
+            )
+            for v in curves.get("vs_bf16", {})
+            if v != f"fp8_{mode}"
+        },
+    }
     out = args.out or args.results / "fp8_gate.json"
     write_result(out, gate, params=vars(args), device="cpu")
     print(f"{gate['decision']} -> {out}")

@@ -45,10 +45,25 @@ from flashdraft.hidden import HiddenStore
 from flashdraft.train_step import anchors_for, batch_normalizer, build_step, forward_backward, load_spec
 
 # production.yaml's keys of the step's arithmetic; the data's shape comes from the preset
-PRODUCTION_KEYS = ("lr", "grad_clip", "weight_decay", "loss", "gamma", "dpace_alpha", "compile",
-                   "compile_scope", "compile_loss", "dtype", "seed")
-VARIANTS = {"bf16": {"fp8": None}, "bf16_split": {"fp8": None}, "fp8_tensorwise": {"fp8": "tensorwise"},
-            "fp8_rowwise": {"fp8": "rowwise"}}
+PRODUCTION_KEYS = (
+    "lr",
+    "grad_clip",
+    "weight_decay",
+    "loss",
+    "gamma",
+    "dpace_alpha",
+    "compile",
+    "compile_scope",
+    "compile_loss",
+    "dtype",
+    "seed",
+)
+VARIANTS = {
+    "bf16": {"fp8": None},
+    "bf16_split": {"fp8": None},
+    "fp8_tensorwise": {"fp8": "tensorwise"},
+    "fp8_rowwise": {"fp8": "rowwise"},
+}
 NOISE = "bf16_split"
 
 
@@ -76,8 +91,10 @@ def micro_batches(preset: dict, cfg: TrainConfig, store: HiddenStore, amp, parts
     rows = preset["rows"]
     collate = Collate(cfg.buckets, cfg.batch_tokens // parts, amp or torch.float32)
     share = rows // parts
-    return [(list(range(i, i + share)), collate([store[j] for j in range(i, i + share)]))
-            for i in range(0, rows, share)]
+    return [
+        (list(range(i, i + share)), collate([store[j] for j in range(i, i + share)]))
+        for i in range(0, rows, share)
+    ]
 
 
 def one_step(cfg: TrainConfig, spec, target: Path, store, preset: dict, parts: int) -> dict:
@@ -85,8 +102,10 @@ def one_step(cfg: TrainConfig, spec, target: Path, store, preset: dict, parts: i
     device = torch.device(preset["device"])
     step = build(cfg, spec, target, device)
     micro = micro_batches(preset, cfg, store, step.amp_dtype, parts)
-    anchors = [anchors_for(step, b["loss_mask"], seeds=anchor_seeds(cfg.seed, 0, idx, len(b["loss_mask"])))
-               for idx, b in micro]
+    anchors = [
+        anchors_for(step, b["loss_mask"], seeds=anchor_seeds(cfg.seed, 0, idx, len(b["loss_mask"])))
+        for idx, b in micro
+    ]
     norm = sum(batch_normalizer(step, b, *av) for (_, b), av in zip(micro, anchors, strict=True)).float()
     loss = 0.0
     for (_, batch), (a, v) in zip(micro, anchors, strict=True):
@@ -96,8 +115,9 @@ def one_step(cfg: TrainConfig, spec, target: Path, store, preset: dict, parts: i
     grads = {name(n): p.grad.detach().float().clone() for n, p in params.items()}
     torch.nn.utils.clip_grad_norm_(params.values(), cfg.grad_clip)
     before = {name(n): p.detach().float().clone() for n, p in params.items()}
-    opt = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
+    )
     opt.step()
     updates = {name(n): p.detach().float() - before[name(n)] for n, p in params.items()}
     return {"loss": loss, "grad": grads, "update": updates}
@@ -123,9 +143,12 @@ def sig(x: float) -> float:
 
 def summary(dist: dict) -> dict:
     values = [v for v in dist["per_tensor"].values() if v is not None]
-    return {"all": sig(dist["all"]), "median_tensor": sig(statistics.median(values)),
-            "max_tensor": sig(max(values)),
-            "max_tensor_name": max((v, n) for n, v in dist["per_tensor"].items() if v is not None)[1]}
+    return {
+        "all": sig(dist["all"]),
+        "median_tensor": sig(statistics.median(values)),
+        "max_tensor": sig(max(values)),
+        "max_tensor_name": max((v, n) for n, v in dist["per_tensor"].items() if v is not None)[1],
+    }
 
 
 def main():
@@ -148,31 +171,46 @@ def main():
     ref, results, t0 = None, {}, time.perf_counter()
     for variant in ["bf16", *[v for v in args.variants if v != "bf16"]]:
         t = time.perf_counter()
-        got = one_step(dataclasses.replace(cfg, **VARIANTS[variant]), spec, work / "target", store, preset,
-                       parts=2 if variant == NOISE else 1)
+        got = one_step(
+            dataclasses.replace(cfg, **VARIANTS[variant]),
+            spec,
+            work / "target",
+            store,
+            preset,
+            parts=2 if variant == NOISE else 1,
+        )
         if ref is None:
             ref = got
             results[variant] = {"loss": got["loss"], "s": round(time.perf_counter() - t, 1)}
         else:
             dist = {k: rel_l2(got[k], ref[k]) for k in ("grad", "update")}
-            results[variant] = {"loss": got["loss"], "loss_rel_diff": abs(got["loss"] / ref["loss"] - 1),
-                                "grad": summary(dist["grad"]), "update": summary(dist["update"]),
-                                "per_tensor": {n: {"grad": dist["grad"]["per_tensor"][n],
-                                                   "update": dist["update"]["per_tensor"][n]}
-                                               for n in ref["grad"]},
-                                "s": round(time.perf_counter() - t, 1)}
+            results[variant] = {
+                "loss": got["loss"],
+                "loss_rel_diff": abs(got["loss"] / ref["loss"] - 1),
+                "grad": summary(dist["grad"]),
+                "update": summary(dist["update"]),
+                "per_tensor": {
+                    n: {"grad": dist["grad"]["per_tensor"][n], "update": dist["update"]["per_tensor"][n]}
+                    for n in ref["grad"]
+                },
+                "s": round(time.perf_counter() - t, 1),
+            }
             del got
         print(f"{variant}: loss {results[variant]['loss']:.5f} ({results[variant]['s']} s)", flush=True)
         write(args, preset, cfg, results, t0, out)  # after each variant: a stopped run keeps what ran
-    print(f"{'variant':16} {'grad all':>10} {'median':>10} {'max':>10} {'update all':>11} {'median':>10} "
-          f"{'x noise':>8}")
+    print(
+        f"{'variant':16} {'grad all':>10} {'median':>10} {'max':>10} {'update all':>11} {'median':>10} "
+        f"{'x noise':>8}"
+    )
     for v, r in results.items():
         if v == "bf16":
             continue
         g, u = r["grad"], r["update"]
         ratio = r.get("ratio_to_noise", {}).get("update")
-        print(f"{v:16} {g['all']:10.4g} {g['median_tensor']:10.4g} {g['max_tensor']:10.4g} {u['all']:11.4g} "
-              f"{u['median_tensor']:10.4g} {ratio if ratio is not None else '':>8} ")
+        print(
+            f"{v:16} {g['all']:10.4g} {g['median_tensor']:10.4g} {g['max_tensor']:10.4g} {u['all']:11.4g} "
+            f"{u['median_tensor']:10.4g} {ratio if ratio is not None else '':>8} "
+        )
     print(f"-> {out}")
 
 
@@ -180,17 +218,24 @@ def write(args, preset: dict, cfg: TrainConfig, results: dict, t0: float, out: P
     noise = results.get(NOISE)
     for v, r in results.items():
         if v not in ("bf16", NOISE) and noise:
-            r["ratio_to_noise"] = {k: round(r[k]["all"] / noise[k]["all"], 3) if noise[k]["all"] else None
-                                   for k in ("grad", "update")}
+            r["ratio_to_noise"] = {
+                k: round(r[k]["all"] / noise[k]["all"], 3) if noise[k]["all"] else None
+                for k in ("grad", "update")
+            }
     device = torch.cuda.get_device_name(0) if preset["device"] == "cuda" else platform.processor() or "cpu"
     result = {
         "what": "one optimizer step of the drafter, each variant against bf16 from the same init on the same "
-                "micro-batches: relative L2 of the gradient and of the first AdamW update, per parameter "
-                "tensor and over all (`all`); bf16_split (the micro-batch in two) is the noise floor",
-        "preset": args.preset, "device": device, "torch": torch.__version__,
-        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+        "micro-batches: relative L2 of the gradient and of the first AdamW update, per parameter "
+        "tensor and over all (`all`); bf16_split (the micro-batch in two) is the noise floor",
+        "preset": args.preset,
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
         "train": {k: getattr(cfg, k) for k in (*PRODUCTION_KEYS, "batch_tokens", "max_anchors")},
-        "rows": preset["rows"], "seq_len": preset["seq_len"], "variants": results,
+        "rows": preset["rows"],
+        "seq_len": preset["seq_len"],
+        "variants": results,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     write_result(out, result, params=vars(args), device=preset["device"])

@@ -33,8 +33,20 @@ def run_variant(work: Path, dtype: str, seed: int, cores: int) -> dict:
     cfg["train"]["seed"] = seed
     config = work / f"config-{dtype}-{seed}.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(work),
-           "--configfile", str(config), "--cores", str(cores), "results/eval/summary.json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "workflow" / "Snakefile"),
+        "-d",
+        str(work),
+        "--configfile",
+        str(config),
+        "--cores",
+        str(cores),
+        "results/eval/summary.json",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # the embedded default: CPU
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -46,9 +58,13 @@ def run_variant(work: Path, dtype: str, seed: int, cores: int) -> dict:
     assert manifest["dtype"] == dtype, manifest["dtype"]  # the shards really are in this dtype
     manifests = (work / "results" / "hidden").glob("shard-*.json")
     d = summary["dflash"]
-    return {"tau_pooled": d["tau_pooled"], "tau_prompt_mean": d["tau_prompt_mean"],
-            "lossless_all": d["lossless_all"], "wall_s": round(wall, 1),
-            "hidden_bytes": sum(json.loads(p.read_text())["bytes"] for p in manifests)}
+    return {
+        "tau_pooled": d["tau_pooled"],
+        "tau_prompt_mean": d["tau_prompt_mean"],
+        "lossless_all": d["lossless_all"],
+        "wall_s": round(wall, 1),
+        "hidden_bytes": sum(json.loads(p.read_text())["bytes"] for p in manifests),
+    }
 
 
 def main():
@@ -78,7 +94,7 @@ def main():
     seed_spread = max(spread(bf16), spread(fp8))
     result = {
         "what": "trained drafter's tau_pooled on the embedded default (config/config.yaml) with hidden "
-                "states stored in bf16 and in fp8 (hidden.dtype float8_e4m3), per train.seed",
+        "states stored in bf16 and in fp8 (hidden.dtype float8_e4m3), per train.seed",
         "seeds": args.seeds,
         "tau_bf16": bf16,
         "tau_fp8": fp8,
@@ -93,8 +109,10 @@ def main():
     print(f"{'dtype':6} " + " ".join(f"seed {s:<5}" for s in args.seeds) + "  mean")
     for name, xs in (("bf16", bf16), ("fp8", fp8)):
         print(f"{name:6} " + " ".join(f"{x:<10.3f}" for x in xs) + f"  {statistics.mean(xs):.3f}")
-    print(f"|mean difference| {diff:.3f}, seed spread {seed_spread:.3f}: "
-          f"{'within' if result['within_seed_spread'] else 'outside'} the spread -> {args.out}")
+    print(
+        f"|mean difference| {diff:.3f}, seed spread {seed_spread:.3f}: "
+        f"{'within' if result['within_seed_spread'] else 'outside'} the spread -> {args.out}"
+    )
 
 
 if __name__ == "__main__":

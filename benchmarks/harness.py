@@ -48,8 +48,12 @@ def cpu_model() -> str:
 def driver_version() -> str | None:
     """The NVIDIA driver's version as nvidia-smi reports it (None without it)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = out.stdout.split()
@@ -72,13 +76,20 @@ def machine(device=None) -> dict:
     cores = os.cpu_count()
     out = {"device": torch.cuda.get_device_name(device) if cuda else f"{cpu_model()} ({cores} cores)"}
     if cuda:
-        out |= {"gpus_visible": torch.cuda.device_count(), "cuda": torch.version.cuda,
-                "driver": driver_version()}
+        out |= {
+            "gpus_visible": torch.cuda.device_count(),
+            "cuda": torch.version.cuda,
+            "driver": driver_version(),
+        }
     return out | {
-        "cpu": cpu_model(), "cpu_cores": cores, "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "cpu_cores": cores,
+        "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__, "transformers": version("transformers"),
-        "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
     }
 
 
@@ -154,8 +165,9 @@ def write_json(path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def write_result(path, result: dict, params: dict | None = None, goals: dict | None = None,
-                 device=None) -> dict:
+def write_result(
+    path, result: dict, params: dict | None = None, goals: dict | None = None, device=None
+) -> dict:
     """Write `result` to `path` (JSON) in the envelope and return what was written: the script's keys as
     they are, and `benchmark`, `argv`, `commit`, `dirty`, `machine` (machine(device)), `params` and `goals`
     where given. A key of the envelope the result holds already is an error: the envelope says it."""
@@ -163,8 +175,12 @@ def write_result(path, result: dict, params: dict | None = None, goals: dict | N
     clash = [k for k in mine if k in result]
     if clash:
         raise ValueError(f"{path}: the result has the envelope's keys {clash}")
-    envelope = {"benchmark": Path(sys.argv[0]).stem, "argv": command_line(), **code_version(),
-                "machine": machine(device)}
+    envelope = {
+        "benchmark": Path(sys.argv[0]).stem,
+        "argv": command_line(),
+        **code_version(),
+        "machine": machine(device),
+    }
     data = {**envelope, **result}
     if params is not None:
         data["params"] = params
@@ -172,4 +188,3 @@ def write_result(path, result: dict, params: dict | None = None, goals: dict | N
         data["goals"] = goals
     write_json(path, data)
     return data
-

@@ -57,26 +57,43 @@ def main():
     dtype = getattr(torch, preset["dtype"]) if cuda else torch.float32
     h, head, labels, mask, width = inputs(preset, device, dtype)
     chunk, dpace = args.chunk_blocks * width, DPace(0.5, width + 1)
-    result = {"what": __doc__.split("\n\n")[0].replace("\n", " "), "preset": args.preset,
-              "shape": {"rows": h.shape[0], "hidden": h.shape[1], "vocab": head.shape[0], "chunk_rows": chunk,
-                        "dtype": str(dtype).removeprefix("torch.")},
-              "repeats": args.repeats, "modes": {}}
+    result = {
+        "what": __doc__.split("\n\n")[0].replace("\n", " "),
+        "preset": args.preset,
+        "shape": {
+            "rows": h.shape[0],
+            "hidden": h.shape[1],
+            "vocab": head.shape[0],
+            "chunk_rows": chunk,
+            "dtype": str(dtype).removeprefix("torch."),
+        },
+        "repeats": args.repeats,
+        "modes": {},
+    }
     outs = {}
     for compiled in (False, True):
         name = "compiled" if compiled else "eager"
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         # two warm calls first (the compile)
-        t = time_it(lambda c=compiled: run(h, head, labels, mask, chunk, dpace, c), warmup=2,
-                    repeats=args.repeats, device=device)
+        t = time_it(
+            lambda c=compiled: run(h, head, labels, mask, chunk, dpace, c),
+            warmup=2,
+            repeats=args.repeats,
+            device=device,
+        )
         ms = 1e3 * t.median_s
         outs[name] = t.out
-        result["modes"][name] = {"ms_per_micro_batch": ms, "ms_spread": 1e3 * t.spread_s,
-                                 "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None}
+        result["modes"][name] = {
+            "ms_per_micro_batch": ms,
+            "ms_spread": 1e3 * t.spread_s,
+            "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None,
+        }
         print(f"{name}: {ms:.2f} ms per micro-batch", flush=True)
     (te, ce, ge), (tc, cc, gc) = outs["eager"], outs["compiled"]
-    result["speedup"] = result["modes"]["eager"]["ms_per_micro_batch"] / result["modes"]["compiled"][
-        "ms_per_micro_batch"]
+    result["speedup"] = (
+        result["modes"]["eager"]["ms_per_micro_batch"] / result["modes"]["compiled"]["ms_per_micro_batch"]
+    )
     result["agreement"] = {
         "loss_rel_diff": float((tc - te).abs() / te.abs()),
         "grad_max_abs_diff": float((gc.float() - ge.float()).abs().max()),

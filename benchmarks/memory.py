@@ -75,9 +75,16 @@ WARMUP_PEAK = re.compile(r"bucket (\d+): .*peak GPU memory ([\d.]+) GiB")
 
 def point_configs(preset: dict, family: dict, train: dict, bucket: int, rows: int):
     drafter = from_dict(DrafterConfig, {**drafter_json(preset), **family})
-    cfg = TrainConfig(**{"max_anchors": preset["max_anchors"], "dtype": preset["dtype"],
-                         "attention": preset["attention"], "batch_tokens": bucket * rows, "buckets": [bucket],
-                         **train})
+    cfg = TrainConfig(
+        **{
+            "max_anchors": preset["max_anchors"],
+            "dtype": preset["dtype"],
+            "attention": preset["attention"],
+            "batch_tokens": bucket * rows,
+            "buckets": [bucket],
+            **train,
+        }
+    )
     return drafter, cfg
 
 
@@ -100,9 +107,15 @@ def measure(preset_name: str, work: Path, point: list) -> dict:
     step = build_step(cfg, spec, target, dev, drafter_cfg=drafter)
     opt = torch.optim.AdamW(step.model.parameters(), lr=1e-6, fused=cuda)
     g = torch.Generator().manual_seed(0)
-    batch = random_batch(bucket, rows, spec.num_features * spec.hidden_size, spec.vocab_size,
-                         step.amp_dtype or torch.float32, g,
-                         spec.hidden_size if needs_last_hidden(drafter) else 0)
+    batch = random_batch(
+        bucket,
+        rows,
+        spec.num_features * spec.hidden_size,
+        spec.vocab_size,
+        step.amp_dtype or torch.float32,
+        g,
+        spec.hidden_size if needs_last_hidden(drafter) else 0,
+    )
     anchors, valid = anchors_for(step, batch["loss_mask"], g)
     built = torch.cuda.memory_allocated(dev) if cuda else None
     out = {"built_bytes": built}
@@ -117,17 +130,27 @@ def measure(preset_name: str, work: Path, point: list) -> dict:
             opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(dev)
-        out[name] = {"seconds": round(time.perf_counter() - t0, 3),
-                     "allocated_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
-                     "reserved_bytes": torch.cuda.max_memory_reserved(dev) if cuda else None}
+        out[name] = {
+            "seconds": round(time.perf_counter() - t0, 3),
+            "allocated_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
+            "reserved_bytes": torch.cuda.max_memory_reserved(dev) if cuda else None,
+        }
     out["state_bytes"] = torch.cuda.memory_allocated(dev) if cuda else None  # weights, moments, head
     out["anchor_slots"] = int(anchors.shape[1])
     return out
 
 
 def run_point(preset_name: str, work: Path, point, timeout: float) -> dict:
-    cmd = [sys.executable, __file__, "--preset", preset_name, "--work", str(work),
-           "--point", json.dumps(point)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--preset",
+        preset_name,
+        "--work",
+        str(work),
+        "--point",
+        json.dumps(point),
+    ]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -163,15 +186,18 @@ def summarize(preset_name: str, rows: list[dict], gpu_bytes: int | None) -> dict
     errors = []
     for i, (r, s) in enumerate(zip(ok, samples, strict=True)):
         predicted = memory.train_peak(s.cfg, s.shapes, coefficients=coefficients).bytes
-        loo = memory.fit(samples[:i] + samples[i + 1:])
+        loo = memory.fit(samples[:i] + samples[i + 1 :])
         held_out = memory.train_peak(s.cfg, s.shapes, coefficients=loo).bytes
         r["predicted_bytes"], r["held_out_predicted_bytes"] = predicted, held_out
         r["rel_error"] = round(predicted / s.measured - 1, 4)
         r["held_out_rel_error"] = round(held_out / s.measured - 1, 4)
         errors.append(abs(r["held_out_rel_error"]))
-    return {"coefficients": coefficients, "max_rel_error": max(errors) if errors else None,
-            "max_in_sample_rel_error": max((abs(r["rel_error"]) for r in ok), default=None),
-            "gpu_bytes": gpu_bytes}
+    return {
+        "coefficients": coefficients,
+        "max_rel_error": max(errors) if errors else None,
+        "max_in_sample_rel_error": max((abs(r["rel_error"]) for r in ok), default=None),
+        "gpu_bytes": gpu_bytes,
+    }
 
 
 def judge_production(preset_name: str, prod: dict, coefficients: dict | None, gpu_bytes: int | None) -> dict:
@@ -184,11 +210,13 @@ def judge_production(preset_name: str, prod: dict, coefficients: dict | None, gp
     cfg = Config(drafter=drafter, train=train)
     predicted = memory.train_peak(cfg, PRESETS[preset_name]["target"], 1, gpu_bytes, coefficients).bytes
     last = json.loads(prod["train_tail"][-1]) if prod.get("train_tail", [""])[-1].startswith("{") else {}
-    return {"tokens_per_s_per_gpu": last.get("tokens_per_s") and round(last["tokens_per_s"], 1),
-            "predicted_gib": round(predicted / memory.GIB, 2),
-            "rel_error": round(predicted / (measured * memory.GIB) - 1, 4),
-            "peak_of_card": round(measured * memory.GIB / gpu_bytes, 3),
-            "reserved_of_card": round(prod["train_reserved_gib"] * memory.GIB / gpu_bytes, 3)}
+    return {
+        "tokens_per_s_per_gpu": last.get("tokens_per_s") and round(last["tokens_per_s"], 1),
+        "predicted_gib": round(predicted / memory.GIB, 2),
+        "rel_error": round(predicted / (measured * memory.GIB) - 1, 4),
+        "peak_of_card": round(measured * memory.GIB / gpu_bytes, 3),
+        "reserved_of_card": round(prod["train_reserved_gib"] * memory.GIB / gpu_bytes, 3),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -212,14 +240,23 @@ def production_shard(work: Path, drafter: dict, buckets: list[int], samples: int
     edges = sorted(buckets)
     lengths = [n for lo, hi in zip([64, *edges], edges, strict=False) for n in (lo + 1, hi)]
     g = torch.Generator().manual_seed(0)
-    meta = ShardMeta(target="random", target_layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
-                     dtype="bfloat16", last_hidden=last)
+    meta = ShardMeta(
+        target="random",
+        target_layer_ids=spec.target_layer_ids,
+        hidden_size=spec.hidden_size,
+        dtype="bfloat16",
+        last_hidden=last,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     with open_shard(path, meta) as w:
         for i in range(samples):
             n = lengths[i % len(lengths)]
-            w.write(f"p{i}", torch.randint(0, spec.mask_token_id, (n,), generator=g).tolist(), [1] * n,
-                    torch.randn(n, width, generator=g, dtype=torch.bfloat16))
+            w.write(
+                f"p{i}",
+                torch.randint(0, spec.mask_token_id, (n,), generator=g).tolist(),
+                [1] * n,
+                torch.randn(n, width, generator=g, dtype=torch.bfloat16),
+            )
     write_manifest(manifest_path(path), w)
     return path
 
@@ -229,8 +266,13 @@ def logged(cmd: list[str], log: Path, timeout: float) -> tuple[int, str]:
     exit status and output."""
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+            rc = subprocess.run(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     return rc, log.read_text()
@@ -240,38 +282,94 @@ def production(preset_name: str, work: Path, steps: int, timeout: float, logs: P
     """production.yaml's warmup, then its training for `steps` steps; their logs go to `logs`/."""
     preset = PRESETS[preset_name]
     prod = load_config(str(REPO / "config" / "production.yaml"))
-    train = {**json.loads(json.dumps(prod.train.__dict__)), "max_steps": steps, "checkpoint_every": 10**9,
-             "val_samples": 0, "global_batch_tokens": 0, "log_every": 20}
+    train = {
+        **json.loads(json.dumps(prod.train.__dict__)),
+        "max_steps": steps,
+        "checkpoint_every": 10**9,
+        "val_samples": 0,
+        "global_batch_tokens": 0,
+        "log_every": 20,
+    }
     if preset["device"] != "cuda":  # the CPU's smallest run: production's keys a CPU can run
-        train.update(fp8=None, compile=False, batch_tokens=1024, batch_anchors=0, max_anchors=32,
-                     buckets=[256, 512], attention="sdpa")
-    drafter = {**drafter_json(preset), "num_layers": prod.drafter.num_layers,
-               "block_size": prod.drafter.block_size}
+        train.update(
+            fp8=None,
+            compile=False,
+            batch_tokens=1024,
+            batch_anchors=0,
+            max_anchors=32,
+            buckets=[256, 512],
+            attention="sdpa",
+        )
+    drafter = {
+        **drafter_json(preset),
+        "num_layers": prod.drafter.num_layers,
+        "block_size": prod.drafter.block_size,
+    }
     shard = production_shard(work, drafter, train["buckets"], 4 * (len(train["buckets"]) * 2) * 4)
     cache = work / "production" / "compile_cache"
     logs.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rc, text = logged([sys.executable, str(REPO / "scripts" / "warmup.py"), "--cfg", json.dumps(train),
-                       "--drafter-cfg", json.dumps(drafter), "--target", str(work / "target"),
-                       "--out-dir", str(cache), str(shard)], logs / "production_warmup.log", timeout)
-    out = {"train": train, "drafter": drafter, "warmup_seconds": round(time.perf_counter() - t0, 1),
-           "warmup_exit": rc, "warmup_tail": text.strip().splitlines()[-4:],
-           "warmup_peak_gib": {int(b): float(x) for b, x in WARMUP_PEAK.findall(text)}}
+    rc, text = logged(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "warmup.py"),
+            "--cfg",
+            json.dumps(train),
+            "--drafter-cfg",
+            json.dumps(drafter),
+            "--target",
+            str(work / "target"),
+            "--out-dir",
+            str(cache),
+            str(shard),
+        ],
+        logs / "production_warmup.log",
+        timeout,
+    )
+    out = {
+        "train": train,
+        "drafter": drafter,
+        "warmup_seconds": round(time.perf_counter() - t0, 1),
+        "warmup_exit": rc,
+        "warmup_tail": text.strip().splitlines()[-4:],
+        "warmup_peak_gib": {int(b): float(x) for b, x in WARMUP_PEAK.findall(text)},
+    }
     if rc:
         return out
     run = work / "production" / "run"
     shutil.rmtree(run, ignore_errors=True)  # a fresh run: no checkpoint to resume, no export in the way
     t0 = time.perf_counter()
-    rc, text = logged([sys.executable, str(REPO / "scripts" / "train.py"), "--cfg", json.dumps(train),
-                       "--drafter-cfg", json.dumps(drafter), "--target", str(work / "target"),
-                       "--checkpoints", str(run / "checkpoints"), "--metrics", str(run / "metrics.csv"),
-                       "--out", str(run / "drafter"), "--compile-cache", str(cache), *[str(shard)] * 40],
-                      logs / "production_train.log", timeout)
+    rc, text = logged(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "train.py"),
+            "--cfg",
+            json.dumps(train),
+            "--drafter-cfg",
+            json.dumps(drafter),
+            "--target",
+            str(work / "target"),
+            "--checkpoints",
+            str(run / "checkpoints"),
+            "--metrics",
+            str(run / "metrics.csv"),
+            "--out",
+            str(run / "drafter"),
+            "--compile-cache",
+            str(cache),
+            *[str(shard)] * 40,
+        ],
+        logs / "production_train.log",
+        timeout,
+    )
     peaks = PEAK.findall(text)
-    out.update(train_seconds=round(time.perf_counter() - t0, 1), train_exit=rc,
-               train_tail=text.strip().splitlines()[-4:],
-               train_peak_gib=float(peaks[-1][0]) if peaks else None,
-               train_reserved_gib=float(peaks[-1][1]) if peaks else None)
+    out.update(
+        train_seconds=round(time.perf_counter() - t0, 1),
+        train_exit=rc,
+        train_tail=text.strip().splitlines()[-4:],
+        train_peak_gib=float(peaks[-1][0]) if peaks else None,
+        train_reserved_gib=float(peaks[-1][1]) if peaks else None,
+    )
     return out
 
 
@@ -284,8 +382,12 @@ def main():
     p.add_argument("--no-points", action="store_true", help="skip the points (with --production)")
     p.add_argument("--steps", type=int, default=200, help="--production: training steps")
     p.add_argument("--timeout", type=float, default=300, help="seconds a point's process may take")
-    p.add_argument("--production-timeout", type=float, default=600,
-                   help="--production: seconds the warmup, and then the training, may take each")
+    p.add_argument(
+        "--production-timeout",
+        type=float,
+        default=600,
+        help="--production: seconds the warmup, and then the training, may take each",
+    )
     p.add_argument("--refit", default=None, help="a result file: fit its measured points again, no GPU")
     p.add_argument("--point", default=None, help=argparse.SUPPRESS)  # internal: measure one point
     p.add_argument("--out", default=None)
@@ -298,8 +400,9 @@ def main():
         old = json.loads(Path(args.refit).read_text())
         old.update(summarize(old["preset"], old["points"], old.get("gpu_bytes")))
         if "production" in old:
-            old["production"].update(judge_production(old["preset"], old["production"], old["coefficients"],
-                                                      old.get("gpu_bytes")))
+            old["production"].update(
+                judge_production(old["preset"], old["production"], old["coefficients"], old.get("gpu_bytes"))
+            )
         Path(args.refit).write_text(json.dumps(old, indent=2) + "\n")
         print(f"refit {args.refit}: max_rel_error {old['max_rel_error']}")
         return
@@ -314,10 +417,20 @@ def main():
     out = Path(args.out or REPO / "benchmarks" / "results" / f"memory_{name}.json")
 
     def write(result):  # after every point: a run stopped part-way keeps what it measured
-        params = {"preset": args.preset, "only": args.only, "production": args.production,
-                  "steps": args.steps, "timeout_s": args.timeout}
-        write_result(out, result, params, goals={"max_rel_error": 0.10, "production_peak_of_card": 0.92},
-                     device=torch.device("cuda:0") if cuda else None)
+        params = {
+            "preset": args.preset,
+            "only": args.only,
+            "production": args.production,
+            "steps": args.steps,
+            "timeout_s": args.timeout,
+        }
+        write_result(
+            out,
+            result,
+            params,
+            goals={"max_rel_error": 0.10, "production_peak_of_card": 0.92},
+            device=torch.device("cuda:0") if cuda else None,
+        )
 
     rows = []
     for point in [] if args.no_points else POINTS[args.preset]:
@@ -329,13 +442,18 @@ def main():
         said = r.get("error") or (f"steady {steady / 2**30:.2f} GiB" if steady else "ran (no GPU to measure)")
         print(f"{point[0]:>20}: {said}", flush=True)
         write({"preset": args.preset, "points": rows})
-    result = {"what": __doc__.split("\n\n")[0].replace("\n", " "), "preset": args.preset, "points": rows,
-              **summarize(args.preset, rows, gpu.total_memory if gpu else None)}
+    result = {
+        "what": __doc__.split("\n\n")[0].replace("\n", " "),
+        "preset": args.preset,
+        "points": rows,
+        **summarize(args.preset, rows, gpu.total_memory if gpu else None),
+    }
     if args.production:
         steps = args.steps if cuda else 6
         result["production"] = production(args.preset, work, steps, args.production_timeout, out.parent)
-        result["production"].update(judge_production(args.preset, result["production"],
-                                                     result["coefficients"], result["gpu_bytes"]))
+        result["production"].update(
+            judge_production(args.preset, result["production"], result["coefficients"], result["gpu_bytes"])
+        )
         print(json.dumps(result["production"], indent=1), flush=True)
     write(result)
     print(f"max_rel_error {result['max_rel_error']} -> {out}")

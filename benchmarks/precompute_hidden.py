@@ -134,8 +134,9 @@ def bench_gpu(args) -> dict:
     # warm up kernels (cuBLAS/SDPA heuristics) on a batch of each dtype path, outside the timings
     warm = samples[: len(batches[0])]
     for dtype in ("bfloat16", "float8_e4m3"):
-        meta = ShardMeta(target="random", target_layer_ids=layer_ids, hidden_size=model.config.hidden_size,
-                         dtype=dtype)
+        meta = ShardMeta(
+            target="random", target_layer_ids=layer_ids, hidden_size=model.config.hidden_size, dtype=dtype
+        )
         write_shard(model, warm, work / "warm.arrow", meta, args.batch_tokens, 0, desc="warmup")
     (work / "warm.arrow").unlink()
 
@@ -161,11 +162,13 @@ def bench_gpu(args) -> dict:
     result = {}
     for dtype in ("bfloat16", "float8_e4m3"):
         path = work / f"shard-{dtype}.arrow"
-        meta = ShardMeta(target="random", target_layer_ids=layer_ids, hidden_size=model.config.hidden_size,
-                         dtype=dtype)
+        meta = ShardMeta(
+            target="random", target_layer_ids=layer_ids, hidden_size=model.config.hidden_size, dtype=dtype
+        )
         pinned_before = host_allocs()
-        sec, writer = once(partial(write_shard, model, samples, path, meta, args.batch_tokens, 0, desc=dtype),
-                           dev)
+        sec, writer = once(
+            partial(write_shard, model, samples, path, meta, args.batch_tokens, 0, desc=dtype), dev
+        )
         pinned = host_allocs() - pinned_before
         size = path.stat().st_size
         evict(path)
@@ -248,9 +251,11 @@ def table_gpu(r: dict) -> str:
         )
     for name, x in (("bf16", bf16), ("fp8", fp8)):
         tm = x["timing"]
-        lines.append(f"{name}: loop {tm['loop_s']:.2f} s of {tm['seconds']:.2f} s, forward waited "
-                     f"{tm['waited_on_writer_s']:.2f} s on the writer (busy {tm['writer_busy_s']:.2f} s), "
-                     f"{x['pinned_allocations']} pinned allocations")
+        lines.append(
+            f"{name}: loop {tm['loop_s']:.2f} s of {tm['seconds']:.2f} s, forward waited "
+            f"{tm['waited_on_writer_s']:.2f} s on the writer (busy {tm['writer_busy_s']:.2f} s), "
+            f"{x['pinned_allocations']} pinned allocations"
+        )
     lines.append(
         f"fp8/bf16 bytes {r['fp8_bytes_over_bf16']:.3f}; bf16 vs min(bare, disk) "
         f"{r['bf16_vs_min_bare_disk']:.3f}; goals {r['goals']}"
@@ -261,8 +266,9 @@ def table_gpu(r: dict) -> str:
 # ------------------------------------------------------------------------------------------------ snakemake
 
 
-def synthetic_conversations(out_dir: Path, tokenizer_dir: Path, tokens: int, lo: int, hi: int,
-                            shards: int = 2):
+def synthetic_conversations(
+    out_dir: Path, tokenizer_dir: Path, tokens: int, lo: int, hi: int, shards: int = 2
+):
     """Conversations of about lo..hi tokens each (random words), `tokens` in total, written as the
     regeneration stage writes them: regenerated/train/shard-NNNNN.parquet, split by `shard_of`."""
     from transformers import AutoTokenizer
@@ -363,8 +369,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["gpu", "snakemake"], default="gpu")
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
-    p.add_argument("--tokens", type=int, default=None,
-                   help="tokens per measured pass (default: 400,000 in gpu mode, 120,000 in snakemake mode)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="tokens per measured pass (default: 400,000 in gpu mode, 120,000 in snakemake mode)",
+    )
     p.add_argument("--min-len", type=int, default=1024)
     p.add_argument("--max-len", type=int, default=3072)
     p.add_argument("--batch-tokens", type=int, default=16384)

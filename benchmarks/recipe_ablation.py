@@ -44,16 +44,21 @@ def main():
             name = f"{v}-seed{seed}"
             runs[name] = run_one(args.work, name, {"train.seed": seed, **RECIPES[v]})
             r = runs[name]
-            print(f"{name:18s} tau_pooled {r['tau_pooled']:.3f}  steps {r['train_steps']}  "
-                  f"{r['wall_s']:.0f} s", flush=True)
+            print(
+                f"{name:18s} tau_pooled {r['tau_pooled']:.3f}  steps {r['train_steps']}  {r['wall_s']:.0f} s",
+                flush=True,
+            )
 
     variants = {}
     for v in args.variants:
         rs = [runs[f"{v}-seed{s}"] for s in args.seeds]
-        variants[v] = {"overrides": RECIPES[v], "tau_pooled": stats([r["tau_pooled"] for r in rs]),
-                       "tau_prompt_mean": stats([r["tau_prompt_mean"] for r in rs]),
-                       "train_steps": sorted({r["train_steps"] for r in rs}),
-                       "lossless_all": all(r["lossless_all"] for r in rs)}
+        variants[v] = {
+            "overrides": RECIPES[v],
+            "tau_pooled": stats([r["tau_pooled"] for r in rs]),
+            "tau_prompt_mean": stats([r["tau_prompt_mean"] for r in rs]),
+            "train_steps": sorted({r["train_steps"] for r in rs}),
+            "lossless_all": all(r["lossless_all"] for r in rs),
+        }
     base = variants.get("baseline")
     for v, s in variants.items():
         if base is None or v == "baseline":
@@ -61,22 +66,31 @@ def main():
         a, b = s["tau_pooled"], base["tau_pooled"]
         # larger than the seed spread: every seed of one variant above (or below) every seed of the other
         beyond = a["min"] > b["max"] or a["max"] < b["min"]
-        s["vs_baseline"] = {"delta_mean": round(a["mean"] - b["mean"], 4), "larger_than_seed_spread": beyond,
-                            "default": "adopt" if beyond and a["mean"] > b["mean"] else "keep the baseline's"}
+        s["vs_baseline"] = {
+            "delta_mean": round(a["mean"] - b["mean"], 4),
+            "larger_than_seed_spread": beyond,
+            "default": "adopt" if beyond and a["mean"] > b["mean"] else "keep the baseline's",
+        }
     result = {
         "what": "tau_pooled of the trained drafter on the embedded default (config/config.yaml), per recipe "
-                "variant, 3 seeds (train.seed); everything up to the hidden states shared by all runs",
+        "variant, 3 seeds (train.seed); everything up to the hidden states shared by all runs",
         "tau": "emitted tokens per verify step (accepted drafts + bonus, cut at stop and max_new_tokens), "
-               "pooled over all verify steps of the 16 held-out prompts (eval summary tau_pooled)",
-        "seeds": args.seeds, "variants": variants, "runs": runs,
+        "pooled over all verify steps of the 16 held-out prompts (eval summary tau_pooled)",
+        "seeds": args.seeds,
+        "variants": variants,
+        "runs": runs,
     }
     write_result(args.out, result, params=vars(args), device="cpu")
-    print(f"\n{'variant':10s} {'tau_pooled mean':>15s} {'sd':>6s} {'min':>6s} {'max':>6s} {'delta':>7s}  "
-          "beyond seed spread")
+    print(
+        f"\n{'variant':10s} {'tau_pooled mean':>15s} {'sd':>6s} {'min':>6s} {'max':>6s} {'delta':>7s}  "
+        "beyond seed spread"
+    )
     for v, s in variants.items():
         t, vs = s["tau_pooled"], s.get("vs_baseline", {})
-        print(f"{v:10s} {t['mean']:15.3f} {t['sd']:6.3f} {t['min']:6.3f} {t['max']:6.3f} "
-              f"{vs.get('delta_mean', 0):7.3f}  {vs.get('larger_than_seed_spread', '')}")
+        print(
+            f"{v:10s} {t['mean']:15.3f} {t['sd']:6.3f} {t['min']:6.3f} {t['max']:6.3f} "
+            f"{vs.get('delta_mean', 0):7.3f}  {vs.get('larger_than_seed_spread', '')}"
+        )
     print(f"-> {args.out}")
 
 

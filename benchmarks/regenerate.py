@@ -93,28 +93,42 @@ def bench_gpu(args) -> dict:
     runs = {}
     if args.baseline_batch:
         runs[f"generate_batch{args.baseline_batch}"] = run_stage(
-            target, work / "prompts.parquet", work / "generate", engine="generate",
-            batch_size=args.baseline_batch, **common)
+            target,
+            work / "prompts.parquet",
+            work / "generate",
+            engine="generate",
+            batch_size=args.baseline_batch,
+            **common,
+        )
     config = AutoConfig.from_pretrained(target)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     hbm = hbm_bytes_per_s(dev) or args.hbm_bytes_per_s
     for b in args.batch:
-        runs[f"static_batch{b or 'auto'}"] = run_stage(target, work / "prompts.parquet", work / f"static{b}",
-                                                       engine="static", batch_size=b, **common)
-    return score({
-        "main_run": f"static_batch{args.batch[-1] or 'auto'}",
-        "baseline_run": f"generate_batch{args.baseline_batch}" if args.baseline_batch else None,
-        "runs": runs,
-        "setup": {
-            "preset": args.preset, "device": dev, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "prompts": args.prompts, "prompt_tokens": [args.min_len, args.max_len],
-            "mean_prompt_tokens": float(np.mean(lengths)), "new_tokens": args.new_tokens,
-            "weight_bytes_per_step": weight_bytes_per_step(target),
-            "kv_bytes_per_token": kv_bytes_per_token(config, torch.bfloat16.itemsize), "hbm_bytes_per_s": hbm,
-            "peak_flops": peak_bf16_flops(dev),
-        },
-    })
+        runs[f"static_batch{b or 'auto'}"] = run_stage(
+            target, work / "prompts.parquet", work / f"static{b}", engine="static", batch_size=b, **common
+        )
+    return score(
+        {
+            "main_run": f"static_batch{args.batch[-1] or 'auto'}",
+            "baseline_run": f"generate_batch{args.baseline_batch}" if args.baseline_batch else None,
+            "runs": runs,
+            "setup": {
+                "preset": args.preset,
+                "device": dev,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+                "prompts": args.prompts,
+                "prompt_tokens": [args.min_len, args.max_len],
+                "mean_prompt_tokens": float(np.mean(lengths)),
+                "new_tokens": args.new_tokens,
+                "weight_bytes_per_step": weight_bytes_per_step(target),
+                "kv_bytes_per_token": kv_bytes_per_token(config, torch.bfloat16.itemsize),
+                "hbm_bytes_per_s": hbm,
+                "peak_flops": peak_bf16_flops(dev),
+            },
+        }
+    )
 
 
 def score(r: dict) -> dict:
@@ -138,8 +152,9 @@ def score(r: dict) -> dict:
         run["bound_tokens_per_s"] = b / step_s
         if s.get("peak_flops"):
             prefill_s = s["prompts"] * s["mean_prompt_tokens"] * weights / s["peak_flops"]  # 2 x weights/2
-            run["bound_with_prefill_tokens_per_s"] = run["new_tokens"] / (run["new_tokens"] / b * step_s
-                                                                           + prefill_s)
+            run["bound_with_prefill_tokens_per_s"] = run["new_tokens"] / (
+                run["new_tokens"] / b * step_s + prefill_s
+            )
     r["bound_tokens_per_s_per_gpu"] = main["bound_tokens_per_s"]
     r["fraction_of_bound"] = main["tokens_per_s"] / main["bound_tokens_per_s"]
     if "bound_with_prefill_tokens_per_s" in main:
@@ -166,16 +181,24 @@ def bench_snakemake(args) -> dict:
             continue
         run_dir = work / f"gpu{n}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        synthetic_prompts(run_dir / "results/prompts/train.parquet", target, args.prompts, args.min_len,
-                          args.max_len)
+        synthetic_prompts(
+            run_dir / "results/prompts/train.parquet", target, args.prompts, args.min_len, args.max_len
+        )
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
         outs = [f"results/regenerated/train/shard-{i:05d}.parquet" for i in range(2)]
         wall, job_s, logs = run_rule(run_dir, "regenerate", outs, gpus=n)
         rows = sum(pq.read_metadata(run_dir / o).num_rows for o in outs)
         runs[f"gpu={n}"] = {"wall_s": wall, "job_s": job_s, "rows": rows, "logs": logs}
-    result = {"runs": runs, "setup": {"preset": args.preset, "gpus_visible": gpus, "prompts": args.prompts,
-                                      "prompt_tokens": [args.min_len, args.max_len],
-                                      "new_tokens": args.new_tokens}}
+    result = {
+        "runs": runs,
+        "setup": {
+            "preset": args.preset,
+            "gpus_visible": gpus,
+            "prompts": args.prompts,
+            "prompt_tokens": [args.min_len, args.max_len],
+            "new_tokens": args.new_tokens,
+        },
+    }
     if "gpu=2" in runs:
         result["speedup_2_vs_1"] = runs["gpu=1"]["wall_s"] / runs["gpu=2"]["wall_s"]
         result["goals"] = {"speedup_2_vs_1>=1.8": result["speedup_2_vs_1"] >= 1.8}
@@ -191,15 +214,20 @@ def table(r: dict) -> str:
         if "speedup_2_vs_1" in r:
             lines.append(f"2 GPUs vs 1: {r['speedup_2_vs_1']:.2f}x; goals {r['goals']}")
         return "\n".join(lines)
-    lines = [f"{'run':22s}{'new tokens':>12s}{'generate s':>12s}{'tok/s':>10s}{'bound':>10s}"
-             f"{'+prefill':>10s}"]
+    lines = [
+        f"{'run':22s}{'new tokens':>12s}{'generate s':>12s}{'tok/s':>10s}{'bound':>10s}{'+prefill':>10s}"
+    ]
     for k, v in r["runs"].items():
         bounds = [v.get("bound_tokens_per_s"), v.get("bound_with_prefill_tokens_per_s")]
-        lines.append(f"{k:22s}{v['new_tokens']:12d}{v['generate_s']:12.1f}{v['tokens_per_s']:10.0f}"
-                     + "".join(f"{'-' if b is None else round(b):>10}" for b in bounds))
-    lines.append(f"ours / baseline: {r.get('speedup_vs_baseline', float('nan')):.2f}x; of the bound: "
-                 f"{r.get('fraction_of_bound', 0):.3f} (with the prefill: "
-                 f"{r.get('fraction_of_bound_with_prefill', 0):.3f}); goals {r.get('goals')}")
+        lines.append(
+            f"{k:22s}{v['new_tokens']:12d}{v['generate_s']:12.1f}{v['tokens_per_s']:10.0f}"
+            + "".join(f"{'-' if b is None else round(b):>10}" for b in bounds)
+        )
+    lines.append(
+        f"ours / baseline: {r.get('speedup_vs_baseline', float('nan')):.2f}x; of the bound: "
+        f"{r.get('fraction_of_bound', 0):.3f} (with the prefill: "
+        f"{r.get('fraction_of_bound_with_prefill', 0):.3f}); goals {r.get('goals')}"
+    )
     return "\n".join(lines)
 
 

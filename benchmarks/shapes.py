@@ -10,13 +10,27 @@ from flashdraft.shapes import QWEN3_8B, TOY
 PRESETS = {
     # the toy target's shapes (flashdraft.toy) with the embedded default drafter (K=2, B=8), CPU
     "tiny": dict(
-        target=TOY, mask_token_id=512, drafter=dict(num_layers=2, block_size=8), seq_len=256, rows=4,
-        max_anchors=32, device="cpu", dtype="float32", attention="sdpa",
+        target=TOY,
+        mask_token_id=512,
+        drafter=dict(num_layers=2, block_size=8),
+        seq_len=256,
+        rows=4,
+        max_anchors=32,
+        device="cpu",
+        dtype="float32",
+        attention="sdpa",
     ),
     # Qwen3-8B's shapes with the DFlash recipe drafter (K=5, B=16, 512 anchors), bf16, flex attention
     "qwen3-8b": dict(
-        target=QWEN3_8B, mask_token_id=151669, drafter=dict(num_layers=5, block_size=16), seq_len=3072,
-        rows=4, max_anchors=512, device="cuda", dtype="bfloat16", attention="flex",
+        target=QWEN3_8B,
+        mask_token_id=151669,
+        drafter=dict(num_layers=5, block_size=16),
+        seq_len=3072,
+        rows=4,
+        max_anchors=512,
+        device="cuda",
+        dtype="bfloat16",
+        attention="flex",
     ),
 }
 
@@ -35,5 +49,12 @@ def hbm_bytes_per_s(device_name: str) -> float | None:
     return next((v for k, v in HBM_BYTES_PER_S.items() if k in device_name), None)
 
 
-__all__ = ["QWEN3_8B", "TOY", "PRESETS", "PEAK_BF16_FLOPS", "HBM_BYTES_PER_S", "peak_bf16_flops",
-           "hbm_bytes_per_s"]
+__all__ = [
+    "QWEN3_8B",
+    "TOY",
+    "PRESETS",
+    "PEAK_BF16_FLOPS",
+    "HBM_BYTES_PER_S",
+    "peak_bf16_flops",
+    "hbm_bytes_per_s",
+]

@@ -38,14 +38,26 @@ FP8_KEYS = ("fp8", "compile_loss", "compile_scope")  # production.yaml's, on a G
 def train_args(preset: str, work: Path) -> list[str]:
     prod = yaml.safe_load((REPO / "config" / "production.yaml").read_text())["train"]
     keys = {k: prod[k] for k in FP8_KEYS} if preset != "tiny" else {"compile": False}  # CPU: eager, bf16
-    return ["--gpus", "1", "--runs", "throughput", "--steps", "24", "--set", json.dumps(keys),
-            "--work", str(work)]  # each side's own data and caches
+    return [
+        "--gpus",
+        "1",
+        "--runs",
+        "throughput",
+        "--steps",
+        "24",
+        "--set",
+        json.dumps(keys),
+        "--work",
+        str(work),
+    ]  # each side's own data and caches
 
 
 RUNS = {  # name -> (script, its args for a preset and a side's work dir)
     "eval_decode": ("eval_decode.py", lambda preset, work: ["--prompts", "4", "--engines", "static"]),
-    "regenerate": ("regenerate.py", lambda preset, work: ["--mode", "gpu", "--prompts", "256", "--batch",
-                                                          "0", "--baseline-batch", "0"]),
+    "regenerate": (
+        "regenerate.py",
+        lambda preset, work: ["--mode", "gpu", "--prompts", "256", "--batch", "0", "--baseline-batch", "0"],
+    ),
     "train_drafter": ("train_drafter.py", train_args),
 }
 DEFAULT = ["eval_decode", "regenerate"]
@@ -56,17 +68,30 @@ def rates(name: str, result: dict) -> dict:
         return {mode: r["tokens_per_s"] for mode, r in result["modes"].items()}
     if name == "train_drafter":
         one = result["throughput"]["1"]
-        return {"tokens_per_s": one["tokens_per_s_per_gpu"],
-                "launch_to_first_step_warm_s": one["launch_to_first_step_s"]}
+        return {
+            "tokens_per_s": one["tokens_per_s_per_gpu"],
+            "launch_to_first_step_warm_s": one["launch_to_first_step_s"],
+        }
     return {"static": result["tokens_per_s_per_gpu"]}
 
 
 def run(root: Path, name: str, preset: str, out: Path, work: Path) -> dict:
     script, args = RUNS[name]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "benchmarks"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, str(root / "benchmarks" / script), *args(preset, work), "--preset", preset,
-            "--out", str(out)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(root / "src"), str(root / "benchmarks"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    argv = [
+        sys.executable,
+        str(root / "benchmarks" / script),
+        *args(preset, work),
+        "--preset",
+        preset,
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
     try:
         code = proc.wait()
@@ -81,8 +106,11 @@ def run(root: Path, name: str, preset: str, out: Path, work: Path) -> dict:
 
 def commit(ref: str) -> str:
     """The commit `ref` names in this checkout; a ref that looks like an option (`--output=F`) stays a ref."""
-    got = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", "--end-of-options",
-                          f"{ref}^{{commit}}"], capture_output=True, text=True)
+    got = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
     if got.returncode:
         raise SystemExit(f"--ref {ref}: names no commit of {REPO}")
     return got.stdout.strip()
@@ -103,13 +131,20 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--preset", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
     p.add_argument("--only", nargs="+", default=DEFAULT, choices=list(RUNS))
-    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/"
-                   "train_side_by_side_<preset>.json for train_drafter alone, else engine_side_by_side.json")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: benchmarks/results/"
+        "train_side_by_side_<preset>.json for train_drafter alone, else engine_side_by_side.json",
+    )
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.ref_dir and not (args.ref_dir / "benchmarks").is_dir():
-        raise SystemExit(f"--ref-dir {args.ref_dir}: no benchmarks/ there; unpack `git archive {args.ref} "
-                         f"{' '.join(TREE)}` into it")
+        raise SystemExit(
+            f"--ref-dir {args.ref_dir}: no benchmarks/ there; unpack `git archive {args.ref} "
+            f"{' '.join(TREE)}` into it"
+        )
     name = f"train_side_by_side_{args.preset}" if args.only == ["train_drafter"] else "engine_side_by_side"
     args.out = args.out or REPO / "benchmarks" / "results" / f"{name}.json"
     sha = commit(args.ref) if args.ref_dir is None else None  # a bad --ref: one line, before any run
@@ -124,14 +159,27 @@ def main():
         for name in args.only:
             for _ in range(args.repeats):
                 for side, root in sides.items():
-                    got[name][side].append(run(root, name, args.preset, Path(tmp) / f"{name}-{side}.json",
-                                               Path(tmp) / f"work-{side}"))
+                    got[name][side].append(
+                        run(
+                            root,
+                            name,
+                            args.preset,
+                            Path(tmp) / f"{name}-{side}.json",
+                            Path(tmp) / f"work-{side}",
+                        )
+                    )
                 write(args, got, t0)
 
 
 def write(args, got: dict, t0: float):
-    result = {"what": __doc__.splitlines()[0], "ref": args.ref, "repeats": args.repeats,
-              "runs": got, "wall_s": round(time.perf_counter() - t0, 1), "new_over_old": {}}
+    result = {
+        "what": __doc__.splitlines()[0],
+        "ref": args.ref,
+        "repeats": args.repeats,
+        "runs": got,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "new_over_old": {},
+    }
     for name, by_side in got.items():
         if not by_side["new"]:
             continue

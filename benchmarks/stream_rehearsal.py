@@ -38,12 +38,18 @@ from flashdraft.timeline import DiskWatch, job_times, latest_log, overlap_s
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {  # the run's sizes on each benchmark preset (shapes.py: the target and drafter)
-    "qwen3-8b": {"train": {"batch_tokens": 16384, "global_batch_tokens": 16384,
-                           "buckets": [2048], "lr": 6e-4}, "max_length": 2048, "hidden_batch": 32768,
-                 "chars": (300, 1500)},
-    "tiny": {"train": {"batch_tokens": 1024, "global_batch_tokens": 1024,
-                       "buckets": [128, 256], "lr": 3e-3}, "max_length": 256, "hidden_batch": 4096,
-             "chars": (40, 160)},
+    "qwen3-8b": {
+        "train": {"batch_tokens": 16384, "global_batch_tokens": 16384, "buckets": [2048], "lr": 6e-4},
+        "max_length": 2048,
+        "hidden_batch": 32768,
+        "chars": (300, 1500),
+    },
+    "tiny": {
+        "train": {"batch_tokens": 1024, "global_batch_tokens": 1024, "buckets": [128, 256], "lr": 3e-3},
+        "max_length": 256,
+        "hidden_batch": 4096,
+        "chars": (40, 160),
+    },
 }
 
 
@@ -58,8 +64,18 @@ def sharegpt_prompts(path: Path, n: int, lo: int, hi: int, seed: int = 0) -> Non
             text, want = "", int(g.integers(lo, hi))
             while len(text) < want:
                 text += " ".join(g.choice(words, 16)) + ". "
-            f.write(json.dumps({"id": f"p{i}", "conversations": [{"from": "human", "value": text[:want]},
-                                                                 {"from": "gpt", "value": "ok"}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"p{i}",
+                        "conversations": [
+                            {"from": "human", "value": text[:want]},
+                            {"from": "gpt", "value": "ok"},
+                        ],
+                    }
+                )
+                + "\n"
+            )
 
 
 def config(args, target: Path, source: Path, work: Path) -> dict:
@@ -67,16 +83,39 @@ def config(args, target: Path, source: Path, work: Path) -> dict:
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg.pop("toy", None)
     cfg["target"] = {"path": str(target), "build_toy": False, "dtype": "bfloat16"}
-    cfg["prompts"] = {"total": args.prompts + 8, "eval_count": 8, "min_chars": 4, "max_chars": 100000,
-                      "sources": [{"name": "synthetic", "path": str(source), "shape": "sharegpt"}]}
-    cfg["regenerate"] = {"enabled": True, "max_new_tokens": args.new_tokens, "engine": "auto",
-                         "batch_size": 0, "shards": 1}
-    cfg["hidden"] = {"mode": "stream", "shards": 1, "max_length": shape["max_length"], "dtype": "float8_e4m3",
-                     "batch_tokens": shape["hidden_batch"], "chunk_tokens": args.chunk_tokens}
+    cfg["prompts"] = {
+        "total": args.prompts + 8,
+        "eval_count": 8,
+        "min_chars": 4,
+        "max_chars": 100000,
+        "sources": [{"name": "synthetic", "path": str(source), "shape": "sharegpt"}],
+    }
+    cfg["regenerate"] = {
+        "enabled": True,
+        "max_new_tokens": args.new_tokens,
+        "engine": "auto",
+        "batch_size": 0,
+        "shards": 1,
+    }
+    cfg["hidden"] = {
+        "mode": "stream",
+        "shards": 1,
+        "max_length": shape["max_length"],
+        "dtype": "float8_e4m3",
+        "batch_tokens": shape["hidden_batch"],
+        "chunk_tokens": args.chunk_tokens,
+    }
     cfg["drafter"] = dict(PRESETS[args.preset]["drafter"])
-    cfg["train"] = {**shape["train"], "max_anchors": PRESETS[args.preset]["max_anchors"],
-                    "epochs": args.epochs, "compile": True, "checkpoint_every": 1000, "log_every": 1,
-                    "keep_checkpoints": 2, "val_samples": 0}
+    cfg["train"] = {
+        **shape["train"],
+        "max_anchors": PRESETS[args.preset]["max_anchors"],
+        "epochs": args.epochs,
+        "compile": True,
+        "checkpoint_every": 1000,
+        "log_every": 1,
+        "keep_checkpoints": 2,
+        "val_samples": 0,
+    }
     cfg["eval"] = {"num_prompts": args.eval_prompts, "max_new_tokens": args.new_tokens}
     cfg["gpus"] = {"target": args.gpus_target, "drafter": args.gpus_drafter, "lock_dir": str(work / "locks")}
     return cfg
@@ -86,8 +125,10 @@ def chunk_tokens_for(args, work: Path) -> int:
     """hidden.chunk_tokens that cuts every epoch into about `--chunks` chunks: one epoch's tokens (the
     prompts' characters, about a token each, plus the answers) / (chunks - 1/2). Chunks hold whole steps,
     so a budget of exactly 1/chunks of the epoch would leave a short extra chunk at its end."""
-    per_epoch = sum(len(json.loads(line)["conversations"][0]["value"]) + args.new_tokens + 16
-                    for line in (work / "sources.jsonl").read_text().splitlines()[: args.prompts])
+    per_epoch = sum(
+        len(json.loads(line)["conversations"][0]["value"]) + args.new_tokens + 16
+        for line in (work / "sources.jsonl").read_text().splitlines()[: args.prompts]
+    )
     return int(per_epoch / (args.chunks - 0.5))
 
 
@@ -105,8 +146,13 @@ def main():
     p.add_argument("--work", default="/tmp/flashdraft-stream-rehearsal")
     p.add_argument("--device", default="unknown", help="with --summarize: the machine the run was made on")
     p.add_argument("--out", default=None)
-    p.add_argument("--summarize", nargs=2, metavar=("RESULTS", "SNAKEMAKE_LOG"), default=None,
-                   help="only summarize a run's results/ tree and Snakemake log (one cut short, say)")
+    p.add_argument(
+        "--summarize",
+        nargs=2,
+        metavar=("RESULTS", "SNAKEMAKE_LOG"),
+        default=None,
+        help="only summarize a run's results/ tree and Snakemake log (one cut short, say)",
+    )
     args = p.parse_args()
     if args.summarize:
         results, log = map(Path, args.summarize)
@@ -132,9 +178,21 @@ def main():
     cfg = config(args, target, work / "sources.jsonl", work)
     (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(run),
-           "--configfile", str(run / "config.yaml"), "--cores", str(os.cpu_count()),
-           "--resources", f"gpu={max(1, gpus)}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "workflow" / "Snakefile"),
+        "-d",
+        str(run),
+        "--configfile",
+        str(run / "config.yaml"),
+        "--cores",
+        str(os.cpu_count()),
+        "--resources",
+        f"gpu={max(1, gpus)}",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     watch = DiskWatch(run / "results" / "hidden", every_s=0.05)
     t0 = time.perf_counter()
@@ -166,40 +224,63 @@ def summarize(results: Path, log: Path, wall, peak, args, gpus: int, device: str
         if done.get("trained_already"):  # a rerun's chunk that the run had got past: it trained nothing
             continue
         start_up = datetime.fromtimestamp(done["first_step_done_at"]) - t.start
-        chunks.append({"chunk": t.wildcards["chunk"], "job_s": t.seconds,
-                       "steps": done["step"] - done["chunk"]["start_step"], "tokens": done["chunk"]["tokens"],
-                       "launch_to_first_step_s": start_up.total_seconds(),
-                       "first_step_done_s_worker": done["first_step_done_s"]})
+        chunks.append(
+            {
+                "chunk": t.wildcards["chunk"],
+                "job_s": t.seconds,
+                "steps": done["step"] - done["chunk"]["start_step"],
+                "tokens": done["chunk"]["tokens"],
+                "launch_to_first_step_s": start_up.total_seconds(),
+                "first_step_done_s_worker": done["first_step_done_s"],
+            }
+        )
     start_up = [c["launch_to_first_step_s"] for c in chunks] or [float("nan")]
     summary_file = results / "eval" / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     complete = summary_file.exists() and len(trains) == len(plan["chunks"])
     return {
         "what": "stream mode through Snakemake: prompts -> regenerate -> tokens -> plan -> per chunk hidden "
-                "parts (fp8), verify, training -> export -> evaluate -> report",
-        "complete": complete, "chunks_trained": len(trains), "chunks_planned": len(plan["chunks"]),
-        "device": device, "gpus": gpus,
-        "python": platform.python_version() if wall is not None else None, "preset": args.preset,
+        "parts (fp8), verify, training -> export -> evaluate -> report",
+        "complete": complete,
+        "chunks_trained": len(trains),
+        "chunks_planned": len(plan["chunks"]),
+        "device": device,
+        "gpus": gpus,
+        "python": platform.python_version() if wall is not None else None,
+        "preset": args.preset,
         "prompts": args.prompts,
-        "new_tokens": args.new_tokens, "epochs": args.epochs, "gpus_target": args.gpus_target,
-        "gpus_drafter": args.gpus_drafter, "chunk_tokens": plan["chunk_tokens"],
+        "new_tokens": args.new_tokens,
+        "epochs": args.epochs,
+        "gpus_target": args.gpus_target,
+        "gpus_drafter": args.gpus_drafter,
+        "chunk_tokens": plan["chunk_tokens"],
         "chunks_per_epoch": [sum(c["epoch"] == e for c in plan["chunks"]) for e in range(args.epochs)],
-        "total_steps": plan["total_steps"], "samples": plan["samples"], "tokens_per_epoch": plan["tokens"],
-        "wall_s": wall, "all_jobs_passed": complete,
+        "total_steps": plan["total_steps"],
+        "samples": plan["samples"],
+        "tokens_per_epoch": plan["tokens"],
+        "wall_s": wall,
+        "all_jobs_passed": complete,
         "rules": sorted({j.rule for j in jobs}),
         "train_chain_s": chain,
         "shard_jobs_during_training_s": during,
         "fraction_of_chain_with_a_shard_job": during / chain if chain else 0.0,
         "queued_on_one_gpu": gpus <= 1,
         "launch_to_first_step_s": {"median": float(np.median(start_up)), "max": max(start_up)},
-        "chain_overhead_fraction_of_job": float(np.median([c["launch_to_first_step_s"] / c["job_s"]
-                                                           for c in chunks])) if chunks else None,
-        "peak_hidden_bytes_sampled": peak, "peak_hidden_bytes_planned": plan["peak_bytes"],
-        "eval_tau_pooled": {k: v.get("tau_pooled") for k, v in summary.get("decoders", summary).items()
-                            if isinstance(v, dict)},
+        "chain_overhead_fraction_of_job": float(
+            np.median([c["launch_to_first_step_s"] / c["job_s"] for c in chunks])
+        )
+        if chunks
+        else None,
+        "peak_hidden_bytes_sampled": peak,
+        "peak_hidden_bytes_planned": plan["peak_bytes"],
+        "eval_tau_pooled": {
+            k: v.get("tau_pooled") for k, v in summary.get("decoders", summary).items() if isinstance(v, dict)
+        },
         "chunks": chunks,
-        "jobs": [{"rule": j.rule, "wildcards": j.wildcards, "start": j.start.isoformat(), "s": j.seconds}
-                 for j in jobs],
+        "jobs": [
+            {"rule": j.rule, "wildcards": j.wildcards, "start": j.start.isoformat(), "s": j.seconds}
+            for j in jobs
+        ],
     }
 
 

@@ -47,9 +47,25 @@ def saved_target(preset: str, work: Path, seed_tokens: int = 3000) -> Path:
 def run_rule(run_dir: Path, rule: str, targets: list[str], gpus: int) -> tuple[float, list[float], dict]:
     """Snakemake builds `targets` with `rule` alone in `run_dir` (its config.yaml) and `gpus` GPUs to share:
     the wall time, each job's time from its `benchmark:` file, and the tail of each job's log."""
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(run_dir),
-           "--configfile", str(run_dir / "config.yaml"), "--cores", str(os.cpu_count()),
-           "--resources", f"gpu={gpus}", "--allowed-rules", rule, "--", *targets]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "workflow" / "Snakefile"),
+        "-d",
+        str(run_dir),
+        "--configfile",
+        str(run_dir / "config.yaml"),
+        "--cores",
+        str(os.cpu_count()),
+        "--resources",
+        f"gpu={gpus}",
+        "--allowed-rules",
+        rule,
+        "--",
+        *targets,
+    ]
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

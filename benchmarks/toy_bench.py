@@ -54,8 +54,19 @@ def stage_seconds(work: Path) -> dict:
 
 def snakemake(work: Path, config: Path, log: Path, name: str = "") -> None:
     """The workflow in `work` with `config`, to the evaluation's summary, on 2 cores; its output in `log`."""
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(work),
-           "--cores", "2", f"--configfile={config}", "results/eval/summary.json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "workflow" / "Snakefile"),
+        "-d",
+        str(work),
+        "--cores",
+        "2",
+        f"--configfile={config}",
+        "results/eval/summary.json",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log.write_text(proc.stdout + proc.stderr)
@@ -80,23 +91,32 @@ def run_one(work: Path, name: str, overrides: dict, drafter: str = "dflash") -> 
         rows = list(csv.DictReader(f))
     train_log = (work / "results" / "logs" / "train.log").read_text()
     bench = work / "results" / "benchmarks"
-    ran = {s: v for s, v in stage_seconds(work).items()
-           if (bench / f"{s}.tsv").stat().st_mtime != before.get(bench / f"{s}.tsv")}
+    ran = {
+        s: v
+        for s, v in stage_seconds(work).items()
+        if (bench / f"{s}.tsv").stat().st_mtime != before.get(bench / f"{s}.tsv")
+    }
     d = summary[drafter]
     # the per-prompt rows, for intervals over prompts: the next run in this work dir overwrites the file
     shutil.copy(work / "results" / "eval" / "per_prompt.parquet", done.parent / "per_prompt.parquet")
     result = {
-        "name": name, "overrides": overrides,
-        "tau_pooled": d["tau_pooled"], "tau_prompt_mean": d["tau_prompt_mean"],
-        "lossless_all": d["lossless_all"], "speedup_cpu": d["speedup"],
+        "name": name,
+        "overrides": overrides,
+        "tau_pooled": d["tau_pooled"],
+        "tau_prompt_mean": d["tau_prompt_mean"],
+        "lossless_all": d["lossless_all"],
+        "speedup_cpu": d["speedup"],
         "per_position_acceptance": d["per_position_acceptance"],
         "untrained_tau_pooled": summary[f"{drafter}_untrained"]["tau_pooled"],
         "tau_pooled_by_temperature": {t: x["tau_pooled"] for t, x in d.get("by_temperature", {}).items()},
-        "train_steps": int(rows[-1]["step"]), "final_train_loss": float(rows[-1]["loss"]),
+        "train_steps": int(rows[-1]["step"]),
+        "final_train_loss": float(rows[-1]["loss"]),
         "final_sim_tau": float(rows[-1]["sim_tau"]),
         "global_batch_line": next(
-            (x.split("] ", 1)[1] for x in train_log.splitlines() if "global batch:" in x), None),
-        "stage_s": ran, "wall_s": round(wall, 1),
+            (x.split("] ", 1)[1] for x in train_log.splitlines() if "global batch:" in x), None
+        ),
+        "stage_s": ran,
+        "wall_s": round(wall, 1),
     }
     done.write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -104,12 +124,18 @@ def run_one(work: Path, name: str, overrides: dict, drafter: str = "dflash") -> 
 
 def stats(xs: list[float]) -> dict:
     sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return {"mean": round(statistics.mean(xs), 4), "sd": round(sd, 4), "min": round(min(xs), 4),
-            "max": round(max(xs), 4), "values": [round(x, 4) for x in xs]}
+    return {
+        "mean": round(statistics.mean(xs), 4),
+        "sd": round(sd, 4),
+        "min": round(min(xs), 4),
+        "max": round(max(xs), 4),
+        "values": [round(x, 4) for x in xs],
+    }
 
 
-def bootstrap_diff(xs: list[float], ys: list[float], draws: int = 10_000, seed: int = 0
-                   ) -> tuple[float, float]:
+def bootstrap_diff(
+    xs: list[float], ys: list[float], draws: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
     """95% bootstrap interval of mean(xs) - mean(ys), each resampled with replacement."""
     g = np.random.default_rng(seed)
     x, y = np.asarray(xs), np.asarray(ys)

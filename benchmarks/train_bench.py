@@ -80,25 +80,40 @@ def setup(preset: dict, work: Path) -> dict:
     build_tokenizer(task_conversations(50, 0), 512).save_pretrained(target)
     g = torch.Generator().manual_seed(0)
     shape = (cfg["vocab_size"], cfg["hidden_size"])
-    head = {k: (torch.randn(shape, generator=g, dtype=torch.bfloat16) * 0.02)
-            for k in ("model.embed_tokens.weight", "lm_head.weight")}
+    head = {
+        k: (torch.randn(shape, generator=g, dtype=torch.bfloat16) * 0.02)
+        for k in ("model.embed_tokens.weight", "lm_head.weight")
+    }
     save_file(head, target / "model.safetensors", metadata={"format": "pt"})
     del head
     spec = load_spec(target, drafter_config(preset))
     width, s = spec.num_features * spec.hidden_size, preset["seq_len"]
     path = work / "hidden" / "shard-00000.arrow"
-    meta = ShardMeta(target="random", target_layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
-                     dtype="bfloat16", last_hidden=last)
+    meta = ShardMeta(
+        target="random",
+        target_layer_ids=spec.target_layer_ids,
+        hidden_size=spec.hidden_size,
+        dtype="bfloat16",
+        last_hidden=last,
+    )
     with open_shard(path, meta) as w:
         for i in range(preset["samples"]):
             ids = torch.randint(0, spec.mask_token_id, (s,), generator=g).tolist()
             lh = torch.randn(s, spec.hidden_size, generator=g, dtype=torch.bfloat16) if last else None
-            w.write(f"r{i}", ids, [1] * s, torch.randn(s, width, generator=g, dtype=torch.bfloat16),
-                    last_hidden=lh)
+            w.write(
+                f"r{i}",
+                ids,
+                [1] * s,
+                torch.randn(s, width, generator=g, dtype=torch.bfloat16),
+                last_hidden=lh,
+            )
     write_manifest(manifest_path(path), w)
     marker.write_text(json.dumps(params))
-    print(f"setup: target and {preset['samples']} samples x {s} tokens x {width} features "
-          f"({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"setup: target and {preset['samples']} samples x {s} tokens x {width} features "
+        f"({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     return params
 
 
@@ -108,10 +123,20 @@ def drafter_config(preset: dict) -> DrafterConfig:
 
 def train_config(preset: dict, steps: int, log_every: int) -> dict:
     s = preset["seq_len"]
-    return {"max_steps": steps, "batch_tokens": preset["rows"] * s, "buckets": [s],
-            "max_anchors": preset["max_anchors"], "compile": True, "attention": preset["attention"],
-            "dtype": preset["dtype"], "checkpoint_every": 10**9, "keep_checkpoints": 1,
-            "log_every": log_every, "lr": 1e-4, "val_samples": 0}
+    return {
+        "max_steps": steps,
+        "batch_tokens": preset["rows"] * s,
+        "buckets": [s],
+        "max_anchors": preset["max_anchors"],
+        "compile": True,
+        "attention": preset["attention"],
+        "dtype": preset["dtype"],
+        "checkpoint_every": 10**9,
+        "keep_checkpoints": 1,
+        "log_every": log_every,
+        "lr": 1e-4,
+        "val_samples": 0,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -125,25 +150,38 @@ def flops(preset: dict, spec, draws: int = 64) -> dict:
     h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
     nh, nkv = spec.num_heads, spec.num_kv_heads
     k, v = spec.num_features, spec.vocab_size
-    anchors, valid = sample_anchors(torch.ones(draws, s), preset["max_anchors"], b,
-                                    torch.Generator().manual_seed(0))
+    anchors, valid = sample_anchors(
+        torch.ones(draws, s), preset["max_anchors"], b, torch.Generator().manual_seed(0)
+    )
     a = float(valid.sum(1).double().mean())  # valid anchors per sample
     pairs = float((b * (anchors + b) * valid).sum(1).double().mean())  # visible query-key pairs
     q = a * b
-    layer = {"q_o": 2 * 2 * q * h * nh * d, "k_v": 2 * 2 * (s + q) * h * nkv * d, "mlp": 2 * 3 * q * h * i,
-             "attention": 2 * 2 * nh * d * pairs}
-    fwd = {"fc": 2 * s * (k * h) * h, **{n: spec.num_layers * x for n, x in layer.items()},
-           "lm_head": 2 * a * (b - 1) * h * v}
+    layer = {
+        "q_o": 2 * 2 * q * h * nh * d,
+        "k_v": 2 * 2 * (s + q) * h * nkv * d,
+        "mlp": 2 * 3 * q * h * i,
+        "attention": 2 * 2 * nh * d * pairs,
+    }
+    fwd = {
+        "fc": 2 * s * (k * h) * h,
+        **{n: spec.num_layers * x for n, x in layer.items()},
+        "lm_head": 2 * a * (b - 1) * h * v,
+    }
     total = sum(fwd.values())
     required = 3 * total - fwd["fc"] - fwd["lm_head"]
     return {
         "formula": "forward matmul FLOPs per sample: fc 2*S*(K*H)*H; per layer q,o 2*2*Q*H*nh*d, k,v "
-                   "2*2*(S+Q)*H*nkv*d, MLP 2*3*Q*H*I, attention 2*2*nh*d*P (P = visible query-key pairs, "
-                   "B*(a+B) per anchor a); LM head 2*A*(B-1)*H*V; Q = A*B. Training = 3 x forward (LM-head "
-                   "checkpoint recompute not counted); required_grads: fc and LM head 2x (no input grad)",
-        "seq_len": s, "anchors": a, "anchor_slots": num_anchor_slots(s, preset["max_anchors"], b),
-        "visible_pairs": pairs, "forward_per_sample": fwd, "forward_per_sample_total": total,
-        "train_per_token": 3 * total / s, "train_per_token_required_grads": required / s,
+        "2*2*(S+Q)*H*nkv*d, MLP 2*3*Q*H*I, attention 2*2*nh*d*P (P = visible query-key pairs, "
+        "B*(a+B) per anchor a); LM head 2*A*(B-1)*H*V; Q = A*B. Training = 3 x forward (LM-head "
+        "checkpoint recompute not counted); required_grads: fc and LM head 2x (no input grad)",
+        "seq_len": s,
+        "anchors": a,
+        "anchor_slots": num_anchor_slots(s, preset["max_anchors"], b),
+        "visible_pairs": pairs,
+        "forward_per_sample": fwd,
+        "forward_per_sample_total": total,
+        "train_per_token": 3 * total / s,
+        "train_per_token_required_grads": required / s,
     }
 
 
@@ -183,8 +221,9 @@ class Proc:
         self.cache_loaded = False
         self.t0 = time.perf_counter()
         with open(self.out_log, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env,
-                                         cwd=REPO, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True
+            )
         Proc.live.append(self)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -205,9 +244,12 @@ class Proc:
                         self.milestones[key] = round(t, 2)
                 m = FIRST_STEP.search(line)
                 if m and self.first is None:
-                    self.first = {"launch_to_first_step_s": round(t, 2), "first_step_s": float(m[2]),
-                                  "counters": ast.literal_eval(m[3]) if m[3] else None,
-                                  "milestones": self.milestones}
+                    self.first = {
+                        "launch_to_first_step_s": round(t, 2),
+                        "first_step_s": float(m[2]),
+                        "counters": ast.literal_eval(m[3]) if m[3] else None,
+                        "milestones": self.milestones,
+                    }
 
     def wait_for(self, done, timeout: float) -> bool:
         """Until done() or the process ends (then done() once more); False when it ended without."""
@@ -248,9 +290,13 @@ def base_env(preset: dict, inductor: Path) -> dict:
         shutil.rmtree(warmup_dir, ignore_errors=True)
     shutil.rmtree(inductor, ignore_errors=True)
     inductor.mkdir(parents=True)
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor),
-           "TRITON_CACHE_DIR": str(inductor / "triton"), "PYTHONUNBUFFERED": "1",
-           "PYTHONPYCACHEPREFIX": str(inductor.parent.parent / "pycache")}  # as the workflow's stages
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+        "TRITON_CACHE_DIR": str(inductor / "triton"),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPYCACHEPREFIX": str(inductor.parent.parent / "pycache"),
+    }  # as the workflow's stages
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     if preset["device"] == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -263,10 +309,22 @@ def launch(preset: dict, world: int, cfg: dict, work: Path, run: str, shards: li
     cmd = launch_argv(sys.executable, REPO / "scripts" / "train.py", world, virtual=cuda)  # as the workflow
     out = work / "runs" / run
     shutil.rmtree(out, ignore_errors=True)
-    return cmd + ["--cfg", json.dumps(cfg),
-                  "--drafter-cfg", json.dumps(drafter_json(preset)), "--target", str(work / "target"),
-                  "--checkpoints", str(out / "checkpoints"), "--metrics", str(out / "metrics.csv"),
-                  "--out", str(out / "drafter"), *extra, *shards]
+    return cmd + [
+        "--cfg",
+        json.dumps(cfg),
+        "--drafter-cfg",
+        json.dumps(drafter_json(preset)),
+        "--target",
+        str(work / "target"),
+        "--checkpoints",
+        str(out / "checkpoints"),
+        "--metrics",
+        str(out / "metrics.csv"),
+        "--out",
+        str(out / "drafter"),
+        *extra,
+        *shards,
+    ]
 
 
 def drafter_json(preset: dict) -> dict:

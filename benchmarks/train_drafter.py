@@ -98,8 +98,14 @@ from train_bench import (
 from flashdraft.config import needs_last_hidden
 from flashdraft.train_step import load_spec
 
-GOALS = {"mfu": 0.45, "scaling": 1.85, "warm_over_cold": 0.20, "launch_s": 10.0, "speedup": 1.3,
-         "mfu_required_grads": 0.55}
+GOALS = {
+    "mfu": 0.45,
+    "scaling": 1.85,
+    "warm_over_cold": 0.20,
+    "launch_s": 10.0,
+    "speedup": 1.3,
+    "mfu_required_grads": 0.55,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -110,9 +116,19 @@ def run_warmup(preset, cfg, work: Path, shard: str, timeout: float) -> dict:
     env = base_env(preset, work / "inductor" / "warmup")
     cache = work / "compile_cache"
     shutil.rmtree(cache, ignore_errors=True)
-    cmd = [sys.executable, str(REPO / "scripts" / "warmup.py"), "--cfg", json.dumps(cfg),
-           "--drafter-cfg", json.dumps(drafter_json(preset)), "--target", str(work / "target"),
-           "--out-dir", str(cache), shard]
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "warmup.py"),
+        "--cfg",
+        json.dumps(cfg),
+        "--drafter-cfg",
+        json.dumps(drafter_json(preset)),
+        "--target",
+        str(work / "target"),
+        "--out-dir",
+        str(cache),
+        shard,
+    ]
     p = Proc("warmup", cmd, env, work / "logs")
     try:
         p.wait_for(lambda: False, timeout)
@@ -121,13 +137,15 @@ def run_warmup(preset, cfg, work: Path, shard: str, timeout: float) -> dict:
     check(p, p.proc.returncode == 0, "warmup")
     meta = json.loads((cache / "meta.json").read_text())
     wall = round(time.perf_counter() - p.t0, 1)
-    print(f"warmup: {wall} s, {meta['artifact_bytes']} bytes of compile caches, {meta['counters']}",
-          flush=True)
+    print(
+        f"warmup: {wall} s, {meta['artifact_bytes']} bytes of compile caches, {meta['counters']}", flush=True
+    )
     return {"wall_s": wall, **{k: meta[k] for k in ("seconds", "counters", "artifact_bytes", "key")}}
 
 
-def run_throughput(preset, cfg, work: Path, world: int, shards: list[str], fl: dict, peak, timeout,
-                   name: str | None = None) -> dict:
+def run_throughput(
+    preset, cfg, work: Path, world: int, shards: list[str], fl: dict, peak, timeout, name: str | None = None
+) -> dict:
     """One launch with the warmup's artifacts and a fresh Inductor dir, ended after its last row."""
     name = name or f"train-{world}"
     env = base_env(preset, work / "inductor" / name)
@@ -148,22 +166,28 @@ def run_throughput(preset, cfg, work: Path, world: int, shards: list[str], fl: d
     per_gpu = agg / world
     achieved = per_gpu * fl["train_per_token"]
     out = {
-        "world": world, "tokens_per_s": agg, "tokens_per_s_per_gpu": per_gpu,
+        "world": world,
+        "tokens_per_s": agg,
+        "tokens_per_s_per_gpu": per_gpu,
         "tflops_per_gpu": achieved / 1e12,
         "mfu": achieved / peak if peak else None,
         "mfu_required_grads": per_gpu * fl["train_per_token_required_grads"] / peak if peak else None,
-        "steps_measured": steps - cfg["log_every"], "windows_tokens_per_s": tps,
+        "steps_measured": steps - cfg["log_every"],
+        "windows_tokens_per_s": tps,
         "ms_per_step": 1e3 * world * cfg["batch_tokens"] / agg,
-        "compile_cache_loaded": p.cache_loaded, **(p.first or {}),
+        "compile_cache_loaded": p.cache_loaded,
+        **(p.first or {}),
         "steps_under_fail_on_recompile": int(rows[-1]["step"]) - 1 if rows else 0,
         "losses_finite": all(math.isfinite(float(r["loss"])) for r in rows),
         "losses": {r["step"]: float(r["loss"]) for r in rows},  # each window's mean, by its last step
         "log": str(p.err_log),
     }
     mfu = f", MFU {out['mfu']:.1%}" if out["mfu"] is not None else ""
-    print(f"{name}: {agg:.0f} tokens/s ({per_gpu:.0f} per process{mfu}), first step after "
-          f"{out.get('launch_to_first_step_s')} s {out.get('milestones')}, caches {out.get('counters')}",
-          flush=True)
+    print(
+        f"{name}: {agg:.0f} tokens/s ({per_gpu:.0f} per process{mfu}), first step after "
+        f"{out.get('launch_to_first_step_s')} s {out.get('milestones')}, caches {out.get('counters')}",
+        flush=True,
+    )
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
 
@@ -177,8 +201,11 @@ def run_cold(preset, cfg, work: Path, world: int, shards: list[str], timeout) ->
         check(p, p.wait_for(lambda: p.first is not None, timeout), "no first-step line")
     finally:
         p.stop()
-    print(f"{name}: first step after {p.first['launch_to_first_step_s']} s {p.first['milestones']}, "
-          f"caches {p.first['counters']}", flush=True)
+    print(
+        f"{name}: first step after {p.first['launch_to_first_step_s']} s {p.first['milestones']}, "
+        f"caches {p.first['counters']}",
+        flush=True,
+    )
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
     return {"world": world, "compile_cache_loaded": p.cache_loaded, **p.first, "log": str(p.err_log)}
 
@@ -205,8 +232,11 @@ def run_resumed(preset, cfg, work: Path, shards: list[str], timeout) -> dict:
             p.stop()
     finally:
         shutil.rmtree(work / "runs" / name, ignore_errors=True)  # the drafter's full state
-    print(f"{name}: first step after {p.first['launch_to_first_step_s']} s {p.first['milestones']}, "
-          f"caches {p.first['counters']}", flush=True)
+    print(
+        f"{name}: first step after {p.first['launch_to_first_step_s']} s {p.first['milestones']}, "
+        f"caches {p.first['counters']}",
+        flush=True,
+    )
     return {"world": 1, "compile_cache_loaded": p.cache_loaded, **p.first, "log": str(p.err_log)}
 
 
@@ -219,16 +249,18 @@ def run_baseline(preset, cfg, work: Path, shard: str, shards: list[str], fl: dic
 
 def compare(new: dict, base: dict, changes: dict, baseline: dict) -> dict:
     """One process's throughput with `changes` (--set) against the baseline's, measured in one run."""
-    return {"set": changes, "baseline": baseline,
-            "tokens_per_s_per_gpu": new["tokens_per_s_per_gpu"],
-            "baseline_tokens_per_s_per_gpu": base["tokens_per_s_per_gpu"],
-            "speedup_vs_baseline": new["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
-            "mfu_required_grads": new["mfu_required_grads"],
-            "baseline_mfu_required_grads": base["mfu_required_grads"],
-            "mfu_note": "every matmul at the bf16 dense peak (989 TFLOP/s on H100/H200), FP8 ones too",
-            "baseline_start": {k: base.get(k) for k in ("launch_to_first_step_s", "first_step_s",
-                                                        "milestones")},
-            **loss_difference(new.get("losses", {}), base.get("losses", {}))}
+    return {
+        "set": changes,
+        "baseline": baseline,
+        "tokens_per_s_per_gpu": new["tokens_per_s_per_gpu"],
+        "baseline_tokens_per_s_per_gpu": base["tokens_per_s_per_gpu"],
+        "speedup_vs_baseline": new["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
+        "mfu_required_grads": new["mfu_required_grads"],
+        "baseline_mfu_required_grads": base["mfu_required_grads"],
+        "mfu_note": "every matmul at the bf16 dense peak (989 TFLOP/s on H100/H200), FP8 ones too",
+        "baseline_start": {k: base.get(k) for k in ("launch_to_first_step_s", "first_step_s", "milestones")},
+        **loss_difference(new.get("losses", {}), base.get("losses", {})),
+    }
 
 
 def loss_difference(new: dict, base: dict) -> dict:
@@ -239,8 +271,11 @@ def loss_difference(new: dict, base: dict) -> dict:
         return {}
     rel = {s: abs(new[s] - base[s]) / abs(base[s]) for s in steps}
     worst = max(rel, key=rel.get)
-    return {"loss_steps_compared": len(steps), "loss_max_rel_diff": rel[worst],
-            "loss_max_rel_diff_step": worst}
+    return {
+        "loss_steps_compared": len(steps),
+        "loss_max_rel_diff": rel[worst],
+        "loss_max_rel_diff_step": worst,
+    }
 
 
 def since_data(run: dict) -> float:
@@ -269,31 +304,69 @@ def goal(value, target: float, higher: bool = True) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--gpus", default=None, help="world sizes to compare, e.g. 1,2 (default: 1 and 2 where "
-                   "available; processes on CPU)")
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help="world sizes to compare, e.g. 1,2 (default: 1 and 2 where available; processes on CPU)",
+    )
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per throughput run")
-    p.add_argument("--runs", nargs="+", default=["throughput", "cold", "resumed"],
-                   choices=["throughput", "cold", "resumed"], help="which of the runs to make (default: all)")
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        default=["throughput", "cold", "resumed"],
+        choices=["throughput", "cold", "resumed"],
+        help="which of the runs to make (default: all)",
+    )
     p.add_argument("--log-every", type=int, default=None, help="steps per metrics window")
     p.add_argument("--work", default=None, help="work dir (default: <tmp>/flashdraft-train-bench-<preset>)")
     p.add_argument("--out", default=None)
-    p.add_argument("--profile", default=None, metavar="PATH",
-                   help="after the measurements, profile one warm process's start to its first step here")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per sample (the bucket trained), instead of the preset's")
-    p.add_argument("--rows", type=int, default=None,
-                   help="samples per micro-batch (train.batch_tokens = rows x seq-len), not the preset's")
-    p.add_argument("--set", type=json.loads, default={}, metavar="JSON",
-                   help="train config overrides of every run, e.g. '{\"compile_loss\": true}'")
-    p.add_argument("--drafter", type=json.loads, default={}, metavar="JSON",
-                   help="drafter section overrides of every run, e.g. '{\"family\": \"dspark\", "
-                        "\"block_size\": 7}'")
-    p.add_argument("--baseline", type=json.loads, default=None, metavar="JSON",
-                   help="also measure one process with these overrides on top of --set (e.g. today's "
-                        "default), side by side on the same data: the `comparison` key; its \"drafter\" "
-                        "key, if any, overrides the drafter section instead (another family or block)")
-    p.add_argument("--rescore", default=None, metavar="JSON",
-                   help="derive the ratios and goals of a saved result again from its raw measurements")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="PATH",
+        help="after the measurements, profile one warm process's start to its first step here",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sample (the bucket trained), instead of the preset's",
+    )
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="samples per micro-batch (train.batch_tokens = rows x seq-len), not the preset's",
+    )
+    p.add_argument(
+        "--set",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help="train config overrides of every run, e.g. '{\"compile_loss\": true}'",
+    )
+    p.add_argument(
+        "--drafter",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help='drafter section overrides of every run, e.g. \'{"family": "dspark", "block_size": 7}\'',
+    )
+    p.add_argument(
+        "--baseline",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="also measure one process with these overrides on top of --set (e.g. today's "
+        'default), side by side on the same data: the `comparison` key; its "drafter" '
+        "key, if any, overrides the drafter section instead (another family or block)",
+    )
+    p.add_argument(
+        "--rescore",
+        default=None,
+        metavar="JSON",
+        help="derive the ratios and goals of a saved result again from its raw measurements",
+    )
     args = p.parse_args()
     if args.rescore:
         saved = Path(args.rescore)
@@ -306,8 +379,9 @@ def main():
     preset["drafter"] = preset["drafter"] | args.drafter
     base_drafter = (args.baseline or {}).get("drafter")
     if base_drafter is not None:  # one shard serves both sides
-        preset["last_hidden"] = needs_last_hidden(drafter_config({**preset, "drafter": preset["drafter"]
-                                                                  | base_drafter}))
+        preset["last_hidden"] = needs_last_hidden(
+            drafter_config({**preset, "drafter": preset["drafter"] | base_drafter})
+        )
     cuda = preset["device"] == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit(f"preset {args.preset} needs a CUDA GPU")
@@ -337,8 +411,9 @@ def run_profiled(preset, cfg, work: Path, shards: list[str], timeout, path: Path
     expensive by cumulative time). Not a timing: the profiler slows Python code down."""
     name = "profile-1"
     env = base_env(preset, work / "inductor" / name)
-    cmd = launch(preset, 1, cfg, work, name, shards, ["--compile-cache", str(work / "compile_cache"),
-                                                      "--stop-at", "1"])
+    cmd = launch(
+        preset, 1, cfg, work, name, shards, ["--compile-cache", str(work / "compile_cache"), "--stop-at", "1"]
+    )
     p = Proc(name, [cmd[0], "-m", "cProfile", "-o", str(path), *cmd[1:]], env, work / "logs")
     try:
         check(p, p.wait_for(lambda: p.proc.poll() is not None, timeout), "did not stop after step 1")
@@ -366,22 +441,32 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
 
     result = {
         "what": "drafter training throughput, MFU, scaling over GPUs and first-step time with a cold vs "
-                "warm compile cache; real warmup.py / train.py processes as the workflow launches them, "
-                "random features",
-        "preset": args.preset, "date": time.strftime("%Y-%m-%d"),
-        "shapes": {"target": preset["target"], "drafter": drafter_json(preset),
-                   "target_layer_ids": spec.target_layer_ids, "seq_len": preset["seq_len"],
-                   "rows_per_micro_batch": preset["rows"], "dtype": preset["dtype"],
-                   "attention": preset["attention"], "device": preset["device"]},
+        "warm compile cache; real warmup.py / train.py processes as the workflow launches them, "
+        "random features",
+        "preset": args.preset,
+        "date": time.strftime("%Y-%m-%d"),
+        "shapes": {
+            "target": preset["target"],
+            "drafter": drafter_json(preset),
+            "target_layer_ids": spec.target_layer_ids,
+            "seq_len": preset["seq_len"],
+            "rows_per_micro_batch": preset["rows"],
+            "dtype": preset["dtype"],
+            "attention": preset["attention"],
+            "device": preset["device"],
+        },
         "train_cfg": cfg,
-        "data": {"unique_samples": preset["samples"], "shard_listed": repeat,
-                 "samples_per_epoch": repeat * preset["samples"],
-                 "shard_bytes": Path(shard).stat().st_size},
+        "data": {
+            "unique_samples": preset["samples"],
+            "shard_listed": repeat,
+            "samples_per_epoch": repeat * preset["samples"],
+            "shard_bytes": Path(shard).stat().st_size,
+        },
         "world_sizes": sizes,
         "flops": fl,
         "flops_note": "DFlash's matmuls (module docstring); another family's own heads (DSpark: the Markov "
-                      "and confidence heads, the target's distribution over the last hidden state) are "
-                      "not counted, so its MFU is a lower bound",
+        "and confidence heads, the target's distribution over the last hidden state) are "
+        "not counted, so its MFU is a lower bound",
         "errors": [],
     }
     throughput, warmup_meta, cold, resumed, baseline = {}, None, None, None, None
@@ -422,11 +507,24 @@ def run_all(args, preset: dict, sizes: list[int], steps: int, log_every: int, wo
     result |= {
         "warmup": warmup_meta and {k: v for k, v in warmup_meta.items() if k != "key"},
         "throughput": throughput,
-        "first_step": {"world": max(sizes), "cold": cold,
-                       "warm": warm and {k: warm.get(k) for k in
-                                         ("launch_to_first_step_s", "first_step_s", "milestones", "counters",
-                                          "compile_cache_loaded", "steps_under_fail_on_recompile", "log")},
-                       "resumed": resumed},
+        "first_step": {
+            "world": max(sizes),
+            "cold": cold,
+            "warm": warm
+            and {
+                k: warm.get(k)
+                for k in (
+                    "launch_to_first_step_s",
+                    "first_step_s",
+                    "milestones",
+                    "counters",
+                    "compile_cache_loaded",
+                    "steps_under_fail_on_recompile",
+                    "log",
+                )
+            },
+            "resumed": resumed,
+        },
     }
     if baseline is not None:
         result["comparison"] = compare(throughput["1"], baseline, args.set, args.baseline)
@@ -451,15 +549,21 @@ def score(result: dict) -> None:
     counters = (warm or {}).get("counters") or {}
     misses = sum(v for k, v in counters.items() if k.endswith("_miss")) if counters else None
     mfus = [t["mfu"] for t in throughput.values() if t["mfu"] is not None]
-    result["scaling"] = {"measured": ratio is not None, "tokens_per_s_2_over_1": ratio,
-                         "note": None if ratio is not None else "needs world sizes 1 and 2"}
+    result["scaling"] = {
+        "measured": ratio is not None,
+        "tokens_per_s_2_over_1": ratio,
+        "note": None if ratio is not None else "needs world sizes 1 and 2",
+    }
     first.pop("warm_over_cold", None)  # the launch-based ratio, under its name before the three spans
     resumed = first.get("resumed")
-    first |= {"warm_startup_spans_s": startup_spans(warm), "cold_startup_spans_s": startup_spans(cold),
-              "resumed_startup_spans_s": startup_spans(resumed),
-              "first_step_warm_over_cold": step_ratio,
-              "data_opened_to_first_step_warm_over_cold": setup_ratio,
-              "launch_to_first_step_warm_over_cold": launch_ratio}
+    first |= {
+        "warm_startup_spans_s": startup_spans(warm),
+        "cold_startup_spans_s": startup_spans(cold),
+        "resumed_startup_spans_s": startup_spans(resumed),
+        "first_step_warm_over_cold": step_ratio,
+        "data_opened_to_first_step_warm_over_cold": setup_ratio,
+        "launch_to_first_step_warm_over_cold": launch_ratio,
+    }
     result["goals"] = {
         "mfu_per_gpu": goal(min(mfus) if mfus else None, GOALS["mfu"]),
         "scaling_2_over_1": goal(ratio, GOALS["scaling"]),
@@ -467,47 +571,73 @@ def score(result: dict) -> None:
         "first_step_warm_over_cold": goal(step_ratio, GOALS["warm_over_cold"], higher=False),
         "data_opened_to_first_step_warm_over_cold": goal(setup_ratio, GOALS["warm_over_cold"], higher=False),
         "launch_to_first_step_warm_over_cold": goal(launch_ratio, GOALS["warm_over_cold"], higher=False),
-        "launch_to_first_step_warm_s": goal(warm and warm.get("launch_to_first_step_s"), GOALS["launch_s"],
-                                            higher=False),
-        "launch_to_first_step_resumed_s": goal(resumed and resumed["launch_to_first_step_s"],
-                                               GOALS["launch_s"], higher=False),
-        **({"speedup_vs_baseline": goal(result["comparison"]["speedup_vs_baseline"], GOALS["speedup"]),
-            "mfu_required_grads": goal(result["comparison"]["mfu_required_grads"],
-                                       GOALS["mfu_required_grads"])} if "comparison" in result else {}),
-        "warm_cache_misses": {"value": misses, "goal": "== 0 (FX graph and AOTAutograd cache misses in the "
-                                                       "warm run)",
-                              "pass": None if misses is None else misses == 0},
+        "launch_to_first_step_warm_s": goal(
+            warm and warm.get("launch_to_first_step_s"), GOALS["launch_s"], higher=False
+        ),
+        "launch_to_first_step_resumed_s": goal(
+            resumed and resumed["launch_to_first_step_s"], GOALS["launch_s"], higher=False
+        ),
+        **(
+            {
+                "speedup_vs_baseline": goal(result["comparison"]["speedup_vs_baseline"], GOALS["speedup"]),
+                "mfu_required_grads": goal(
+                    result["comparison"]["mfu_required_grads"], GOALS["mfu_required_grads"]
+                ),
+            }
+            if "comparison" in result
+            else {}
+        ),
+        "warm_cache_misses": {
+            "value": misses,
+            "goal": "== 0 (FX graph and AOTAutograd cache misses in the warm run)",
+            "pass": None if misses is None else misses == 0,
+        },
     }
 
 
 def print_table(result: dict, out: Path) -> None:
     cfg, cold = result["train_cfg"], result["first_step"]["cold"]
     shapes, throughput = result["shapes"], result["throughput"]
-    print(f"\n{result['preset']} on {result['machine'].get('device', '?')}, S={shapes['seq_len']}, "
-          f"{shapes['rows_per_micro_batch']} rows/micro-batch, {cfg['max_steps']} steps, "
-          f"{result.get('wall_s')} s -> {out}")
-    print(f"{'world':>5}{'tok/s':>12}{'tok/s/gpu':>12}{'TFLOP/s/gpu':>13}{'MFU':>8}{'MFU req':>9}"
-          f"{'ms/step':>9}{'launch-1st s':>13}{'1st step s':>11}")
+    print(
+        f"\n{result['preset']} on {result['machine'].get('device', '?')}, S={shapes['seq_len']}, "
+        f"{shapes['rows_per_micro_batch']} rows/micro-batch, {cfg['max_steps']} steps, "
+        f"{result.get('wall_s')} s -> {out}"
+    )
+    print(
+        f"{'world':>5}{'tok/s':>12}{'tok/s/gpu':>12}{'TFLOP/s/gpu':>13}{'MFU':>8}{'MFU req':>9}"
+        f"{'ms/step':>9}{'launch-1st s':>13}{'1st step s':>11}"
+    )
     for w, t in throughput.items():
-        mfu = (f"{t['mfu']:>8.1%}{t['mfu_required_grads']:>9.1%}" if t["mfu"] is not None
-               else f"{'-':>8}{'-':>9}")
-        print(f"{w:>5}{t['tokens_per_s']:>12.0f}{t['tokens_per_s_per_gpu']:>12.0f}{t['tflops_per_gpu']:>13.2f}"
-              f"{mfu}{t['ms_per_step']:>9.1f}{t.get('launch_to_first_step_s', float('nan')):>13.1f}"
-              f"{t.get('first_step_s', float('nan')):>11.1f}")
+        mfu = (
+            f"{t['mfu']:>8.1%}{t['mfu_required_grads']:>9.1%}"
+            if t["mfu"] is not None
+            else f"{'-':>8}{'-':>9}"
+        )
+        print(
+            f"{w:>5}{t['tokens_per_s']:>12.0f}{t['tokens_per_s_per_gpu']:>12.0f}{t['tflops_per_gpu']:>13.2f}"
+            f"{mfu}{t['ms_per_step']:>9.1f}{t.get('launch_to_first_step_s', float('nan')):>13.1f}"
+            f"{t.get('first_step_s', float('nan')):>11.1f}"
+        )
     if cold:
         print(f"{'cold':>5}{'':>63}{cold['launch_to_first_step_s']:>13.1f}{cold['first_step_s']:>11.1f}")
     resumed = result["first_step"].get("resumed")
     if resumed:
-        print(f"{'resumed':>7}{'':>61}{resumed['launch_to_first_step_s']:>13.1f}{resumed['first_step_s']:>11.1f}")
+        print(
+            f"{'resumed':>7}{'':>61}{resumed['launch_to_first_step_s']:>13.1f}{resumed['first_step_s']:>11.1f}"
+        )
     for which in ("warm", "cold", "resumed"):
         spans = result["first_step"].get(f"{which}_startup_spans_s")
         if spans:
-            print(f"{which} start-up (s, each stage from the one before): "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in spans.items()))
+            print(
+                f"{which} start-up (s, each stage from the one before): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in spans.items())
+            )
     if "comparison" in result:
         c = result["comparison"]
-        print(f"{json.dumps(c['set'])} against {json.dumps(c['baseline'])}: {c['tokens_per_s_per_gpu']:.0f} "
-              f"against {c['baseline_tokens_per_s_per_gpu']:.0f} tokens/s, {c['speedup_vs_baseline']:.3f}x")
+        print(
+            f"{json.dumps(c['set'])} against {json.dumps(c['baseline'])}: {c['tokens_per_s_per_gpu']:.0f} "
+            f"against {c['baseline_tokens_per_s_per_gpu']:.0f} tokens/s, {c['speedup_vs_baseline']:.3f}x"
+        )
     for g, v in result["goals"].items():
         val = v["value"]
         shown = f"{val:.3f}" if isinstance(val, float) else str(val)

@@ -70,8 +70,20 @@ CUDA_KINDS = [
     ("nccl", ("nccl",)),
     ("multi-tensor (adam, clip)", ("multi_tensor", "fused_adam", "adamw", "_foreach")),
     ("attention", ("flex", "attention", "fmha", "flash", "sdpa")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "triton_tem_fused_mm",
-              "triton_tem_fused_addmm", "triton_tem_fused_bmm")),
+    (
+        "gemm",
+        (
+            "gemm",
+            "nvjet",
+            "cutlass",
+            "xmma",
+            "cublas",
+            "splitk",
+            "triton_tem_fused_mm",
+            "triton_tem_fused_addmm",
+            "triton_tem_fused_bmm",
+        ),
+    ),
     ("attention", ("triton_tem",)),  # Inductor's templates here are flex attention's (no max-autotune)
     ("triton pointwise", ("triton_poi",)),
     ("triton reduction", ("triton_red", "triton_per")),
@@ -82,17 +94,23 @@ CPU_KINDS = [
     ("optimizer", ("optimizer.", "_foreach", "adam")),
     ("attention", ("attention", "flex", "sdpa")),
     ("gemm", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear")),
-    ("inductor fused", ("compiledfxgraph", "torch-compiled region", "compiledfunction", "cpp_fused",
-                        "inductor")),
+    (
+        "inductor fused",
+        ("compiledfxgraph", "torch-compiled region", "compiledfunction", "cpp_fused", "inductor"),
+    ),
     ("memcpy", ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous")),
     ("aten eager", ("aten::",)),
-    ("autograd, dynamo wrappers", ("autograd::", "backward", "dynamo", "aotdispatcher", "bytecode",
-                                   "detach")),
+    (
+        "autograd, dynamo wrappers",
+        ("autograd::", "backward", "dynamo", "aotdispatcher", "bytecode", "detach"),
+    ),
 ]
 # enclosing ranges that mark the compiled drafter, innermost first; the rest of fwd_bwd is eager
-COMPILED = [("CompiledFunctionBackward", "fwd_bwd: drafter backward (compiled)"),
-            ("CompiledFunction", "fwd_bwd: drafter forward (compiled)"),
-            ("Torch-Compiled Region", "fwd_bwd: drafter forward (compiled)")]
+COMPILED = [
+    ("CompiledFunctionBackward", "fwd_bwd: drafter backward (compiled)"),
+    ("CompiledFunction", "fwd_bwd: drafter forward (compiled)"),
+    ("Torch-Compiled Region", "fwd_bwd: drafter forward (compiled)"),
+]
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 GAP_BINS = ((10, "<10us"), (100, "10-100us"), (1000, "0.1-1ms"), (math.inf, ">1ms"))
 
@@ -149,8 +167,14 @@ class Loop:
             ks, micro = next(self.it)
             self.data_wait += time.perf_counter() - t
         with record_function("prep"):
-            anchors = [anchors_for(run.step, b["loss_mask"], seeds=anchor_seeds(
-                cfg.seed, 0, self.batches[k], len(b["loss_mask"]))) for k, b in zip(ks, micro, strict=True)]
+            anchors = [
+                anchors_for(
+                    run.step,
+                    b["loss_mask"],
+                    seeds=anchor_seeds(cfg.seed, 0, self.batches[k], len(b["loss_mask"])),
+                )
+                for k, b in zip(ks, micro, strict=True)
+            ]
             norm = global_normalizer(run, micro, anchors)
         with record_function("fwd_bwd"):
             accumulate(run, micro, anchors, norm, self.metrics, self.seen)
@@ -180,16 +204,24 @@ class Loop:
         t = time.perf_counter()
         with prof or contextlib.nullcontext():
             wall = steps * time_it(step, warmup=0, repeats=1, number=steps, device=self.run.d.device).median_s
-        return {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "tokens_per_s": self.tokens / wall,
-                "data_wait_ms_per_step": 1e3 * self.data_wait / steps,
-                # when each step's launches were done, from the start (ahead of the device on CUDA)
-                "steps_issued_ms": [round(1e3 * (m - t), 1) for m in marks],
-                "graphs_compiled": counters["stats"]["unique_graphs"] - graphs}
+        return {
+            "steps": steps,
+            "wall_ms_per_step": 1e3 * wall / steps,
+            "tokens_per_s": self.tokens / wall,
+            "data_wait_ms_per_step": 1e3 * self.data_wait / steps,
+            # when each step's launches were done, from the start (ahead of the device on CUDA)
+            "steps_issued_ms": [round(1e3 * (m - t), 1) for m in marks],
+            "graphs_compiled": counters["stats"]["unique_graphs"] - graphs,
+        }
 
 
 def dynamo_counters() -> dict:
-    return {"unique_graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["total"],
-            "frames_ok": counters["frames"]["ok"], **cache_counters()}
+    return {
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "frames": counters["frames"]["total"],
+        "frames_ok": counters["frames"]["ok"],
+        **cache_counters(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -242,8 +274,10 @@ def gaps(work: list[dict], where: dict, steps: int) -> dict:
         "gaps_ms_per_step_by_size": {label: by_size[label] / 1e3 / steps for _, label in GAP_BINS},
         "gaps_per_step_by_size": {label: count[label] / steps for _, label in GAP_BINS},
         "gaps_ms_per_step_by_next_region": {r: g / 1e3 / steps for r, g in by_region.most_common()},
-        "largest_gaps": [{"us": round(g, 1), "next_region": r, "next": n[:120]}
-                         for g, r, n in sorted(found, reverse=True)[:8]],
+        "largest_gaps": [
+            {"us": round(g, 1), "next_region": r, "next": n[:120]}
+            for g, r, n in sorted(found, reverse=True)[:8]
+        ],
     }
 
 
@@ -263,8 +297,11 @@ def analyse(trace: dict, cuda: bool, steps: int, wall_ms: float) -> dict:
         return min(inner, key=lambda m: m[1] - m[0])[3] if inner else "fwd_bwd: rest (eager)"
 
     if cuda:
-        launches = {e["args"]["correlation"]: e for e in events
-                    if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+        launches = {
+            e["args"]["correlation"]: e
+            for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+        }
         work = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
         where = {}
         for e in work:
@@ -285,22 +322,34 @@ def analyse(trace: dict, cuda: bool, steps: int, wall_ms: float) -> dict:
     total_us = sum(c["us"] for c in kinds.values()) or 1.0
 
     def row(c: Counter) -> dict:
-        return {"ms_per_step": c["us"] / 1e3 / steps, "share": c["us"] / total_us,
-                "launches_per_step": c["n"] / steps}
+        return {
+            "ms_per_step": c["us"] / 1e3 / steps,
+            "share": c["us"] / total_us,
+            "launches_per_step": c["n"] / steps,
+        }
 
     by_kind = {k: row(c) for k, c in sorted(kinds.items(), key=lambda kv: -kv[1]["us"])}
-    by_region = {r: {**row(c), "ms_per_step_by_kind": {k: v / 1e3 / steps for k, v in c.items()
-                                                        if k not in ("us", "n")}}
-                 for r, c in sorted(regions.items(), key=lambda kv: -kv[1]["us"])}
-    top = [{"name": n[:200], "kind": k, "region": r, **row(c)}
-           for (n, k, r), c in sorted(names.items(), key=lambda kv: -kv[1]["us"])[:15]]
+    by_region = {
+        r: {
+            **row(c),
+            "ms_per_step_by_kind": {k: v / 1e3 / steps for k, v in c.items() if k not in ("us", "n")},
+        }
+        for r, c in sorted(regions.items(), key=lambda kv: -kv[1]["us"])
+    }
+    top = [
+        {"name": n[:200], "kind": k, "region": r, **row(c)}
+        for (n, k, r), c in sorted(names.items(), key=lambda kv: -kv[1]["us"])[:15]
+    ]
     others = [n[:200] for (n, k, _), _c in sorted(names.items(), key=lambda kv: -kv[1]["us"]) if k == "other"]
 
     busy = {"what": "sum of the CPU ops' self time", "busy_ms_per_step": total_us / 1e3 / steps}
     if cuda:
         busy = {"what": "union of kernel, memcpy and memset intervals", **gaps(work, where, steps)}
-    busy |= {"wall_ms_per_step": wall_ms, "idle_ms_per_step": wall_ms - busy["busy_ms_per_step"],
-             "idle_fraction": 1 - busy["busy_ms_per_step"] / wall_ms}
+    busy |= {
+        "wall_ms_per_step": wall_ms,
+        "idle_ms_per_step": wall_ms - busy["busy_ms_per_step"],
+        "idle_fraction": 1 - busy["busy_ms_per_step"] / wall_ms,
+    }
 
     host = {}
     if cuda:
@@ -308,13 +357,24 @@ def analyse(trace: dict, cuda: bool, steps: int, wall_ms: float) -> dict:
         syncs = Counter(e["name"] for e in runtime if e["name"] in SYNCS)
         blocked = sum(e["dur"] for e in runtime if e["name"] in SYNCS)
         dtoh = [e for e in work if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"]]
-        host = {"syncs_per_step": {k: v / steps for k, v in syncs.items()},
-                "cpu_blocked_in_syncs_ms_per_step": blocked / 1e3 / steps,
-                "dtoh_copies_per_step": len(dtoh) / steps,
-                "syncs_per_step_by_region": {r: n / steps for r, n in Counter(
-                    region(e["ts"], e["tid"]) for e in runtime if e["name"] in SYNCS).items()}}
-    return {"kinds": by_kind, "regions": by_region, "top": top, "other_names": others[:20], "device": busy,
-            "host": host, "device_ms_per_step": total_us / 1e3 / steps}
+        host = {
+            "syncs_per_step": {k: v / steps for k, v in syncs.items()},
+            "cpu_blocked_in_syncs_ms_per_step": blocked / 1e3 / steps,
+            "dtoh_copies_per_step": len(dtoh) / steps,
+            "syncs_per_step_by_region": {
+                r: n / steps
+                for r, n in Counter(region(e["ts"], e["tid"]) for e in runtime if e["name"] in SYNCS).items()
+            },
+        }
+    return {
+        "kinds": by_kind,
+        "regions": by_region,
+        "top": top,
+        "other_names": others[:20],
+        "device": busy,
+        "host": host,
+        "device_ms_per_step": total_us / 1e3 / steps,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -328,10 +388,18 @@ def main():
     p.add_argument("--label", default="before", help="the run's key in the JSON's runs")
     p.add_argument("--out", default=None, help="default: benchmarks/results/train_profile_<preset>.json")
     p.add_argument("--trace", default=None, help="also write the profiled steps' chrome trace here")
-    p.add_argument("--work", default=None, help="work dir (default: <tmp>/flashdraft-train-bench-<preset>, "
-                                                "shared with train_drafter.py)")
-    p.add_argument("--set", type=json.loads, default={}, metavar="JSON",
-                   help="train config overrides, e.g. '{\"fp8\": \"tensorwise\"}' (kept in the run's entry)")
+    p.add_argument(
+        "--work",
+        default=None,
+        help="work dir (default: <tmp>/flashdraft-train-bench-<preset>, shared with train_drafter.py)",
+    )
+    p.add_argument(
+        "--set",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help='train config overrides, e.g. \'{"fp8": "tensorwise"}\' (kept in the run\'s entry)',
+    )
     args = p.parse_args()
     preset = dict(PRESETS[args.preset])
     cuda = preset["device"] == "cuda"
@@ -371,31 +439,52 @@ def main():
     peak = peak_bf16_flops(this["device"]) if cuda else None
     delta = {k: after[k] - before[k] for k in after}
     entry = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": code_version(), "machine": this,
-        "preset": args.preset, "set": args.set,
-        "shapes": {"target": preset["target"], "drafter": drafter_json(preset),
-                   "target_layer_ids": spec.target_layer_ids, "seq_len": preset["seq_len"],
-                   "rows_per_micro_batch": preset["rows"], "micro_batches_per_step": run.micro_per_step,
-                   "tokens_per_step": run.cfg.batch_tokens * run.micro_per_step,
-                   "dtype": preset["dtype"] if cuda else "float32", "attention": run.step.attention,
-                   "compile": run.cfg.compile, "device": preset["device"]},
-        "steps": {"warmup": args.warmup, "timed": args.steps, "profiled": args.steps,
-                  "log_every": run.cfg.log_every},
-        "timing": {"warmup": warm, "without_profiler": plain, "with_profiler": profiled,
-                   "mfu": plain["tokens_per_s"] * fl["train_per_token"] / peak if peak else None,
-                   "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "git": code_version(),
+        "machine": this,
+        "preset": args.preset,
+        "set": args.set,
+        "shapes": {
+            "target": preset["target"],
+            "drafter": drafter_json(preset),
+            "target_layer_ids": spec.target_layer_ids,
+            "seq_len": preset["seq_len"],
+            "rows_per_micro_batch": preset["rows"],
+            "micro_batches_per_step": run.micro_per_step,
+            "tokens_per_step": run.cfg.batch_tokens * run.micro_per_step,
+            "dtype": preset["dtype"] if cuda else "float32",
+            "attention": run.step.attention,
+            "compile": run.cfg.compile,
+            "device": preset["device"],
+        },
+        "steps": {
+            "warmup": args.warmup,
+            "timed": args.steps,
+            "profiled": args.steps,
+            "log_every": run.cfg.log_every,
+        },
+        "timing": {
+            "warmup": warm,
+            "without_profiler": plain,
+            "with_profiler": profiled,
+            "mfu": plain["tokens_per_s"] * fl["train_per_token"] / peak if peak else None,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+        },
         "compile": {"before": before, "after": after, "delta": delta, "recompiles": delta["unique_graphs"]},
-        "kinds": res["kinds"], "regions": res["regions"], "top_kernels": res["top"],
+        "kinds": res["kinds"],
+        "regions": res["regions"],
+        "top_kernels": res["top"],
         "other_kernel_names": res["other_names"],
-        "device_time_ms_per_step": res["device_ms_per_step"], "busy": res["device"],
+        "device_time_ms_per_step": res["device_ms_per_step"],
+        "busy": res["device"],
         "host": {"data_wait_ms_per_step": profiled["data_wait_ms_per_step"], **res["host"]},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     saved = json.loads(out.read_text()) if out.exists() else {}
     result = {
         "what": "one training step under torch.profiler: device time by kernel kind and by region, idle "
-                "gaps, data waits, host syncs, recompiles; runs by label (before / after a change); the "
-                "envelope is the last run's",
+        "gaps, data waits, host syncs, recompiles; runs by label (before / after a change); the "
+        "envelope is the last run's",
         "runs": {**saved.get("runs", {}), args.label: entry},
     }
     write_result(out, result, params=vars(args), device=preset["device"])
@@ -406,21 +495,29 @@ def print_table(result: dict, label: str, out: Path) -> None:
     runs = result["runs"]
     r = runs[label]
     unit = "kernel" if r["shapes"]["device"] == "cuda" else "CPU op self"
-    print(f"\n{label}: {r['preset']} on {r['machine']['device']}, {r['steps']['profiled']} profiled steps "
-          f"-> {out}")
+    print(
+        f"\n{label}: {r['preset']} on {r['machine']['device']}, {r['steps']['profiled']} profiled steps "
+        f"-> {out}"
+    )
     t = r["timing"]
-    print(f"tokens/s {t['without_profiler']['tokens_per_s']:.0f} ({t['with_profiler']['tokens_per_s']:.0f} "
-          f"profiled), {t['without_profiler']['wall_ms_per_step']:.1f} ms/step"
-          + (f", MFU {t['mfu']:.1%}" if t["mfu"] else ""))
+    print(
+        f"tokens/s {t['without_profiler']['tokens_per_s']:.0f} ({t['with_profiler']['tokens_per_s']:.0f} "
+        f"profiled), {t['without_profiler']['wall_ms_per_step']:.1f} ms/step"
+        + (f", MFU {t['mfu']:.1%}" if t["mfu"] else "")
+    )
     b = r["busy"]
     h = r["host"]
-    print(f"busy {b['busy_ms_per_step']:.1f} of {b['wall_ms_per_step']:.1f} ms/step, idle "
-          f"{b['idle_fraction']:.1%}; data wait {h['data_wait_ms_per_step']:.2f} ms/step; recompiles "
-          f"{r['compile']['recompiles']}")
+    print(
+        f"busy {b['busy_ms_per_step']:.1f} of {b['wall_ms_per_step']:.1f} ms/step, idle "
+        f"{b['idle_fraction']:.1%}; data wait {h['data_wait_ms_per_step']:.2f} ms/step; recompiles "
+        f"{r['compile']['recompiles']}"
+    )
     if "syncs_per_step" in h:
-        print(f"host syncs per step {h['syncs_per_step']} ({h['cpu_blocked_in_syncs_ms_per_step']:.1f} ms "
-              f"blocked), DtoH copies {h['dtoh_copies_per_step']:.1f}; idle gaps ms/step by size "
-              f"{ {k: round(v, 2) for k, v in b['gaps_ms_per_step_by_size'].items()} }")
+        print(
+            f"host syncs per step {h['syncs_per_step']} ({h['cpu_blocked_in_syncs_ms_per_step']:.1f} ms "
+            f"blocked), DtoH copies {h['dtoh_copies_per_step']:.1f}; idle gaps ms/step by size "
+            f"{ {k: round(v, 2) for k, v in b['gaps_ms_per_step_by_size'].items()} }"
+        )
     labels = list(runs)
     print(f"\n{unit} time, ms/step" + "".join(f"{x:>12}" for x in labels) + f"{'share':>8}{'launches':>10}")
     kinds = list(dict.fromkeys(k for x in labels for k in runs[x]["kinds"]))
@@ -433,8 +530,10 @@ def print_table(result: dict, label: str, out: Path) -> None:
         print(f"{name:<42}{reg['ms_per_step']:>10.2f} ms{reg['share']:>8.1%}{reg['launches_per_step']:>8.0f}")
     print(f"\ntop {unit}s ({label})")
     for k in r["top_kernels"][:10]:
-        print(f"{k['ms_per_step']:>9.2f} ms {k['launches_per_step']:>5.0f}x  {k['kind']:<18} "
-              f"{k['region'][:24]:<25}{k['name'][:60]}")
+        print(
+            f"{k['ms_per_step']:>9.2f} ms {k['launches_per_step']:>5.0f}x  {k['kind']:<18} "
+            f"{k['region'][:24]:<25}{k['name'][:60]}"
+        )
 
 
 if __name__ == "__main__":

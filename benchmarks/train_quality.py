@@ -43,14 +43,19 @@ def main():
     p.add_argument("--work", type=Path, default=Path("/tmp/flashdraft-train-quality"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    p.add_argument("--runs-from", type=Path, default=None,
-                   help="an earlier JSON of this benchmark whose finished runs are kept (not run again)")
+    p.add_argument(
+        "--runs-from",
+        type=Path,
+        default=None,
+        help="an earlier JSON of this benchmark whose finished runs are kept (not run again)",
+    )
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "train_quality_gpu.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("train_quality measures training on a GPU; none is visible")
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+
     def one(pair: tuple[str, int]) -> tuple[str, dict]:
         v, seed = pair
         name = f"{v}-seed{seed}"
@@ -64,8 +69,11 @@ def main():
             tail = logs[-1].read_text()[-3000:] if logs else ""
             print(f"{name}: FAILED: {e}\n{tail}", flush=True)
             return name, {"error": str(e), "last_log": str(logs[-1]) if logs else None, "log_tail": tail}
-        print(f"{name:24s} tau_pooled {r['tau_pooled']:.3f}  final loss {r['final_train_loss']:.4f}  "
-              f"{r['wall_s']:.0f} s", flush=True)
+        print(
+            f"{name:24s} tau_pooled {r['tau_pooled']:.3f}  final loss {r['final_train_loss']:.4f}  "
+            f"{r['wall_s']:.0f} s",
+            flush=True,
+        )
         return name, r
 
     runs = {}
@@ -81,27 +89,44 @@ def main():
 
 def write(args, runs: dict, t0: float) -> None:
     base = "bf16"
-    done = [v for v in args.variants
-            if all("error" not in runs.get(f"{v}-seed{s}", {"error": 1}) for s in args.seeds)]
+    done = [
+        v
+        for v in args.variants
+        if all("error" not in runs.get(f"{v}-seed{s}", {"error": 1}) for s in args.seeds)
+    ]
     taus = {v: [runs[f"{v}-seed{s}"]["tau_pooled"] for s in args.seeds] for v in done}
-    variants = {v: {"overrides": VARIANTS[v], "tau_pooled": stats(taus[v]),
-                    "final_train_loss": stats([runs[f"{v}-seed{s}"]["final_train_loss"] for s in args.seeds]),
-                    "lossless_all": all(runs[f"{v}-seed{s}"]["lossless_all"] for s in args.seeds)}
-                for v in done}
+    variants = {
+        v: {
+            "overrides": VARIANTS[v],
+            "tau_pooled": stats(taus[v]),
+            "final_train_loss": stats([runs[f"{v}-seed{s}"]["final_train_loss"] for s in args.seeds]),
+            "lossless_all": all(runs[f"{v}-seed{s}"]["lossless_all"] for s in args.seeds),
+        }
+        for v in done
+    }
     for v in done:
         if v == base or base not in done:
             continue
         spread = max(max(t) - min(t) for t in (taus[base], taus[v]))
         diff = statistics.mean(taus[v]) - statistics.mean(taus[base])
         lo, hi = bootstrap_diff(taus[v], taus[base])
-        variants[v]["vs_bf16"] = {"tau_mean_diff": round(diff, 4), "ci95": [round(lo, 4), round(hi, 4)],
-                                  "seed_spread": round(spread, 4), "within_seed_spread": abs(diff) <= spread}
+        variants[v]["vs_bf16"] = {
+            "tau_mean_diff": round(diff, 4),
+            "ci95": [round(lo, 4), round(hi, 4)],
+            "seed_spread": round(spread, 4),
+            "within_seed_spread": abs(diff) <= spread,
+        }
     result = {
         "what": "toy drafter trained on one GPU: evaluation tau_pooled per lever, seeds as listed",
-        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__, "python": platform.python_version(), "seeds": args.seeds,
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "seeds": args.seeds,
         "complete": len(done) == len(args.variants),
-        "variants": variants, "runs": runs, "runs_from": str(args.runs_from) if args.runs_from else None,
+        "variants": variants,
+        "runs": runs,
+        "runs_from": str(args.runs_from) if args.runs_from else None,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     write_result(args.out, result, params=vars(args))
@@ -109,6 +134,7 @@ def write(args, runs: dict, t0: float) -> None:
         for v, r in variants.items():
             t = r["tau_pooled"]
             print(f"{v:20s} tau {t['mean']:.3f} +- {t['sd']:.3f}  {r.get('vs_bf16', '')}")
+
 
 if __name__ == "__main__":
     main()

@@ -23,15 +23,24 @@ def main(argv=None):
     p.add_argument("--world", type=int, default=1, help="training processes (all nodes)")
     p.add_argument("--target", required=True, help="HF model directory of the target (its config.json)")
     p.add_argument("--out-dir", required=True, help="where plan.json, samples.parquet and the chunks go")
-    p.add_argument("--last-hidden", action="store_true",
-                   help="the shards hold the target's last hidden state too (config.needs_last_hidden): more "
-                   "bytes per token")
+    p.add_argument(
+        "--last-hidden",
+        action="store_true",
+        help="the shards hold the target's last hidden state too (config.needs_last_hidden): more "
+        "bytes per token",
+    )
     p.add_argument("tokens", nargs="+", help="the tokenized hidden shards, in shard order")
     args = p.parse_args(argv)
-    plan = data_plan(args.target, args.tokens, load_section(HiddenConfig, args.hidden_cfg, "hidden"),
-                     load_section(DrafterConfig, args.drafter_cfg, "drafter"),
-                     load_section(TrainConfig, args.train_cfg, "train"), args.world, args.out_dir,
-                     last_hidden=args.last_hidden)
+    plan = data_plan(
+        args.target,
+        args.tokens,
+        load_section(HiddenConfig, args.hidden_cfg, "hidden"),
+        load_section(DrafterConfig, args.drafter_cfg, "drafter"),
+        load_section(TrainConfig, args.train_cfg, "train"),
+        args.world,
+        args.out_dir,
+        last_hidden=args.last_hidden,
+    )
     keys = ("samples", "tokens", "total_steps", "chunk_tokens", "chunk_tokens_from", "peak_bytes")
     print(json.dumps({**{k: plan[k] for k in keys}, "chunks": len(plan["chunks"])}))
 

@@ -26,14 +26,25 @@ def main(argv=None):
     p.add_argument("--part", type=int, required=True)
     p.add_argument("--parts", type=int, required=True, help="jobs the chunk's samples are split into")
     p.add_argument("--out", required=True, help="the part's .arrow file; its manifest goes next to it")
-    p.add_argument("--last-hidden", action="store_true",
-                   help="store the target's last hidden state per token too (for a drafter family that "
-                   "trains on it: config.needs_last_hidden)")
+    p.add_argument(
+        "--last-hidden",
+        action="store_true",
+        help="store the target's last hidden state per token too (for a drafter family that "
+        "trains on it: config.needs_last_hidden)",
+    )
     args = p.parse_args(argv)
-    manifest = hidden_chunk(load_section(TargetConfig, args.target_cfg, "target"), args.plan, args.epoch,
-                            args.chunk, args.part, args.parts, load_section(HiddenConfig, args.cfg, "hidden"),
-                            load_section(DrafterConfig, args.drafter_cfg, "drafter"), args.out,
-                            last_hidden=args.last_hidden)
+    manifest = hidden_chunk(
+        load_section(TargetConfig, args.target_cfg, "target"),
+        args.plan,
+        args.epoch,
+        args.chunk,
+        args.part,
+        args.parts,
+        load_section(HiddenConfig, args.cfg, "hidden"),
+        load_section(DrafterConfig, args.drafter_cfg, "drafter"),
+        args.out,
+        last_hidden=args.last_hidden,
+    )
     print(json.dumps({k: manifest[k] for k in ("epoch", "chunk", "part", "rows", "tokens", "bytes")}))
 
 

@@ -24,8 +24,11 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="the shard's tokens (parquet)")
     args = p.parse_args(argv)
     cfg = load_section(HiddenConfig, args.cfg, "hidden")
-    print(json.dumps(hidden_tokens(args.target, args.data, args.shard, args.num_shards or cfg.shards, cfg,
-                                   args.out)))
+    print(
+        json.dumps(
+            hidden_tokens(args.target, args.data, args.shard, args.num_shards or cfg.shards, cfg, args.out)
+        )
+    )
 
 
 if __name__ == "__main__":

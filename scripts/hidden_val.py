@@ -22,14 +22,21 @@ def main(argv=None):
     p.add_argument("--target-cfg", required=True, help="JSON of the `target` config section")
     p.add_argument("--plan", required=True, help="the data plan's directory (its val.parquet)")
     p.add_argument("--out", required=True, help="the validation shard (.arrow); its manifest goes next to it")
-    p.add_argument("--last-hidden", action="store_true",
-                   help="store the target's last hidden state per token too (for a drafter family that "
-                   "trains on it: config.needs_last_hidden)")
+    p.add_argument(
+        "--last-hidden",
+        action="store_true",
+        help="store the target's last hidden state per token too (for a drafter family that "
+        "trains on it: config.needs_last_hidden)",
+    )
     args = p.parse_args(argv)
-    manifest = hidden_val(load_section(TargetConfig, args.target_cfg, "target"), args.plan,
-                          load_section(HiddenConfig, args.cfg, "hidden"),
-                          load_section(DrafterConfig, args.drafter_cfg, "drafter"), args.out,
-                          last_hidden=args.last_hidden)
+    manifest = hidden_val(
+        load_section(TargetConfig, args.target_cfg, "target"),
+        args.plan,
+        load_section(HiddenConfig, args.cfg, "hidden"),
+        load_section(DrafterConfig, args.drafter_cfg, "drafter"),
+        args.out,
+        last_hidden=args.last_hidden,
+    )
     print(json.dumps({k: manifest[k] for k in ("rows", "tokens", "bytes")}))
 
 

@@ -19,11 +19,15 @@ from flashdraft.io import write_json
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON summary to write")
-    p.add_argument("--bad-dir", default=None,
-                   help="where bad shards are moved (default: bad/ next to each shard)")
+    p.add_argument(
+        "--bad-dir", default=None, help="where bad shards are moved (default: bad/ next to each shard)"
+    )
     p.add_argument("--keep-bad", action="store_true", help="leave bad shards where they are")
-    p.add_argument("--rerun", default=rerun_command(),
-                   help=f"the command the error message names to rebuild bad shards (default: ${RERUN_ENV})")
+    p.add_argument(
+        "--rerun",
+        default=rerun_command(),
+        help=f"the command the error message names to rebuild bad shards (default: ${RERUN_ENV})",
+    )
     p.add_argument("shards", nargs="+", help="shard .arrow files (manifest: the same name with .json)")
     args = p.parse_args(argv)
     results = [verify_shard(s, manifest_path(s)) for s in args.shards]

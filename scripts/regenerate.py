@@ -33,8 +33,9 @@ def main(argv=None):
     memory.on_oom("regenerate", Config(regenerate=cfg, target=target))
     exit_on_stop_signals()  # unwinds through every finally: parts flushed, server stopped
     t0 = time.time()
-    s = regenerate(cfg, target, args.prompts, args.out, args.work_dir, args.shard, args.num_shards,
-                   args.errors)
+    s = regenerate(
+        cfg, target, args.prompts, args.out, args.work_dir, args.shard, args.num_shards, args.errors
+    )
     rate = f", {s['new_tokens'] / s['generate_s']:.0f} new tokens/s" if s.get("generate_s") else ""
     print(
         f"regenerate: {s['rows']} rows ({s['stop']} stop, {s['length']} length), {s['errors']} errors "

@@ -22,8 +22,19 @@ def main(argv=None):
     p.add_argument("--drafter", default=None, help="the drafter's export directory")
     p.add_argument("--checkpoints", default=None, help="the runs' checkpoint directories")
     a = p.parse_args(argv)
-    build_report(a.out, a.eval_dir, a.metrics, a.prompt_stats, a.benchmarks_dir, a.plots_dir, a.hidden_dir,
-                 a.regenerated, a.target, a.drafter, a.checkpoints)
+    build_report(
+        a.out,
+        a.eval_dir,
+        a.metrics,
+        a.prompt_stats,
+        a.benchmarks_dir,
+        a.plots_dir,
+        a.hidden_dir,
+        a.regenerated,
+        a.target,
+        a.drafter,
+        a.checkpoints,
+    )
     print(f"report: {a.out}")
 
 

@@ -38,15 +38,29 @@ def main(argv=None):
     p.add_argument("--checkpoints", required=True, help="resumable state goes to <this>/<run key>/")
     p.add_argument("--metrics", default=None, help="final metrics CSV (not with --chunk)")
     p.add_argument("--out", default=None, help="export directory of the trained drafter (not with --chunk)")
-    p.add_argument("--stop-at", type=int, default=None,
-                   help="save a checkpoint after this step and exit without exporting (simulated preemption)")
-    p.add_argument("--plan", default=None,
-                   help="stream mode: the data plan's directory; the shards then hold --chunk's samples")
-    p.add_argument("--chunk", default=None,
-                   help="stream mode: train this chunk of the plan (epoch-EEE/chunk-CCCCC); without: export")
+    p.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        help="save a checkpoint after this step and exit without exporting (simulated preemption)",
+    )
+    p.add_argument(
+        "--plan",
+        default=None,
+        help="stream mode: the data plan's directory; the shards then hold --chunk's samples",
+    )
+    p.add_argument(
+        "--chunk",
+        default=None,
+        help="stream mode: train this chunk of the plan (epoch-EEE/chunk-CCCCC); without: export",
+    )
     p.add_argument("--done", default=None, help="stream mode: the chunk's summary (JSON) once it has trained")
-    p.add_argument("--val", action="append", default=None,
-                   help="stream mode: the validation shard (train.val_samples; store mode splits the shards)")
+    p.add_argument(
+        "--val",
+        action="append",
+        default=None,
+        help="stream mode: the validation shard (train.val_samples; store mode splits the shards)",
+    )
     p.add_argument("shards", nargs="*", help="hidden-state shards (.arrow)")
     args = p.parse_args(argv)
     if not args.shards and (args.plan is None or args.chunk is not None):
@@ -55,20 +69,39 @@ def main(argv=None):
         p.error("--metrics and --out are needed to export the drafter")
     cfg = load_section(TrainConfig, args.cfg, "train")
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
-    memory.on_oom("train", Config(train=cfg, drafter=drafter_cfg, target=TargetConfig(path=args.target)),
-                  int(os.environ.get("WORLD_SIZE", 1)))
+    memory.on_oom(
+        "train",
+        Config(train=cfg, drafter=drafter_cfg, target=TargetConfig(path=args.target)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+    )
     data = train_data(cfg, args.shards, args.plan, args.chunk, args.val)
     opt = lambda path: path and Path(path)  # noqa: E731
-    job = TrainJob(cfg, drafter_cfg, Path(args.target), data, Path(args.checkpoints), opt(args.metrics),
-                   opt(args.out), opt(args.compile_cache), args.stop_at)
+    job = TrainJob(
+        cfg,
+        drafter_cfg,
+        Path(args.target),
+        data,
+        Path(args.checkpoints),
+        opt(args.metrics),
+        opt(args.out),
+        opt(args.compile_cache),
+        args.stop_at,
+    )
     result = train(job) if data.trains else export_stream(job)
     if result["stopped"]:
         sys.exit(128 + result["signal"] if result["signal"] else 0)  # stopped by a signal: not finished
     if int(os.environ.get("RANK", 0)) != 0:
         return
     if not data.exports:
-        keys = ("chunk", "step", "first_step_done_s", "first_step_done_at", "seconds", "compile_cache",
-                "trained_already")
+        keys = (
+            "chunk",
+            "step",
+            "first_step_done_s",
+            "first_step_done_at",
+            "seconds",
+            "compile_cache",
+            "trained_already",
+        )
         summary = {k: result[k] for k in keys}
         if args.done:
             write_json(args.done, summary)

@@ -26,15 +26,23 @@ def main(argv=None):
     p.add_argument("--drafter-cfg", default="{}", help="the `drafter` config section as JSON")
     p.add_argument("--target", required=True, help="HF model directory of the target")
     p.add_argument("--out-dir", required=True, help="where artifacts.bin, inductor.tar and meta.json go")
-    p.add_argument("--world", type=int, default=1,
-                   help="processes the training will run (train.parallel may shard the drafter over them)")
+    p.add_argument(
+        "--world",
+        type=int,
+        default=1,
+        help="processes the training will run (train.parallel may shard the drafter over them)",
+    )
     p.add_argument("shards", nargs="*", help="hidden-state shards (.arrow); their manifests give K*H")
     args = p.parse_args(argv)
     exit_on_stop_signals()
     cfg = load_section(TrainConfig, args.cfg, "train")
     drafter_cfg = load_section(DrafterConfig, args.drafter_cfg, "drafter")
-    memory.on_oom("warmup", Config(train=cfg, drafter=drafter_cfg, target=TargetConfig(path=args.target)),
-                  args.world, peak_of="train")
+    memory.on_oom(
+        "warmup",
+        Config(train=cfg, drafter=drafter_cfg, target=TargetConfig(path=args.target)),
+        args.world,
+        peak_of="train",
+    )
     meta = warmup(cfg, drafter_cfg, args.target, args.shards, args.out_dir, world=args.world)
     keys = ("compile", "fsdp", "seconds", "counters", "artifact_bytes", "inductor_files")
     print(json.dumps({k: meta[k] for k in keys}))

@@ -22,8 +22,10 @@ SNAKEFILE = REPO / "workflow" / "Snakefile"
 # ---- the suite's shape: `slow` marks what starts a DAG, torchrun or SLURM, and those modules run first ----
 
 # A real Snakemake run (dry runs too), a torchrun launch, a SLURM job or daemon: what `make test-fast` skips.
-HEAVY = re.compile(r"(^|[\s/])(snakemake|torchrun|sbatch|srun|slurmctld|slurmd|slurmdbd)(\s|$)"
-                   r"|-m (snakemake|torch\.distributed\.run)(\s|$)")
+HEAVY = re.compile(
+    r"(^|[\s/])(snakemake|torchrun|sbatch|srun|slurmctld|slurmd|slurmdbd)(\s|$)"
+    r"|-m (snakemake|torch\.distributed\.run)(\s|$)"
+)
 _running: list = []  # the test item whose setup, call or teardown runs now
 
 
@@ -52,8 +54,10 @@ class _MarkedPopen(subprocess.Popen):
         words = args if isinstance(args, str | bytes | os.PathLike) else " ".join(map(str, args))
         item = _running[-1] if _running else None
         if item is not None and not item.get_closest_marker("slow") and HEAVY.search(str(words)):
-            raise AssertionError(f"{item.nodeid} starts `{str(words)[:120]}`: mark it `slow` "
-                                 "(a real DAG, torchrun or SLURM; `make test-fast` skips those)")
+            raise AssertionError(
+                f"{item.nodeid} starts `{str(words)[:120]}`: mark it `slow` "
+                "(a real DAG, torchrun or SLURM; `make test-fast` skips those)"
+            )
         super().__init__(args, *rest, **kw)
 
 
@@ -85,8 +89,17 @@ def shared_pycache(env: dict) -> dict:
     return env
 
 
-def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None, snakefile=SNAKEFILE,
-              entry=("-m", "snakemake"), own_pycache=False):
+def snakemake(
+    workdir,
+    *args,
+    config=None,
+    check=True,
+    timeout=1800,
+    env=None,
+    snakefile=SNAKEFILE,
+    entry=("-m", "snakemake"),
+    own_pycache=False,
+):
     """Run the real workflow with this interpreter's Snakemake in `workdir` (`env`: extra variables;
     `entry`: how this interpreter starts Snakemake; `own_pycache`: the jobs keep their bytecode in the work
     dir, as the workflow does by itself, not in the session's shared cache)."""
@@ -98,15 +111,17 @@ def snakemake(workdir, *args, config=None, check=True, timeout=1800, env=None, s
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"snakemake {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+            f"snakemake {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 
 def run_python(code: str, timeout: float = 120):
     """`python -c code` in a fresh process with this checkout's flashdraft importable."""
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def one_line_error(proc) -> str:
@@ -156,14 +171,23 @@ def toy_prompt_set(root, num_docs: int = 200, total: int = 40):
 
     toy.build_toy_target(ToyConfig(steps=0, num_docs=num_docs), str(root / "target"))
     paths = toy.write_toy_sources(ToyConfig(source_rows=30), str(root / "sources"))
-    cfg = PromptsConfig(total=total, eval_count=0,
-                        sources=[SourceConfig(name=k, path=v) for k, v in paths.items()])
+    cfg = PromptsConfig(
+        total=total, eval_count=0, sources=[SourceConfig(name=k, path=v) for k, v in paths.items()]
+    )
     prompts.expand(cfg, str(root / "prompts"))
     return root
 
 
-def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24, seed: int = 0, stride: int = 3,
-                      name: str = "shard", last_hidden: bool = False) -> list[str]:
+def toy_hidden_shards(
+    root,
+    drafter: dict,
+    shards: int = 2,
+    rows: int = 24,
+    seed: int = 0,
+    stride: int = 3,
+    name: str = "shard",
+    last_hidden: bool = False,
+) -> list[str]:
     """A random toy target (root/target) and real hidden-state shards of learnable token patterns (token
     j of a sample: start + stride * j, modulo 97); another `seed` or `stride` gives other data for the
     same target. `last_hidden`: the shards hold a random last_hidden column [n, H] too (the rows' other
@@ -184,8 +208,13 @@ def toy_hidden_shards(root, drafter: dict, shards: int = 2, rows: int = 24, seed
     paths = []
     for s in range(shards):
         path = root / f"{name}-{s:05d}.arrow"
-        meta = ShardMeta(target="toy", target_layer_ids=spec.target_layer_ids, hidden_size=spec.hidden_size,
-                         dtype="bfloat16", last_hidden=last_hidden)
+        meta = ShardMeta(
+            target="toy",
+            target_layer_ids=spec.target_layer_ids,
+            hidden_size=spec.hidden_size,
+            dtype="bfloat16",
+            last_hidden=last_hidden,
+        )
         with open_shard(path, meta) as w:
             for i in range(rows):
                 n = int(torch.randint(40, 300, (1,), generator=g))  # some longer than the largest bucket
@@ -270,8 +299,13 @@ def small_toy(session_dir):
 
 def copy_toy(toy, work):
     """The small toy target's work dir (small_toy) copied into `work`."""
-    shutil.copytree(toy, work, symlinks=True, dirs_exist_ok=True,
-                    ignore=lambda d, names: {"done", "config.yaml"} & set(names) if Path(d) == toy else set())
+    shutil.copytree(
+        toy,
+        work,
+        symlinks=True,
+        dirs_exist_ok=True,
+        ignore=lambda d, names: {"done", "config.yaml"} & set(names) if Path(d) == toy else set(),
+    )
     return work
 
 
@@ -282,8 +316,9 @@ def small_run(tmp_path_factory, small_toy):
     work = copy_toy(small_toy, tmp_path_factory.mktemp("dag"))
     config = write_config(work / "config.yaml", SMALL)
     # as in images that forbid bytecode: the jobs keep theirs in the workflow's cache all the same
-    proc = snakemake(work, "--cores", "2", config=config, env={"PYTHONDONTWRITEBYTECODE": "1"},
-                     own_pycache=True)
+    proc = snakemake(
+        work, "--cores", "2", config=config, env={"PYTHONDONTWRITEBYTECODE": "1"}, own_pycache=True
+    )
     return work, config, proc
 
 
@@ -296,10 +331,21 @@ def headless_dom(html_path, tmp_path, script: str = "") -> str:
     if script:
         page = Path(tmp_path) / f"with-script-{page.name}"
         page.write_text(Path(html_path).read_text() + f"<script>{script}</script>")
-    cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'chromium-profile'}", "--virtual-time-budget=10000",
-           "--dump-dom", page.resolve().as_uri()]
+    cmd = [
+        exe,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        "--virtual-time-budget=10000",
+        "--dump-dom",
+        page.resolve().as_uri(),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
 
 

@@ -78,18 +78,27 @@ class Cluster:
 
     def _start(self, *cmd):
         log = open(self.root / "logs" / f"{Path(cmd[0]).name}-{len(self.procs)}.log", "w")
-        self.procs.append(subprocess.Popen((exe(cmd[0]), *cmd[1:]), env=self.env, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(
+                (exe(cmd[0]), *cmd[1:]),
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
 
     def _write_configs(self, ports: dict[str, int]):
         r = self.root
         nodes = "\n".join(
             f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports[n]} CPUs={CPUS} "
-            f"RealMemory={MEMORY_MB} Gres=gpu:2 State=UNKNOWN" for n in NODES)
+            f"RealMemory={MEMORY_MB} Gres=gpu:2 State=UNKNOWN"
+            for n in NODES
+        )
         (r / "slurm.conf").write_text(f"""\
 ClusterName={CLUSTER}
 SlurmctldHost=localhost
-SlurmctldPort={ports['ctld']}
+SlurmctldPort={ports["ctld"]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -114,7 +123,7 @@ SelectTypeParameters=CR_Core
 GresTypes=gpu
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
-AccountingStoragePort={ports['dbd']}
+AccountingStoragePort={ports["dbd"]}
 AccountingStoragePass={self.munge_socket}
 AccountingStorageTRES=gres/gpu
 AccountingStoreFlags=job_comment
@@ -123,7 +132,7 @@ MinJobAge=600
 InactiveLimit=0
 KillWait=5
 {nodes}
-PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName={PARTITION} Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """)
         # Stand-in GPUs: SLURM 22.05 drops a GPU GRES without device files, so empty files play them.
         (r / "dev").mkdir(exist_ok=True)
@@ -138,13 +147,13 @@ PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE S
 AuthType=auth/munge
 AuthInfo=socket={self.munge_socket}
 DbdHost=localhost
-DbdPort={ports['dbd']}
+DbdPort={ports["dbd"]}
 SlurmUser=root
 LogFile={r}/logs/slurmdbd.log
 PidFile={r}/slurmdbd.pid
 StorageType=accounting_storage/mysql
 StorageHost=127.0.0.1
-StoragePort={ports['db']}
+StoragePort={ports["db"]}
 StorageUser=root
 StorageLoc=slurm_acct_db
 """)
@@ -160,15 +169,29 @@ StorageLoc=slurm_acct_db
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(128))
         key.chmod(0o600)
-        self._start("munged", "--foreground", "--force", f"--key-file={key}",
-                    f"--socket={self.munge_socket}", f"--pid-file={r}/munge/munged.pid",
-                    f"--log-file={r}/logs/munged.log", f"--seed-file={r}/munge/seed")
+        self._start(
+            "munged",
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={self.munge_socket}",
+            f"--pid-file={r}/munge/munged.pid",
+            f"--log-file={r}/logs/munged.log",
+            f"--seed-file={r}/munge/seed",
+        )
         _wait("munged", self.munge_socket.exists)
 
         self.run("mariadb-install-db", "--user=root", f"--datadir={r}/db", "--skip-test-db")
-        self._start("mariadbd", "--user=root", f"--datadir={r}/db", f"--port={ports['db']}",
-                    "--bind-address=127.0.0.1", f"--socket={r}/mysqld.sock", f"--pid-file={r}/mysqld.pid",
-                    "--skip-grant-tables")  # a private database on 127.0.0.1: no accounts needed
+        self._start(
+            "mariadbd",
+            "--user=root",
+            f"--datadir={r}/db",
+            f"--port={ports['db']}",
+            "--bind-address=127.0.0.1",
+            f"--socket={r}/mysqld.sock",
+            f"--pid-file={r}/mysqld.pid",
+            "--skip-grant-tables",
+        )  # a private database on 127.0.0.1: no accounts needed
         _wait("mariadb", lambda: _listening(ports["db"]))
 
         self._start("slurmdbd", "-D")  # reads slurmdbd.conf next to SLURM_CONF

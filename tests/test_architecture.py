@@ -140,7 +140,7 @@ def test_no_import_cycles_at_module_level():
 
     def walk(module: str, path: list[str]) -> None:
         if module in path:
-            cycle = path[path.index(module):] + [module]
+            cycle = path[path.index(module) :] + [module]
             raise AssertionError("import cycle at module level: " + " -> ".join(cycle))
         if module in done:
             return
@@ -159,17 +159,21 @@ def test_no_import_climbs_a_layer():
     problems, climbing = [], set()
     for module in package_modules():
         top, inner = code_imports(module)
-        for imported, where in [(i, "at module level") for i in sorted(top)] + \
-                [(i, "in a function") for i in sorted(inner)]:
+        for imported, where in [(i, "at module level") for i in sorted(top)] + [
+            (i, "in a function") for i in sorted(inner)
+        ]:
             if module not in layers or imported not in layers or layers[imported] < layers[module]:
                 continue
             if where == "in a function" and (module, imported) in KNOWN_CLIMBING:
                 climbing.add((module, imported))
                 continue
-            problems.append(f"`{module}` (layer {layers[module]}) imports `{imported}` (layer "
-                            f"{layers[imported]}) {where}")
-    problems += [f"KNOWN_CLIMBING has {pair}, which no longer climbs: remove it"
-                 for pair in sorted(KNOWN_CLIMBING - climbing)]
+            problems.append(
+                f"`{module}` (layer {layers[module]}) imports `{imported}` (layer {layers[imported]}) {where}"
+            )
+    problems += [
+        f"KNOWN_CLIMBING has {pair}, which no longer climbs: remove it"
+        for pair in sorted(KNOWN_CLIMBING - climbing)
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -211,7 +215,7 @@ def rule_scripts() -> dict[str, str]:
         text = smk.read_text()
         starts = list(re.finditer(r"^\s*(?:rule|checkpoint) (\w+):", text, re.M))
         for m, nxt in zip(starts, [*starts[1:], None], strict=False):
-            body = text[m.end(): nxt.start() if nxt else len(text)]
+            body = text[m.end() : nxt.start() if nxt else len(text)]
             script = re.search(r'stage\("(\w+)\.py"', body)
             if script:
                 out[m.group(1)] = script.group(1)
@@ -222,8 +226,18 @@ def test_each_rule_runs_the_script_of_its_name():
     """rule X runs scripts/X.py; a rule for a part of a stage (its stream chunks, its validation split)
     names the stage's script with the part's word: hidden_chunk_verify runs hidden_verify.py."""
     scripts = rule_scripts()
-    assert {"prompts", "regenerate", "hidden_shard", "hidden_verify", "warmup", "train", "evaluate",
-            "report", "data_plan", "train_chunk"} <= set(scripts), scripts
+    assert {
+        "prompts",
+        "regenerate",
+        "hidden_shard",
+        "hidden_verify",
+        "warmup",
+        "train",
+        "evaluate",
+        "report",
+        "data_plan",
+        "train_chunk",
+    } <= set(scripts), scripts
     for rule, script in scripts.items():
         assert (REPO / "scripts" / f"{script}.py").is_file(), (rule, script)
         assert script in (rule, rule.replace("_chunk", "").replace("_val", "")), (rule, script)

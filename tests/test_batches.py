@@ -32,10 +32,12 @@ def test_buckets_and_epoch_plan():
     assert plan == epoch_batches(lengths, cfg, epoch=0)  # deterministic: every rank computes the same plan
     assert plan != epoch_batches(lengths, cfg, epoch=1)  # a new permutation every epoch
 
+
 def test_anchor_seeds_follow_the_sample_not_the_batch():
     seeds = anchor_seeds(3, 1, [5, 9], rows=4)
     assert seeds[2:] == [None, None] and anchor_seeds(3, 1, [9, 2], rows=2)[0] == seeds[1]
     assert anchor_seeds(3, 2, [5], rows=1) != seeds[:1] and anchor_seeds(4, 1, [5], rows=1) != seeds[:1]
+
 
 def test_collate_pads_to_bucket_and_truncates_to_the_largest(train_shards):
     _, shards = train_shards
@@ -55,6 +57,7 @@ def test_collate_pads_to_bucket_and_truncates_to_the_largest(train_shards):
     assert small["bucket"] == 128 and small["input_ids"].shape == (4, 128)  # padding rows keep one shape
     assert small["loss_mask"][1:].eq(0).all()
 
+
 def test_collate_pads_last_hidden_like_hidden_and_only_when_the_samples_carry_it(tmp_path):
     root = tmp_path / "toy"
     root.mkdir()
@@ -69,10 +72,11 @@ def test_collate_pads_last_hidden_like_hidden_and_only_when_the_samples_carry_it
         n = min(len(x["input_ids"]), s)
         assert torch.equal(batch["last_hidden"][r, :n], x["last_hidden"][:n].float())
         assert batch["last_hidden"][r, n:].eq(0).all()
-    assert batch["last_hidden"][len(samples):].eq(0).all()
+    assert batch["last_hidden"][len(samples) :].eq(0).all()
     without = collate([{k: v for k, v in x.items() if k != "last_hidden"} for x in samples])
     assert list(without) == ["input_ids", "loss_mask", "hidden", "tokens", "bucket"]
     assert all(torch.equal(without[k], batch[k]) for k in ("input_ids", "loss_mask", "hidden"))
+
 
 def test_micro_per_step_refuses_a_global_batch_the_processes_cannot_share(train_shards):
     lengths = [HiddenStore(train_shards[1]).num_tokens(i) for i in range(48)]
@@ -88,6 +92,7 @@ def test_micro_per_step_refuses_a_global_batch_the_processes_cannot_share(train_
         micro_per_step(cfg, 4)
     with pytest.raises(ValueError, match="use 1024"):
         micro_per_step(TrainConfig(batch_tokens=512, global_batch_tokens=700), 2)
+
 
 def test_lr_warmup_then_cosine_to_zero():
     total, ratio = 100, 0.1

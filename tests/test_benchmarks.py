@@ -31,23 +31,79 @@ RUNS = {
     "loss_head": ["--preset", "tiny", "--repeats", "1"],
     "memory": ["--preset", "tiny", "--only", "eager 128x2", "--work", "{work}"],  # no GPU: measures none
     "make_run_stages": ["--results", "{work}"],  # a results/benchmarks tree written by the test
-    "precompute_hidden": ["--mode", "gpu", "--preset", "tiny", "--tokens", "2000", "--min-len", "64",
-                          "--max-len", "128", "--batch-tokens", "1024", "--work", "{work}"],
-    "regenerate": ["--mode", "gpu", "--preset", "tiny", "--prompts", "4", "--new-tokens", "8", "--min-len",
-                   "16", "--max-len", "32", "--batch", "4", "--baseline-batch", "4", "--work", "{work}"],
+    "precompute_hidden": [
+        "--mode",
+        "gpu",
+        "--preset",
+        "tiny",
+        "--tokens",
+        "2000",
+        "--min-len",
+        "64",
+        "--max-len",
+        "128",
+        "--batch-tokens",
+        "1024",
+        "--work",
+        "{work}",
+    ],
+    "regenerate": [
+        "--mode",
+        "gpu",
+        "--preset",
+        "tiny",
+        "--prompts",
+        "4",
+        "--new-tokens",
+        "8",
+        "--min-len",
+        "16",
+        "--max-len",
+        "32",
+        "--batch",
+        "4",
+        "--baseline-batch",
+        "4",
+        "--work",
+        "{work}",
+    ],
     # one process (no torchrun), throughput only: the cold and resumed starts are more of the same launches
-    "train_drafter": ["--preset", "tiny", "--gpus", "1", "--steps", "2", "--log-every", "1", "--runs",
-                      "throughput", "--set", NO_COMPILE, "--work", "{train}"],
-    "train_profile": ["--preset", "tiny", "--steps", "1", "--warmup", "1", "--set", NO_COMPILE, "--work",
-                      "{train}"],
+    "train_drafter": [
+        "--preset",
+        "tiny",
+        "--gpus",
+        "1",
+        "--steps",
+        "2",
+        "--log-every",
+        "1",
+        "--runs",
+        "throughput",
+        "--set",
+        NO_COMPILE,
+        "--work",
+        "{train}",
+    ],
+    "train_profile": [
+        "--preset",
+        "tiny",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--set",
+        NO_COMPILE,
+        "--work",
+        "{train}",
+    ],
     "fp8_curves": ["--preset", "tiny", "--steps", "2", "--val-every", "1", "--work", "{train}"],
 }
 NOT_RUN = {
     "compile_variants": "compiling the training step on the CPU is what it measures: two fresh processes "
-                        "compile, about 45 s at its smallest setting, half this file's budget",
+    "compile, about 45 s at its smallest setting, half this file's budget",
     "decode_step": "a static-engine decode step as a CUDA graph: needs a GPU",
     "side_by_side": "another benchmark twice a side, this checkout against an earlier commit's: its figures "
-                    "need a GPU (at --preset tiny --only train_drafter --repeats 1 it runs on a CPU in 40 s)",
+    "need a GPU (at --preset tiny --only train_drafter --repeats 1 it runs on a CPU in 40 s)",
     "family_quality": "the whole DAG on the embedded default, 3 variants x 3 seeds (an hour on 2 cores)",
     "figures": "writes the docs' figures, not a result: tests/test_docs.py runs it",
     "fp8_gate": "tests/test_fp8_gate.py runs it on the committed results",
@@ -95,9 +151,14 @@ def test_the_script_runs_on_a_cpu_and_writes_its_result_in_the_envelope(name, tm
             tsv.parent.mkdir(parents=True)
             tsv.write_text(f"s\tmax_rss\n{seconds}\t100\n")
     args = [{"{work}": str(work), "{train}": str(train_work)}.get(a, a) for a in RUNS[name]]
-    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args, "--out", str(out)], cwd=tmp_path,
-                          env={**env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), *args, "--out", str(out)],
+        cwd=tmp_path,
+        env={**env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     result = json.loads(out.read_text())
     assert all(k in result for k in ENVELOPE), sorted(result)
@@ -112,20 +173,23 @@ def test_the_script_runs_on_a_cpu_and_writes_its_result_in_the_envelope(name, tm
 def test_every_script_imports_and_parses_help():
     """Each script run as `python SCRIPT --help`, all in one process (one import of torch): its imports
     resolve and its arguments parse."""
-    code = ("import runpy, sys\n"
-            f"sys.path.insert(0, {str(BENCH)!r})\n"
-            "for path in sys.argv[1:]:\n"
-            "    sys.argv = [path, '--help']\n"
-            "    try:\n"
-            "        runpy.run_path(path, run_name='__main__')\n"
-            "    except SystemExit as e:\n"
-            "        assert e.code in (0, None), (path, e.code)\n"
-            "    else:\n"
-            "        raise AssertionError(f'{path}: --help did not exit')\n"
-            "    print('ok', path)\n")
+    code = (
+        "import runpy, sys\n"
+        f"sys.path.insert(0, {str(BENCH)!r})\n"
+        "for path in sys.argv[1:]:\n"
+        "    sys.argv = [path, '--help']\n"
+        "    try:\n"
+        "        runpy.run_path(path, run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code in (0, None), (path, e.code)\n"
+        "    else:\n"
+        "        raise AssertionError(f'{path}: --help did not exit')\n"
+        "    print('ok', path)\n"
+    )
     paths = [str(BENCH / f"{name}.py") for name in scripts()]
-    proc = subprocess.run([sys.executable, "-c", code, *paths], env=env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *paths], env=env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.count("\nok ") + proc.stdout.startswith("ok ") == len(paths), proc.stdout
 
@@ -137,9 +201,25 @@ def test_side_by_side_a_ref_naming_no_commit_is_one_line_and_writes_no_file(ref,
     victim = tmp_path / "keep.txt"
     victim.write_text("kept\n")
     ref = ref.format(victim=victim)
-    proc = subprocess.run([sys.executable, str(BENCH / "side_by_side.py"), f"--ref={ref}", "--preset", "tiny",
-                           "--only", "train_drafter", "--repeats", "1", "--out", str(tmp_path / "out.json")],
-                          env=env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "side_by_side.py"),
+            f"--ref={ref}",
+            "--preset",
+            "tiny",
+            "--only",
+            "train_drafter",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path / "out.json"),
+        ],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert victim.read_text() == "kept\n"
     assert proc.returncode == 1 and not (tmp_path / "out.json").exists(), proc.stderr[-3000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(f"--ref {ref}:"), proc.stderr

@@ -35,8 +35,13 @@ def url(srv) -> str:
 
 
 def client(base_url: str, **kw) -> ChatClient:
-    kw = {"headers": {"Content-Type": "application/json"}, "max_retries": 2, "timeout_s": 60.0,
-          "backoff_s": 0.001, **kw}
+    kw = {
+        "headers": {"Content-Type": "application/json"},
+        "max_retries": 2,
+        "timeout_s": 60.0,
+        "backoff_s": 0.001,
+        **kw,
+    }
     return ChatClient(base_url, **kw)
 
 
@@ -52,8 +57,10 @@ def sent(srv) -> int:
 @pytest.fixture
 def failing(server):
     """Set the server's injected 503s (every n-th request), and take them off after the test."""
+
     def fail(every: int):
         server.fail_every = every
+
     yield fail
     server.fail_every = 0
 
@@ -110,17 +117,24 @@ def test_a_transient_failure_is_retried(server, failing):
 def test_spent_retries_give_up_with_the_server_s_message(server, failing, retries):
     before = sent(server)
     failing(1)  # every request: 503
-    with pytest.raises(GiveUp, match=rf"/v1/chat/completions: HTTP 503: injected failure .*\(after {retries} "
-                                     "retries\\)"):
+    with pytest.raises(
+        GiveUp,
+        match=rf"/v1/chat/completions: HTTP 503: injected failure .*\(after {retries} "
+        "retries\\)",
+    ):
         client(url(server), max_retries=retries).chat(body())
     assert sent(server) - before == retries + 1
 
 
-@pytest.mark.parametrize("request_body, message", [
-    (body(model="nope"), "HTTP 404: The model `nope` does not exist; this server has `toy`."),
-    (body(max_tokens=0), "HTTP 400: `max_tokens` must be an integer in 1..32768, got 0"),
-    (body(messages=[]), "HTTP 400: `messages` must be a non-empty list"),
-], ids=["unknown-model", "max-tokens-0", "no-messages"])
+@pytest.mark.parametrize(
+    "request_body, message",
+    [
+        (body(model="nope"), "HTTP 404: The model `nope` does not exist; this server has `toy`."),
+        (body(max_tokens=0), "HTTP 400: `max_tokens` must be an integer in 1..32768, got 0"),
+        (body(messages=[]), "HTTP 400: `messages` must be a non-empty list"),
+    ],
+    ids=["unknown-model", "max-tokens-0", "no-messages"],
+)
 def test_a_request_s_own_fault_is_one_error_not_retried(server, request_body, message):
     before = sent(server)
     with pytest.raises(ValueError) as e:
@@ -143,11 +157,13 @@ def test_a_server_that_is_gone_ends_the_retries_at_once():
         def server_gone():
             asked.append(answer)
             return answer
+
         return server_gone
 
     with pytest.raises(RuntimeError, match="the server exited"):
-        client(f"http://127.0.0.1:{port}/v1", max_retries=3,
-               server_gone=gone(RuntimeError("the server exited"))).chat(body())
+        client(
+            f"http://127.0.0.1:{port}/v1", max_retries=3, server_gone=gone(RuntimeError("the server exited"))
+        ).chat(body())
     assert len(asked) == 1
     asked.clear()
     with pytest.raises(GiveUp):  # still running (None): each attempt asks again
@@ -171,10 +187,21 @@ def test_what_the_client_sends(stub):
     class Echo(Garbage):
         def do_POST(self):
             data = self.rfile.read(int(self.headers["Content-Length"]))
-            seen.append((self.command, self.path, self.headers["Authorization"], self.headers["Content-Type"],
-                         json.loads(data)))
-            self.body = json.dumps({"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
-                                    "usage": {"completion_tokens": 2}}).encode()
+            seen.append(
+                (
+                    self.command,
+                    self.path,
+                    self.headers["Authorization"],
+                    self.headers["Content-Type"],
+                    json.loads(data),
+                )
+            )
+            self.body = json.dumps(
+                {
+                    "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
+                    "usage": {"completion_tokens": 2},
+                }
+            ).encode()
             super().do_GET()
 
     base = stub(Echo)
@@ -184,23 +211,41 @@ def test_what_the_client_sends(stub):
     assert seen == [("POST", "/v1/chat/completions", "Bearer sk-test", "application/json", request)]
 
 
-@pytest.mark.parametrize("handler, error", [
-    (Garbage, "answered b'<html>it works!</html>', not JSON: is regenerate.base_url an OpenAI-compatible"),
-    (Models, "not a chat completion (choices[0].message)"),
-    (canned({"choices": []}), "not a chat completion (choices[0].message)"),
-    (canned({"choices": [{"message": {"content": "x"}, "finish_reason": "tool_calls"}]}),
-     "finish_reason 'tool_calls'"),
-], ids=["html", "model-list", "no-choice", "tool-calls"])
+@pytest.mark.parametrize(
+    "handler, error",
+    [
+        (
+            Garbage,
+            "answered b'<html>it works!</html>', not JSON: is regenerate.base_url an OpenAI-compatible",
+        ),
+        (Models, "not a chat completion (choices[0].message)"),
+        (canned({"choices": []}), "not a chat completion (choices[0].message)"),
+        (
+            canned({"choices": [{"message": {"content": "x"}, "finish_reason": "tool_calls"}]}),
+            "finish_reason 'tool_calls'",
+        ),
+    ],
+    ids=["html", "model-list", "no-choice", "tool-calls"],
+)
 def test_a_reply_that_is_no_chat_completion_is_an_error(stub, handler, error):
     with pytest.raises(ValueError) as e:
         client(stub(handler)).chat(body())
     assert error in str(e.value)
 
 
-@pytest.mark.parametrize("reply, read", [
-    ({"choices": [{"message": {"content": "ok"}, "finish_reason": "length"}]}, Reply("ok", "length", None)),
-    ({"choices": [{"message": {"content": None}, "finish_reason": "stop"}], "usage": None},
-     Reply("", "stop", None)),
-], ids=["no-usage", "null-content"])
+@pytest.mark.parametrize(
+    "reply, read",
+    [
+        (
+            {"choices": [{"message": {"content": "ok"}, "finish_reason": "length"}]},
+            Reply("ok", "length", None),
+        ),
+        (
+            {"choices": [{"message": {"content": None}, "finish_reason": "stop"}], "usage": None},
+            Reply("", "stop", None),
+        ),
+    ],
+    ids=["no-usage", "null-content"],
+)
 def test_a_reply_without_usage_or_text_is_read(stub, reply, read):
     assert client(stub(canned(reply))).chat(body()) == read

@@ -29,6 +29,7 @@ def _training_state(seed: int):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, 10, 0.1))
     return model, optimizer, scheduler
 
+
 class _RunsCode:
     """A pickled object that runs code when loaded without weights_only."""
 
@@ -37,6 +38,7 @@ class _RunsCode:
 
     def __reduce__(self):
         return Path.touch, (self.marker,)
+
 
 def test_checkpoints_load_weights_only(tmp_path, monkeypatch):
     # this variable turns torch.load's default to unsafe loading; an explicit weights_only=True is kept
@@ -63,6 +65,7 @@ def test_checkpoints_load_weights_only(tmp_path, monkeypatch):
         load_checkpoint(path, model2, optimizer2, scheduler2, "cpu", sharded=False)
     assert not marker.exists()
 
+
 def test_a_resume_loads_the_optimizer_state_before_the_first_step_or_the_next_save(tmp_path):
     """Checkpointer.resume loads the weights and the schedule; the optimizer's state, maybe still being read,
     waits for the first optimizer step or the next save: the step equals the uninterrupted run's, and a save
@@ -78,8 +81,14 @@ def test_a_resume_loads_the_optimizer_state_before_the_first_step_or_the_next_sa
 
     for _ in range(2):
         step(model, optimizer, scheduler)
-    path = save_checkpoint(tmp_path / "a", model.state_dict(), optimizer.state_dict(), scheduler.state_dict(),
-                           {"step": 2}, keep=1)
+    path = save_checkpoint(
+        tmp_path / "a",
+        model.state_dict(),
+        optimizer.state_dict(),
+        scheduler.state_dict(),
+        {"step": 2},
+        keep=1,
+    )
     weights, schedule = [p.detach().clone() for p in model.parameters()], scheduler.state_dict()
 
     def resumed(run_dir):
@@ -102,6 +111,7 @@ def test_a_resume_loads_the_optimizer_state_before_the_first_step_or_the_next_sa
     assert saved.optim.keys() == original.optim.keys() and len(saved.optim) == 6  # step, exp_avg, exp_avg_sq
     assert all(torch.equal(saved.optim[k], original.optim[k]) for k in saved.optim)
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_resume_reads_the_moments_onto_the_gpu_and_pins_the_save_buffers_after_the_first_step(tmp_path):
@@ -120,15 +130,17 @@ def test_gpu_resume_reads_the_moments_onto_the_gpu_and_pins_the_save_buffers_aft
         optimizer.zero_grad()
 
     step()
-    ckpt = Checkpointer(tmp_path / "a", Dist(device=torch.device("cuda")), model, optimizer, scheduler,
-                        sharded=False, keep=1)
+    ckpt = Checkpointer(
+        tmp_path / "a", Dist(device=torch.device("cuda")), model, optimizer, scheduler, sharded=False, keep=1
+    )
     ckpt.save({"step": 1}, wait=True)
     path = tmp_path / "a" / "step-00000001"
     reading = start_reading(path, torch.device("cuda"))
     moments = reading.result().optim_tensors()
     assert all(t.device.type == "cuda" for t in moments.values())
-    ckpt = Checkpointer(tmp_path / "b", Dist(device=torch.device("cuda")), model, optimizer, scheduler,
-                        sharded=False, keep=1)
+    ckpt = Checkpointer(
+        tmp_path / "b", Dist(device=torch.device("cuda")), model, optimizer, scheduler, sharded=False, keep=1
+    )
     ckpt.resume(path, reading)
     ckpt.load_optimizer()
     state = optimizer.state[model.weight]
@@ -139,6 +151,7 @@ def test_gpu_resume_reads_the_moments_onto_the_gpu_and_pins_the_save_buffers_aft
     saved = read_checkpoint(tmp_path / "b" / "step-00000002")
     assert torch.equal(saved.model["weight"], model.weight.detach().cpu())
     assert torch.equal(saved.optim["0.exp_avg_sq"], state["exp_avg_sq"].cpu())
+
 
 def test_run_key_changes_with_config_and_data(train_shards, tmp_path):
     _, shards = train_shards
@@ -175,13 +188,16 @@ def test_adding_a_drafter_family_changes_no_existing_run_s_config(monkeypatch):
     class WithNewFamily(DrafterConfig):
         newfam: NewFamilySection = dataclasses.field(default_factory=NewFamilySection)
 
-    runs = [(TrainConfig(), DrafterConfig(family=f, block_size=b))
-            for f, b in (("dflash", 16), ("dspark", 7))]
+    runs = [
+        (TrainConfig(), DrafterConfig(family=f, block_size=b)) for f, b in (("dflash", 16), ("dspark", 7))
+    ]
     before = [run_config(t, d) for t, d in runs]
     monkeypatch.setitem(families.FAMILIES, "newfam", families.FAMILIES["dflash"])
     assert config.FAMILIES is families.FAMILIES
-    after = [run_config(t, WithNewFamily(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)}))
-             for t, d in runs]
+    after = [
+        run_config(t, WithNewFamily(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)}))
+        for t, d in runs
+    ]
     assert after == before
     assert '"newfam": {"weight": 1.0}' in run_config(TrainConfig(), WithNewFamily(family="newfam"))
 

@@ -36,6 +36,7 @@ def test_compile_workers_none_when_warm_a_share_of_the_cores_when_cold(monkeypat
     inductor_config.compile_threads = 3  # as torch reads the variable at import
     assert set_compile_workers(warm=True, local_world=2) == 3  # the user's choice stands
 
+
 def test_warmup_without_compile_writes_meta_and_empty_artifacts(train_shards, tmp_path):
     root, shards = train_shards
     cfg = TrainConfig(**{**TRAIN, "compile": False})
@@ -48,6 +49,7 @@ def test_warmup_without_compile_writes_meta_and_empty_artifacts(train_shards, tm
     assert saved["key"]["torch"] == torch.__version__
     assert saved["key"]["attention"] == ("flex" if torch.cuda.is_available() else "sdpa")
     assert set(meta["seconds"]) == {128, 256}
+
 
 def test_warmup_compiles_nothing_when_training_shards_the_drafter(train_shards, tmp_path):
     """With FSDP over the training's processes the warmup neither builds nor runs the unsharded step (its
@@ -62,14 +64,20 @@ def test_warmup_compiles_nothing_when_training_shards_the_drafter(train_shards, 
     meta = warmup(one, DrafterConfig(**DRAFTER), root / "target", shards, tmp_path / "single", world=1)
     assert meta["fsdp"] is False and set(meta["seconds"]) == {128, 256}
 
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_a_signal_stops_the_warmup_as_training_keeping_no_cache(train_shards, tmp_path, sig):
     root, shards = train_shards
     cfg, cache, tmp = {**TRAIN, "compile": True}, tmp_path / "cache", tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(warmup_cmd(root, shards, cfg, cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        warmup_cmd(root, shards, cfg, cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:  # signalled once Inductor writes its first file: compiling the first of two buckets
         while proc.poll() is None and not any(p.is_file() for p in tmp.glob("flashdraft-inductor-*/**/*")):
             time.sleep(0.1)
@@ -83,6 +91,7 @@ def test_a_signal_stops_the_warmup_as_training_keeping_no_cache(train_shards, tm
     assert "Traceback" not in stderr
     assert not cache.exists() or not list(cache.iterdir())
     assert not list(tmp.glob("flashdraft-inductor-*"))  # its Inductor dir removed on the way out
+
 
 def test_compiled_code_of_another_user_or_writable_by_others_is_never_loaded(tmp_path, monkeypatch, capsys):
     """The warmup's Inductor dir (per user, mode 0700) and the compile cache's blob hold code this process
@@ -148,6 +157,7 @@ def test_compiled_code_of_another_user_or_writable_by_others_is_never_loaded(tmp
         with pytest.raises(UserError, match="exists and is not this user's"), fresh_inductor_dir(theirs):
             pass
 
+
 @pytest.mark.slow
 def test_warmup_cache_gives_hits_in_a_fresh_training_process(train_shards, tmp_path):
     """Compile once in the warmup, then a fresh process on a node without the warmup's Inductor dir loads
@@ -159,8 +169,10 @@ def test_warmup_cache_gives_hits_in_a_fresh_training_process(train_shards, tmp_p
     drafter = {"num_layers": 1, "block_size": 8, "target_layer_ids": [1, 3]}  # the shards fuse 2 layers
     cfg = {**TRAIN, "compile": True, "buckets": [128], "batch_tokens": 256, "max_steps": 2}
     cache = tmp_path / "cache"
-    run(warmup_cmd(root, shards, cfg, cache, drafter),
-        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")})
+    run(
+        warmup_cmd(root, shards, cfg, cache, drafter),
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")},
+    )
     meta = json.loads((cache / "meta.json").read_text())
     assert meta["compile"] is True and meta["artifact_bytes"] > 0
     assert meta["counters"]["fxgraph_cache_miss"] > 0  # the warmup compiled for real
@@ -186,8 +198,10 @@ def test_warmup_cache_gives_hits_in_a_fresh_training_process(train_shards, tmp_p
     assert not kernels, (kernels, phases)  # no C++ kernel compiled again: the warmup's .so files were there
     eager = tmp_path / "eager"
     run(train_cmd(root, shards, eager, {**cfg, "compile": False}, nproc=1, drafter=drafter))
-    assert losses(read_rows(out / "metrics.csv")) == pytest.approx(losses(read_rows(eager / "metrics.csv")),
-                                                                   rel=1e-4)
+    assert losses(read_rows(out / "metrics.csv")) == pytest.approx(
+        losses(read_rows(eager / "metrics.csv")), rel=1e-4
+    )
+
 
 FLOAT8_STEP = """
 import json, sys, torch
@@ -205,6 +219,7 @@ grads = [x.grad.tolist()] + [p.grad.tolist() for p in model.parameters()]
 print(json.dumps({"counters": cache_counters(), "loss": loss.item(), "grads": grads}))
 """
 
+
 @pytest.mark.skipif(not fp8_ready(cuda=False), reason="needs torchao")
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_graphs_load_from_the_aot_autograd_cache_in_a_fresh_process(tmp_path, recipe):
@@ -212,14 +227,19 @@ def test_float8_graphs_load_from_the_aot_autograd_cache_in_a_fresh_process(tmp_p
     so a warm process skips tracing it again, and computes the same loss and gradients (float8 matmuls run
     on the CPU too)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    runs = [subprocess.run([sys.executable, "-c", FLOAT8_STEP, recipe], env=env, check=True,
-                           capture_output=True, text=True) for _ in range(2)]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", FLOAT8_STEP, recipe], env=env, check=True, capture_output=True, text=True
+        )
+        for _ in range(2)
+    ]
     out = [json.loads(r.stdout.splitlines()[-1]) for r in runs]
     cold, warm = (o["counters"] for o in out)
     assert cold["autograd_cache_miss"] > 0 and cold["autograd_cache_bypass"] == 0, cold
     assert warm["autograd_cache_hit"] == cold["autograd_cache_miss"] and cache_misses(warm) == 0, warm
     assert warm["autograd_cache_bypass"] == 0, warm
     assert out[0]["loss"] == out[1]["loss"] and out[0]["grads"] == out[1]["grads"]
+
 
 def test_dtype_and_attention_are_resolved_once_for_the_step_and_the_cache_key():
     """The CPU trains in float32 with SDPA whatever train.dtype says; the compile cache's key holds what
@@ -237,8 +257,9 @@ def test_dtype_and_attention_are_resolved_once_for_the_step_and_the_cache_key():
         key = cache_key(cfg, tiny_spec(), cpu)
         assert (key["dtype"], key["attention"]) == ("float32", "sdpa")
     gpu = torch.device("cuda")  # only its type is read: no GPU needed
-    assert resolve(TrainConfig(**{**TRAIN, "dtype": "bfloat16", "attention": "auto"}), gpu) == \
-        type(run)(torch.bfloat16, "flex")
+    assert resolve(TrainConfig(**{**TRAIN, "dtype": "bfloat16", "attention": "auto"}), gpu) == type(run)(
+        torch.bfloat16, "flex"
+    )
     assert resolve(TrainConfig(**{**TRAIN, "dtype": "float32", "attention": "sdpa"}), gpu).dtype == "float32"
     with pytest.raises(ValueError, match="attention must be auto, flex or sdpa"):
         resolve(TrainConfig(**{**TRAIN, "attention": "dense"}), cpu)

@@ -108,8 +108,9 @@ def test_a_schema_mistake_is_one_line_naming_the_key():
     assert str(e.value) == "config key train: Additional properties are not allowed ('lrr' was unexpected)"
     with pytest.raises(UserError) as e:
         check_schema(config("trian", "lr", 1.0), SCHEMA, "my.yaml: ")
-    assert str(e.value) == ("my.yaml: config key (top level): Additional properties are not allowed ('trian' "
-                            "was unexpected)")
+    assert str(e.value) == (
+        "my.yaml: config key (top level): Additional properties are not allowed ('trian' was unexpected)"
+    )
     with pytest.raises(UserError, match=r"^config key train\.epochs: 'six' is not of type 'integer'$"):
         check_schema(config("train", "epochs", "six"), SCHEMA)
     check_schema(yaml.safe_load((REPO / "config" / "production.yaml").read_text()), SCHEMA)
@@ -128,7 +129,8 @@ def test_every_problem_of_a_config_is_one_line_at_once():
         "min_chars <= max_chars",
         "config key drafter.sliding_window (4) < drafter.block_size (8): a window must hold a whole block; "
         "use a window of at least the block size, or null for none",
-        "config key train.loss: 'mean'; use one of decay, dpace"]
+        "config key train.loss: 'mean'; use one of decay, dpace",
+    ]
 
 
 def test_every_schema_mistake_is_a_line_and_the_rest_of_the_config_is_still_checked():
@@ -141,7 +143,8 @@ def test_every_schema_mistake_is_a_line_and_the_rest_of_the_config_is_still_chec
         "my.yaml: config key prompts.sources.1.format: 'csv' is not one of ['auto', 'jsonl', 'json', "
         "'parquet', 'arrow', 'hf']",
         "my.yaml: config key train: Additional properties are not allowed ('lrr' was unexpected)",
-        "my.yaml: config key train.epochs: 'six' is not of type 'integer'"]
+        "my.yaml: config key train.epochs: 'six' is not of type 'integer'",
+    ]
     part = schema_valid_part(data, SCHEMA)  # without the three: the defaults stand
     assert "lrr" not in part["train"] and "epochs" not in part["train"]
     assert "format" not in part["prompts"]["sources"][1] and data["train"]["lrr"] == 1.0
@@ -149,8 +152,9 @@ def test_every_schema_mistake_is_a_line_and_the_rest_of_the_config_is_still_chec
     assert schema_valid_part(data, SCHEMA) is None
 
 
-@pytest.mark.parametrize("section, key, value", [("drafter", "family", None), ("hidden", "mode", 5),
-                                                ("toy", "steps", -1.5)])
+@pytest.mark.parametrize(
+    "section, key, value", [("drafter", "family", None), ("hidden", "mode", 5), ("toy", "steps", -1.5)]
+)
 def test_a_value_breaking_two_schema_rules_is_two_lines_not_a_crash(section, key, value):
     """A wrong type and a wrong value of one key: both lines, and the key's default stands for the rest
     of the checks (it is removed once, not twice)."""
@@ -171,8 +175,10 @@ def test_a_family_whose_draft_weights_are_all_zero_is_refused():
     cfg.drafter.family = "dspark"
     cfg.drafter.dspark.ce_weight = cfg.drafter.dspark.l1_weight = 0.0
     problems, _ = config_problems(cfg, {})
-    assert ("config keys drafter.dspark.ce_weight and drafter.dspark.l1_weight are all 0: the loss would "
-            "train no draft and export an untrained drafter; give at least one a weight > 0") in problems
+    assert (
+        "config keys drafter.dspark.ce_weight and drafter.dspark.l1_weight are all 0: the loss would "
+        "train no draft and export an untrained drafter; give at least one a weight > 0"
+    ) in problems
     cfg.drafter.dspark.l1_weight = 0.5
     assert not [x for x in config_problems(cfg, {})[0] if "weight" in x]
 
@@ -184,7 +190,8 @@ def test_a_target_after_configfile_is_named_as_one():
     assert configfile_problems(["my.yaml", "results/hidden/shard-00001.json", "x.arrow"], "results") == [
         f"--configfile {p}: not a config but a target (--configfile takes every path after it); put targets "
         f"before --configfile or after --: snakemake --cores all --configfile <config> -- {p}"
-        for p in ("results/hidden/shard-00001.json", "x.arrow")]
+        for p in ("results/hidden/shard-00001.json", "x.arrow")
+    ]
 
 
 def test_section_json_fills_defaults():
@@ -212,8 +219,11 @@ def test_a_target_too_shallow_for_the_default_feature_layers_names_the_key():
     """A 2-layer target and 2 drafter layers: the formula gives [1, -1]; one line names the key to set."""
     from flashdraft.config import DrafterConfig, feature_layers
 
-    with pytest.raises(UserError, match=r"^config key drafter\.target_layer_ids: the default ids .* are "
-                                        r"\[1, -1\] for a target with 2 layers .* \[-1\] out of range; set"):
+    with pytest.raises(
+        UserError,
+        match=r"^config key drafter\.target_layer_ids: the default ids .* are "
+        r"\[1, -1\] for a target with 2 layers .* \[-1\] out of range; set",
+    ):
         feature_layers(2, DrafterConfig(num_layers=2))
     assert feature_layers(2, DrafterConfig(num_layers=2, target_layer_ids=[0, 1])) == [0, 1]
 
@@ -284,8 +294,10 @@ def test_fp8_takes_a_known_recipe_and_a_gpu_with_fp8_matmuls():
     cfg.train.fp8, cfg.gpus.drafter = "rowwise", 1
     warnings = [w for w in check(cfg) if "torchao" in w]
     if importlib.util.find_spec("torchao") is None:  # said at the workflow's start, not after hours
-        assert warnings == ["config key train.fp8 (rowwise) needs torchao, which this environment lacks: "
-                            "training stops at its start; pip install torchao, or set train.fp8: null"]
+        assert warnings == [
+            "config key train.fp8 (rowwise) needs torchao, which this environment lacks: "
+            "training stops at its start; pip install torchao, or set train.fp8: null"
+        ]
     else:
         assert warnings == []
     cfg.train.fp8 = "e5m2"
@@ -299,29 +311,65 @@ def test_fp8_takes_a_known_recipe_and_a_gpu_with_fp8_matmuls():
     assert type(layer) is torch.nn.Linear  # left as it was
 
 
-NEED = ("config key train.fp8 (tensorwise) needs a GPU with FP8 matmuls (compute capability 8.9 or newer), "
-        "but ")
+NEED = (
+    "config key train.fp8 (tensorwise) needs a GPU with FP8 matmuls (compute capability 8.9 or newer), but "
+)
 
 
-@pytest.mark.parametrize("recipe, on_gpu, gpus, torchao, expected", [
-    (None, False, [], False, None),  # off: nothing is needed
-    ("tensorwise", False, [], True, NEED + "the drafter trains on the CPU; set train.fp8: null"),
-    ("tensorwise", False, [("0", "NVIDIA H100", (9, 0))], True,
-     NEED + "the drafter trains on the CPU; set train.fp8: null"),
-    ("tensorwise", True, [("0", "NVIDIA A100-SXM4-80GB", (8, 0))], True,
-     NEED + "GPU 0 (NVIDIA A100-SXM4-80GB) has compute capability 8.0; set train.fp8: null"),
-    ("tensorwise", True, [("0", "NVIDIA H100", (9, 0)), ("1", "NVIDIA A10", (8, 6))], True,
-     NEED + "GPU 1 (NVIDIA A10) has compute capability 8.6; set train.fp8: null"),
-    ("tensorwise", True, [("0", "NVIDIA A100", (8, 0))], False,  # the GPU first: torchao would not help
-     NEED + "GPU 0 (NVIDIA A100) has compute capability 8.0; set train.fp8: null"),
-    ("tensorwise", True, [("0", "NVIDIA L40S", (8, 9)), ("1", "NVIDIA H200", (9, 0))], True, None),
-    ("rowwise", True, [("0", "NVIDIA B200", (10, 0))], True, None),
-    ("tensorwise", True, [("0", "NVIDIA H100", None)], True, None),  # unknown capability: the trainer checks
-    ("tensorwise", True, [], True, None),  # nothing known of the GPUs (no nvidia-smi)
-    ("rowwise", True, [("0", "NVIDIA H200", (9, 0))], False,
-     "config key train.fp8 (rowwise) needs torchao, which this environment lacks: pip install torchao, "
-     "or set train.fp8: null"),
-])
+@pytest.mark.parametrize(
+    "recipe, on_gpu, gpus, torchao, expected",
+    [
+        (None, False, [], False, None),  # off: nothing is needed
+        ("tensorwise", False, [], True, NEED + "the drafter trains on the CPU; set train.fp8: null"),
+        (
+            "tensorwise",
+            False,
+            [("0", "NVIDIA H100", (9, 0))],
+            True,
+            NEED + "the drafter trains on the CPU; set train.fp8: null",
+        ),
+        (
+            "tensorwise",
+            True,
+            [("0", "NVIDIA A100-SXM4-80GB", (8, 0))],
+            True,
+            NEED + "GPU 0 (NVIDIA A100-SXM4-80GB) has compute capability 8.0; set train.fp8: null",
+        ),
+        (
+            "tensorwise",
+            True,
+            [("0", "NVIDIA H100", (9, 0)), ("1", "NVIDIA A10", (8, 6))],
+            True,
+            NEED + "GPU 1 (NVIDIA A10) has compute capability 8.6; set train.fp8: null",
+        ),
+        (
+            "tensorwise",
+            True,
+            [("0", "NVIDIA A100", (8, 0))],
+            False,  # the GPU first: torchao would not help
+            NEED + "GPU 0 (NVIDIA A100) has compute capability 8.0; set train.fp8: null",
+        ),
+        ("tensorwise", True, [("0", "NVIDIA L40S", (8, 9)), ("1", "NVIDIA H200", (9, 0))], True, None),
+        ("rowwise", True, [("0", "NVIDIA B200", (10, 0))], True, None),
+        (
+            "tensorwise",
+            True,
+            [("0", "NVIDIA H100", None)],
+            True,
+            None,
+        ),  # unknown capability: the trainer checks
+        ("tensorwise", True, [], True, None),  # nothing known of the GPUs (no nvidia-smi)
+        (
+            "rowwise",
+            True,
+            [("0", "NVIDIA H200", (9, 0))],
+            False,
+            "config key train.fp8 (rowwise) needs torchao, which this environment lacks: pip "
+            "install torchao, "
+            "or set train.fp8: null",
+        ),
+    ],
+)
 def test_fp8_problem_names_what_is_missing(recipe, on_gpu, gpus, torchao, expected):
     from flashdraft.config_check import fp8_problem
 
@@ -336,7 +384,6 @@ def test_fp8_with_no_gpu_visible_on_the_node_is_its_own_line_beside_the_gpu_coun
     line = fp8_problem("tensorwise", True, visible=False)
     assert line == NEED + "no GPU is visible here; set train.fp8: null"
     assert fp8_problem(None, True, visible=False) is None
-
 
 
 def test_fp8_on_the_cpu_is_refused_by_the_check_before_any_job():

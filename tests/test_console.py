@@ -15,8 +15,9 @@ class Clock:
 
 def test_many_updates_in_a_short_time_give_at_most_one_line_and_the_last_always():
     clock, lines = Clock(), []
-    bar = progress(total=1000, desc="train", unit="step", mininterval=0,
-                   console=Throttle(lines.append, 30, clock))
+    bar = progress(
+        total=1000, desc="train", unit="step", mininterval=0, console=Throttle(lines.append, 30, clock)
+    )
     for _ in range(999):  # 10 s of updates, each one displayed by tqdm
         clock.t += 0.01
         bar.update(1)

@@ -32,8 +32,9 @@ def _hf(model, tok, prompts, eos):
     out = []
     for p in prompts:
         ids = tok(render(tok, p, True, False), add_special_tokens=False, return_tensors="pt").to(model.device)
-        new = model.generate(**ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
-                             pad_token_id=tok.pad_token_id)[0, ids["input_ids"].shape[1]:].tolist()
+        new = model.generate(
+            **ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id
+        )[0, ids["input_ids"].shape[1] :].tolist()
         stop = next((i for i, t in enumerate(new) if t in eos), None)
         out.append((new, "length") if stop is None else (new[:stop], "stop"))
     return out
@@ -110,9 +111,14 @@ def test_pick_samples_within_top_k_then_top_p_in_their_proportions():
         return p
 
     probs = torch.softmax(logits.double(), -1)  # 0.43, 0.26, 0.16, 0.06, ...; of the top 3: 0.51, 0.31, 0.19
-    for kw, keep in [({}, list(range(8))), ({"top_k": 3}, [0, 1, 2]), ({"top_p": 0.6}, [0, 1]),
-                     ({"top_p": 0.9}, [0, 1, 2, 3]), ({"top_k": 3, "top_p": 0.7}, [0, 1]),
-                     ({"top_k": 1}, [0])]:
+    for kw, keep in [
+        ({}, list(range(8))),
+        ({"top_k": 3}, [0, 1, 2]),
+        ({"top_p": 0.6}, [0, 1]),
+        ({"top_p": 0.9}, [0, 1, 2, 3]),
+        ({"top_k": 3, "top_p": 0.7}, [0, 1]),
+        ({"top_k": 1}, [0]),
+    ]:
         f, want = freq(**kw), law(keep)
         assert (f[want == 0] == 0).all(), kw  # nothing outside the kept tokens
         assert torch.allclose(f, want, atol=0.015), (kw, f, want)  # > 4 sd at n draws
@@ -140,9 +146,18 @@ def test_gpu_cuda_graph_steps_equal_hf_generate(data):
 def _random_model(arch, **extra):
     """A tiny random `arch` model whose biases (zero at init) and weights make a difference, with heads
     x head_dim != hidden_size."""
-    cfg = AutoConfig.for_model(arch, vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                               max_position_embeddings=1024, **extra)
+    cfg = AutoConfig.for_model(
+        arch,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=1024,
+        **extra,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     for name, p in model.named_parameters():  # norms stay 1
@@ -153,10 +168,17 @@ def _random_model(arch, **extra):
 
 def _hf_ids(model, ids, new):
     """HF generate's greedy continuation of each token-id prompt (explicit mask: ids may hold pad)."""
-    return [model.generate(torch.tensor([p], device=model.device),
-                           attention_mask=torch.ones(1, len(p), dtype=torch.long, device=model.device),
-                           max_new_tokens=new, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, len(p):].tolist() for p in ids]
+    return [
+        model.generate(
+            torch.tensor([p], device=model.device),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long, device=model.device),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
+        for p in ids
+    ]
 
 
 @pytest.mark.parametrize("arch", sorted(set(RECIPES) - {"qwen3"}))  # qwen3: the tests above
@@ -173,8 +195,19 @@ def test_other_layouts_equal_hf_generate(arch):
     assert {i: (t, f) for i, t, f in dec.run(ids, NEW)} == ref
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
 def test_compiled_step_with_per_row_kv_blocks_equals_hf_generate(device):
     """The CUDA path: compiled layer halves and FlexAttention over each row's own KV blocks (on the CPU,
     Inductor's CPU kernels; on the GPU, in CUDA graphs), prompts on both sides of block boundaries,

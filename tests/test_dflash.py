@@ -21,8 +21,15 @@ OBJECTIVES = [Decay(7.0), DPace(0.5, B)]
 def step(setup, objective):
     """What the family's loss reads of a training step (train_step.Step)."""
     drafter, _, _, _, embed, head, _, _ = setup
-    return SimpleNamespace(model=drafter, spec=drafter.spec, embed=embed, head=head, objective=objective,
-                           attention="sdpa", compile_loss=False)
+    return SimpleNamespace(
+        model=drafter,
+        spec=drafter.spec,
+        embed=embed,
+        head=head,
+        objective=objective,
+        attention="sdpa",
+        compile_loss=False,
+    )
 
 
 def batch(setup, rows=slice(None)):
@@ -46,10 +53,12 @@ def test_the_loss_is_dflash_loss_of_the_step_s_objective(setup, objective):
     another = OBJECTIVES[1] if objective is OBJECTIVES[0] else OBJECTIVES[0]
     with torch.no_grad():
         got, stats = FAMILY.loss(step(setup, objective), t, a, v)
-        want, want_stats = loss.dflash_loss(drafter, ids, loss_mask, hidden, anchors, valid, embed, head,
-                                            objective, "sdpa")
-        other, _ = loss.dflash_loss(drafter, ids, loss_mask, hidden, anchors, valid, embed, head,
-                                    another, "sdpa")
+        want, want_stats = loss.dflash_loss(
+            drafter, ids, loss_mask, hidden, anchors, valid, embed, head, objective, "sdpa"
+        )
+        other, _ = loss.dflash_loss(
+            drafter, ids, loss_mask, hidden, anchors, valid, embed, head, another, "sdpa"
+        )
     assert torch.allclose(got, want) and torch.allclose(stats, want_stats)
     assert not torch.allclose(got, other)  # the objective the step names, not another
     assert got.isfinite() and got > 0

@@ -118,8 +118,9 @@ def documented_keys(text: str) -> set[str]:
 
 def key_problems(text: str, schema: dict) -> list[str]:
     want, have = schema_keys(schema), documented_keys(text)
-    return ([f"docs/configuration.md lacks {k}" for k in sorted(want - have)]
-            + [f"docs/configuration.md names {k}, which the schema lacks" for k in sorted(have - want)])
+    return [f"docs/configuration.md lacks {k}" for k in sorted(want - have)] + [
+        f"docs/configuration.md names {k}, which the schema lacks" for k in sorted(have - want)
+    ]
 
 
 def load_schema() -> dict:
@@ -145,9 +146,11 @@ def test_every_relative_link_resolves():
 def test_a_broken_link_is_found(tmp_path):
     (tmp_path / "other.md").write_text("# Other page\n\n## A section\n")
     doc = tmp_path / "doc.md"
-    doc.write_text("# Doc\n\n[ok](other.md#a-section) [same](#doc) [web](https://example.com)\n"
-                   "[gone](missing.md) [bad anchor](other.md#no-such-section) [own](#nowhere)\n"
-                   "```\n[in code](not-checked.md)\n```\n")
+    doc.write_text(
+        "# Doc\n\n[ok](other.md#a-section) [same](#doc) [web](https://example.com)\n"
+        "[gone](missing.md) [bad anchor](other.md#no-such-section) [own](#nowhere)\n"
+        "```\n[in code](not-checked.md)\n```\n"
+    )
     problems = broken_links(doc)
     assert len(problems) == 3, problems
     assert any("missing.md" in p for p in problems)
@@ -158,8 +161,10 @@ def test_a_broken_link_is_found(tmp_path):
 def test_slug_matches_github():
     assert slug("Stream mode: a chunk job's start-up") == "stream-mode-a-chunk-jobs-start-up"
     assert slug("Files (all under `results/`)") == "files-all-under-results"
-    assert (slug("The precompute pipeline (`precompute.write_shard`)")
-            == "the-precompute-pipeline-precomputewrite_shard")
+    assert (
+        slug("The precompute pipeline (`precompute.write_shard`)")
+        == "the-precompute-pipeline-precomputewrite_shard"
+    )
 
 
 # ---- docs/configuration.md against the schema ----
@@ -173,14 +178,20 @@ def test_configuration_doc_names_every_schema_key_and_no_other():
 def test_a_missing_or_extra_key_is_found():
     schema = load_schema()
     keys = sorted(schema_keys(schema))
-    assert {"results", "train.lr", "prompts.sources", "prompts.sources[].weight",
-            "drafter.dspark.markov_rank"} <= set(keys)
+    assert {
+        "results",
+        "train.lr",
+        "prompts.sources",
+        "prompts.sources[].weight",
+        "drafter.dspark.markov_rank",
+    } <= set(keys)
     text = CONFIG_DOC.read_text()
     dropped = text.replace("| `train` | `lr` |", "| train | lr |")
     assert key_problems(dropped, schema) == ["docs/configuration.md lacks train.lr"]
     extra = text + "\n| `train` | `no_such_key` | integer | `0` | invented |\n"
     assert key_problems(extra, schema) == [
-        "docs/configuration.md names train.no_such_key, which the schema lacks"]
+        "docs/configuration.md names train.no_such_key, which the schema lacks"
+    ]
 
 
 # ---- docs/configuration.md's reference, generated from the schema and the dataclasses' defaults ----
@@ -203,6 +214,7 @@ def type_text(prop: dict) -> str:
         if t != "array":
             return t
         return "list of sources" if items.get("type") == "object" else f"list of {items.get('type', 'any')}"
+
     return " or ".join(map(one, types))
 
 
@@ -255,7 +267,7 @@ def test_the_configuration_reference_is_the_schema_s_with_the_dataclasses_defaul
     """Its table is generated, so a key's type, default or meaning cannot drift from the code:
     `python tests/test_docs.py` writes it again after a schema or default change."""
     text = CONFIG_DOC.read_text()
-    assert text[text.index("## Reference"):] == reference(load_schema())
+    assert text[text.index("## Reference") :] == reference(load_schema())
 
 
 def test_the_reference_follows_a_changed_default_or_description():
@@ -272,9 +284,13 @@ BENCH = REPO / "benchmarks"
 BENCH_README = BENCH / "README.md"
 INDEX_START, INDEX_END = "<!-- index: python tests/test_docs.py writes it -->", "<!-- end of index -->"
 # result files whose name is not their script's
-WRITTEN_BY = {"dag_2xh200_stages.json": "make_run_stages", "dspark_vs_dflash_toy.json": "family_quality",
-              "engine_side_by_side.json": "side_by_side", "train_side_by_side_qwen3-8b.json": "side_by_side",
-              "plan_production.json": None}  # None: the planner, `python -m flashdraft.plan --json`
+WRITTEN_BY = {
+    "dag_2xh200_stages.json": "make_run_stages",
+    "dspark_vs_dflash_toy.json": "family_quality",
+    "engine_side_by_side.json": "side_by_side",
+    "train_side_by_side_qwen3-8b.json": "side_by_side",
+    "plan_production.json": None,
+}  # None: the planner, `python -m flashdraft.plan --json`
 USAGE = re.compile(r"^\s*(?:Usage: )?(python benchmarks/\S+\.py.*)$", re.M)
 
 
@@ -299,8 +315,10 @@ def bench_index() -> str:
     scripts = bench_scripts()
     results = sorted(f.name for f in (BENCH / "results").glob("*.json"))
     docs = {f.name: f.read_text() for f in sorted(DOCS.glob("*.md"))}
-    rows = ["| script | measures | results (benchmarks/results/) | read by | command |",
-            "| --- | --- | --- | --- | --- |"]
+    rows = [
+        "| script | measures | results (benchmarks/results/) | read by | command |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name in scripts + [None]:
         mine = [r for r in results if script_of(r, scripts) == name]
         rates = sorted(k for k, v in RATES.items() if v.file in mine)
@@ -327,7 +345,7 @@ def test_the_benchmarks_index_is_what_the_scripts_and_results_say():
     and who reads each: `python tests/test_docs.py` writes it again."""
     text = BENCH_README.read_text()
     assert INDEX_START in text and INDEX_END in text
-    have = text[text.index(INDEX_START): text.index(INDEX_END) + len(INDEX_END)]
+    have = text[text.index(INDEX_START) : text.index(INDEX_END) + len(INDEX_END)]
     assert have == bench_index()
     scripts = bench_scripts()
     assert "train_drafter" in scripts and not {"shapes", "harness", "train_bench"} & set(scripts)
@@ -347,28 +365,41 @@ def test_every_marked_figure_and_the_figures_table_are_the_results_files():
 
 def test_a_re_measured_figure_is_found_and_written(tmp_path, monkeypatch):
     (tmp_path / "docs").mkdir()
-    (tmp_path / "README.md").write_text("tau 3.14<!--fig r.json eval.tau .2f--> in 2.5<!--fig r.json s /60-->"
-                                        " min\n")
+    (tmp_path / "README.md").write_text(
+        "tau 3.14<!--fig r.json eval.tau .2f--> in 2.5<!--fig r.json s /60--> min\n"
+    )
     perf = f"speed {1.5:.1f}<!--fig r.json x.0.speed .1f-->x\n\n{figures.START}\n{figures.END}\n"
     (tmp_path / "docs" / "performance.md").write_text(perf)
     results_dir = tmp_path / "benchmarks" / "results"
     results_dir.mkdir(parents=True)
-    (results_dir / "r.json").write_text(json.dumps({"eval": {"tau": 3.1416}, "s": 150, "x": [{"speed": 1.26}],
-                                                    "device": "cpu", "command": "python r.py"}))
+    (results_dir / "r.json").write_text(
+        json.dumps(
+            {
+                "eval": {"tau": 3.1416},
+                "s": 150,
+                "x": [{"speed": 1.26}],
+                "device": "cpu",
+                "command": "python r.py",
+            }
+        )
+    )
     monkeypatch.setattr(results, "CHECKOUT_RESULTS", results_dir)
     results.result.cache_clear()
     try:
         texts, changed = figures.regenerate(tmp_path, rates={})
     finally:
         results.result.cache_clear()
-    assert changed == ["docs/performance.md: 1.5 -> 1.3 (r.json x.0.speed)",
-                       "docs/performance.md: the figures table"]
+    assert changed == [
+        "docs/performance.md: 1.5 -> 1.3 (r.json x.0.speed)",
+        "docs/performance.md: the figures table",
+    ]
     assert texts[tmp_path / "README.md"] == (tmp_path / "README.md").read_text()  # 3.14 and 150/60 = 2.5
     page = texts[tmp_path / "docs" / "performance.md"]
     assert page.startswith("speed 1.3<!--fig r.json x.0.speed .1f-->x")
-    assert "| `r.json` | cpu | not recorded | `python r.py` | `eval.tau` = 3.142 (README.md)<br>`s` = 150 " \
-           "(README.md)<br>`x.0.speed` = 1.26 (docs/performance.md) |" in page
-
+    assert (
+        "| `r.json` | cpu | not recorded | `python r.py` | `eval.tau` = 3.142 (README.md)<br>`s` = 150 "
+        "(README.md)<br>`x.0.speed` = 1.26 (docs/performance.md) |" in page
+    )
 
 
 def figure_problem(tmp_path: Path, monkeypatch, marker: str) -> str:
@@ -389,18 +420,21 @@ def figure_problem(tmp_path: Path, monkeypatch, marker: str) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("marker, why", [
-    ("1<!--fig r.json s .zz-->", "format .zz"),
-    ("1<!--fig r.json eval .2f-->", "a dict, not a number"),
-    ("1<!--fig r.json s .1f/0-->", "divides by 0"),
-    ("1<!--fig r.json s .1f*x-->", "format .1f*x"),
-])
-def test_a_bad_figure_marker_is_one_line_naming_the_doc_the_marker_and_why(tmp_path, monkeypatch, marker,
-                                                                           why):
+@pytest.mark.parametrize(
+    "marker, why",
+    [
+        ("1<!--fig r.json s .zz-->", "format .zz"),
+        ("1<!--fig r.json eval .2f-->", "a dict, not a number"),
+        ("1<!--fig r.json s .1f/0-->", "divides by 0"),
+        ("1<!--fig r.json s .1f*x-->", "format .1f*x"),
+    ],
+)
+def test_a_bad_figure_marker_is_one_line_naming_the_doc_the_marker_and_why(
+    tmp_path, monkeypatch, marker, why
+):
     problem = figure_problem(tmp_path, monkeypatch, marker)
     assert len(problem.splitlines()) == 1, problem
     assert problem.startswith(f"README.md: {marker}: ") and why in problem, problem
-
 
 
 # ---- config/*.yaml's comments cite result files, not measured figures ----
@@ -409,8 +443,10 @@ CONFIGS = REPO / "config"
 # a measured figure: a number with a decimal point and a unit of speed, time, size or share ("1.36x",
 # "86.0%", "10.4 s", "21.9 h", "18.0 TB", "12.6 GB", "12.2K tokens/s"); not a version ("2.13.0"), a
 # learning rate ("1e-4", "1.0e-4") or a weight ("0.1 CE")
-FIGURE = re.compile(r"(?<![\w.])\d[\d,]*\.\d+(?!\.\d)"
-                    r"(?:x(?![A-Za-z])|%| s\b| h\b| TB\b| GB\b|[KM]? ?tokens/s)")
+FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,]*\.\d+(?!\.\d)"
+    r"(?:x(?![A-Za-z])|%| s\b| h\b| TB\b| GB\b|[KM]? ?tokens/s)"
+)
 COMMENT = re.compile(r"(?:^|\s)#(.*)$")
 
 
@@ -434,18 +470,29 @@ def test_config_comments_cite_result_files_not_numbers():
 
 
 def test_a_figure_in_a_config_comment_is_found():
-    text = ("train:\n"
-            "  fp8: tensorwise   # 1.36x bf16's tokens/s on an H200\n"
-            "  lr: 1.0e-4        # 1e-4 and 1.5e-4 tried; torch 2.13.0 on CUDA 12.8\n"
-            "  gamma: 4.0        # 0.1 CE + 0.9 L1, 1.1M prompts, 2 TB, 3.14 samples\n"
-            "# the plan: 21.9 h, 18.0 TB of hidden states, 12.6 GB checkpoints, a start of 10.4 s\n"
-            "# 86.5% of the floor; regeneration at 12,246.6 tokens/s, 12.2K tokens/s per GPU\n"
-            "path: results/run#1.5x\n")
+    text = (
+        "train:\n"
+        "  fp8: tensorwise   # 1.36x bf16's tokens/s on an H200\n"
+        "  lr: 1.0e-4        # 1e-4 and 1.5e-4 tried; torch 2.13.0 on CUDA 12.8\n"
+        "  gamma: 4.0        # 0.1 CE + 0.9 L1, 1.1M prompts, 2 TB, 3.14 samples\n"
+        "# the plan: 21.9 h, 18.0 TB of hidden states, 12.6 GB checkpoints, a start of 10.4 s\n"
+        "# 86.5% of the floor; regeneration at 12,246.6 tokens/s, 12.2K tokens/s per GPU\n"
+        "path: results/run#1.5x\n"
+    )
     problems = comment_figures(text, "c.yaml")
     found = [p.split("'")[1] for p in problems]
-    assert found == ["1.36x", "21.9 h", "18.0 TB", "12.6 GB", "10.4 s", "86.5%", "12,246.6 tokens/s",
-                     "12.2K tokens/s"], problems
+    assert found == [
+        "1.36x",
+        "21.9 h",
+        "18.0 TB",
+        "12.6 GB",
+        "10.4 s",
+        "86.5%",
+        "12,246.6 tokens/s",
+        "12.2K tokens/s",
+    ], problems
     assert problems[0].startswith("c.yaml:2: '1.36x'")
+
 
 if __name__ == "__main__":  # write the generated parts again
     text = CONFIG_DOC.read_text()

@@ -53,10 +53,23 @@ KW = dict(gamma=3.0, ce_weight=0.1, l1_weight=0.9, confidence_weight=1.0)
 
 
 def tiny_spec(**kw) -> DSparkSpec:
-    base = dict(hidden_size=H, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
-                num_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=V,
-                max_position_embeddings=512, block_size=B, mask_token_id=MASK, target_layer_ids=[1, 3],
-                num_target_layers=6, markov_rank=8)
+    base = dict(
+        hidden_size=H,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_layers=2,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        vocab_size=V,
+        max_position_embeddings=512,
+        block_size=B,
+        mask_token_id=MASK,
+        target_layer_ids=[1, 3],
+        num_target_layers=6,
+        markov_rank=8,
+    )
     return DSparkSpec(**{**base, **kw})
 
 
@@ -125,8 +138,21 @@ def test_training_slots_are_the_drafting_slots(data):
     d = drafter().eval()
     a = 8
     anchors = torch.tensor([[a]])
-    loss, _ = dspark_loss(d, ids[:1], torch.ones(1, 30), hidden[:1], last[:1], anchors, anchors >= 0, embed,
-                          head, gamma=1e9, ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
+    loss, _ = dspark_loss(
+        d,
+        ids[:1],
+        torch.ones(1, 30),
+        hidden[:1],
+        last[:1],
+        anchors,
+        anchors >= 0,
+        embed,
+        head,
+        gamma=1e9,
+        ce_weight=1.0,
+        l1_weight=0.0,
+        confidence_weight=0.0,
+    )
     with torch.no_grad():
         h = d.block_hidden(hidden[:1, :a], ids[0, a].item(), embed)
         logits = h @ head.T + d.markov_bias(ids[0, a : a + B])
@@ -144,8 +170,21 @@ def test_the_teacher_is_the_target_distribution_at_anchor_plus_k(data):
     a, anchors = 8, torch.tensor([[8]])
 
     def l1(last_hidden):
-        loss, _ = dspark_loss(d, ids[:1], torch.ones(1, 30), hidden[:1], last_hidden, anchors, anchors >= 0,
-                              embed, head, gamma=3.0, ce_weight=0.0, l1_weight=1.0, confidence_weight=0.0)
+        loss, _ = dspark_loss(
+            d,
+            ids[:1],
+            torch.ones(1, 30),
+            hidden[:1],
+            last_hidden,
+            anchors,
+            anchors >= 0,
+            embed,
+            head,
+            gamma=3.0,
+            ce_weight=0.0,
+            l1_weight=1.0,
+            confidence_weight=0.0,
+        )
         return loss.item()
 
     ref = l1(last[:1])
@@ -205,13 +244,22 @@ def dense_loss(d, data, gamma, ce_weight, l1_weight, confidence_weight):
                     x = torch.cat([h, e]) if d.spec.confidence_with_markov else h
                     conf = d.confidence_head.proj(x)[0]
                     term = term + confidence_weight * F.binary_cross_entropy_with_logits(
-                        conf, (1 - l1.detach() / 2).clamp(0, 1))
+                        conf, (1 - l1.detach() / 2).clamp(0, 1)
+                    )
                 num, den = num + w * term, den + w
     return num / den
 
 
-@pytest.mark.parametrize("heads", [dict(), dict(confidence_with_markov=False), dict(confidence_head=False),
-                                   dict(markov_rank=0, confidence_with_markov=False), HEADS_OFF])
+@pytest.mark.parametrize(
+    "heads",
+    [
+        dict(),
+        dict(confidence_with_markov=False),
+        dict(confidence_head=False),
+        dict(markov_rank=0, confidence_with_markov=False),
+        HEADS_OFF,
+    ],
+)
 def test_chunked_loss_and_gradients_equal_the_dense_formulas(data, heads):
     d = drafter(**heads)
     want = dense_loss(d, data, **KW)
@@ -270,8 +318,9 @@ def test_a_batch_without_anchors_gives_zero_loss_and_zero_gradients(data):
     ids, loss_mask, hidden, last, embed, head, anchors, _ = data
     d = drafter()
     none = torch.zeros_like(anchors, dtype=torch.bool)
-    loss, stats = dspark_loss(d, ids, loss_mask, hidden, last, torch.full_like(anchors, -1), none, embed,
-                              head, **KW)
+    loss, stats = dspark_loss(
+        d, ids, loss_mask, hidden, last, torch.full_like(anchors, -1), none, embed, head, **KW
+    )
     loss.backward()
     assert loss.item() == 0.0 and stats[7] == 0
     assert all(p.grad is None or not p.grad.any() for p in d.parameters())
@@ -301,8 +350,18 @@ def test_the_heads_off_loss_is_the_ce_alone_without_the_teacher(data):
     confident = dict(markov_rank=0, confidence_with_markov=False)  # a confidence head: it reads the teacher
     for heads, kw in ((HEADS_OFF, {"l1_weight": 0.1}), (confident, {})):
         with pytest.raises(ValueError, match="dspark_loss needs last_hidden"):
-            dspark_loss(drafter(**heads), ids, loss_mask, hidden, None, anchors, valid, embed, head,
-                        **{**CE_ONLY, **kw})
+            dspark_loss(
+                drafter(**heads),
+                ids,
+                loss_mask,
+                hidden,
+                None,
+                anchors,
+                valid,
+                embed,
+                head,
+                **{**CE_ONLY, **kw},
+            )
 
 
 def test_the_family_reads_the_last_hidden_state_only_where_a_term_does():
@@ -312,10 +371,16 @@ def test_the_family_reads_the_last_hidden_state_only_where_a_term_does():
     from flashdraft.config import TrainConfig, needs_last_hidden
     from flashdraft.dspark import loss, loss_options
 
-    paper = DrafterConfig(family="dspark", block_size=B, dspark=DSparkConfig(
-        markov_rank=0, ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0, confidence_with_markov=False))
+    paper = DrafterConfig(
+        family="dspark",
+        block_size=B,
+        dspark=DSparkConfig(
+            markov_rank=0, ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0, confidence_with_markov=False
+        ),
+    )
     assert not needs_last_hidden(paper) and not needs_last_hidden(DrafterConfig())
     assert needs_last_hidden(DrafterConfig(family="dspark"))
+
     def changed(**kw):
         return dataclasses.replace(paper, dspark=dataclasses.replace(paper.dspark, **kw))
 
@@ -324,13 +389,23 @@ def test_the_family_reads_the_last_hidden_state_only_where_a_term_does():
     assert not needs_last_hidden(changed(markov_rank=8))  # a Markov head alone reads no teacher
     g = torch.Generator().manual_seed(5)
     s = 24
-    t = {"input_ids": torch.randint(0, MASK, (1, s), generator=g), "loss_mask": torch.ones(1, s),
-         "hidden": torch.randn(1, s, 2 * H, generator=g), "last_hidden": torch.randn(1, s, H, generator=g)}
+    t = {
+        "input_ids": torch.randint(0, MASK, (1, s), generator=g),
+        "loss_mask": torch.ones(1, s),
+        "hidden": torch.randn(1, s, 2 * H, generator=g),
+        "last_hidden": torch.randn(1, s, H, generator=g),
+    }
     anchors = torch.tensor([[2, 9, 15]])
     d = drafter(**HEADS_OFF)
-    step = types.SimpleNamespace(model=d, spec=d.spec, embed=torch.randn(V, H, generator=g),
-                                 head=torch.randn(V, H, generator=g), attention="sdpa", compile_loss=False,
-                                 options=loss_options(TrainConfig(gamma=3.0), paper, d.spec))
+    step = types.SimpleNamespace(
+        model=d,
+        spec=d.spec,
+        embed=torch.randn(V, H, generator=g),
+        head=torch.randn(V, H, generator=g),
+        attention="sdpa",
+        compile_loss=False,
+        options=loss_options(TrainConfig(gamma=3.0), paper, d.spec),
+    )
     assert step.options.teacher is False
     full, stats = loss(step, t, anchors, anchors >= 0)
     bare, _ = loss(step, {k: v for k, v in t.items() if k != "last_hidden"}, anchors, anchors >= 0)
@@ -383,9 +458,17 @@ def speculators(monkeypatch):
         package = types.ModuleType(name)
         package.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
         monkeypatch.setitem(sys.modules, name, package)
-    yield types.SimpleNamespace(**{n.rsplit(".", 1)[1]: importlib.import_module(n) for n in (
-        "speculators.losses.eager", "speculators.models.dspark.metrics",
-        "speculators.models.dspark.model_definitions", "speculators.models.dflash.utils")})
+    yield types.SimpleNamespace(
+        **{
+            n.rsplit(".", 1)[1]: importlib.import_module(n)
+            for n in (
+                "speculators.losses.eager",
+                "speculators.models.dspark.metrics",
+                "speculators.models.dspark.model_definitions",
+                "speculators.models.dflash.utils",
+            )
+        }
+    )
     for name in set(sys.modules) - before:
         if name.startswith("speculators."):
             del sys.modules[name]
@@ -425,15 +508,22 @@ def test_loss_equals_speculators_dspark_loss(speculators):
         h = train_forward(d, ids, hidden, anchors, valid, embed, "sdpa")[valid]  # [n, B, H]
         prev = ids[0, index].view(-1, B)  # sample_from_anchor: the block's own tokens
         emb = markov.prev_embeddings(prev)
-        logits = (h @ head.T + markov.block_bias(prev_token_ids=prev, hidden_states=h, prev_emb=emb))
+        logits = h @ head.T + markov.block_bias(prev_token_ids=prev, hidden_states=h, prev_emb=emb)
         conf = confidence(torch.cat([h, emb], -1)).reshape(1, -1)
         targets = (last[0, index] @ head.T)[None]
         mask = eval_mask[valid].reshape(1, -1).float()
         theirs, metrics = speculators.metrics.compute_metrics(
-            logits.reshape(1, -1, vocab), targets, conf, mask, B,
+            logits.reshape(1, -1, vocab),
+            targets,
+            conf,
+            mask,
+            B,
             loss_config={"ce": (speculators.eager.ce_loss, 0.1), "tv": (speculators.eager.tv_loss, 1.8)},
-            tv_loss_fn=speculators.eager.tv_loss, gamma=KW["gamma"], confidence_head_alpha=1.0,
-            sample_from_anchor=True)
+            tv_loss_fn=speculators.eager.tv_loss,
+            gamma=KW["gamma"],
+            confidence_head_alpha=1.0,
+            sample_from_anchor=True,
+        )
     assert (ids[0, index + 1].view(-1, B) == targets[0].argmax(-1).view(-1, B))[eval_mask[valid]].all()
     assert ours.item() * weights.sum().item() / mask.sum().item() == pytest.approx(theirs.item(), rel=1e-4)
     expected = metrics["accept_len_sum"] / metrics["accept_len_total"]
@@ -493,8 +583,11 @@ def toy_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("dspark")
     build_toy_target(ToyConfig(steps=0, num_docs=200), str(root / "target"))
     model, tokenizer = load_target(str(root / "target"), "float32", torch.device("cpu"))  # fitted on the CPU
-    spec = DSparkSpec.from_target(model.config, tokenizer, DrafterConfig(num_layers=2, block_size=B,
-                                                                         dspark=DSparkConfig(markov_rank=16)))
+    spec = DSparkSpec.from_target(
+        model.config,
+        tokenizer,
+        DrafterConfig(num_layers=2, block_size=B, dspark=DSparkConfig(markov_rank=16)),
+    )
     prompts = [prompt_ids(tokenizer, c) for c in task_conversations(4, seed=11)]
     session = make_session(model, "auto", 256)
     seqs = [p + target_decode(session, p, 40, eos=set()).tokens for p in prompts]
@@ -522,8 +615,9 @@ def fit(toy_data, spec, teacher=True, **kw):
     gen, rows = torch.Generator().manual_seed(0), []
     for _ in range(60):
         anchors, valid = sample_anchors(loss_mask, 16, B, gen)
-        loss, stats = dspark_loss(d, ids, loss_mask, hidden, last if teacher else None, anchors, valid, embed,
-                                  head, **{**KW, **kw})
+        loss, stats = dspark_loss(
+            d, ids, loss_mask, hidden, last if teacher else None, anchors, valid, embed, head, **{**KW, **kw}
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -676,19 +770,43 @@ def test_export_is_deepspec_layout_and_loads_back_bit_exactly(data, tmp_path):
     with safe_open(tmp_path / "drafter" / "model.safetensors", "pt") as f:
         keys = set(f.keys())
     assert {k for k in keys if not k.startswith("layers.")} == {
-        "fc.weight", "hidden_norm.weight", "norm.weight", "markov_head.markov_w1.weight",
-        "markov_head.markov_w2.weight", "confidence_head.proj.weight", "confidence_head.proj.bias"}
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight",
+        "confidence_head.proj.bias",
+    }
     backbone = DFlashDrafter(backbone_spec(d.spec))
     assert keys - set(backbone.state_dict()) == {k for k in keys if "_head." in k}  # DFlash's + the heads
     config = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3DSparkModel"] and config["model_type"] == "qwen3"
     assert "dflash_config" not in config
-    assert {k: config[k] for k in ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers",
-                                   "markov_rank", "markov_head_type", "enable_confidence_head",
-                                   "confidence_head_with_markov", "num_hidden_layers")} == {
-        "block_size": B, "mask_token_id": MASK, "target_layer_ids": [1, 3], "num_target_layers": 6,
-        "markov_rank": 8, "markov_head_type": "vanilla", "enable_confidence_head": True,
-        "confidence_head_with_markov": True, "num_hidden_layers": 2}
+    assert {
+        k: config[k]
+        for k in (
+            "block_size",
+            "mask_token_id",
+            "target_layer_ids",
+            "num_target_layers",
+            "markov_rank",
+            "markov_head_type",
+            "enable_confidence_head",
+            "confidence_head_with_markov",
+            "num_hidden_layers",
+        )
+    } == {
+        "block_size": B,
+        "mask_token_id": MASK,
+        "target_layer_ids": [1, 3],
+        "num_target_layers": 6,
+        "markov_rank": 8,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "num_hidden_layers": 2,
+    }
     loaded, spec = load_drafter(tmp_path / "drafter")
     assert spec == d.spec and type(loaded) is DSparkDrafter
     mine, theirs = d.state_dict(), loaded.state_dict()
@@ -751,8 +869,12 @@ def deepspec_checkpoint(path, d, extra=None, **config):
     """A checkpoint as DeepSpec's trainer saves one: the target's embedding and head inside."""
     path.mkdir()
     (path / "config.json").write_text(json.dumps({**d.spec.to_config_dict(), **config}))
-    state = {**d.state_dict(), "embed_tokens.weight": torch.randn(V, H), "lm_head.weight": torch.randn(V, H),
-             **(extra or {})}
+    state = {
+        **d.state_dict(),
+        "embed_tokens.weight": torch.randn(V, H),
+        "lm_head.weight": torch.randn(V, H),
+        **(extra or {}),
+    }
     save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
 
 
@@ -783,8 +905,16 @@ def test_the_family_seam():
     assert (FAMILY.spec, FAMILY.drafter, FAMILY.proposer) == (DSparkSpec, DSparkDrafter, DSparkProposer)
     assert FAMILY.init_weights is init_weights and FAMILY.name == "dspark"
     cfg = DrafterConfig(dspark=DSparkConfig(confidence_weight=0.0))
-    target = types.SimpleNamespace(num_hidden_layers=6, hidden_size=H, intermediate_size=128, vocab_size=V,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e4)
+    target = types.SimpleNamespace(
+        num_hidden_layers=6,
+        hidden_size=H,
+        intermediate_size=128,
+        vocab_size=V,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=1e4,
+    )
     spec = DSparkSpec.from_target(target, 90, cfg)
     assert family_of_export(spec.to_config_dict()) is FAMILY and spec.family == "dspark"
     assert spec.verify_width == spec.block_size + 1  # B drafts and the anchor
@@ -805,8 +935,9 @@ def test_gpu_flex_and_sdpa_agree_and_bf16_tracks_float32(data):
     for name, attention, amp in (("sdpa", "sdpa", False), ("flex", "flex", False), ("bf16", "flex", True)):
         d = drafter().to(dev)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            loss, stats = dspark_loss(d, ids, loss_mask, hidden, last, anchors, valid, embed, head,
-                                      **{**KW, "attention": attention})
+            loss, stats = dspark_loss(
+                d, ids, loss_mask, hidden, last, anchors, valid, embed, head, **{**KW, "attention": attention}
+            )
         loss.backward()
         results[name] = (loss.item(), torch.cat([p.grad.flatten() for p in d.parameters()]), stats.cpu())
     assert results["sdpa"][0] == pytest.approx(results["flex"][0], rel=1e-4)
@@ -849,10 +980,22 @@ def test_the_paper_baseline_config_is_heads_off_on_dflash_shards_at_dflash_rates
     d = paper.drafter
     assert (d.family, d.block_size, paper.train.loss_gamma(d.block_size)) == ("dspark", 7, 4.0)
     assert (d.dspark.markov_rank, d.dspark.ce_weight, d.dspark.l1_weight, d.dspark.confidence_weight) == (
-        0, 1.0, 0.0, 0.0)
+        0,
+        1.0,
+        0.0,
+        0.0,
+    )
     check(paper)
-    target = types.SimpleNamespace(num_hidden_layers=6, hidden_size=H, intermediate_size=128, vocab_size=V,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e4)
+    target = types.SimpleNamespace(
+        num_hidden_layers=6,
+        hidden_size=H,
+        intermediate_size=128,
+        vocab_size=V,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=1e4,
+    )
     spec = DSparkSpec.from_target(target, 90, d)
     assert (spec.markov_rank, spec.confidence_head, spec.verify_width) == (0, False, 8)
     assert not needs_last_hidden(d) and needs_last_hidden(dspark.drafter)
@@ -874,8 +1017,11 @@ def test_a_confidence_head_on_the_markov_features_of_no_markov_head_is_refused()
     cfg.drafter.dspark.confidence_weight = 1.0
     check(cfg)  # a confidence head over the slot's hidden state alone
     cfg.drafter.dspark.confidence_with_markov = True
-    with pytest.raises(UserError, match=r"confidence_with_markov: true reads the Markov head's features, and "
-                                        r"drafter\.dspark\.markov_rank 0 builds none"):
+    with pytest.raises(
+        UserError,
+        match=r"confidence_with_markov: true reads the Markov head's features, and "
+        r"drafter\.dspark\.markov_rank 0 builds none",
+    ):
         check(cfg)
 
 
@@ -891,8 +1037,16 @@ def test_the_paper_baseline_trains_from_shards_without_the_last_hidden_state(tmp
     backbone = {"num_layers": 2, "block_size": paper["drafter"]["block_size"]}
     shards = toy_hidden_shards(tmp_path, backbone)
     drafter = {**backbone, "family": "dspark", "dspark": paper["drafter"]["dspark"]}
-    run(train_cmd(tmp_path, shards, tmp_path / "out", {**TRAIN, **paper["train"], "max_steps": 8}, nproc=1,
-                  drafter=drafter))
+    run(
+        train_cmd(
+            tmp_path,
+            shards,
+            tmp_path / "out",
+            {**TRAIN, **paper["train"], "max_steps": 8},
+            nproc=1,
+            drafter=drafter,
+        )
+    )
     rows = read_rows(tmp_path / "out" / "metrics.csv")
     assert losses(rows)[-1] < losses(rows)[0]
     assert all(math.isnan(float(r["l1"])) and math.isnan(float(r["expected_tau"])) for r in rows)

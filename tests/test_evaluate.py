@@ -32,8 +32,6 @@ B = 4
 MAX_NEW = 40
 
 
-
-
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory):
     """A real tiny random Qwen3 target with its tokenizer, plus tokenized eval prompts."""
@@ -90,8 +88,9 @@ class OracleDrafter:
         self.calls += 1
         return torch.nn.functional.one_hot(draft, self.vocab).float() * 10
 
-    def predict_block_cached(self, new_hidden, last_token, embed_weight, lm_head_weight, cache, context_len,
-                             size):
+    def predict_block_cached(
+        self, new_hidden, last_token, embed_weight, lm_head_weight, cache, context_len, size
+    ):
         # the increments handed over since the cache was made must add up to the verified context
         if cache is not self.cache:
             self.cache, self.seen = cache, new_hidden
@@ -186,9 +185,17 @@ def test_oracle_drafter_reaches_full_blocks_and_the_cap_cuts_the_last(toy, cache
 
 def test_summary_pools_steps_and_averages_prompts():
     def row(emitted, accepted, verified):
-        return {"drafter": "d", "emitted": emitted, "accepted": accepted, "verified": verified,
-                "verify_steps": len(emitted), "tau": sum(emitted) / len(emitted),
-                "new_tokens": 1 + sum(emitted), "decode_s": 1.0, "lossless": True}
+        return {
+            "drafter": "d",
+            "emitted": emitted,
+            "accepted": accepted,
+            "verified": verified,
+            "verify_steps": len(emitted),
+            "tau": sum(emitted) / len(emitted),
+            "new_tokens": 1 + sum(emitted),
+            "decode_s": 1.0,
+            "lossless": True,
+        }
 
     # prompt a: full, rejected at 2, cut by a stop token at draft 1; prompt b: one step the cap cut to 2
     rows = [row([4, 2, 1], [3, 1, 1], [3, 3, 1]), row([2], [2], [2])]
@@ -290,10 +297,10 @@ def test_divergence_report_flags_a_numerical_tie(toy):
         head[twin] = head[ref[j]]
     assert target_decode(sess(tied), ids, 12, eos=set()).tokens == ref
 
-    out = [*ref[:j], twin, *ref[j + 1:]]
+    out = [*ref[:j], twin, *ref[j + 1 :]]
     position, gap, tie = first_mismatch(tied, ids, ref, out)
     assert (position, gap, tie) == (j, 0.0, True)
-    worse = [*ref[:j], (ref[j] + 1) % tokenizer.vocab_size, *ref[j + 1:]]
+    worse = [*ref[:j], (ref[j] + 1) % tokenizer.vocab_size, *ref[j + 1 :]]
     assert first_mismatch(tied, ids, ref, worse)[2] is False
 
     def decoded(toks):
@@ -308,7 +315,9 @@ def test_divergence_report_flags_a_numerical_tie(toy):
     s = summarize(rows, B)["dflash"]
     assert s["exact_match_rate"] == 1 / 3 and s["mismatches"] == 2 and s["numerical_ties"] == 1
     assert [(x["id"], x["position"], x["numerical_tie"]) for x in s["divergences"]] == [
-        ("p", j, True), ("q", j, False)]
+        ("p", j, True),
+        ("q", j, False),
+    ]
     assert s["divergences"][0]["logit_gap"] == 0.0 and s["divergences"][1]["logit_gap"] > 0
     json.dumps(s, allow_nan=False)  # strict JSON: summary.json holds no NaN
 
@@ -446,7 +455,8 @@ def test_each_temperature_is_evaluated_and_the_greedy_numbers_stay_as_they_were(
     assert EvalConfig().temperatures == [0.0, 1.0]  # the default
     names = ("target_only", "ngram", "dflash_untrained")
     assert [(r["id"], r["temperature"], r["drafter"]) for r in both] == [
-        (p, t, d) for p in ("p0", "p1") for t in (0.0, 1.0) for d in names]
+        (p, t, d) for p in ("p0", "p1") for t in (0.0, 1.0) for d in names
+    ]
 
     def same(rows):  # as JSON text: NaN (no logit gap) equals NaN
         return json.dumps([{k: v for k, v in r.items() if k not in TIMING} for r in rows])
@@ -457,15 +467,17 @@ def test_each_temperature_is_evaluated_and_the_greedy_numbers_stay_as_they_were(
     s, g = summarize(both, B), summarize(greedy, B)
     assert s.keys() == g.keys() and all(s[k]["temperature"] == 0.0 for k in s)
     for name in ("ngram", "dflash_untrained"):
-        assert without_timing({name: s[name]})[name] | {"by_temperature": None} == \
-            without_timing({name: g[name]})[name] | {"by_temperature": None}
+        assert without_timing({name: s[name]})[name] | {"by_temperature": None} == without_timing(
+            {name: g[name]}
+        )[name] | {"by_temperature": None}
         assert list(s[name]["by_temperature"]) == ["0", "1"]
         at1 = s[name]["by_temperature"]["1"]
         assert at1["lossless_all"] is None and at1["prompts"] == 2
         assert at1["tau_pooled"] == summarize(sampled, B)[name]["tau_pooled"]
         skip = TIMING | {"speedup", "temperature", "by_temperature"}
-        assert {k: v for k, v in s[name]["by_temperature"]["0"].items() if k not in skip} == \
-            {k: v for k, v in s[name].items() if k not in skip}
+        assert {k: v for k, v in s[name]["by_temperature"]["0"].items() if k not in skip} == {
+            k: v for k, v in s[name].items() if k not in skip
+        }
     json.dumps(s, allow_nan=False)
     assert [r["output"] for r in run(temperatures=[1.0])] == [r["output"] for r in sampled]  # seeded
     assert [r["output"] for r in run(temperatures=[1.0], seed=5)] != [r["output"] for r in sampled]
@@ -538,11 +550,13 @@ TIMING = {"decode_s", "tokens_per_s"}  # wall-clock columns: differ from run to 
 
 def without_timing(summary):
     """A summary without its wall-clock numbers, at every temperature too."""
+
     def strip(v):
         out = {m: x for m, x in v.items() if m not in {"tokens_per_s", "speedup"}}
         if "by_temperature" in out:
             out["by_temperature"] = {t: strip(x) for t, x in out["by_temperature"].items()}
         return out
+
     return {k: strip(v) for k, v in summary.items()}
 
 
@@ -556,8 +570,9 @@ def script(name):
     return module.main
 
 
-@pytest.mark.parametrize("temperatures", [{"temperature": 0.0}, {"temperatures": [0.0, 0.8]}],
-                         ids=["greedy", "greedy-and-sampled"])
+@pytest.mark.parametrize(
+    "temperatures", [{"temperature": 0.0}, {"temperatures": [0.0, 0.8]}], ids=["greedy", "greedy-and-sampled"]
+)
 def test_merged_shards_equal_one_job(toy, tmp_path, temperatures):
     """scripts/evaluate.py over the whole set against 3 shard jobs of it joined by scripts/evaluate_merge.py,
     as the evaluate and evaluate_merge rules run them."""
@@ -571,8 +586,16 @@ def test_merged_shards_equal_one_job(toy, tmp_path, temperatures):
     pd.DataFrame(prompts).to_parquet(tmp_path / "eval.parquet")
     cfg = json.dumps({"num_prompts": 6, "max_new_tokens": 10, **temperatures})  # not the 7th
     target = to_json(TargetConfig(path=str(path), dtype="float32"))
-    common = ["--cfg", cfg, "--target-cfg", target,
-              "--drafter", str(tmp_path / "drafter"), "--prompts", str(tmp_path / "eval.parquet")]
+    common = [
+        "--cfg",
+        cfg,
+        "--target-cfg",
+        target,
+        "--drafter",
+        str(tmp_path / "drafter"),
+        "--prompts",
+        str(tmp_path / "eval.parquet"),
+    ]
     evaluate_main, merge_main = script("evaluate"), script("evaluate_merge")
 
     evaluate_main([*common, "--out-dir", str(tmp_path / "one")])
@@ -584,8 +607,10 @@ def test_merged_shards_equal_one_job(toy, tmp_path, temperatures):
     assert sorted(i for d in shards for i in d["id"].unique()) == [f"q{i}" for i in range(6)]
     merge_main(["--drafter", str(tmp_path / "drafter"), "--out-dir", str(tmp_path / "merged"), *files])
 
-    a, b = (pd.read_parquet(tmp_path / d / "per_prompt.parquet").drop(columns=list(TIMING))
-            for d in ("one", "merged"))
+    a, b = (
+        pd.read_parquet(tmp_path / d / "per_prompt.parquet").drop(columns=list(TIMING))
+        for d in ("one", "merged")
+    )
     count = len(temperatures.get("temperatures", [0]))
     assert len(a) == 6 * 4 * count and list(a.columns) == list(b.columns)
     pd.testing.assert_frame_equal(a, b)

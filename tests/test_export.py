@@ -40,8 +40,9 @@ def drafter(seed: int) -> DFlashDrafter:
 
 def job(tmp_path, cfg: TrainConfig, split=None, **kw):
     data = SimpleNamespace(val_split=lambda: split, **kw.pop("data", {}))
-    return SimpleNamespace(cfg=cfg, data=data, out=tmp_path / "drafter",
-                           metrics=tmp_path / "train" / "metrics.csv", **kw)
+    return SimpleNamespace(
+        cfg=cfg, data=data, out=tmp_path / "drafter", metrics=tmp_path / "train" / "metrics.csv", **kw
+    )
 
 
 def tensors(path) -> dict[str, torch.Tensor]:
@@ -59,8 +60,9 @@ def test_the_last_step_s_weights_in_the_dflash_format(tmp_path):
     d = drafter(0)
     state = d.state_dict()
     j = job(tmp_path, TrainConfig(val_samples=0))
-    export.export_run(Dist(), j, d.spec, tmp_path / "checkpoints" / "run1", state, None, 7, ROWS,
-                      torch.bfloat16, d)
+    export.export_run(
+        Dist(), j, d.spec, tmp_path / "checkpoints" / "run1", state, None, 7, ROWS, torch.bfloat16, d
+    )
     config = json.loads((j.out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["dtype"] == "bfloat16"
     assert config["block_size"] == B and config["num_hidden_layers"] == 2 and config["num_target_layers"] == 6
@@ -105,8 +107,9 @@ def test_best_without_a_validation_number_exports_the_last_step(tmp_path):
     last = drafter(2)
     run = tmp_path / "checkpoints" / "run3"
     j = job(tmp_path, TrainConfig(val_samples=2, export="best"), SPLIT)
-    export.export_run(Dist(), j, last.spec, run, last.state_dict(), Best(run, Dist(), None, None), 4, ROWS,
-                      None, last)
+    export.export_run(
+        Dist(), j, last.spec, run, last.state_dict(), Best(run, Dist(), None, None), 4, ROWS, None, last
+    )
     assert all(torch.equal(v, last.state_dict()[k]) for k, v in tensors(j.out).items())
     info = json.loads((tmp_path / "train" / "export.json").read_text())
     assert info["step"] == 4 and info["best_step"] is None and "no validation gave a number" in info["why"]
@@ -115,8 +118,9 @@ def test_best_without_a_validation_number_exports_the_last_step(tmp_path):
 def test_only_the_first_rank_writes(tmp_path):
     d = drafter(0)
     j = job(tmp_path, TrainConfig(val_samples=2), SPLIT)
-    export.export_run(Dist(rank=1, world=2), j, d.spec, tmp_path / "run", d.state_dict(), None, 2, ROWS, None,
-                      d)
+    export.export_run(
+        Dist(rank=1, world=2), j, d.spec, tmp_path / "run", d.state_dict(), None, 2, ROWS, None, d
+    )
     assert not j.out.exists() and not (tmp_path / "train").exists()
 
 
@@ -129,18 +133,42 @@ def stream_job(tmp_path, total: int):
     spec = tiny_spec()
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_target_layers,
-        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim, "rms_norm_eps": spec.rms_norm_eps, "rope_theta": spec.rope_theta,
-        "vocab_size": spec.vocab_size, "max_position_embeddings": spec.max_position_embeddings}))
+    (target / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "model_type": "qwen3",
+                "hidden_size": spec.hidden_size,
+                "intermediate_size": spec.intermediate_size,
+                "num_hidden_layers": spec.num_target_layers,
+                "num_attention_heads": spec.num_heads,
+                "num_key_value_heads": spec.num_kv_heads,
+                "head_dim": spec.head_dim,
+                "rms_norm_eps": spec.rms_norm_eps,
+                "rope_theta": spec.rope_theta,
+                "vocab_size": spec.vocab_size,
+                "max_position_embeddings": spec.max_position_embeddings,
+            }
+        )
+    )
     drafter_cfg = DrafterConfig(num_layers=2, block_size=B, target_layer_ids=[1, 3], mask_token_id=99)
     checked = []
-    data = dict(check=lambda cfg, world: checked.append(world), shards=[], fingerprint="plan-1", total=total,
-                plan=SimpleNamespace(dir=tmp_path / "plan"), tokenizer_length=None)
-    j = job(tmp_path, TrainConfig(val_samples=0), data=data, checkpoints=tmp_path / "checkpoints",
-            drafter=drafter_cfg, target=target)
+    data = dict(
+        check=lambda cfg, world: checked.append(world),
+        shards=[],
+        fingerprint="plan-1",
+        total=total,
+        plan=SimpleNamespace(dir=tmp_path / "plan"),
+        tokenizer_length=None,
+    )
+    j = job(
+        tmp_path,
+        TrainConfig(val_samples=0),
+        data=data,
+        checkpoints=tmp_path / "checkpoints",
+        drafter=drafter_cfg,
+        target=target,
+    )
     return j, run_dir(j.checkpoints, j.cfg, drafter_cfg, j.data), checked
 
 
@@ -148,9 +176,16 @@ def checkpoint(run, step: int, weights: dict) -> None:
     path = run / f"step-{step:08d}"
     path.mkdir(parents=True)
     write_safetensors(path / "model.safetensors", weights)
-    (path / "state.json").write_text(json.dumps({
-        "position": {"step": step, "epoch": 0, "cursor": 0, "world": 1},
-        "metrics": {"rows": ROWS[:1] * step, "window": []}, "best": None, "spec": None}))
+    (path / "state.json").write_text(
+        json.dumps(
+            {
+                "position": {"step": step, "epoch": 0, "cursor": 0, "world": 1},
+                "metrics": {"rows": ROWS[:1] * step, "window": []},
+                "best": None,
+                "spec": None,
+            }
+        )
+    )
 
 
 def test_stream_export_waits_for_every_chunk_then_exports_the_last_checkpoint(tmp_path, monkeypatch):

@@ -20,8 +20,18 @@ from flashdraft.train_step import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = {"num_layers": 2, "block_size": 8}
-TRAIN = {"lr": 1e-2, "max_anchors": 64, "batch_tokens": 512, "buckets": [128, 256], "compile": False,
-         "checkpoint_every": 1000, "log_every": 1, "warmup_ratio": 0.0, "loss": "decay", "val_samples": 0}
+TRAIN = {
+    "lr": 1e-2,
+    "max_anchors": 64,
+    "batch_tokens": 512,
+    "buckets": [128, 256],
+    "compile": False,
+    "checkpoint_every": 1000,
+    "log_every": 1,
+    "warmup_ratio": 0.0,
+    "loss": "decay",
+    "val_samples": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +46,23 @@ def toy(tmp_path_factory):
 def train(root, shards, out, steps, drafter=DRAFTER, check=True, **keys):
     """scripts/train.py for `steps` steps (0: train.epochs), `keys` over TRAIN."""
     cfg = {**TRAIN, "max_steps": steps, **keys}
-    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "--cfg", json.dumps(cfg),
-           "--drafter-cfg", json.dumps(drafter), "--target", str(root / "target"),
-           "--checkpoints", str(out / "checkpoints"), "--metrics", str(out / "metrics.csv"),
-           "--out", str(out / "drafter"), *shards]
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "train.py"),
+        "--cfg",
+        json.dumps(cfg),
+        "--drafter-cfg",
+        json.dumps(drafter),
+        "--target",
+        str(root / "target"),
+        "--checkpoints",
+        str(out / "checkpoints"),
+        "--metrics",
+        str(out / "metrics.csv"),
+        "--out",
+        str(out / "drafter"),
+        *shards,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if check:
@@ -83,8 +106,16 @@ def export(root, out, **drafter):
     return out
 
 
-@pytest.mark.parametrize("key, value", [("block_size", 4), ("num_layers", 3), ("target_layer_ids", [0, 2]),
-                                        ("mask_token_id", 3), ("sliding_window", 64)])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("block_size", 4),
+        ("num_layers", 3),
+        ("target_layer_ids", [0, 2]),
+        ("mask_token_id", 3),
+        ("sliding_window", 64),
+    ],
+)
 def test_a_drafter_of_another_shape_is_one_line_naming_the_key_and_both_values(toy, tmp_path, key, value):
     root = toy[0]
     other = export(root, tmp_path / "other", **{key: value})
@@ -132,8 +163,11 @@ def test_missing_or_broken_files_are_one_line_each(toy, tmp_path):
 def test_a_missing_init_from_is_one_line_before_any_job(tmp_path):
     cfg = load_config(str(REPO / "config" / "config.yaml"))
     cfg.drafter.init_from = str(tmp_path / "nowhere")
-    with pytest.raises(UserError, match=r"^config key drafter\.init_from: .*nowhere is not a drafter export "
-                                        r"\(.*missing: config\.json, model\.safetensors\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^config key drafter\.init_from: .*nowhere is not a drafter export "
+        r"\(.*missing: config\.json, model\.safetensors\)$",
+    ):
         check(cfg)
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "config.json").write_text("{}")

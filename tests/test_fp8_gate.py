@@ -17,9 +17,13 @@ from toy_bench import bootstrap_diff  # noqa: E402
 def parity(tmp_path_factory):
     work = tmp_path_factory.mktemp("fp8-parity")
     out = work / "parity.json"
-    proc = subprocess.run([sys.executable, "fp8_parity.py", "--preset", "tiny", "--work", str(work),
-                           "--out", str(out)], cwd=REPO / "benchmarks", capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "fp8_parity.py", "--preset", "tiny", "--work", str(work), "--out", str(out)],
+        cwd=REPO / "benchmarks",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert all(k in result for k in ENVELOPE) and result["benchmark"] == "fp8_parity"
@@ -56,16 +60,22 @@ def test_bootstrap_interval_holds_the_difference_and_moves_with_it():
 
 def test_the_committed_gate_is_what_its_script_makes_of_the_committed_results(tmp_path):
     out = tmp_path / "gate.json"
-    proc = subprocess.run([sys.executable, "fp8_gate.py", "--out", str(out)], cwd=REPO / "benchmarks",
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "fp8_gate.py", "--out", str(out)],
+        cwd=REPO / "benchmarks",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     gate = json.loads(out.read_text())
     assert gate["benchmark"] == "fp8_gate" and gate["argv"][0] == "benchmarks/fp8_gate.py"
     # the decision and its figures; the envelope says where and when it was made (the committed one has none)
     committed = json.loads((REPO / "benchmarks/results/fp8_gate.json").read_text())
     drop = (*ENVELOPE, "params")
-    assert {k: v for k, v in gate.items() if k not in drop} == {k: v for k, v in committed.items()
-                                                                if k not in drop}
+    assert {k: v for k, v in gate.items() if k not in drop} == {
+        k: v for k, v in committed.items() if k not in drop
+    }
 
 
 def test_the_gate_keeps_float8_only_within_the_loss_gap_and_intervals():
@@ -75,16 +85,27 @@ def test_the_gate_keeps_float8_only_within_the_loss_gap_and_intervals():
         """A curve comparison: the logged loss's gap, and float8's and bf16's validation sim_tau at the
         last step (300) and at one before the last 100 steps (ignored)."""
         val = {"150": {"variant": 1.0, "bf16": 2.0}, "300": {"variant": sim[0], "bf16": sim[1]}}
-        return {"runs": {"bf16": {"complete": True}, "fp8_tensorwise": {"complete": complete}},
-                "train": {"loss": objective}, "shape": {"steps": 300},
-                "vs_bf16": {"fp8_tensorwise": {"loss_rel_gap_last_100": gap, "val_sim_tau": val}}}
+        return {
+            "runs": {"bf16": {"complete": True}, "fp8_tensorwise": {"complete": complete}},
+            "train": {"loss": objective},
+            "shape": {"steps": 300},
+            "vs_bf16": {"fp8_tensorwise": {"loss_rel_gap_last_100": gap, "val_sim_tau": val}},
+        }
 
     def quality(shift):  # five seeds each; float8's tau and sim_tau moved by `shift`
         base = [3.4, 3.6, 3.5, 3.7, 3.3]
-        runs = {f"{v}-seed{s}": {"name": f"{v}-seed{s}", "tau_pooled": t + d, "final_sim_tau": t + d}
-                for v, d in (("bf16", 0), ("fp8", shift)) for s, t in enumerate(base)}
-        return {"runs": runs, "variants": {"bf16": {"overrides": {"train.fp8": None}},
-                                           "fp8": {"overrides": {"train.fp8": "tensorwise"}}}}
+        runs = {
+            f"{v}-seed{s}": {"name": f"{v}-seed{s}", "tau_pooled": t + d, "final_sim_tau": t + d}
+            for v, d in (("bf16", 0), ("fp8", shift))
+            for s, t in enumerate(base)
+        }
+        return {
+            "runs": runs,
+            "variants": {
+                "bf16": {"overrides": {"train.fp8": None}},
+                "fp8": {"overrides": {"train.fp8": "tensorwise"}},
+            },
+        }
 
     assert decide(curves(0.005), quality(0.0), "tensorwise")["decision"] == "keep train.fp8: tensorwise"
     assert decide(curves(0.005), quality(0.5), "tensorwise")["decision"].startswith("keep")  # favours float8
@@ -96,8 +117,11 @@ def test_the_gate_keeps_float8_only_within_the_loss_gap_and_intervals():
     dpace = decide(curves(0.2, objective="dpace", sim=(3.9, 3.9)), quality(0.0), "tensorwise")
     assert dpace["decision"].startswith("keep") and dpace["val_sim_tau_rel_diff_min_last_100"] == 0.0
     assert decide(curves(0.2, objective="dpace", sim=(5.0, 3.9)), quality(0.0), "tensorwise")[
-        "decision"].startswith("keep")  # favours float8
+        "decision"
+    ].startswith("keep")  # favours float8
     assert decide(curves(0.0, objective="dpace", sim=(3.8, 3.9)), quality(0.0), "tensorwise")[
-        "decision"].startswith("move to bf16")  # 2.6% below bf16
+        "decision"
+    ].startswith("move to bf16")  # 2.6% below bf16
     assert decide(curves(0.2, objective="decay", sim=(5.0, 3.9)), quality(0.0), "tensorwise")[
-        "decision"].startswith("move to bf16")  # a mean CE: its gap counts
+        "decision"
+    ].startswith("move to bf16")  # a mean CE: its gap counts

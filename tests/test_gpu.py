@@ -33,21 +33,46 @@ def test_concurrent_leases_get_distinct_gpus(tmp_path):
 def test_processes_wait_for_a_free_gpu_and_locks_die_with_them(tmp_path):
     env = dict(os.environ)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = LEASE + ["--gpus", "1", "--pool", "0,1", "--lock-dir", str(tmp_path), "--",
-                   sys.executable, "-c", "import os,time; t=time.time(); time.sleep(1); "
-                   "print(os.environ['CUDA_VISIBLE_DEVICES'], t, time.time())"]
+    cmd = LEASE + [
+        "--gpus",
+        "1",
+        "--pool",
+        "0,1",
+        "--lock-dir",
+        str(tmp_path),
+        "--",
+        sys.executable,
+        "-c",
+        "import os,time; t=time.time(); time.sleep(1); "
+        "print(os.environ['CUDA_VISIBLE_DEVICES'], t, time.time())",
+    ]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(3)]
     runs = [p.communicate(timeout=60)[0].split() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     runs = [(gpu, float(t0), float(t1)) for gpu, t0, t1 in runs]
     assert {gpu for gpu, _, _ in runs} == {"0", "1"}
     for i, (g1, s1, e1) in enumerate(runs):  # jobs that ran at the same time had different GPUs
-        for g2, s2, e2 in runs[i + 1:]:
+        for g2, s2, e2 in runs[i + 1 :]:
             assert g1 != g2 or e1 <= s2 or e2 <= s1
     # A killed holder leaves no stale lock: the kernel drops flocks with the process.
-    holder = subprocess.Popen(LEASE + ["--gpus", "2", "--pool", "0,1", "--lock-dir", str(tmp_path), "--",
-                                       sys.executable, "-c", "import time; print('held', flush=True); "
-                                       "time.sleep(60)"], stdout=subprocess.PIPE, text=True, env=env)
+    holder = subprocess.Popen(
+        LEASE
+        + [
+            "--gpus",
+            "2",
+            "--pool",
+            "0,1",
+            "--lock-dir",
+            str(tmp_path),
+            "--",
+            sys.executable,
+            "-c",
+            "import time; print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert holder.stdout.readline().strip() == "held"  # the command runs only once both GPUs are its
     holder.kill(), holder.wait()
     lease = Lease(2, tmp_path, pool=["0", "1"], poll_s=0.05, timeout_s=10)
@@ -60,13 +85,20 @@ def test_a_signal_for_the_job_reaches_the_command_which_holds_its_gpus_until_it_
     locked while it winds down: no other job starts on them before it has exited."""
     env = dict(os.environ)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    script = ("import signal, sys, time\n"
-              "def stop(*_):\n"
-              "    print('winding down', flush=True); time.sleep(3); sys.exit(143)\n"
-              "signal.signal(signal.SIGTERM, stop)\n"
-              "print('ready', flush=True); time.sleep(60)\n")
-    job = subprocess.Popen(LEASE + ["--gpus", "1", "--pool", "0", "--lock-dir", str(tmp_path), "--",
-                                    sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    script = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    print('winding down', flush=True); time.sleep(3); sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
+    job = subprocess.Popen(
+        LEASE
+        + ["--gpus", "1", "--pool", "0", "--lock-dir", str(tmp_path), "--", sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert job.stdout.readline().strip() == "ready"
         other = Lease(1, tmp_path, pool=["0"], poll_s=0.05, timeout_s=0.2)
@@ -105,18 +137,37 @@ def test_scheduler_assignment_is_respected(tmp_path, monkeypatch):
 def test_zero_gpus_runs_on_cpu(tmp_path):
     env = dict(os.environ)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    out = subprocess.run(LEASE + ["--gpus", "0", "--lock-dir", str(tmp_path), "--", sys.executable, "-c",
-                                  "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"],
-                         capture_output=True, text=True, env=env, check=True).stdout
+    out = subprocess.run(
+        LEASE
+        + [
+            "--gpus",
+            "0",
+            "--lock-dir",
+            str(tmp_path),
+            "--",
+            sys.executable,
+            "-c",
+            "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
     assert out.strip() == "''"
 
 
 # ---- the lock dir: this user's own by default; links, files and other users' directories refused ----
 
+
 def _cli(tmp_path, lock_dir):
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    return subprocess.run(LEASE + ["--gpus", "1", "--pool", "0", "--lock-dir", str(lock_dir), "--", "true"],
-                          capture_output=True, text=True, env=env)
+    return subprocess.run(
+        LEASE + ["--gpus", "1", "--pool", "0", "--lock-dir", str(lock_dir), "--", "true"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
 
 
 def test_the_default_lock_dir_is_this_user_s_own(tmp_path, monkeypatch):
@@ -181,13 +232,17 @@ def test_compute_capabilities_of_the_visible_gpus():
     """nvidia-smi's index, uuid, name, compute_cap lines, narrowed to what CUDA_VISIBLE_DEVICES shows (by
     index or UUID prefix, up to an invalid entry, as CUDA reads it)."""
     rows = parse_capabilities(SMI)
-    assert rows == [("0", "GPU-aaaa1111", "NVIDIA A100-SXM4-80GB", (8, 0)),
-                    ("1", "GPU-bbbb2222", "NVIDIA H100 80GB HBM3", (9, 0)),
-                    ("2", "GPU-cccc3333", "NVIDIA Graphics, Device", None)]
+    assert rows == [
+        ("0", "GPU-aaaa1111", "NVIDIA A100-SXM4-80GB", (8, 0)),
+        ("1", "GPU-bbbb2222", "NVIDIA H100 80GB HBM3", (9, 0)),
+        ("2", "GPU-cccc3333", "NVIDIA Graphics, Device", None),
+    ]
     assert select_visible(rows, None) == [(i, n, c) for i, _, n, c in rows]
     assert select_visible(rows, "1") == [("1", "NVIDIA H100 80GB HBM3", (9, 0))]
-    assert select_visible(rows, "GPU-aaaa,1") == [("0", "NVIDIA A100-SXM4-80GB", (8, 0)),
-                                                  ("1", "NVIDIA H100 80GB HBM3", (9, 0))]
+    assert select_visible(rows, "GPU-aaaa,1") == [
+        ("0", "NVIDIA A100-SXM4-80GB", (8, 0)),
+        ("1", "NVIDIA H100 80GB HBM3", (9, 0)),
+    ]
     assert select_visible(rows, "1,-1,0") == [("1", "NVIDIA H100 80GB HBM3", (9, 0))]
     assert select_visible(rows, "") == []
 

@@ -125,13 +125,16 @@ def last_hidden_rows(n, dtype, width=16, hidden_size=8, seed=0):
     """random_rows, each with a last hidden state [t, hidden_size] of O(1) values: another range than the
     features' (up to 3e38), as a final-norm state is beside the mid-layer residual stream."""
     g = torch.Generator().manual_seed(seed + 100)
-    return [(sid, ids, mask, h, torch.randn(len(ids), hidden_size, generator=g).to(dtype))
-            for sid, ids, mask, h in random_rows(n, dtype, width, seed)]
+    return [
+        (sid, ids, mask, h, torch.randn(len(ids), hidden_size, generator=g).to(dtype))
+        for sid, ids, mask, h in random_rows(n, dtype, width, seed)
+    ]
 
 
 def write_last_hidden_shard(path, rows, dtype="bfloat16", rows_at_once=False, **kw):
     """Write (id, input_ids, loss_mask, hidden, last_hidden) rows to a shard with the last_hidden column,
     one row at a time or all as one write_rows; return the manifest."""
+
     def stored(x):
         return quantize_fp8(x) if dtype == FP8 else (x, None)
 
@@ -192,18 +195,51 @@ def test_a_shard_without_last_hidden_is_the_format_as_it_was(tmp_path):
     rows = random_rows(3, torch.bfloat16)
     path = tmp_path / "new.arrow"
     manifest = write_shard(path, rows)  # one record batch
-    assert set(manifest) == {"format", "target", "target_layer_ids", "dtype", "hidden_size", "num_features",
-                             "rows", "tokens", "bytes", "sha256_tree", "checksum_chunk_bytes", "shard",
-                             "num_shards", "truncated", "skipped"}
-    metadata = {"flashdraft.format": "flashdraft.hidden/1", "flashdraft.target": "tgt",
-                "flashdraft.target_layer_ids": "[1, 3]", "flashdraft.dtype": "bfloat16",
-                "flashdraft.hidden_size": "8", "flashdraft.num_features": "2"}
-    schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())),
-                        ("loss_mask", pa.list_(pa.int8())), ("num_tokens", pa.int32()),
-                        ("hidden", pa.large_binary())], metadata=metadata)
-    batch = pa.record_batch([
-        [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [len(r[1]) for r in rows],
-        [r[3].view(torch.uint8).numpy().tobytes() for r in rows]], schema=schema)
+    assert set(manifest) == {
+        "format",
+        "target",
+        "target_layer_ids",
+        "dtype",
+        "hidden_size",
+        "num_features",
+        "rows",
+        "tokens",
+        "bytes",
+        "sha256_tree",
+        "checksum_chunk_bytes",
+        "shard",
+        "num_shards",
+        "truncated",
+        "skipped",
+    }
+    metadata = {
+        "flashdraft.format": "flashdraft.hidden/1",
+        "flashdraft.target": "tgt",
+        "flashdraft.target_layer_ids": "[1, 3]",
+        "flashdraft.dtype": "bfloat16",
+        "flashdraft.hidden_size": "8",
+        "flashdraft.num_features": "2",
+    }
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int8())),
+            ("num_tokens", pa.int32()),
+            ("hidden", pa.large_binary()),
+        ],
+        metadata=metadata,
+    )
+    batch = pa.record_batch(
+        [
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [r[2] for r in rows],
+            [len(r[1]) for r in rows],
+            [r[3].view(torch.uint8).numpy().tobytes() for r in rows],
+        ],
+        schema=schema,
+    )
     old = tmp_path / "old.arrow"
     with pa.OSFile(str(old), "wb") as f, pa.ipc.new_file(f, schema) as w:
         w.write_batch(batch)
@@ -219,8 +255,11 @@ def test_shards_with_and_without_last_hidden_do_not_mix(tmp_path):
     with_it, without = tmp_path / "with.arrow", tmp_path / "without.arrow"
     write_last_hidden_shard(with_it, last_hidden_rows(2, torch.bfloat16))
     write_shard(without, random_rows(2, torch.bfloat16))
-    with pytest.raises(ValueError, match=r"shard .*without\.arrow has last_hidden=False but .*with\.arrow "
-                                         r"has last_hidden=True: shards differ"):
+    with pytest.raises(
+        ValueError,
+        match=r"shard .*without\.arrow has last_hidden=False but .*with\.arrow "
+        r"has last_hidden=True: shards differ",
+    ):
         HiddenStore([with_it, without])
     with pytest.raises(ValueError, match=r"shard .*with\.arrow has last_hidden=True but .*without\.arrow"):
         HiddenStore([without, with_it])
@@ -256,12 +295,16 @@ def test_verify_checks_the_last_hidden_column_and_its_manifest_key(tmp_path):
 def test_writer_takes_last_hidden_exactly_when_the_shard_holds_it(tmp_path):
     sid, ids, mask, h, last = last_hidden_rows(1, torch.bfloat16)[0]
     with_it = ShardMeta("t", [1, 3], "bfloat16", 8, last_hidden=True)
-    cases = [(ShardMeta("t", [1, 3], "bfloat16", 8), (h, None, last)),  # a shard without the column
-             (with_it, (h,)),  # the column missing
-             (with_it, (h, None, torch.cat([last, last], 1))),  # [n, 2H]
-             (with_it, (h, None, last.float())),  # another dtype
-             (ShardMeta("t", [1, 3], FP8, 8, last_hidden=True),  # fp8 values without their last_scale
-              (*quantize_fp8(h.float()), quantize_fp8(last)[0]))]
+    cases = [
+        (ShardMeta("t", [1, 3], "bfloat16", 8), (h, None, last)),  # a shard without the column
+        (with_it, (h,)),  # the column missing
+        (with_it, (h, None, torch.cat([last, last], 1))),  # [n, 2H]
+        (with_it, (h, None, last.float())),  # another dtype
+        (
+            ShardMeta("t", [1, 3], FP8, 8, last_hidden=True),  # fp8 values without their last_scale
+            (*quantize_fp8(h.float()), quantize_fp8(last)[0]),
+        ),
+    ]
     for meta, tensors in cases:
         with pytest.raises(ValueError, match="last_"), open_shard(tmp_path / "x.arrow", meta) as w:
             w.write(sid, ids, mask, *tensors)
@@ -275,8 +318,11 @@ def test_a_family_that_needs_last_hidden_refuses_a_store_without_it(tmp_path):
     write_shard(without, random_rows(2, torch.bfloat16))
     write_last_hidden_shard(with_it, last_hidden_rows(2, torch.bfloat16))
     for store in (HiddenStore([without]), StoreView(HiddenStore([without]), [1])):
-        with pytest.raises(UserError, match=rf"hidden shard {without} has no last_hidden column "
-                                            r".*drafter\.family dspark .*rerun the hidden stage") as e:
+        with pytest.raises(
+            UserError,
+            match=rf"hidden shard {without} has no last_hidden column "
+            r".*drafter\.family dspark .*rerun the hidden stage",
+        ) as e:
             require_last_hidden(store, "dspark")
         assert "\n" not in str(e.value)
     require_last_hidden(StoreView(HiddenStore([with_it]), [1]), "dspark")
@@ -597,8 +643,9 @@ def test_precompute_fp8_end_to_end(precomputed, toy_target, train_parquet, tmp_p
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_precompute_stores_the_target_s_last_hidden_state(precomputed, toy_target, train_parquet, tmp_path,
-                                                           dtype):
+def test_precompute_stores_the_target_s_last_hidden_state(
+    precomputed, toy_target, train_parquet, tmp_path, dtype
+):
     """With --last-hidden: the target's last hidden state (after its final norm, where the LM head reads:
     the head over it gives the target's logits) beside the features, which stay those of a shard without
     it (the bf16 store's, bit for bit)."""
@@ -606,9 +653,25 @@ def test_precompute_stores_the_target_s_last_hidden_state(precomputed, toy_targe
     out = tmp_path / "shard-00001.arrow"
     cli = runpy.run_path(str(REPO / "scripts" / "hidden_shard.py"))  # the script's main(), in-process
     cfg = HiddenConfig(max_length=CFG.max_length, batch_tokens=CFG.batch_tokens, dtype=dtype)
-    cli["main"](["--cfg", to_json(cfg), "--drafter-cfg", to_json(LAYERS), "--target-cfg",
-                 to_json(target_section(toy_target)), "--data", str(train_parquet), "--shard", "1",
-                 "--num-shards", "2", "--out", str(out), "--last-hidden"])
+    cli["main"](
+        [
+            "--cfg",
+            to_json(cfg),
+            "--drafter-cfg",
+            to_json(LAYERS),
+            "--target-cfg",
+            to_json(target_section(toy_target)),
+            "--data",
+            str(train_parquet),
+            "--shard",
+            "1",
+            "--num-shards",
+            "2",
+            "--out",
+            str(out),
+            "--last-hidden",
+        ]
+    )
     manifest = json.loads(manifest_path(out).read_text())
     assert manifest["last_hidden"] is True and verify_shard(out)["ok"]
     assert (manifest["rows"], manifest["tokens"]) == (manifests[1]["rows"], manifests[1]["tokens"])
@@ -644,8 +707,19 @@ def test_precompute_cli_is_deterministic(precomputed, toy_target, train_parquet,
     cfg = json.dumps({"max_length": CFG.max_length, "batch_tokens": CFG.batch_tokens})
     target = to_json(target_section(toy_target))
     args = f"--data {train_parquet} --shard 1 --num-shards 2"
-    cli["main"](["--cfg", cfg, "--drafter-cfg", '{"num_layers": 3}', "--target-cfg", target, *args.split(),
-                 "--out", str(out)])
+    cli["main"](
+        [
+            "--cfg",
+            cfg,
+            "--drafter-cfg",
+            '{"num_layers": 3}',
+            "--target-cfg",
+            target,
+            *args.split(),
+            "--out",
+            str(out),
+        ]
+    )
     again = json.loads(manifest_path(out).read_text())
     assert again["sha256_tree"] == manifests[1]["sha256_tree"] == hidden_write.file_checksum(shards[1])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == manifests[1]["rows"]
@@ -691,9 +765,24 @@ def test_killed_shard_leaves_no_file_and_rerun_equals_uninterrupted(toy_target, 
     ref = hidden_shard(target_section(toy_target), data, 0, 1, ref_out, cfg, LAYERS)
 
     out = tmp_path / "run" / "shard-00000.arrow"
-    cmd = [sys.executable, str(REPO / "scripts" / "hidden_shard.py"), "--cfg", json.dumps(cfg.__dict__),
-           "--drafter-cfg", '{"num_layers": 3}', "--target-cfg", to_json(target_section(toy_target)),
-           "--data", str(data), "--shard", "0", "--num-shards", "1", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "hidden_shard.py"),
+        "--cfg",
+        json.dumps(cfg.__dict__),
+        "--drafter-cfg",
+        '{"num_layers": 3}',
+        "--target-cfg",
+        to_json(target_section(toy_target)),
+        "--data",
+        str(data),
+        "--shard",
+        "0",
+        "--num-shards",
+        "1",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     partial, deadline = 0, time.monotonic() + 300
@@ -730,8 +819,9 @@ def test_gpu_features_packed_quantized_on_device_copied_async_to_pinned(toy_targ
     layer_ids = [1, 2, 3]
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (37, 5, 64, 20)]
-    feats, scales, _, _, event = precompute.forward_features(model, batch, layer_ids, dtype, 0,
-                                                             torch.cuda.Stream())
+    feats, scales, _, _, event = precompute.forward_features(
+        model, batch, layer_ids, dtype, 0, torch.cuda.Stream()
+    )
     assert event is not None and feats.device.type == "cpu" and feats.is_pinned()
     event.synchronize()
     assert feats.shape == (sum(map(len, batch)), 3 * model.config.hidden_size)
@@ -793,8 +883,12 @@ def test_int_values_are_to_numpys_and_a_store_reads_without_pandas(tmp_path):
     (a list row's values) and empty rows too, and without importing pandas (seconds of every training
     start; pyarrow's to_numpy and pa.array import it)."""
     lists = pa.array([[1, -2], [], [3, 4, 127]], pa.list_(pa.int8()))
-    for arr in [*(lists[i].values for i in range(3)), pa.array(range(10), pa.int64()).slice(3, 4),
-                pa.array([1, 2, 65535], pa.uint16()), pa.array([7], pa.int32())]:
+    for arr in [
+        *(lists[i].values for i in range(3)),
+        pa.array(range(10), pa.int64()).slice(3, 4),
+        pa.array([1, 2, 65535], pa.uint16()),
+        pa.array([7], pa.int32()),
+    ]:
         got, want = int_values(arr), arr.to_numpy(zero_copy_only=False)
         assert got.tolist() == want.tolist() and got.dtype == want.dtype
     with pytest.raises(TypeError):
@@ -802,8 +896,10 @@ def test_int_values_are_to_numpys_and_a_store_reads_without_pandas(tmp_path):
     path = tmp_path / "shard.arrow"
     with open_shard(path, ShardMeta(target="t", target_layer_ids=[1], hidden_size=4, dtype="bfloat16")) as w:
         w.write("a", [5, 6, 7], [0, 1, 1], torch.zeros(3, 4, dtype=torch.bfloat16))
-    code = ("import sys; from flashdraft.hidden import HiddenStore; s = HiddenStore([sys.argv[1]]); "
-            "print(s.lengths.tolist(), s[0]['input_ids'].tolist(), s[0]['loss_mask'].tolist(), "
-            "'pandas' in sys.modules)")
+    code = (
+        "import sys; from flashdraft.hidden import HiddenStore; s = HiddenStore([sys.argv[1]]); "
+        "print(s.lengths.tolist(), s[0]['input_ids'].tolist(), s[0]['loss_mask'].tolist(), "
+        "'pandas' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[3] [5, 6, 7] [0, 1, 1] False"

@@ -17,8 +17,15 @@ from flashdraft.hidden_verify import verify_shard
 pytestmark = pytest.mark.slow
 
 # the embedded default, as small as the stages up to the verify allow
-TINY = {"toy.num_docs": 200, "toy.steps": 0, "toy.source_rows": 12, "prompts.total": 16,
-        "prompts.eval_count": 2, "regenerate.max_new_tokens": 4, "hidden.max_length": 64}
+TINY = {
+    "toy.num_docs": 200,
+    "toy.steps": 0,
+    "toy.source_rows": 12,
+    "prompts.total": 16,
+    "prompts.eval_count": 2,
+    "regenerate.max_new_tokens": 4,
+    "hidden.max_length": 64,
+}
 VERIFY = "results/hidden/verify.json"
 
 

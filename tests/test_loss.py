@@ -41,6 +41,7 @@ def test_anchors_only_where_loss_mask_at_p_and_p_plus_1():
 def test_a_samples_anchors_depend_on_its_seed_not_on_its_batch():
     """The same sample (its seed, its loss mask) in two batches of other samples, at another row and
     padded to another length, gets the same anchors; another seed (epoch) other ones."""
+
     def sample(n, start):
         m = torch.zeros(n)
         m[start:] = 1
@@ -96,8 +97,9 @@ def test_loss_is_weighted_ce_of_predict_block_logits(setup):
     drafter, ids, loss_mask, hidden, embed, head, anchors, valid = setup
     gamma = 4.0
     with torch.no_grad():
-        loss, stats = dflash_loss(drafter, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(gamma),
-                                  chunk_blocks=2)
+        loss, stats = dflash_loss(
+            drafter, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(gamma), chunk_blocks=2
+        )
     num, den, expected = 0.0, 0.0, []
     for r in range(2):
         for a in anchors[r][valid[r]].tolist():
@@ -125,8 +127,9 @@ def test_chunked_loss_equals_unchunked_in_value_and_gradient(setup):
     for chunk in (1, 128):
         torch.manual_seed(1)
         d = DFlashDrafter(tiny_spec())
-        loss, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(7.0),
-                              chunk_blocks=chunk)
+        loss, _ = dflash_loss(
+            d, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(7.0), chunk_blocks=chunk
+        )
         loss.backward()
         losses.append(loss.item())
         grads.append(torch.cat([p.grad.flatten() for p in d.parameters()]))
@@ -157,8 +160,9 @@ def test_dpace_loss_is_the_weighted_ce_per_block_with_detached_weights(setup):
     torch.manual_seed(2)
     d = DFlashDrafter(tiny_spec())
     alpha, s = 0.3, ids.shape[1]
-    loss, stats = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, DPace(alpha, B),
-                              chunk_blocks=2)
+    loss, stats = dflash_loss(
+        d, ids, loss_mask, hidden, anchors, valid, embed, head, DPace(alpha, B), chunk_blocks=2
+    )
     loss.backward()
     got = torch.cat([p.grad.flatten() for p in d.parameters()])
     d.zero_grad()
@@ -183,8 +187,18 @@ def test_dpace_loss_is_the_weighted_ce_per_block_with_detached_weights(setup):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
     assert got.abs().sum() > 0
     with torch.no_grad():
-        given, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, DPace(alpha, B),
-                               normalizer=torch.tensor(10.0))
+        given, _ = dflash_loss(
+            d,
+            ids,
+            loss_mask,
+            hidden,
+            anchors,
+            valid,
+            embed,
+            head,
+            DPace(alpha, B),
+            normalizer=torch.tensor(10.0),
+        )
     assert given.item() == pytest.approx(num.item() / 10, rel=1e-5)
     decay, _ = dflash_loss(d, ids, loss_mask, hidden, anchors, valid, embed, head, Decay(4.0))
     assert decay.item() != pytest.approx(loss.item(), rel=1e-3)  # the objective is not ignored
@@ -230,8 +244,9 @@ def test_linear_cross_entropy_equals_autograd_in_value_gradient_and_argmax(head_
         torch.testing.assert_close(x.grad, want_grad, **tol)
         assert torch.equal(correct, logits.argmax(-1) == labels) and not correct.requires_grad
         # each row's CE, weighted or not: the drafter's probability of its label is exp(-CE)
-        torch.testing.assert_close(ce, F.cross_entropy(logits, labels, reduction="none").detach(),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            ce, F.cross_entropy(logits, labels, reduction="none").detach(), rtol=1e-5, atol=1e-5
+        )
         assert not ce.requires_grad
     assert head.grad is None
 

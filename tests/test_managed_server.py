@@ -51,8 +51,9 @@ def hf_reference(data):
     """The hf backend unbatched (as flashdraft.serve generates), greedy."""
     out = data / "hf/train.parquet"
     cfg = RegenerateConfig(max_new_tokens=TOKENS, batch_size=1)
-    regenerate(cfg, _target(data / "target"), str(data / "prompts/train.parquet"), str(out),
-               str(data / "hf/parts"))
+    regenerate(
+        cfg, _target(data / "target"), str(data / "prompts/train.parquet"), str(out), str(data / "hf/parts")
+    )
     return pq.read_table(out)
 
 
@@ -66,10 +67,20 @@ def _cfg(**kw):
 
 
 def _job_cmd(data, out_dir, cfg) -> list[str]:
-    return [sys.executable, str(ROOT / "scripts/regenerate.py"), "--cfg", to_json(cfg),
-            "--target-cfg", to_json(_target(data / "target")),
-            "--prompts", str(data / "prompts/train.parquet"), "--out", str(out_dir / "train.parquet"),
-            "--work-dir", str(out_dir / "parts")]
+    return [
+        sys.executable,
+        str(ROOT / "scripts/regenerate.py"),
+        "--cfg",
+        to_json(cfg),
+        "--target-cfg",
+        to_json(_target(data / "target")),
+        "--prompts",
+        str(data / "prompts/train.parquet"),
+        "--out",
+        str(out_dir / "train.parquet"),
+        "--work-dir",
+        str(out_dir / "parts"),
+    ]
 
 
 def _states(pid) -> list[str]:
@@ -134,7 +145,17 @@ def test_placeholders_fill_arguments_never_a_shell():
     target = "/models/my model $(touch pwned); rm -rf ~"
     template = "srv --model {target} --port {port} --tp {gpus} --cfg '{\"a\": {\"b\": 1}}' 'at {port}'"
     assert server_argv(template, target, 8123, 2) == [
-        "srv", "--model", target, "--port", "8123", "--tp", "2", "--cfg", '{"a": {"b": 1}}', "at 8123"]
+        "srv",
+        "--model",
+        target,
+        "--port",
+        "8123",
+        "--tp",
+        "2",
+        "--cfg",
+        '{"a": {"b": 1}}',
+        "at 8123",
+    ]
     with pytest.raises(ServerError, match=r"unknown placeholder\(s\) \['model'\]"):
         server_argv("srv {model} --port {port}", "t", 1, 1)
     with pytest.raises(ServerError, match=r"has no \{port\}"):
@@ -191,8 +212,18 @@ def test_sigkill_sigterm_then_resume(data, hf_reference, tmp_path, monkeypatch):
         return job, _server_pid(log.read_text())
 
     # 1. the job under a GPU lease, SIGKILLed; its server is frozen meanwhile, so it cannot end on its own
-    lease = [sys.executable, "-m", "flashdraft.gpu", "--gpus", "1", "--pool", "0", "--lock-dir", str(locks),
-             "--"]
+    lease = [
+        sys.executable,
+        "-m",
+        "flashdraft.gpu",
+        "--gpus",
+        "1",
+        "--pool",
+        "0",
+        "--lock-dir",
+        str(locks),
+        "--",
+    ]
     job, pid = start("sigkill", lease)
     _wait(lambda: _rows(parts) >= 2, "committed part")
     os.kill(pid, signal.SIGSTOP)
@@ -226,26 +257,46 @@ def test_sigkill_sigterm_then_resume(data, hf_reference, tmp_path, monkeypatch):
     for key in ("http_proxy", "HTTP_PROXY"):
         monkeypatch.setenv(key, f"http://127.0.0.1:{_dead_port()}")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    stats = regenerate(cfg, _target(data / "target"), str(data / "prompts/train.parquet"),
-                       str(tmp_path / "train.parquet"), str(parts))
+    stats = regenerate(
+        cfg,
+        _target(data / "target"),
+        str(data / "prompts/train.parquet"),
+        str(tmp_path / "train.parquet"),
+        str(parts),
+    )
     assert stats["rows"] == 40 and stats["errors"] == 0
     assert pq.read_table(tmp_path / "train.parquet").equals(hf_reference)
 
 
 # Stand-ins for a broken server: tiny commands, no model. Each: (server_cmd, more config, error message).
 BAD = {
-    "exits_at_once": (f"{PY} -c 'print(\"CUDA out of memory\"); raise SystemExit(3)' --port {{port}}", {},
-                      r"the server exited with status 3 before it answered GET http://127\.0\.0\.1:\d+/v1/models"),
-    "unknown_executable": ("flashdraft-no-such-server --port {port}", {},
-                           r"regenerate\.server_cmd: cannot run 'flashdraft-no-such-server': No such file"),
-    "port_in_use": (f"{PY} -c 'open(\"started\", \"w\")' {{port}}", {"server_port": "busy"},
-                    r"regenerate\.server_port \d+ is already in use"),
-    "never_healthy": (f"{PY} -c 'import time; time.sleep(600)' {{port}}", {"server_timeout_s": 1},
-                      r"the server did not answer GET http://127\.0\.0\.1:\d+/v1/models within "
-                      r"regenerate\.server_timeout_s=1 s \(last: .*refused"),
-    "answers_garbage": (f"{STUB} garbage {{port}}", {},
-                        r"GET http://127\.0\.0\.1:\d+/v1/models answered b'<html>it works!</html>', "
-                        r"not an OpenAI model list"),
+    "exits_at_once": (
+        f"{PY} -c 'print(\"CUDA out of memory\"); raise SystemExit(3)' --port {{port}}",
+        {},
+        r"the server exited with status 3 before it answered GET http://127\.0\.0\.1:\d+/v1/models",
+    ),
+    "unknown_executable": (
+        "flashdraft-no-such-server --port {port}",
+        {},
+        r"regenerate\.server_cmd: cannot run 'flashdraft-no-such-server': No such file",
+    ),
+    "port_in_use": (
+        f'{PY} -c \'open("started", "w")\' {{port}}',
+        {"server_port": "busy"},
+        r"regenerate\.server_port \d+ is already in use",
+    ),
+    "never_healthy": (
+        f"{PY} -c 'import time; time.sleep(600)' {{port}}",
+        {"server_timeout_s": 1},
+        r"the server did not answer GET http://127\.0\.0\.1:\d+/v1/models within "
+        r"regenerate\.server_timeout_s=1 s \(last: .*refused",
+    ),
+    "answers_garbage": (
+        f"{STUB} garbage {{port}}",
+        {},
+        r"GET http://127\.0\.0\.1:\d+/v1/models answered b'<html>it works!</html>', "
+        r"not an OpenAI model list",
+    ),
 }
 
 
@@ -262,8 +313,14 @@ def test_bad_server_fails_clearly_keeping_parts(case, data, hf_reference, tmp_pa
     with socket.create_server(("127.0.0.1", 0)) as busy:  # listening: its port is in use
         if extra.get("server_port") == "busy":
             extra = {"server_port": busy.getsockname()[1]}
-        job = subprocess.run(_job_cmd(data, tmp_path, _cfg(server_cmd=cmd, **extra)), cwd=tmp_path,
-                             capture_output=True, text=True, timeout=WAIT_S, env=ENV)
+        job = subprocess.run(
+            _job_cmd(data, tmp_path, _cfg(server_cmd=cmd, **extra)),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+            env=ENV,
+        )
     assert job.returncode == 1
     assert re.search(f"^regenerate: error: {message}", one_line_error(job))
     assert part.read_bytes() == committed and sorted(p.name for p in work.glob("part-*")) == [part.name]
@@ -281,8 +338,11 @@ def test_a_server_that_dies_mid_run_is_reported_at_once(data, tmp_path):
     (and how) after the server's log tail, instead of retrying the dead port until its retries run out.
     The answers committed before are kept."""
     # retries that would take minutes to run out, each ending in "Connection refused"
-    cfg, parts, log = _cfg(concurrency=2, part_rows=2, max_retries=5, backoff_s=30), tmp_path / "parts", \
-        tmp_path / "job.log"
+    cfg, parts, log = (
+        _cfg(concurrency=2, part_rows=2, max_retries=5, backoff_s=30),
+        tmp_path / "parts",
+        tmp_path / "job.log",
+    )
     with open(log, "w") as f:
         job = subprocess.Popen(_job_cmd(data, tmp_path, cfg), stdout=f, stderr=subprocess.STDOUT, env=ENV)
     try:
@@ -300,11 +360,14 @@ def test_a_server_that_dies_mid_run_is_reported_at_once(data, tmp_path):
     assert code == 1, text
     last = [line for line in text.splitlines() if line.strip()][-1]
     server_log = re.escape(str(parts / "server.log"))
-    assert re.fullmatch(rf"regenerate: error: the job's server \(pid {pid}\) was killed by SIGKILL while the "
-                        r"job was using it at http://127\.0\.0\.1:\d+/v1 \(the server's last log lines are "
-                        rf"above, all of it in {server_log}\)", last), last
+    assert re.fullmatch(
+        rf"regenerate: error: the job's server \(pid {pid}\) was killed by SIGKILL while the "
+        r"job was using it at http://127\.0\.0\.1:\d+/v1 \(the server's last log lines are "
+        rf"above, all of it in {server_log}\)",
+        last,
+    ), last
     assert "Traceback" not in text and "retries" not in text and "refused" not in text
-    tail = text[text.index(f"last lines of {parts / 'server.log'}:"):]
+    tail = text[text.index(f"last lines of {parts / 'server.log'}:") :]
     assert re.search(r"^  \| .*serving .* on http://127\.0\.0\.1:\d+/v1$", tail, re.M), tail
     assert text.count("last lines of") == 1  # printed once, though two requests were in flight
     assert 2 <= _rows(parts) < 40 and not (tmp_path / "train.parquet").exists()

@@ -74,8 +74,12 @@ def test_slice_rows_is_slice_size_of_the_bucket_s_micro_batch(block_size, max_an
         for batch_tokens in (bucket, 3 * bucket + 5, 16384, 50000):
             rows = rows_per_batch(bucket, batch_tokens)
             for batch_anchors in (0, 1, slots, 2 * slots, 2560, 5 * slots - 1, rows * slots, 10**7):
-                cfg = TrainConfig(buckets=[bucket], batch_tokens=batch_tokens, max_anchors=max_anchors,
-                                  batch_anchors=batch_anchors)
+                cfg = TrainConfig(
+                    buckets=[bucket],
+                    batch_tokens=batch_tokens,
+                    max_anchors=max_anchors,
+                    batch_anchors=batch_anchors,
+                )
                 per = slice_rows(bucket, cfg, block_size)
                 assert per == slice_size(rows, slots, batch_anchors)
                 check_slices(rows, slots, batch_anchors, per)
@@ -103,8 +107,14 @@ def tiny_step(target, family: str, loss: str, batch_anchors: int):
     from flashdraft.train_step import build_step, load_spec
 
     drafter_cfg = DrafterConfig(family=family, **DRAFTER)
-    cfg = TrainConfig(compile=False, attention="sdpa", max_anchors=MAX_ANCHORS, loss=loss,
-                      batch_anchors=batch_anchors, buckets=[BUCKET, 2 * BUCKET])
+    cfg = TrainConfig(
+        compile=False,
+        attention="sdpa",
+        max_anchors=MAX_ANCHORS,
+        loss=loss,
+        batch_anchors=batch_anchors,
+        buckets=[BUCKET, 2 * BUCKET],
+    )
     spec = load_spec(target, drafter_cfg)
     step = build_step(cfg, spec, target, torch.device("cpu"), drafter_cfg=drafter_cfg)
     assert step.batch_anchors == batch_anchors and step.amp_dtype is None
@@ -121,12 +131,13 @@ def micro_batch(step, bucket: int, rows: int, seed: int):
     spec = step.spec
     g = torch.Generator().manual_seed(seed)
     last = spec.hidden_size if needs_last_hidden(DrafterConfig(family=spec.family)) else 0
-    batch = random_batch(bucket, rows, spec.num_features * spec.hidden_size, spec.vocab_size, torch.float32,
-                         g, last)
+    batch = random_batch(
+        bucket, rows, spec.num_features * spec.hidden_size, spec.vocab_size, torch.float32, g, last
+    )
     for r in range(rows):
         batch["loss_mask"][r, : (7 * r + 3) % (bucket // 2)] = 0
     batch["loss_mask"][1] = 0  # a row with no anchor at all
-    batch["loss_mask"][-1, bucket - bucket // 4:] = 0  # padding at the end
+    batch["loss_mask"][-1, bucket - bucket // 4 :] = 0  # padding at the end
     anchors, valid = anchors_for(step, batch["loss_mask"], g)
     return batch, anchors, valid
 
@@ -172,7 +183,7 @@ def test_row_slices_give_the_whole_micro_batch_s_gradients_and_stats(toy_target,
     # the padded rows hold no anchor
     _, a_last, v_last = passes[-1]
     pad = len(passes) * per - rows
-    assert (a_last[per - pad:] == -1).all() and not v_last[per - pad:].any()
+    assert (a_last[per - pad :] == -1).all() and not v_last[per - pad :].any()
     assert valid.sum() == sum(v.sum() for _, _, v in passes)
 
     assert_same_grads(grads(sliced.model), expected)
@@ -262,21 +273,26 @@ def test_train_peak_grows_with_batch_tokens_and_max_anchors(production, coeffici
     for a, b in pairwise(sweep):
         pa, pb = peak(a, shapes, coefficients=coefficients), peak(b, shapes, coefficients=coefficients)
         assert pb >= pa, (a.train.batch_tokens, b.train.batch_tokens)
-        if all(rows_per_batch(s, b.train.batch_tokens) > rows_per_batch(s, a.train.batch_tokens)
-               for s in buckets):
+        if all(
+            rows_per_batch(s, b.train.batch_tokens) > rows_per_batch(s, a.train.batch_tokens) for s in buckets
+        ):
             assert pb > pa, (a.train.batch_tokens, b.train.batch_tokens)
-    assert peak(sweep[-1], shapes, coefficients=coefficients) > \
-        peak(sweep[0], shapes, coefficients=coefficients)
+    assert peak(sweep[-1], shapes, coefficients=coefficients) > peak(
+        sweep[0], shapes, coefficients=coefficients
+    )
 
     sweep = [with_train(cfg, max_anchors=n) for n in (8, 64, 128, 200, 512, 1024, 4096)]
     for a, b in pairwise(sweep):
         pa, pb = peak(a, shapes, coefficients=coefficients), peak(b, shapes, coefficients=coefficients)
         assert pb >= pa, (a.train.max_anchors, b.train.max_anchors)
-        if all(num_anchor_slots(s, b.train.max_anchors, block)
-               > num_anchor_slots(s, a.train.max_anchors, block) for s in buckets):
+        if all(
+            num_anchor_slots(s, b.train.max_anchors, block) > num_anchor_slots(s, a.train.max_anchors, block)
+            for s in buckets
+        ):
             assert pb > pa, (a.train.max_anchors, b.train.max_anchors)
-    assert peak(sweep[-1], shapes, coefficients=coefficients) > \
-        peak(sweep[0], shapes, coefficients=coefficients)
+    assert peak(sweep[-1], shapes, coefficients=coefficients) > peak(
+        sweep[0], shapes, coefficients=coefficients
+    )
 
 
 @pytest.mark.parametrize("coefficients", COEFS)
@@ -287,15 +303,24 @@ def test_batch_anchors_bounds_the_peak_whatever_the_micro_batch(production, coef
     cfg, shapes = production
     slots = num_anchor_slots(max(cfg.train.buckets), cfg.train.max_anchors, cfg.drafter.block_size)
     assert {num_anchor_slots(b, cfg.train.max_anchors, 16) for b in cfg.train.buckets} == {slots}
-    bound = max(peak(Config(drafter=cfg.drafter, train=dataclasses.replace(
-        cfg.train, buckets=[b], batch_tokens=rows * b, batch_anchors=0)), shapes, coefficients=coefficients)
-        for b in cfg.train.buckets)
+    bound = max(
+        peak(
+            Config(
+                drafter=cfg.drafter,
+                train=dataclasses.replace(cfg.train, buckets=[b], batch_tokens=rows * b, batch_anchors=0),
+            ),
+            shapes,
+            coefficients=coefficients,
+        )
+        for b in cfg.train.buckets
+    )
     for tokens in (4096, rows * 3072, 16384, 49152, 10**5, 2**20, 2**24):
         bounded = with_train(cfg, batch_tokens=tokens, batch_anchors=rows * slots)
         assert peak(bounded, shapes, coefficients=coefficients) <= bound, tokens
         unbounded = with_train(cfg, batch_tokens=tokens, batch_anchors=0)
-        assert peak(bounded, shapes, coefficients=coefficients) <= peak(unbounded, shapes,
-                                                                       coefficients=coefficients)
+        assert peak(bounded, shapes, coefficients=coefficients) <= peak(
+            unbounded, shapes, coefficients=coefficients
+        )
     huge = with_train(cfg, batch_tokens=2**24, batch_anchors=0)
     assert peak(huge, shapes, coefficients=coefficients) > bound
 
@@ -306,12 +331,20 @@ def test_batch_anchors_bounds_the_peak_whatever_the_micro_batch(production, coef
 def test_fsdp_holds_less_state_per_gpu_than_ddp(production, family, layers, world):
     cfg, shapes = production
     cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, family=family, num_layers=layers))
-    fsdp, ddp, single = (sum(memory.train_state(cfg, shapes, world, m).values())
-                         for m in ("fsdp", "ddp", "single"))
+    fsdp, ddp, single = (
+        sum(memory.train_state(cfg, shapes, world, m).values()) for m in ("fsdp", "ddp", "single")
+    )
     assert fsdp < ddp and single < ddp
     # and the predicted peak with it: the batch and the activations are the same
-    peaks = {m: memory.train_peak(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, parallel=m)),
-                                  shapes, world, 80 * GIB) for m in ("fsdp", "ddp")}
+    peaks = {
+        m: memory.train_peak(
+            dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, parallel=m)),
+            shapes,
+            world,
+            80 * GIB,
+        )
+        for m in ("fsdp", "ddp")
+    }
     assert peaks["fsdp"].bytes < peaks["ddp"].bytes
     assert "fsdp" in peaks["fsdp"].note and "ddp" in peaks["ddp"].note
     # FSDP's sharded state shrinks with the process count
@@ -341,8 +374,9 @@ def test_largest_batch_anchors_is_the_last_that_fits(production, world, gib):
     if n < most:
         assert not fits(n + slots)
     else:  # everything fits: the micro-batch runs whole
-        assert peak(with_train(cfg, batch_anchors=n), shapes, world, gpu) == \
-            peak(with_train(cfg, batch_anchors=0), shapes, world, gpu)
+        assert peak(with_train(cfg, batch_anchors=n), shapes, world, gpu) == peak(
+            with_train(cfg, batch_anchors=0), shapes, world, gpu
+        )
 
 
 def test_largest_batch_anchors_covers_every_case(production):
@@ -350,8 +384,10 @@ def test_largest_batch_anchors_covers_every_case(production):
     the whole micro-batch's, whatever the coefficients read), everything fits."""
     cfg, shapes = production
     slots = num_anchor_slots(max(cfg.train.buckets), cfg.train.max_anchors, cfg.drafter.block_size)
-    most = max(rows_per_batch(s, cfg.train.batch_tokens) * num_anchor_slots(s, cfg.train.max_anchors, 16)
-               for s in cfg.train.buckets)
+    most = max(
+        rows_per_batch(s, cfg.train.batch_tokens) * num_anchor_slots(s, cfg.train.max_anchors, 16)
+        for s in cfg.train.buckets
+    )
     one_row, whole = (peak(with_train(cfg, batch_anchors=n), shapes, gpu=None) for n in (slots, 0))
     assert one_row < whole
     between = int(((one_row + whole) / 2 + memory.CUDA_CONTEXT) / memory.FIT_FRACTION)
@@ -362,9 +398,12 @@ def test_largest_batch_anchors_covers_every_case(production):
 
 def config_keys(line: str, cfg: Config) -> list[str]:
     """The section.key names in `line` that are keys of the config."""
-    return [m.group(0) for m in re.finditer(r"\b([a-z_]+)\.([a-z_]+)\b", line)
-            if dataclasses.is_dataclass(getattr(cfg, m.group(1), None))
-            and any(f.name == m.group(2) for f in dataclasses.fields(getattr(cfg, m.group(1))))]
+    return [
+        m.group(0)
+        for m in re.finditer(r"\b([a-z_]+)\.([a-z_]+)\b", line)
+        if dataclasses.is_dataclass(getattr(cfg, m.group(1), None))
+        and any(f.name == m.group(2) for f in dataclasses.fields(getattr(cfg, m.group(1))))
+    ]
 
 
 def test_problems_is_empty_for_a_config_that_fits(production):
@@ -378,8 +417,11 @@ def test_problems_is_empty_for_a_config_that_fits(production):
 def test_problems_is_one_line_per_failing_stage_naming_it_and_a_key(production, gib):
     cfg, shapes = production
     gpu = gib * GIB
-    failing = [p.stage for p in memory.stage_peaks(cfg, shapes, 1, gpu)
-               if memory.on_gpu(cfg, p.stage) and not p.by_construction and p.bytes > memory.budget(gpu)]
+    failing = [
+        p.stage
+        for p in memory.stage_peaks(cfg, shapes, 1, gpu)
+        if memory.on_gpu(cfg, p.stage) and not p.by_construction and p.bytes > memory.budget(gpu)
+    ]
     lines = memory.problems(cfg, shapes, 1, gpu, "gpus.memory_gib")
     assert failing and ("train" in failing or gib > 16)  # the drafter's state alone takes 18 GiB
     assert len(lines) == len(failing)
@@ -395,10 +437,14 @@ def test_check_reads_the_card_from_gpus_memory_gib_else_the_visible_gpu(producti
     cfg, shapes = production
     world = memory.training_world(cfg)
     small = dataclasses.replace(cfg, gpus=dataclasses.replace(cfg.gpus, memory_gib=16))
-    assert memory.check(small, lambda: 1000 * GIB, target=dict(QWEN3_8B)) == \
-        memory.problems(cfg, shapes, world, 16 * GIB, "gpus.memory_gib") != []
-    assert memory.check(cfg, lambda: 16 * GIB, target=dict(QWEN3_8B)) == \
-        memory.problems(cfg, shapes, world, 16 * GIB, "the visible GPU")
+    assert (
+        memory.check(small, lambda: 1000 * GIB, target=dict(QWEN3_8B))
+        == memory.problems(cfg, shapes, world, 16 * GIB, "gpus.memory_gib")
+        != []
+    )
+    assert memory.check(cfg, lambda: 16 * GIB, target=dict(QWEN3_8B)) == memory.problems(
+        cfg, shapes, world, 16 * GIB, "the visible GPU"
+    )
     assert memory.check(cfg, lambda: None, target=dict(QWEN3_8B)) == []  # the card unknown
     assert memory.check(cfg, lambda: 1000 * GIB, target=dict(QWEN3_8B)) == []
 
@@ -427,11 +473,17 @@ def test_the_precompute_remedy_applied_fits(production):
     assert memory.problems(fixed, shapes, 1, 80 * GIB, "test") == []
 
 
-KNOWN = {"draft": {"fp8": 2.25, "bf16": 3.5, "eager": 5.75, "dspark-fp8": 4.125}, "context": 6.5,
-         "constant": 3 * GIB + 12345}
-VARIANTS = {"fp8": ({}, {"fp8": "tensorwise"}), "bf16": ({}, {"fp8": None}),
-            "eager": ({}, {"compile": False, "fp8": None}),
-            "dspark-fp8": ({"family": "dspark", "block_size": 7}, {"fp8": "tensorwise"})}
+KNOWN = {
+    "draft": {"fp8": 2.25, "bf16": 3.5, "eager": 5.75, "dspark-fp8": 4.125},
+    "context": 6.5,
+    "constant": 3 * GIB + 12345,
+}
+VARIANTS = {
+    "fp8": ({}, {"fp8": "tensorwise"}),
+    "bf16": ({}, {"fp8": None}),
+    "eager": ({}, {"compile": False, "fp8": None}),
+    "dspark-fp8": ({"family": "dspark", "block_size": 7}, {"fp8": "tensorwise"}),
+}
 
 
 def synthetic_samples(coefficients: dict, shapes: dict, variants=VARIANTS) -> list:
@@ -442,17 +494,36 @@ def synthetic_samples(coefficients: dict, shapes: dict, variants=VARIANTS) -> li
         for bucket in (1024, 2048, 3072):
             for rows in (1, 4):
                 for max_anchors in (128, 512):
-                    cfg = Config(drafter=DrafterConfig(**{"num_layers": 5, "block_size": 16, **drafter}),
-                                 train=TrainConfig(**{"buckets": [bucket], "batch_tokens": rows * bucket,
-                                                      "max_anchors": max_anchors, **train}))
+                    cfg = Config(
+                        drafter=DrafterConfig(**{"num_layers": 5, "block_size": 16, **drafter}),
+                        train=TrainConfig(
+                            **{
+                                "buckets": [bucket],
+                                "batch_tokens": rows * bucket,
+                                "max_anchors": max_anchors,
+                                **train,
+                            }
+                        ),
+                    )
                     assert memory.variant(cfg) == name
                     measured = memory.train_peak(cfg, shapes, coefficients=coefficients).bytes
                     out.append(memory.Sample(cfg, shapes, measured))
     return out
 
 
-@pytest.mark.parametrize("shapes", [QWEN3_8B, {**QWEN3_8B, "hidden_size": 2048, "intermediate_size": 6144,
-                                                "num_attention_heads": 16, "num_key_value_heads": 4}])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        QWEN3_8B,
+        {
+            **QWEN3_8B,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+        },
+    ],
+)
 def test_fit_recovers_the_coefficients_the_samples_came_from(shapes):
     shapes = dict(shapes)
     got = memory.fit(synthetic_samples(KNOWN, shapes))

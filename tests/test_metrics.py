@@ -91,8 +91,10 @@ def test_validation_columns_are_empty_where_it_did_not_run(tmp_path):
 def test_a_window_checkpointed_before_a_metric_existed_resumes_with_that_metric_unknown(tmp_path):
     """A checkpoint of a version whose stats ended before expected_tau: its open window resumes, the other
     metrics of the next row as an uninterrupted run's, expected_tau NaN there only (its sums are missing)."""
-    first, second = stats(2.0, 1.0, 2.0, 1, [1, 0, 0], [1, 1, 1], 1.5), stats(4.0, 1.0, 3.0, 1, [1, 1, 0],
-                                                                              [1, 1, 1], 2.5)
+    first, second = (
+        stats(2.0, 1.0, 2.0, 1, [1, 0, 0], [1, 1, 1], 1.5),
+        stats(4.0, 1.0, 3.0, 1, [1, 1, 0], [1, 1, 1], 2.5),
+    )
     run = logger(tmp_path / "a")
     run.add(first, 10)
     run.add(second, 10)

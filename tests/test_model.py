@@ -19,9 +19,16 @@ from flashdraft.target import load_target_head
 
 
 def test_feature_layers_and_mask_id_for_qwen3_8b_shape():
-    config = Qwen3Config(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                         rope_theta=1e6)
+    config = Qwen3Config(
+        num_hidden_layers=36,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        rope_theta=1e6,
+    )
     spec = DrafterSpec.from_target(config, 151669, DrafterConfig())
     assert spec.target_layer_ids == [1, 9, 17, 25, 33]
     assert (spec.num_layers, spec.block_size, spec.mask_token_id) == (5, 16, 151669)
@@ -98,15 +105,17 @@ def test_sliding_window_mask_keeps_the_w_context_positions_up_to_each_query():
     whole block, nothing else; the dense SDPA mask is built from the same function."""
     anchors, valid = torch.tensor([[9, 2, -1]]), torch.tensor([[True, True, False]])
     s, bs, w = 12, 4, 6
-    m = dflash_mask_mod(anchors, valid, s, bs, w)(torch.tensor(0), 0, torch.arange(3 * bs)[:, None],
-                                                      torch.arange(s + 3 * bs)[None, :])
+    m = dflash_mask_mod(anchors, valid, s, bs, w)(
+        torch.tensor(0), 0, torch.arange(3 * bs)[:, None], torch.arange(s + 3 * bs)[None, :]
+    )
     for k in range(bs):
         assert m[k, :s].nonzero().flatten().tolist() == list(range(9 + k - w + 1, 9)), k
         assert m[k, s : s + bs].all() and not m[k, s + bs :].any()  # its whole block, bidirectional
     assert m[bs, :s].nonzero().flatten().tolist() == [0, 1]  # anchor 2: the window holds all its context
     assert not m[2 * bs :].any()
-    full = dflash_mask_mod(anchors, valid, s, bs)(torch.tensor(0), 0, torch.arange(3 * bs)[:, None],
-                                                  torch.arange(s + 3 * bs)[None, :])
+    full = dflash_mask_mod(anchors, valid, s, bs)(
+        torch.tensor(0), 0, torch.arange(3 * bs)[:, None], torch.arange(s + 3 * bs)[None, :]
+    )
     assert torch.equal(m[bs : 2 * bs], full[bs : 2 * bs]) and m[:bs, :s].sum() < full[:bs, :s].sum()
     dense, _ = dense_mask(anchors, valid, s, bs, w)
     assert torch.equal(dense[0, 0, : 2 * bs], m[: 2 * bs])
@@ -137,29 +146,41 @@ def test_windowed_training_forward_drafting_and_cache_agree(setup, windowed):
     assert not torch.allclose(windowed.predict_block(near[:1, :a], ids[0, a].item(), embed, head), logits)
     cache, s = DraftCache(), 0
     for new in [9, 1, 14, B, 2]:
-        got = windowed.predict_block_cached(hidden[:1, s : s + new], ids[0, s + new].item(), embed, head,
-                                            cache, s + new)
+        got = windowed.predict_block_cached(
+            hidden[:1, s : s + new], ids[0, s + new].item(), embed, head, cache, s + new
+        )
         s += new
         want = windowed.predict_block(hidden[:1, :s], ids[0, s].item(), embed, head)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         short = windowed.predict_block_cached(hidden[:1, :0], ids[0, s].item(), embed, head, cache, s, 3)
-        torch.testing.assert_close(short, windowed.predict_block(hidden[:1, :s], ids[0, s].item(), embed,
-                                                                 head, 3), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            short,
+            windowed.predict_block(hidden[:1, :s], ids[0, s].item(), embed, head, 3),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def test_windowed_export_writes_the_engines_keys_and_round_trips(setup, windowed, tmp_path):
     _, ids, _, hidden, embed, head, _, _ = setup
     export_drafter(windowed, windowed.spec, tmp_path / "drafter")
     config = json.loads((tmp_path / "drafter" / "config.json").read_text())
-    assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 3], "use_swa": True,
-                                       "swa_window_size": 12, "causal": False}
+    assert config["dflash_config"] == {
+        "mask_token_id": MASK,
+        "target_layer_ids": [1, 3],
+        "use_swa": True,
+        "swa_window_size": 12,
+        "causal": False,
+    }
     assert config["layer_types"] == ["sliding_attention"] * 2 and config["sliding_window"] == 12
     assert config["use_sliding_window"] is True and config["is_causal"] is False
     loaded, spec = load_drafter(tmp_path / "drafter")
     assert spec == windowed.spec and spec.sliding_window == 12
     a = 30
-    torch.testing.assert_close(loaded.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head),
-                               windowed.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head))
+    torch.testing.assert_close(
+        loaded.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head),
+        windowed.predict_block(hidden[:1, :a], ids[0, a].item(), embed, head),
+    )
     plain = tiny_spec().to_config_dict()
     assert "use_swa" not in plain["dflash_config"] and "is_causal" not in plain
     assert DrafterSpec.from_config_dict(plain).sliding_window is None
@@ -183,8 +204,9 @@ def test_cached_drafting_equals_predict_block_over_the_full_context(setup):
     drafter, ids, _, hidden, embed, head, _, _ = setup
     cache, s = DraftCache(), 0
     for new in [9, 1, 4, B, 2, 1, 7]:
-        got = drafter.predict_block_cached(hidden[:1, s : s + new], ids[0, s + new].item(), embed, head,
-                                           cache, s + new)
+        got = drafter.predict_block_cached(
+            hidden[:1, s : s + new], ids[0, s + new].item(), embed, head, cache, s + new
+        )
         s += new
         want = drafter.predict_block(hidden[:1, :s], ids[0, s].item(), embed, head)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -252,8 +274,16 @@ def test_export_keys_config_and_reload_reproduce_logits(setup, tmp_path):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_load_target_head_reads_sharded_and_tied_checkpoints(tmp_path, tied):
-    config = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=tied)
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(tmp_path, max_shard_size="20KB")  # several shards + model.safetensors.index.json
@@ -292,29 +322,93 @@ def test_flex_and_sdpa_agree_on_gpu_in_loss_and_gradients():
 
 
 # the spec-relevant keys of real config.json files (transformers 4's format)
-QWEN3_8B_JSON = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-06,
-                     rope_scaling=None, rope_theta=1000000, max_position_embeddings=40960, vocab_size=151936,
-                     tie_word_embeddings=False, sliding_window=None)
-LLAMA31_8B_JSON = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-05,
-                       rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-                       rope_theta=500000.0, max_position_embeddings=131072, vocab_size=128256)
-QWEN25_7B_JSON = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                      num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-06, rope_theta=1000000.0,
-                      max_position_embeddings=32768, vocab_size=152064, sliding_window=131072,
-                      use_sliding_window=False)
-MISTRAL_JSON = dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-05,
-                    rope_theta=1000000.0, max_position_embeddings=32768, vocab_size=32768)
+QWEN3_8B_JSON = dict(
+    model_type="qwen3",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-06,
+    rope_scaling=None,
+    rope_theta=1000000,
+    max_position_embeddings=40960,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+    sliding_window=None,
+)
+LLAMA31_8B_JSON = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-05,
+    rope_scaling={
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+    vocab_size=128256,
+)
+QWEN25_7B_JSON = dict(
+    model_type="qwen2",
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    rms_norm_eps=1e-06,
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    vocab_size=152064,
+    sliding_window=131072,
+    use_sliding_window=False,
+)
+MISTRAL_JSON = dict(
+    model_type="mistral",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-05,
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    vocab_size=32768,
+)
 NO_HEAD_DIM = {k: v for k, v in QWEN3_8B_JSON.items() if k != "head_dim"} | {"hidden_size": 2048}
 
 
-@pytest.mark.parametrize("raw", [QWEN3_8B_JSON, LLAMA31_8B_JSON, MISTRAL_JSON, "transformers 5",
-                                 QWEN25_7B_JSON, NO_HEAD_DIM, {**QWEN3_8B_JSON, "model_type": "gemma3_text"}],
-                         ids=["qwen3", "llama", "mistral", "transformers 5", "qwen2 no head_dim",
-                              "qwen3 no head_dim", "other type"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        QWEN3_8B_JSON,
+        LLAMA31_8B_JSON,
+        MISTRAL_JSON,
+        "transformers 5",
+        QWEN25_7B_JSON,
+        NO_HEAD_DIM,
+        {**QWEN3_8B_JSON, "model_type": "gemma3_text"},
+    ],
+    ids=[
+        "qwen3",
+        "llama",
+        "mistral",
+        "transformers 5",
+        "qwen2 no head_dim",
+        "qwen3 no head_dim",
+        "other type",
+    ],
+)
 def test_config_json_gives_the_spec_autoconfig_gives_or_none(raw, tmp_path):
     """load_spec reads config.json without transformers where plain_target_config says that is exact; a
     missing key takes its config class's default (Qwen3's head_dim 128, not hidden_size / heads)."""

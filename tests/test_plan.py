@@ -39,14 +39,24 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 PRODUCTION = REPO / "config" / "production.yaml"
 EMBEDDED = REPO / "config" / "config.yaml"
-QWEN3_8B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096,
-            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False}
+QWEN3_8B = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
 
 
 def plan_cli(*args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "flashdraft.plan", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "flashdraft.plan", *map(str, args)], capture_output=True, text=True, cwd=cwd
+    )
 
 
 @pytest.fixture
@@ -126,8 +136,15 @@ def test_plan_on_production_on_one_node(qwen3_8b_dir, tmp_path):
     # half the GPUs: twice the hours (40 and 8 shard jobs in whole waves; training on gpus.drafter)
     def on(gpus, drafter):
         # a global batch both 3 and 6 training processes can share (6 micro-batches of 16384 tokens)
-        cfg = load(with_keys(tmp_path, PRODUCTION, gpus__drafter=drafter, eval__shards=8,
-                               train__global_batch_tokens=6 * 16384))
+        cfg = load(
+            with_keys(
+                tmp_path,
+                PRODUCTION,
+                gpus__drafter=drafter,
+                eval__shards=8,
+                train__global_batch_tokens=6 * 16384,
+            )
+        )
         return plan(cfg, "results", gpus=gpus)
 
     half, full = on(4, 3), on(8, 6)
@@ -217,12 +234,15 @@ def test_plan_on_the_embedded_default_reads_the_stages_already_run(tmp_path):
     assert "| precompute |" in proc.stdout and "runs on the CPU" in proc.stdout
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("eval:\n  shards: -1\n", "config key eval.shards: -1 is less than the minimum of 0"),
-    ("hidden:\n  dtipe: bfloat16\n", "config key hidden: Additional properties are not allowed ('dtipe'"),
-    ("target:\n  path: nowhere\n  build_toy: false\n", "config key target.path: cannot read nowhere/"),
-    ("gpus: [1\n", "cannot read the config"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("eval:\n  shards: -1\n", "config key eval.shards: -1 is less than the minimum of 0"),
+        ("hidden:\n  dtipe: bfloat16\n", "config key hidden: Additional properties are not allowed ('dtipe'"),
+        ("target:\n  path: nowhere\n  build_toy: false\n", "config key target.path: cannot read nowhere/"),
+        ("gpus: [1\n", "cannot read the config"),
+    ],
+)
 def test_bad_config_is_one_line(tmp_path, text, expected):
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
@@ -265,8 +285,9 @@ def test_precompute_preflight_refuses_with_the_plans_estimate(tmp_path, dtype, f
     with pytest.raises(UserError, match="not enough disk space") as e:
         out = tmp_path / "h" / "shard-00000.arrow"
         section = TargetConfig(path=str(target), dtype="float32")
-        hidden_shard(section, tmp_path / "data.parquet", 0, 1, out, hidden, drafter,
-                     last_hidden=family == "dspark")
+        hidden_shard(
+            section, tmp_path / "data.parquet", 0, 1, out, hidden, drafter, last_hidden=family == "dspark"
+        )
     need, tokens = map(int, re.search(r"\((\d+) bytes: (\d+) tokens x", str(e.value)).groups())
     cfg = Config(target=TargetConfig(path=str(target)), hidden=hidden, drafter=drafter)
     assert need == int(hidden_disk(cfg, target_shapes(cfg), tokens)[dtype] * (1 + hidden.disk_margin))
@@ -290,8 +311,10 @@ def test_a_dspark_token_holds_the_target_s_last_hidden_state_too():
     assert bytes_per_token(bf16, k, h, True) == token_bytes(dspark, QWEN3_8B, bf16) == 49_152 + 5
     assert token_bytes(dflash, QWEN3_8B, FP8) == 20_480 + 4 + 5
     assert token_bytes(dspark, QWEN3_8B, FP8) == 20_480 + 4 + 4096 + 4 + 5
-    plans = {c.drafter.family: plan(c, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
-             for c in (dflash, dspark)}
+    plans = {
+        c.drafter.family: plan(c, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
+        for c in (dflash, dspark)
+    }
     p, tokens = plans["dspark"], plans["dspark"]["tokens"].total
     assert p["hidden_bytes"] == {"bfloat16": tokens * (49_152 + 5), FP8: tokens * (20_480 + 4096 + 13)}
     assert dspark.hidden.dtype == FP8 and p["modes"]["store"].peak_disk == p["hidden_bytes"][FP8]
@@ -300,10 +323,19 @@ def test_a_dspark_token_holds_the_target_s_last_hidden_state_too():
     assert "x 20,480 values + the target's last hidden state" in render(p, "production.yaml")
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("2TB", 2 * 10**12), ("500GB", 500 * 10**9), ("1.5TiB", 3 * 2**39), ("2e12", 2 * 10**12),
-    (" 64 kib ", 65536), ("4096", 4096), ("1.1TB", 1_100_000_000_000), (7, 7),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2TB", 2 * 10**12),
+        ("500GB", 500 * 10**9),
+        ("1.5TiB", 3 * 2**39),
+        ("2e12", 2 * 10**12),
+        (" 64 kib ", 65536),
+        ("4096", 4096),
+        ("1.1TB", 1_100_000_000_000),
+        (7, 7),
+    ],
+)
 def test_parse_bytes_reads_sizes_as_the_schema_does(text, expected):
     from flashdraft.io import parse_bytes
 
@@ -371,8 +403,9 @@ def test_both_modes_and_the_recommendation_on_production():
     busy = stream.hours["training"] + stream.hours["start-up and checkpoints"]
     pre = stream.hours["precompute"]
     assert max(busy, pre) < stream.hours["pipeline"] < busy + pre
-    assert stream.wall_hours == pytest.approx(stream.hours["regeneration"] + stream.hours["pipeline"]
-                                              + stream.hours["evaluation"])
+    assert stream.wall_hours == pytest.approx(
+        stream.hours["regeneration"] + stream.hours["pipeline"] + stream.hours["evaluation"]
+    )
     # the first chunk job: the measured launch, its last save (waited for) and the saves within it (copies)
     within = c.sizes[0] / c.step_tokens / cfg.train.checkpoint_every
     launch = RATES["train_launch_fp8" if cfg.train.fp8 else "train_launch"].value
@@ -399,18 +432,21 @@ def test_fp8_training_is_planned_at_its_measured_factor_and_start(tmp_path):
     assert (fp8.train.fp8, fp8.train.compile_loss) == ("tensorwise", True) and base.train.fp8 is None
     assert overlay.train == fp8.train  # config/fp8.yaml sets what production.yaml does
     plans = [plan(c, "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B) for c in (base, fp8)]
-    (bf16_store, bf16_stream), (fp8_store, fp8_stream) = ((p["modes"]["store"], p["modes"]["stream"])
-                                                          for p in plans)
+    (bf16_store, bf16_stream), (fp8_store, fp8_stream) = (
+        (p["modes"]["store"], p["modes"]["stream"]) for p in plans
+    )
     factor = RATES["train_fp8_speedup"].value
     assert factor > 1
     assert plans[1]["stages"]["training"]["hours"] == pytest.approx(
-        plans[0]["stages"]["training"]["hours"] / factor)
+        plans[0]["stages"]["training"]["hours"] / factor
+    )
     assert fp8_stream.hours["training"] == pytest.approx(bf16_stream.hours["training"] / factor)
     assert fp8_stream.chunks.sizes == bf16_stream.chunks.sizes  # the same chunks, trained faster
     # the first chunk job starts fresh, every later one from a checkpoint: float8's measured starts
     c, p = fp8_stream.chunks, plans[1]
-    launches = [RATES["train_launch_resumed_fp8" if i else "train_launch_fp8"].value
-                for i in range(len(c.sizes))]
+    launches = [
+        RATES["train_launch_resumed_fp8" if i else "train_launch_fp8"].value for i in range(len(c.sizes))
+    ]
     saves = [n / c.step_tokens / fp8.train.checkpoint_every * p["save_s"] + p["last_save_s"] for n in c.sizes]
     assert fp8_stream.hours["start-up and checkpoints"] == pytest.approx((sum(launches) + sum(saves)) / 3600)
     assert RATES["train_launch_resumed_fp8"].value != RATES["train_launch_resumed"].value
@@ -419,8 +455,9 @@ def test_fp8_training_is_planned_at_its_measured_factor_and_start(tmp_path):
 
 def test_plan_command_writes_both_modes_and_refuses_a_budget_nothing_fits(tmp_path):
     out = tmp_path / "plan.json"
-    proc = plan_cli("--configfile", PRODUCTION, "--gpus", 8, "--target-config", "qwen3-8b", "--json", out,
-                    cwd=tmp_path)
+    proc = plan_cli(
+        "--configfile", PRODUCTION, "--gpus", 8, "--target-config", "qwen3-8b", "--json", out, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     s = json.loads(out.read_text())
     assert set(s) == {"store", "stream", "recommended", "floor_hours", "floor_fraction"}
@@ -432,8 +469,17 @@ def test_plan_command_writes_both_modes_and_refuses_a_budget_nothing_fits(tmp_pa
     assert re.search(recommended, proc.stdout, re.M)
     assert "| pipeline: precompute and training at once |" in proc.stdout
 
-    proc = plan_cli("--configfile", PRODUCTION, "--gpus", 8, "--target-config", "qwen3-8b",
-                    "--disk-budget", "1GB", cwd=tmp_path)
+    proc = plan_cli(
+        "--configfile",
+        PRODUCTION,
+        "--gpus",
+        8,
+        "--target-config",
+        "qwen3-8b",
+        "--disk-budget",
+        "1GB",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1
     (line,) = proc.stderr.strip().splitlines()
     assert "config key hidden.disk_budget: 1 GB (--disk-budget) fits no plan on 8 GPUs" in line, line
@@ -467,21 +513,25 @@ def test_results_of_another_target_are_ignored(tmp_path):
     assert tok.samples == cfg.prompts.total and any("prompts.total 5" in n for n in tok.notes)
 
 
-@pytest.mark.parametrize("shapes, expected", [
-    ([], "holds list, not a config.json object"),
-    (None, "holds NoneType, not a config.json object"),
-    ({"hidden_size": "abc"}, "hidden_size is 'abc'"),
-    ({"hidden_size": 0}, "hidden_size is 0"),
-    ({"hidden_size": 64, "num_hidden_layers": 0}, "num_hidden_layers is 0"),
-])
+@pytest.mark.parametrize(
+    "shapes, expected",
+    [
+        ([], "holds list, not a config.json object"),
+        (None, "holds NoneType, not a config.json object"),
+        ({"hidden_size": "abc"}, "hidden_size is 'abc'"),
+        ({"hidden_size": 0}, "hidden_size is 0"),
+        ({"hidden_size": 64, "num_hidden_layers": 0}, "num_hidden_layers is 0"),
+    ],
+)
 def test_a_target_config_without_usable_shapes_is_one_line(tmp_path, shapes, expected):
     path = tmp_path / "shapes.json"
     path.write_text(json.dumps(shapes))
     proc = plan_cli("--configfile", EMBEDDED, "--target-config", path)
     assert proc.returncode == 1 and proc.stdout == ""
     (line,) = proc.stderr.strip().splitlines()
-    assert line == f"plan: error: --target-config {path}: {expected}" or \
-        line.startswith(f"plan: error: --target-config {path}: {expected};"), line
+    assert line == f"plan: error: --target-config {path}: {expected}" or line.startswith(
+        f"plan: error: --target-config {path}: {expected};"
+    ), line
 
 
 def test_plan_json_into_a_missing_folder_is_one_line_before_the_plan(tmp_path):
@@ -532,8 +582,10 @@ def family_plans(tmp_path_factory):
     """production.yaml planned as it is (dflash) and with drafter.family dspark."""
     dspark = tmp_path_factory.mktemp("family") / "dspark.yaml"
     dspark.write_text("drafter: {family: dspark}\n")
-    return [plan(load(files, target=QWEN3_8B), "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
-            for files in ([PRODUCTION], [PRODUCTION, dspark])]
+    return [
+        plan(load(files, target=QWEN3_8B), "no-results", gpus=8, budget=2 * 10**12, target=QWEN3_8B)
+        for files in ([PRODUCTION], [PRODUCTION, dspark])
+    ]
 
 
 def test_a_dspark_drafter_is_planned_at_its_measured_training_factor(family_plans):
@@ -543,7 +595,8 @@ def test_a_dspark_drafter_is_planned_at_its_measured_training_factor(family_plan
     factor = RATES["train_dspark_factor"].value
     assert 0 < factor < 1
     assert plans[1]["stages"]["training"]["hours"] == pytest.approx(
-        plans[0]["stages"]["training"]["hours"] / factor)
+        plans[0]["stages"]["training"]["hours"] / factor
+    )
 
 
 def test_a_dspark_drafter_s_evaluation_is_planned_at_its_measured_decoding_factor(family_plans):
@@ -562,8 +615,14 @@ def test_a_dspark_drafter_s_evaluation_is_planned_at_its_measured_decoding_facto
 def test_a_target_much_smaller_than_the_benchmarks_is_planned_with_its_hours_as_a_lower_bound():
     """Rates scaled by parameter count would have a 0.6B target decode 13.7x faster than Qwen3-8B: the plan
     says those hours are a lower bound; at the benchmarks' own shape it says nothing of the kind."""
-    small = QWEN3_8B | {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-                        "num_attention_heads": 16, "head_dim": 128, "tie_word_embeddings": True}
+    small = QWEN3_8B | {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+    }
     texts = {}
     for name, shapes in (("small", small), ("8b", QWEN3_8B)):
         p = plan(load([PRODUCTION], target=shapes), "no-results", gpus=8, budget=2 * 10**12, target=shapes)
@@ -576,12 +635,24 @@ def test_the_committed_production_plan_is_the_planner_s_output(tmp_path):
     """benchmarks/results/plan_production.json (whose figures docs/planning.md quotes) is what the planner
     gives today from the committed rates: rerun the command in docs/planning.md after a benchmark."""
     out = tmp_path / "plan.json"
-    proc = plan_cli("--configfile", PRODUCTION, "--target-config", "qwen3-8b", "--gpus", 8,
-                    "--results", tmp_path / "none", "--json", out)
+    proc = plan_cli(
+        "--configfile",
+        PRODUCTION,
+        "--target-config",
+        "qwen3-8b",
+        "--gpus",
+        8,
+        "--results",
+        tmp_path / "none",
+        "--json",
+        out,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text()) == json.loads((RESULTS / "plan_production.json").read_text())
-    assert "--target-config qwen3-8b --gpus 8 --json benchmarks/results/plan_production.json" in \
-        (REPO / "docs" / "planning.md").read_text()
+    assert (
+        "--target-config qwen3-8b --gpus 8 --json benchmarks/results/plan_production.json"
+        in (REPO / "docs" / "planning.md").read_text()
+    )
 
 
 # The planner's cost stays bounded: an absurd GPU count is refused in one line before any work, the
@@ -591,19 +662,27 @@ def test_the_committed_production_plan_is_the_planner_s_output(tmp_path):
 def bounded_plan_cli(*args, cwd, timeout=90):
     """The planner's command in a child of its own child: its exit status, output and peak memory (the
     planner's ru_maxrss, KiB); a planner still running after `timeout` s is killed and fails the test."""
-    wrapper = ("import json, resource, subprocess, sys\n"
-               f"p = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout={timeout})\n"
-               "print(json.dumps({'rc': p.returncode, 'stdout': p.stdout, 'stderr': p.stderr,\n"
-               "                  'maxrss_kib': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))\n")
-    proc = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "flashdraft.plan",
-                           *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout + 30)
+    wrapper = (
+        "import json, resource, subprocess, sys\n"
+        f"p = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout={timeout})\n"
+        "print(json.dumps({'rc': p.returncode, 'stdout': p.stdout, 'stderr': p.stderr,\n"
+        "                  'maxrss_kib': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", wrapper, sys.executable, "-m", "flashdraft.plan", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout + 30,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]  # the wrapper's: the planner answered in time
     return json.loads(proc.stdout)
 
 
 def test_an_absurd_gpu_count_is_one_line_naming_the_limit(tmp_path):
-    out = bounded_plan_cli("--configfile", PRODUCTION, "--target-config", "qwen3-8b", "--gpus", 10**9,
-                           cwd=tmp_path)
+    out = bounded_plan_cli(
+        "--configfile", PRODUCTION, "--target-config", "qwen3-8b", "--gpus", 10**9, cwd=tmp_path
+    )
     from flashdraft.estimate import MAX_GPUS
 
     assert out["rc"] == 1 and not out["stdout"]
@@ -615,19 +694,22 @@ def test_an_absurd_gpu_count_is_one_line_naming_the_limit(tmp_path):
     (line,) = out["stderr"].strip().splitlines()
     assert "gpus.target" in line and f"{MAX_GPUS:,}" in line, line
     # at the limit: a plan, its recommendation from a bounded set of splits
-    out = bounded_plan_cli("--configfile", PRODUCTION, "--target-config", "qwen3-8b", "--gpus", MAX_GPUS,
-                           cwd=tmp_path)
+    out = bounded_plan_cli(
+        "--configfile", PRODUCTION, "--target-config", "qwen3-8b", "--gpus", MAX_GPUS, cwd=tmp_path
+    )
     assert out["rc"] == 0, out["stderr"]
-    assert re.search(r"^recommended: hidden\.mode \w+, gpus\.target \d+, gpus\.drafter \d+: ", out["stdout"],
-                     re.M)
+    assert re.search(
+        r"^recommended: hidden\.mode \w+, gpus\.target \d+, gpus\.drafter \d+: ", out["stdout"], re.M
+    )
     assert len(re.findall(r"^\| stream \| \d+ \| \d+ \|", out["stdout"], re.M)) < 1000
 
 
 def test_a_trillion_prompts_are_planned_in_bounded_memory(tmp_path):
     big = tmp_path / "trillion.yaml"
     big.write_text("prompts:\n  total: 1000000000000\n")
-    out = bounded_plan_cli("--configfile", PRODUCTION, big, "--target-config", "qwen3-8b", "--gpus", 8,
-                           cwd=tmp_path)
+    out = bounded_plan_cli(
+        "--configfile", PRODUCTION, big, "--target-config", "qwen3-8b", "--gpus", 8, cwd=tmp_path
+    )
     assert out["rc"] == 0, out["stderr"]
     assert "training samples 1,000,000,000,000: prompts.total" in out["stdout"]
     assert re.search(r"^recommended: hidden\.mode stream, ", out["stdout"], re.M)
@@ -647,14 +729,17 @@ def _old_chunk_sizes(total, train, full):
     return sizes
 
 
-@pytest.mark.parametrize("overrides", [
-    {},  # production: 6 epochs of whole chunks and a remainder
-    {"train__max_steps": 1000},  # cut mid-epoch
-    {"train__max_steps": 50000, "train__epochs": 3},
-    {"hidden__chunk_tokens": 49152 * 7, "train__epochs": 2},  # thousands of chunks: past the exact loop
-    {"hidden__chunk_tokens": 49152 * 11, "train__max_steps": 40000},
-    {"train__global_batch_tokens": 0, "hidden__chunk_tokens": 16384 * 60, "eval__shards": 0},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # production: 6 epochs of whole chunks and a remainder
+        {"train__max_steps": 1000},  # cut mid-epoch
+        {"train__max_steps": 50000, "train__epochs": 3},
+        {"hidden__chunk_tokens": 49152 * 7, "train__epochs": 2},  # thousands of chunks: past the exact loop
+        {"hidden__chunk_tokens": 49152 * 11, "train__max_steps": 40000},
+        {"train__global_batch_tokens": 0, "hidden__chunk_tokens": 16384 * 60, "eval__shards": 0},
+    ],
+)
 def test_stream_chunks_in_closed_form_are_the_chunk_by_chunk_plan(tmp_path, monkeypatch, overrides):
     from flashdraft import estimate
     from flashdraft.estimate import Run, chunk_sizes, stream_mode
@@ -676,7 +761,8 @@ def test_stream_chunks_in_closed_form_are_the_chunk_by_chunk_plan(tmp_path, monk
     assert a.wall_hours == pytest.approx(b.wall_hours, rel=1e-9)
     assert (a.peak_disk, a.gpu_hours, a.chunks.per_epoch) == (b.peak_disk, b.gpu_hours, b.chunks.per_epoch)
     assert (a.chunks.precompute_s, a.chunks.train_s, a.chunks.startup_s) == pytest.approx(
-        (b.chunks.precompute_s, b.chunks.train_s, b.chunks.startup_s))
+        (b.chunks.precompute_s, b.chunks.train_s, b.chunks.startup_s)
+    )
 
 
 def test_the_pipeline_of_runs_of_equal_chunks_is_the_chunk_by_chunk_pipeline():
@@ -688,8 +774,9 @@ def test_the_pipeline_of_runs_of_equal_chunks_is_the_chunk_by_chunk_pipeline():
     for _ in range(300):
         segments = []
         for _ in range(rng.randint(1, 4)):
-            pattern = tuple((rng.uniform(0, 10), rng.uniform(0, 10), rng.randint(1, 40))
-                            for _ in range(rng.randint(1, 3)))
+            pattern = tuple(
+                (rng.uniform(0, 10), rng.uniform(0, 10), rng.randint(1, 40)) for _ in range(rng.randint(1, 3))
+            )
             segments.append((pattern, rng.randint(1, 6)))
         pre, train = [], []
         for pattern, times in segments:
@@ -700,8 +787,9 @@ def test_the_pipeline_of_runs_of_equal_chunks_is_the_chunk_by_chunk_pipeline():
     assert pipeline_seconds_runs([]) == pipeline_seconds([], []) == 0.0
 
 
-@pytest.mark.parametrize("overrides", [{}, {"hidden__dtype": "bfloat16"},
-                                       {"train__global_batch_tokens": 0, "eval__shards": 0}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"hidden__dtype": "bfloat16"}, {"train__global_batch_tokens": 0, "eval__shards": 0}]
+)
 def test_the_recommendation_is_the_exhaustive_search_s(tmp_path, overrides):
     """Every split up to a few hundred GPUs, as before; past that, a grid refined around its best split
     (a bounded number of plans whatever the count): the same answer as trying every split."""
@@ -725,8 +813,9 @@ def test_the_recommendation_is_the_exhaustive_search_s(tmp_path, overrides):
             if bounded is None:
                 continue
             if n <= 64:  # every split, as listed before
-                assert [(m.mode, m.split) for m in bounded.candidates] == \
-                    [(m.mode, m.split) for m in every.candidates]
+                assert [(m.mode, m.split) for m in bounded.candidates] == [
+                    (m.mode, m.split) for m in every.candidates
+                ]
                 assert bounded.refused == every.refused
             else:
                 assert len(bounded.candidates) + len(bounded.refused) < 600

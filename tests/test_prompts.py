@@ -208,8 +208,9 @@ def test_an_empty_source_file_is_warned_about_and_recorded(tmp_path, capsys):
     assert summary["warnings"] == [message]
     assert f"warning: {message}" in capsys.readouterr().err
     assert json.loads((tmp_path / "out" / "stats.json").read_text())["warnings"] == [message]
-    assert "warnings" not in prompts.expand(PromptsConfig(sources=[full], total=1, eval_count=0),
-                                             str(tmp_path / "full"))
+    assert "warnings" not in prompts.expand(
+        PromptsConfig(sources=[full], total=1, eval_count=0), str(tmp_path / "full")
+    )
 
 
 def test_augment_fills_the_gap(tmp_path):
@@ -265,8 +266,10 @@ def test_a_bom_is_read_past_and_a_lone_surrogate_is_a_counted_reject(tmp_path):
     lines[3] = '{"prompt": "What is caf\\ud800?"}'  # the JSON escape of a lone surrogate
     (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
     (tmp_path / "b.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows[:2]).encode())
-    srcs = [SourceConfig(name="a", path=str(tmp_path / "a.jsonl")),
-            SourceConfig(name="b", path=str(tmp_path / "b.json"))]
+    srcs = [
+        SourceConfig(name="a", path=str(tmp_path / "a.jsonl")),
+        SourceConfig(name="b", path=str(tmp_path / "b.json")),
+    ]
     s = prompts.expand(PromptsConfig(sources=srcs, total=5, eval_count=0), str(tmp_path / "out"))
     assert s["sources"]["a"]["rejected"] == {"bad unicode": 1} and s["sources"]["a"]["kept"] == 5
     assert s["sources"]["b"]["rejected"] == {} and s["sources"]["b"]["duplicates"] == 2  # rows 0, 1 of a
@@ -330,11 +333,25 @@ def test_cli_with_the_target_logs_the_prompts_too_long_for_it(short_target, tmp_
     rows = [{"prompt": "7" * 60}, {"prompt": "Name a lake."}, {"prompt": "Name a sea."}]
     src = SourceConfig(name="a", path=_write_jsonl(tmp_path / "a.jsonl", rows))
     cfg = to_json(PromptsConfig(sources=[src], total=1, eval_count=1, near_dup=False))
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/prompts.py"), "--cfg", cfg, "--out-dir",
-                          str(tmp_path / "out"), "--target", str(short_target)],
-                         capture_output=True, text=True, check=True).stdout
-    assert ("prompts: 1 longer than the target's positions (max_position_embeddings 40, in tokens of its "
-            "tokenizer, one answer token left), rejected") in out
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/prompts.py"),
+            "--cfg",
+            cfg,
+            "--out-dir",
+            str(tmp_path / "out"),
+            "--target",
+            str(short_target),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert (
+        "prompts: 1 longer than the target's positions (max_position_embeddings 40, in tokens of its "
+        "tokenizer, one answer token left), rejected"
+    ) in out
 
 
 @pytest.fixture(scope="module")
@@ -370,8 +387,11 @@ def test_a_prompt_longer_than_the_target_takes_is_a_counted_reject(short_target,
     assert s["target"] == {"path": str(short_target), "max_position_embeddings": 40, "too_long": 1}
     [reject] = pq.read_table(tmp_path / "out" / "rejects.parquet").to_pylist()
     assert (reject["row"], reject["reason"]) == (1, reason)
-    kept = [r["prompt"] for f in ("train", "eval") for r in pq.read_table(tmp_path / "out" / f"{f}.parquet")
-            .to_pylist()]
+    kept = [
+        r["prompt"]
+        for f in ("train", "eval")
+        for r in pq.read_table(tmp_path / "out" / f"{f}.parquet").to_pylist()
+    ]
     assert over not in kept and fits in kept and len(kept) == 7
     # without the target (a library call), characters alone decide, as before
     assert prompts.expand(cfg, str(tmp_path / "chars"))["sources"]["a"]["rejected"] == {}
@@ -384,9 +404,12 @@ def test_a_prompt_the_target_s_chat_template_cannot_render_is_a_counted_reject(s
     shutil.copytree(short_target, target)
     (target / "chat_template.jinja").write_text(  # a template that refuses system turns, as some do
         "{%- for m in messages %}{%- if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
-        "{%- endif %}{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}")
-    records = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]},
-               {"prompt": "Name a river."}]
+        "{%- endif %}{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}"
+    )
+    records = [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]},
+        {"prompt": "Name a river."},
+    ]
     src = SourceConfig(name="a", path=_write_jsonl(tmp_path / "a.jsonl", records))
     cfg = PromptsConfig(sources=[src], total=1, eval_count=0, near_dup=False, augment=[])
     s = prompts.expand(cfg, str(tmp_path / "out"), target=target)

@@ -93,8 +93,11 @@ def reference_block(ref, model, context, anchor: int, size: int, mask_id: int):
     block[0, 0] = anchor
     positions = torch.arange(context.shape[1] + size)[None]
     with torch.no_grad():
-        out = ref(target_hidden=context, noise_embedding=model.get_input_embeddings().weight[block],
-                  position_ids=positions)
+        out = ref(
+            target_hidden=context,
+            noise_embedding=model.get_input_embeddings().weight[block],
+            position_ids=positions,
+        )
         return ref.compute_logits(out[:, 1:], model.get_output_embeddings())[0]
 
 
@@ -123,8 +126,9 @@ def test_reference_loads_a_windowed_export_and_drafts_our_logits(setup, tmp_path
     torch.manual_seed(5)
     drafter = DFlashDrafter(windowed).eval()
     export_drafter(drafter, windowed, tmp_path / "drafter")
-    ref, info = reference.DFlashDraftModel.from_pretrained(tmp_path / "drafter", dtype=torch.float32,
-                                                           output_loading_info=True)
+    ref, info = reference.DFlashDraftModel.from_pretrained(
+        tmp_path / "drafter", dtype=torch.float32, output_loading_info=True
+    )
     assert not any(info.values()), info
     assert all(layer.self_attn.sliding_window == w and not layer.self_attn.is_causal for layer in ref.layers)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
@@ -165,8 +169,9 @@ def test_reference_decodes_losslessly_and_counts_acceptance_as_we_do(setup, cpu_
         for p in prompts:
             for max_new in (MAX_NEW, MAX_NEW - 3):
                 want = target_decode(plain, p, max_new, set(stop)).tokens
-                theirs = reference.dflash_generate(ref, model, torch.tensor([p]), max_new, stop,
-                                                   return_stats=True)
+                theirs = reference.dflash_generate(
+                    ref, model, torch.tensor([p]), max_new, stop, return_stats=True
+                )
                 ours = speculative_decode(featured, proposer, p, max_new, set(stop))
                 assert theirs.output_ids[0, len(p) :].tolist() == want == ours.tokens
                 assert theirs.acceptance_lengths == ours.emitted

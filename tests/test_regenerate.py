@@ -23,8 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CFG = RegenerateConfig(max_new_tokens=6, batch_size=3, part_rows=6)
 
 
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """A random tiny toy target and a prompt set of 40 toy prompts."""
@@ -116,8 +114,12 @@ def test_a_moved_target_and_prompts_keep_the_parts_answered_so_far(data, referen
     # a work dir keyed as before (resolved paths) is still ours, and rekeyed
     meta = work / "parts" / "meta.json"
     key = json.loads(meta.read_text())
-    before = {"target": str((moved / "target").resolve()), "dtype": "float32", "cfg": key["cfg"],
-              "prompts": str((moved / "prompts" / "train.parquet").resolve())}
+    before = {
+        "target": str((moved / "target").resolve()),
+        "dtype": "float32",
+        "cfg": key["cfg"],
+        "prompts": str((moved / "prompts" / "train.parquet").resolve()),
+    }
     meta.write_text(json.dumps(before))
     _, table = _run(moved, work)
     assert sum(r["messages"][-1]["content"] == "KEPT" for r in table.to_pylist()) == len(marked)
@@ -128,8 +130,9 @@ def test_a_moved_target_and_prompts_keep_the_parts_answered_so_far(data, referen
     blob[-8:] = bytes(8)
     weights.write_bytes(bytes(blob))
     assert work_key(moved / "target", "float32", {}, ["a"]) != work_key(data / "target", "float32", {}, ["a"])
-    assert work_key(data / "target", "float32", {}, ["a", "b"]) == work_key(data / "target", "float32", {},
-                                                                             ["b", "a"])
+    assert work_key(data / "target", "float32", {}, ["a", "b"]) == work_key(
+        data / "target", "float32", {}, ["b", "a"]
+    )
 
 
 def test_a_rerun_retries_failed_rows_by_their_cause(data, reference, tmp_path):
@@ -142,14 +145,17 @@ def test_a_rerun_retries_failed_rows_by_their_cause(data, reference, tmp_path):
 
     _run(data, tmp_path)
     prompts = pq.read_table(data / "prompts/train.parquet").to_pylist()
-    failed = [Regenerated.failed(prompts[0], "HTTP 400: bad", "answer").row(),
-              Regenerated.failed(prompts[1], "TemplateError: x", "prompt").row()]
+    failed = [
+        Regenerated.failed(prompts[0], "HTTP 400: bad", "answer").row(),
+        Regenerated.failed(prompts[1], "TemplateError: x", "prompt").row(),
+    ]
     part = tmp_path / "parts/part-00100.parquet"
     write_parquet(pa.Table.from_pylist(failed, schema=parts_schema(error=True)), part)
     stats, table = _run(data, tmp_path)
     assert stats["errors"] == 1 and table.num_rows == 39
     assert pq.read_table(tmp_path / "errors.parquet").to_pylist() == [
-        {"id": prompts[1]["id"], "source": prompts[1]["source"], "reason": "TemplateError: x"}]
+        {"id": prompts[1]["id"], "source": prompts[1]["source"], "reason": "TemplateError: x"}
+    ]
     assert table.to_pylist() == [r for r in reference[1].to_pylist() if r["id"] != prompts[1]["id"]]
     before = sorted((tmp_path / "parts").glob("part-*.parquet"))
     _, table = _run(data, tmp_path, dataclasses.replace(CFG, retry_failed=True))
@@ -182,8 +188,12 @@ def test_disabled_copies_answers_and_counts_missing(data, tmp_path):
         errors = pq.read_table(out / "errors.parquet").to_pylist()
         assert len(errors) == n_missing and errors[0]["reason"].startswith("no assistant answer")
     # the tolerated share is config: at 10%, 3 of 40 pass
-    stats, _ = _run(data, tmp_path / "lenient", RegenerateConfig(enabled=False, max_error_fraction=0.1),
-                    tmp_path / "cut3.parquet")
+    stats, _ = _run(
+        data,
+        tmp_path / "lenient",
+        RegenerateConfig(enabled=False, max_error_fraction=0.1),
+        tmp_path / "cut3.parquet",
+    )
     assert stats["errors"] == 3 and stats["rows"] == 37
 
 
@@ -193,8 +203,16 @@ def test_shards_answer_exactly_their_rows_and_together_all(data, reference, tmp_
     seen = []
     for s in range(3):
         out = tmp_path / f"shard{s}"
-        stats = regenerate(CFG, _target(data), str(data / "prompts/train.parquet"),
-                           str(out / "train.parquet"), str(out / "parts"), s, 3, str(out / "errors.parquet"))
+        stats = regenerate(
+            CFG,
+            _target(data),
+            str(data / "prompts/train.parquet"),
+            str(out / "train.parquet"),
+            str(out / "parts"),
+            s,
+            3,
+            str(out / "errors.parquet"),
+        )
         rows = pq.read_table(out / "train.parquet").to_pylist()
         assert stats["rows"] == len(rows) > 0 and all(shard_of(r["id"], 3) == s for r in rows)
         assert rows == [ref[r["id"]] for r in rows]  # same answers, prompt order kept
@@ -267,7 +285,8 @@ def test_a_prompt_past_the_targets_positions_is_a_recorded_failure(data, tmp_pat
     assert n > limit  # a token per digit
     assert error["id"] == "long" and error["reason"] == (
         f"longer than the target's positions: the prompt is {n} tokens, with regenerate.max_new_tokens "
-        f"({CFG.max_new_tokens}) {n + CFG.max_new_tokens}, over its max_position_embeddings ({limit})")
+        f"({CFG.max_new_tokens}) {n + CFG.max_new_tokens}, over its max_position_embeddings ({limit})"
+    )
     if engine == "static":
         slots = re.search(r"static-cache engine, \d+ slots of (\d+) positions", capsys.readouterr().err)
         assert slots and int(slots[1]) < 100, slots
@@ -277,8 +296,11 @@ def test_a_prompt_past_the_targets_positions_is_a_recorded_failure(data, tmp_pat
 def test_top_k_1_regenerates_the_greedy_answers(data, reference, tmp_path, engine):
     """Sampled within top_k 1, every answer is the greedy one, in both engines of the hf backend; a wider
     top_k samples other answers."""
-    greedy = reference[1] if engine == "static" else _run(
-        data, tmp_path / "greedy", dataclasses.replace(CFG, engine=engine))[1]
+    greedy = (
+        reference[1]
+        if engine == "static"
+        else _run(data, tmp_path / "greedy", dataclasses.replace(CFG, engine=engine))[1]
+    )
     one = dataclasses.replace(CFG, engine=engine, temperature=1.5, top_k=1)
     assert _run(data, tmp_path / "top_k_1", one)[1].equals(greedy)
     wide = dataclasses.replace(CFG, engine=engine, temperature=1.5, top_k=50, top_p=0.95)

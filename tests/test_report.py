@@ -42,13 +42,23 @@ def eval_rows() -> list[dict]:
     leaves target-only's at new token 7, where the target's two choices are a numerical tie."""
     tie_at_7 = (7, 0.125, True)  # what evaluate.first_mismatch returns: position, logit gap, numerical tie
     rows = []
-    for index, (pid, new_tokens, target_s, dflash, dflash_s, ngram, ngram_s, mismatch) in enumerate([
-        # a: 35 tokens after the first; DFlash in 10 steps (tau 3.5), n-gram in 28 (tau 1.25)
-        ("a", 36, 0.35, [(4, 3)] * 5 + [(3, 3)] * 5, 0.14, [(2, 3)] * 7 + [(1, 3)] * 7 + [(1, 0)] * 14, 0.3,
-         tie_at_7),
-        # b: 11 tokens after the first; DFlash in 4 steps (tau 2.75), n-gram in 10 (tau 1.1)
-        ("b", 12, 0.11, [(4, 3), (3, 3), (2, 3), (2, 3)], 0.044, [(2, 3)] + [(1, 0)] * 9, 0.1, None),
-    ]):
+    for index, (pid, new_tokens, target_s, dflash, dflash_s, ngram, ngram_s, mismatch) in enumerate(
+        [
+            # a: 35 tokens after the first; DFlash in 10 steps (tau 3.5), n-gram in 28 (tau 1.25)
+            (
+                "a",
+                36,
+                0.35,
+                [(4, 3)] * 5 + [(3, 3)] * 5,
+                0.14,
+                [(2, 3)] * 7 + [(1, 3)] * 7 + [(1, 0)] * 14,
+                0.3,
+                tie_at_7,
+            ),
+            # b: 11 tokens after the first; DFlash in 4 steps (tau 2.75), n-gram in 10 (tau 1.1)
+            ("b", 12, 0.11, [(4, 3), (3, 3), (2, 3), (2, 3)], 0.044, [(2, 3)] + [(1, 0)] * 9, 0.1, None),
+        ]
+    ):
         rows.append(decoded_row(pid, "target_only", target_only(new_tokens, target_s), 20, True, index=index))
         rows.append(decoded_row(pid, "dflash", decoded(dflash, dflash_s), 20, True, index=index))
         ng = decoded(ngram, ngram_s, mismatch[0] if mismatch else None)
@@ -113,9 +123,21 @@ def write_inputs(root: Path) -> dict:
     header = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
     for name, s in [("prompts", 1.5), ("train", 421.75), ("hidden_shard/0", 12.0), ("hidden_shard/1", 13.0)]:
         (bench / f"{name}.tsv").write_text(header + f"{s}\t0:00:01\t812.5\t900\t700\t710\t1\t2\t50\t{s}\n")
-    (root / "export.json").write_text(json.dumps({  # what training writes beside its metrics
-        "export": "last", "last_step": 40, "best_step": None, "best_val_sim_tau": None, "step": 40,
-        "why": "train.export: last", "run": "abc123", "commit": "1a2b3c4", "dirty": False}))
+    (root / "export.json").write_text(
+        json.dumps(
+            {  # what training writes beside its metrics
+                "export": "last",
+                "last_step": 40,
+                "best_step": None,
+                "best_val_sim_tau": None,
+                "step": 40,
+                "why": "train.export: last",
+                "run": "abc123",
+                "commit": "1a2b3c4",
+                "dirty": False,
+            }
+        )
+    )
     drafter = root / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "block_size": B}))
@@ -214,13 +236,18 @@ def test_report_shows_tau_at_every_temperature_and_the_expected_tau(tmp_path):
     validation table has expected_tau beside sim_tau."""
     inputs = write_inputs(tmp_path)
     rows = eval_rows()
-    for index, (pid, new, dflash, ngram) in enumerate([
-        ("a", 36, [(2, 3)] * 10 + [(1, 3)] * 15, [(1, 0)] * 35),  # tau 1.4 and 1.0
-        ("b", 12, [(2, 3)] * 5 + [(1, 3)], [(1, 0)] * 11),  # tau 11/6 and 1.0
-    ]):
+    for index, (pid, new, dflash, ngram) in enumerate(
+        [
+            ("a", 36, [(2, 3)] * 10 + [(1, 3)] * 15, [(1, 0)] * 35),  # tau 1.4 and 1.0
+            ("b", 12, [(2, 3)] * 5 + [(1, 3)], [(1, 0)] * 11),  # tau 11/6 and 1.0
+        ]
+    ):
         row = partial(decoded_row, pid, num_prompt_tokens=20, lossless=None, index=index, temperature=1.0)
-        rows += [row("target_only", target_only(new, 0.01 * new)), row("dflash", decoded(dflash, 0.1)),
-                 row("ngram", decoded(ngram, 0.2))]
+        rows += [
+            row("target_only", target_only(new, 0.01 * new)),
+            row("dflash", decoded(dflash, 0.1)),
+            row("ngram", decoded(ngram, 0.2)),
+        ]
     summary = write_outputs(sorted(rows, key=lambda r: r["prompt_index"]), B, inputs["eval_dir"])
     assert summary["dflash"]["temperature"] == 0.0 and list(summary["dflash"]["by_temperature"]) == ["0", "1"]
     assert summary["dflash"]["tau_pooled"] == summary["dflash"]["by_temperature"]["0"]["tau_pooled"]
@@ -287,10 +314,12 @@ def test_report_renders_in_headless_chromium(tmp_path):
 # What a hostile target path would make of Snakemake's report page, were it rendered as RST markup: a
 # javascript: link, a raw HTML directive, an element with a handler. Each would set data-ran="yes".
 RAN = "document.body.setAttribute('data-ran', 'y' + 'es')"
-HOSTILE = [f"x`` `click <javascript:{RAN}>`_ ``y",
-           f"x``\n\n.. raw:: html\n\n   <img src=x onerror=\"{RAN}\">\n\n``y",
-           f"x\u2028\u2028.. raw:: html\u2028\u2028   <img src=x onerror=\"{RAN}\">",
-           f"<img src=x onerror=\"{RAN}\">"]
+HOSTILE = [
+    f"x`` `click <javascript:{RAN}>`_ ``y",
+    f'x``\n\n.. raw:: html\n\n   <img src=x onerror="{RAN}">\n\n``y',
+    f'x\u2028\u2028.. raw:: html\u2028\u2028   <img src=x onerror="{RAN}">',
+    f'<img src=x onerror="{RAN}">',
+]
 
 
 def snakemake_workflow_description(config: dict) -> str:
@@ -312,15 +341,19 @@ def test_config_values_in_snakemake_s_report_run_no_script(tmp_path):
     """Hostile target paths and family names, rendered into the description of Snakemake's report and
     opened in headless Chromium with every link clicked: no script runs, and the value reads as text."""
     page = tmp_path / "page.html"
-    descs = [snakemake_workflow_description({"target": {"path": p}, "drafter": {"family": p}})
-             for p in HOSTILE]
+    descs = [
+        snakemake_workflow_description({"target": {"path": p}, "drafter": {"family": p}}) for p in HOSTILE
+    ]
     put = "".join(f"<div id='d{i}'></div>" for i in range(len(descs)))
-    fill = "".join(f"document.getElementById('d{i}').innerHTML = {json.dumps(d)};"
-                   for i, d in enumerate(descs))
+    fill = "".join(
+        f"document.getElementById('d{i}').innerHTML = {json.dumps(d)};" for i, d in enumerate(descs)
+    )
     page.write_text(f"<!doctype html><html><body>{put}<script>{fill}</script></body></html>")
     dom = headless_dom(page, tmp_path, "for (const a of document.querySelectorAll('a')) a.click()")
     assert 'data-ran="yes"' not in dom
     assert dom.count("<img") == 0 and "javascript:" not in re.sub(r"<tt[^>]*>.*?</tt>", "", dom, flags=re.S)
     plain = snakemake_workflow_description({"target": {"path": "results/toy/target"}})
-    assert ('A <tt class="docutils literal">dflash</tt> drafter trained for the target at '
-            '<tt class="docutils literal">results/toy/target</tt>') in plain
+    assert (
+        'A <tt class="docutils literal">dflash</tt> drafter trained for the target at '
+        '<tt class="docutils literal">results/toy/target</tt>'
+    ) in plain

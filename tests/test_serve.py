@@ -95,33 +95,60 @@ def _post(srv, body: bytes, length=None, send_body=True):
         conn.close()
 
 
-@pytest.mark.parametrize("body, words", [
-    ([1, 2], "JSON object"),
-    ("hello", "JSON object"),
-    ({"max_tokens": 0}, "`max_tokens` must be an integer in 1..32768, got 0"),
-    ({"max_tokens": -3}, "`max_tokens` must be an integer in 1..32768, got -3"),
-    ({"max_completion_tokens": 0, "max_tokens": 4}, "`max_completion_tokens` must be an integer"),
-    ({"max_tokens": "4"}, "`max_tokens` must be an integer"),
-    ({"max_tokens": 2.5}, "`max_tokens` must be an integer"),
-    ({"max_tokens": 32769}, "`max_tokens` must be an integer in 1..32768, got 32769"),
-    ({"temperature": -0.5}, "`temperature` must be a number >= 0"),
-    ({"temperature": "0.5"}, "`temperature` must be a number >= 0"),
-    ({"top_p": 0}, "`top_p` must be a number in (0, 1], got 0"),
-    ({"top_p": 1.5}, "`top_p` must be a number in (0, 1], got 1.5"),
-    ({"top_k": -2}, "`top_k` must be an integer >= 0 (0 or -1: off), got -2"),
-    ({"top_k": 2.5}, "`top_k` must be an integer >= 0"),
-    ({"chat_template_kwargs": ["x"]}, "`chat_template_kwargs` must be an object"),
-    ({"messages": [{"role": "user", "content": 5}]}, "`messages[0].content` must be a string, got a number"),
-    ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": [{"text": "hi"}]}]},
-     "`messages[1].content` must be a string, got an array"),
-    ({"messages": [{"content": "hi"}]}, "`messages[0].role` must be a string, got none"),
-    ({"messages": ["hi"]},
-     "`messages[0]` must be an object with a string `role` and `content`, got a string"),
-], ids=["list", "string", "max-tokens-0", "max-tokens-negative", "max-completion-tokens-0",
-        "max-tokens-string", "max-tokens-float", "max-tokens-over-limit", "temperature-negative",
-        "temperature-string", "top-p-0", "top-p-over-1", "top-k-negative", "top-k-float",
-        "template-kwargs-list", "content-number", "content-array", "no-role",
-        "message-string"])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ([1, 2], "JSON object"),
+        ("hello", "JSON object"),
+        ({"max_tokens": 0}, "`max_tokens` must be an integer in 1..32768, got 0"),
+        ({"max_tokens": -3}, "`max_tokens` must be an integer in 1..32768, got -3"),
+        ({"max_completion_tokens": 0, "max_tokens": 4}, "`max_completion_tokens` must be an integer"),
+        ({"max_tokens": "4"}, "`max_tokens` must be an integer"),
+        ({"max_tokens": 2.5}, "`max_tokens` must be an integer"),
+        ({"max_tokens": 32769}, "`max_tokens` must be an integer in 1..32768, got 32769"),
+        ({"temperature": -0.5}, "`temperature` must be a number >= 0"),
+        ({"temperature": "0.5"}, "`temperature` must be a number >= 0"),
+        ({"top_p": 0}, "`top_p` must be a number in (0, 1], got 0"),
+        ({"top_p": 1.5}, "`top_p` must be a number in (0, 1], got 1.5"),
+        ({"top_k": -2}, "`top_k` must be an integer >= 0 (0 or -1: off), got -2"),
+        ({"top_k": 2.5}, "`top_k` must be an integer >= 0"),
+        ({"chat_template_kwargs": ["x"]}, "`chat_template_kwargs` must be an object"),
+        (
+            {"messages": [{"role": "user", "content": 5}]},
+            "`messages[0].content` must be a string, got a number",
+        ),
+        (
+            {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": [{"text": "hi"}]}]},
+            "`messages[1].content` must be a string, got an array",
+        ),
+        ({"messages": [{"content": "hi"}]}, "`messages[0].role` must be a string, got none"),
+        (
+            {"messages": ["hi"]},
+            "`messages[0]` must be an object with a string `role` and `content`, got a string",
+        ),
+    ],
+    ids=[
+        "list",
+        "string",
+        "max-tokens-0",
+        "max-tokens-negative",
+        "max-completion-tokens-0",
+        "max-tokens-string",
+        "max-tokens-float",
+        "max-tokens-over-limit",
+        "temperature-negative",
+        "temperature-string",
+        "top-p-0",
+        "top-p-over-1",
+        "top-k-negative",
+        "top-k-float",
+        "template-kwargs-list",
+        "content-number",
+        "content-array",
+        "no-role",
+        "message-string",
+    ],
+)
 def test_bad_fields_are_400(server, body, words):
     if isinstance(body, dict):
         body = {"messages": MESSAGES, **body}
@@ -141,11 +168,15 @@ def test_max_tokens_limit_is_a_server_option(server):
     assert at == (200, "")
 
 
-@pytest.mark.parametrize("length, code, words", [
-    ("-1", 400, "Content-Length must be a non-negative integer, got '-1'"),
-    ("12abc", 400, "Content-Length must be a non-negative integer, got '12abc'"),
-    (str(2 << 20), 413, f"request body of {2 << 20} bytes is over the limit of {1 << 20}"),
-], ids=["negative", "not-an-integer", "over-1-MiB"])
+@pytest.mark.parametrize(
+    "length, code, words",
+    [
+        ("-1", 400, "Content-Length must be a non-negative integer, got '-1'"),
+        ("12abc", 400, "Content-Length must be a non-negative integer, got '12abc'"),
+        (str(2 << 20), 413, f"request body of {2 << 20} bytes is over the limit of {1 << 20}"),
+    ],
+    ids=["negative", "not-an-integer", "over-1-MiB"],
+)
 def test_bad_content_length_is_refused_before_reading(server, length, code, words):
     # the body is never sent: a server that tried to read it would wait until the client's timeout
     assert _post(server, b"", length=length, send_body=False) == (code, words)
@@ -218,9 +249,20 @@ def test_unreachable_server_fails_clearly_then_resumes(data, server, hf_referenc
 def test_kill_and_rerun_script(data, server, hf_reference, tmp_path):
     cfg = _openai(_url(server), concurrency=2, part_rows=3)
     out, parts = tmp_path / "train.parquet", tmp_path / "parts"
-    cmd = [sys.executable, str(ROOT / "scripts/regenerate.py"), "--cfg", to_json(cfg),
-           "--target-cfg", to_json(_target(data)),
-           "--prompts", str(data / "prompts/train.parquet"), "--out", str(out), "--work-dir", str(parts)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/regenerate.py"),
+        "--cfg",
+        to_json(cfg),
+        "--target-cfg",
+        to_json(_target(data)),
+        "--prompts",
+        str(data / "prompts/train.parquet"),
+        "--out",
+        str(out),
+        "--work-dir",
+        str(parts),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     while not list(parts.glob("part-*.parquet")) and proc.poll() is None:
@@ -239,10 +281,20 @@ def test_kill_and_rerun_script(data, server, hf_reference, tmp_path):
 
 def _script(data, out_dir, cfg, **env):
     """scripts/regenerate.py as the workflow runs it (`env`: extra variables)."""
-    cmd = [sys.executable, str(ROOT / "scripts/regenerate.py"), "--cfg", to_json(cfg),
-           "--target-cfg", to_json(_target(data)),
-           "--prompts", str(data / "prompts/train.parquet"), "--out", str(out_dir / "train.parquet"),
-           "--work-dir", str(out_dir / "parts")]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/regenerate.py"),
+        "--cfg",
+        to_json(cfg),
+        "--target-cfg",
+        to_json(_target(data)),
+        "--prompts",
+        str(data / "prompts/train.parquet"),
+        "--out",
+        str(out_dir / "train.parquet"),
+        "--work-dir",
+        str(out_dir / "parts"),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     return subprocess.run(cmd, capture_output=True, text=True, env=env)
 
@@ -273,8 +325,9 @@ def test_a_bad_server_then_a_fixed_one_recovers(data, server, hf_reference, tmp_
         while stub.poll() is None and not _listens(port):
             time.sleep(0.05)
         rerun = "snakemake --configfile my config.yaml --cores all"
-        bad = _script(data, tmp_path, _openai(f"http://127.0.0.1:{port}/v1", concurrency=1),
-                      FLASHDRAFT_RERUN=rerun)
+        bad = _script(
+            data, tmp_path, _openai(f"http://127.0.0.1:{port}/v1", concurrency=1), FLASHDRAFT_RERUN=rerun
+        )
     finally:
         stub.terminate()
         stub.wait()
@@ -292,8 +345,12 @@ def test_a_bad_server_then_a_fixed_one_recovers(data, server, hf_reference, tmp_
 
 def _error_body(srv, body: dict) -> tuple[int, dict]:
     """POST a chat request; (status, the `error` object of the reply, {} when none)."""
-    req = urllib.request.Request(_url(srv) + "/chat/completions", data=json.dumps(body).encode(),
-                                 method="POST", headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        _url(srv) + "/chat/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read()).get("error", {})
@@ -301,15 +358,25 @@ def _error_body(srv, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())["error"]
 
 
-@pytest.mark.parametrize("messages, words", [
-    ([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}],
-     "`messages[1].role` must be one of 'system', 'user', 'assistant', got 'robot'"),
-    ([{"role": "assistant", "content": "I answer nothing"}], "`messages` has no user turn"),
-    ([{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "ok"}],
-     "`messages` has no user turn"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
-     "the conversation ends with an assistant turn (messages[1]): there is nothing to answer"),
-], ids=["unknown-role", "assistant-only", "system-and-assistant", "ends-with-assistant"])
+@pytest.mark.parametrize(
+    "messages, words",
+    [
+        (
+            [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}],
+            "`messages[1].role` must be one of 'system', 'user', 'assistant', got 'robot'",
+        ),
+        ([{"role": "assistant", "content": "I answer nothing"}], "`messages` has no user turn"),
+        (
+            [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "ok"}],
+            "`messages` has no user turn",
+        ),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+            "the conversation ends with an assistant turn (messages[1]): there is nothing to answer",
+        ),
+    ],
+    ids=["unknown-role", "assistant-only", "system-and-assistant", "ends-with-assistant"],
+)
 def test_conversations_the_template_cannot_answer_are_400(server, messages, words):
     code, error = _error_body(server, {"messages": messages, "max_tokens": 2})
     assert code == 400 and error["type"] == "invalid_request_error", error
@@ -328,8 +395,9 @@ def test_a_prompt_past_the_models_positions_is_400(server):
     n = _prompt_tokens(server, long)
     assert n > 4 * limit
     assert code == 400 and error["type"] == "invalid_request_error", error
-    assert error["message"] == (f"the prompt is {n} tokens, over the model's max_position_embeddings of "
-                                f"{limit}; shorten the messages")
+    assert error["message"] == (
+        f"the prompt is {n} tokens, over the model's max_position_embeddings of {limit}; shorten the messages"
+    )
     # a prompt that fits, but not with the answer it asks room for
     fits = [{"role": "user", "content": "7" * (limit - 16)}]
     n = _prompt_tokens(server, fits)
@@ -337,7 +405,8 @@ def test_a_prompt_past_the_models_positions_is_400(server):
     code, error = _error_body(server, {"messages": fits, "max_tokens": limit})
     assert code == 400 and error["message"] == (
         f"the prompt ({n} tokens) and max_tokens ({limit}) are {n + limit} tokens, over the model's "
-        f"max_position_embeddings of {limit}; shorten the messages or lower max_tokens")
+        f"max_position_embeddings of {limit}; shorten the messages or lower max_tokens"
+    )
     code, _ = _error_body(server, {"messages": fits, "max_tokens": limit - n, "temperature": 0})
     assert code == 200  # exactly at the limit
 

@@ -9,18 +9,31 @@ from flashdraft.step import KV_BLOCK
 
 B = 6
 # (device, compiled): eager and compiled on the CPU; on a GPU compiled and captured as CUDA graphs (fp32)
-ENGINES = [("cpu", False), ("cpu", True),
-           pytest.param("cuda", True, marks=[pytest.mark.gpu, pytest.mark.skipif(
-               not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+ENGINES = [
+    ("cpu", False),
+    ("cpu", True),
+    pytest.param(
+        "cuda",
+        True,
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+    ),
+]
 LAYERS = [0, 2]  # the last layer (2): its feature is the final-normed state, as in HF's hidden_states
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = AutoConfig.for_model("qwen3", vocab_size=96, hidden_size=64, intermediate_size=96,
-                               num_hidden_layers=3,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                               max_position_embeddings=1024)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=1024,
+    )
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     for name, p in m.named_parameters():
@@ -77,16 +90,18 @@ def test_draft_session_drafts_as_the_drafter_over_its_context_cache(model, devic
     from flashdraft.session import DraftSession
 
     torch._dynamo.reset()
-    spec = DrafterSpec.from_target(model.config, 90, DrafterConfig(num_layers=2, block_size=B,
-                                                                   sliding_window=window))
+    spec = DrafterSpec.from_target(
+        model.config, 90, DrafterConfig(num_layers=2, block_size=B, sliding_window=window)
+    )
     torch.manual_seed(1)
     drafter = DFlashDrafter(spec).eval().to(device)
     model = model.to(device)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     ours = DraftSession(drafter, embed, head, 2 * KV_BLOCK, compiled=compiled, graphs=device == "cuda")
     # the block's hidden states at every position, as a family that picks its own drafts reads them
-    states = DraftSession(drafter, embed, head, 2 * KV_BLOCK, compiled=compiled, graphs=device == "cuda",
-                          hidden_states=True)
+    states = DraftSession(
+        drafter, embed, head, 2 * KV_BLOCK, compiled=compiled, graphs=device == "cuda", hidden_states=True
+    )
     g = torch.Generator().manual_seed(2)
     width = spec.num_features * spec.hidden_size
     for context in (KV_BLOCK - 4, 3):  # two sequences in one session

@@ -22,9 +22,12 @@ PROFILE = REPO / "workflow" / "profiles" / "slurm"
 # status check that finds no job finished (2, 12, 22, ... s after a job ends or starts): on this cluster a
 # 20 s job was seen done after 36 s, each of the DAG's ten levels waiting so. The jobs, their sbatch
 # lines and where they ran are the plugin's own; only how soon their ends are seen differs.
-FAST_POLL = ("-c", "import sys; from snakemake_executor_plugin_slurm import Executor; "
-             "Executor.next_seconds_between_status_checks = property(lambda self: 2, lambda self, s: None); "
-             "from snakemake.cli import main; sys.argv[0] = 'snakemake'; main()")
+FAST_POLL = (
+    "-c",
+    "import sys; from snakemake_executor_plugin_slurm import Executor; "
+    "Executor.next_seconds_between_status_checks = property(lambda self: 2, lambda self, s: None); "
+    "from snakemake.cli import main; sys.argv[0] = 'snakemake'; main()",
+)
 
 
 def job_resources(output: str) -> dict[str, list[dict]]:
@@ -51,8 +54,7 @@ def sbatch_line(rule_resources: dict, threads: int = 1) -> str:
 
     res = {k: v for k, v in rule_resources.items() if v != "<TBD>"}
     job = SimpleNamespace(resources=_Resources(res), threads=threads)
-    params = dict(run_uuid="uuid", slurm_logfile="log", comment_str="c", account="", partition="",
-                  workdir="")
+    params = dict(run_uuid="uuid", slurm_logfile="log", comment_str="c", account="", partition="", workdir="")
     return get_submit_command(job, params) + set_gres_string(job)
 
 
@@ -68,10 +70,12 @@ def production(tmp_path, **gpus):
 
 # ---- dry runs: what each rule asks SLURM for ----
 
+
 def test_production_dry_run_sbatch_resources(tmp_path):
     pytest.importorskip("snakemake_executor_plugin_slurm")
-    proc = snakemake(tmp_path, "-n", "--profile", str(PROFILE), "--workflow-profile", "none",
-                     config=production(tmp_path))
+    proc = snakemake(
+        tmp_path, "-n", "--profile", str(PROFILE), "--workflow-profile", "none", config=production(tmp_path)
+    )
     jobs = job_resources(proc.stdout)
     assert job_counts(proc.stdout)["hidden_shard"] == len(jobs["hidden_shard"]) == 40
     assert job_counts(proc.stdout)["regenerate"] == len(jobs["regenerate"]) == 40
@@ -97,8 +101,9 @@ def test_multi_node_dry_run_asks_for_nodes_and_launches_srun(tmp_path):
     config = production(tmp_path, drafter_nodes=2)
     # 6 processes: a global batch they can share (production's 3 micro-batches serve 1 or 3)
     write_config(config, {"train.global_batch_tokens": 6 * 16384}, base=config)
-    proc = snakemake(tmp_path, "-n", "--profile", str(PROFILE), "--workflow-profile", "none", "train",
-                     config=config)
+    proc = snakemake(
+        tmp_path, "-n", "--profile", str(PROFILE), "--workflow-profile", "none", "train", config=config
+    )
     (train,) = job_resources(proc.stdout)["train"]
     assert (train["nodes"], train["tasks"], train["gres"], train["mpi"]) == (2, 2, "gpu:3", "srun")
     assert "gpu" not in train
@@ -112,6 +117,7 @@ def test_multi_node_dry_run_asks_for_nodes_and_launches_srun(tmp_path):
 
 
 # ---- a real SLURM on this machine ----
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -144,21 +150,52 @@ def test_two_nodes_one_rendezvous_train_on_the_cpu(cluster, tmp_path):
     """The multi-node launch as the train rule runs it: srun starts one task per node (two slurmd on
     this machine), each a torchrun with 2 processes, all 4 joining one c10d rendezvous."""
     drafter = {"num_layers": 2, "block_size": 8}
-    cfg = {"max_steps": 4, "lr": 3e-3, "max_anchors": 16, "batch_tokens": 512, "buckets": [128, 256],
-           "compile": False, "checkpoint_every": 2, "log_every": 1, "val_samples": 0}
+    cfg = {
+        "max_steps": 4,
+        "lr": 3e-3,
+        "max_anchors": 16,
+        "batch_tokens": 512,
+        "buckets": [128, 256],
+        "compile": False,
+        "checkpoint_every": 2,
+        "log_every": 1,
+        "val_samples": 0,
+    }
     shards = toy_hidden_shards(tmp_path, drafter)
     py = sys.executable
     lease = f"{py} -m flashdraft.gpu --gpus 0 --lock-dir {tmp_path / 'locks'} --"
-    launch = on_every_node(f"{lease} {torchrun(py, REPO / 'scripts' / 'train.py', 2, nodes=2, port=29431)}",
-                           nodes=2)
+    launch = on_every_node(
+        f"{lease} {torchrun(py, REPO / 'scripts' / 'train.py', 2, nodes=2, port=29431)}", nodes=2
+    )
     out = tmp_path / "out"
-    args = (f"--cfg '{json.dumps(cfg)}' --drafter-cfg '{json.dumps(drafter)}' --target {tmp_path / 'target'}"
-            f" --checkpoints {out / 'checkpoints'} --metrics {out / 'metrics.csv'} --out {out / 'drafter'}")
-    (tmp_path / "job.sh").write_text(f"#!/bin/bash\nexport OMP_NUM_THREADS=1\n{launch} {args}"
-                                     f" {' '.join(shards)} > {tmp_path / 'train.log'} 2>&1\n")
-    proc = cluster.run("sbatch", "--parsable", "--wait", "-N", "2", "-n", "2", "-c", "2", "-p", PARTITION,
-                       "-J", "two-nodes", "-o", str(tmp_path / "slurm.out"),
-                       str(tmp_path / "job.sh"), check=False, timeout=600)
+    args = (
+        f"--cfg '{json.dumps(cfg)}' --drafter-cfg '{json.dumps(drafter)}' --target {tmp_path / 'target'}"
+        f" --checkpoints {out / 'checkpoints'} --metrics {out / 'metrics.csv'} --out {out / 'drafter'}"
+    )
+    (tmp_path / "job.sh").write_text(
+        f"#!/bin/bash\nexport OMP_NUM_THREADS=1\n{launch} {args}"
+        f" {' '.join(shards)} > {tmp_path / 'train.log'} 2>&1\n"
+    )
+    proc = cluster.run(
+        "sbatch",
+        "--parsable",
+        "--wait",
+        "-N",
+        "2",
+        "-n",
+        "2",
+        "-c",
+        "2",
+        "-p",
+        PARTITION,
+        "-J",
+        "two-nodes",
+        "-o",
+        str(tmp_path / "slurm.out"),
+        str(tmp_path / "job.sh"),
+        check=False,
+        timeout=600,
+    )
     log = (tmp_path / "train.log").read_text() if (tmp_path / "train.log").exists() else ""
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{log[-6000:]}\n{cluster.logs()}"
     job = proc.stdout.strip().split(";")[0]
@@ -178,12 +215,30 @@ def test_default_dag_through_the_slurm_profile(cluster, tmp_path):
     training on both nodes: the plugin runs the train rule's own srun + torchrun line. What is asserted
     here is the jobs and where they ran, so the toy target is left untrained and the drafter trains two
     eager steps (the workflow tests check what training and the warm compile cache give)."""
-    cheap = {"toy.num_docs": 200, "toy.steps": 0, "toy.source_rows": 20, "train.max_steps": 2,
-             "train.compile": False, "gpus.drafter_nodes": 2}
+    cheap = {
+        "toy.num_docs": 200,
+        "toy.steps": 0,
+        "toy.source_rows": 20,
+        "train.max_steps": 2,
+        "train.compile": False,
+        "gpus.drafter_nodes": 2,
+    }
     config = write_config(tmp_path / "config.yaml", {**SMALL, **cheap})
-    proc = snakemake(tmp_path, "--profile", str(PROFILE), "--workflow-profile", "none", "--latency-wait", "5",
-                     "--slurm-init-seconds-before-status-checks", "2", config=config, check=False,
-                     env={k: cluster.env[k] for k in ("SLURM_CONF", "PATH")}, entry=FAST_POLL)
+    proc = snakemake(
+        tmp_path,
+        "--profile",
+        str(PROFILE),
+        "--workflow-profile",
+        "none",
+        "--latency-wait",
+        "5",
+        "--slurm-init-seconds-before-status-checks",
+        "2",
+        config=config,
+        check=False,
+        env={k: cluster.env[k] for k in ("SLURM_CONF", "PATH")},
+        entry=FAST_POLL,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\n{cluster.logs()}"
     r = tmp_path / "results"
     assert (r / "report.html").exists() and (r / "drafter" / "model.safetensors").exists()
@@ -197,8 +252,19 @@ def test_default_dag_through_the_slurm_profile(cluster, tmp_path):
         if m := re.match(r"rule_([a-z_]+?)(?:_wildcards_.*)?$", comment):
             rules.setdefault(m[1], []).append(state)
             nodes[m[1]] = int(n)
-    expected = {"toy_target": 1, "toy_sources": 1, "prompts": 1, "regenerate": 2, "hidden_shard": 2,
-                "hidden_verify": 1, "warmup": 1, "train": 1, "evaluate": 1, "evaluate_merge": 1, "report": 1}
+    expected = {
+        "toy_target": 1,
+        "toy_sources": 1,
+        "prompts": 1,
+        "regenerate": 2,
+        "hidden_shard": 2,
+        "hidden_verify": 1,
+        "warmup": 1,
+        "train": 1,
+        "evaluate": 1,
+        "evaluate_merge": 1,
+        "report": 1,
+    }
     assert {k: len(v) for k, v in rules.items()} == expected, rows
     assert all(s == "COMPLETED" for states in rules.values() for s in states), rows
     assert nodes["train"] == 2 and nodes["hidden_shard"] == 1, rows

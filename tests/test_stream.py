@@ -39,8 +39,10 @@ def _tokens(tmp_path, lengths_per_shard, seed=0):
 
     rng, files = random.Random(seed), []
     for s, lengths in enumerate(lengths_per_shard):
-        samples = [(f"s{s}-{i}", [rng.randrange(3, 500) for _ in range(n)],
-                    [0] * (n // 2) + [1] * (n - n // 2)) for i, n in enumerate(lengths)]
+        samples = [
+            (f"s{s}-{i}", [rng.randrange(3, 500) for _ in range(n)], [0] * (n // 2) + [1] * (n - n // 2))
+            for i, n in enumerate(lengths)
+        ]
         files.append(tmp_path / f"tokens-{s}.parquet")
         write_tokens(samples, files[-1], {"shard": s})
     return [str(f) for f in files]
@@ -49,16 +51,18 @@ def _tokens(tmp_path, lengths_per_shard, seed=0):
 def _target(tmp_path, layers=6, hidden=128):
     d = tmp_path / "target"
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": layers,
-                                               "hidden_size": hidden}))
+    (d / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "num_hidden_layers": layers, "hidden_size": hidden})
+    )
     return d
 
 
 def test_plan_chunks_every_epoch_into_whole_steps_in_store_order(tmp_path):
     lengths = [[30 + (7 * i) % 90 for i in range(40)], [25 + (11 * i) % 100 for i in range(33)]]
     files = _tokens(tmp_path, lengths)
-    train = TrainConfig(epochs=3, batch_tokens=256, global_batch_tokens=512, buckets=[64, 128], seed=3,
-                        val_samples=0)
+    train = TrainConfig(
+        epochs=3, batch_tokens=256, global_batch_tokens=512, buckets=[64, 128], seed=3, val_samples=0
+    )
     hidden = HiddenConfig(mode="stream", chunk_tokens=1600)
     plan = data_plan(_target(tmp_path), files, hidden, DRAFT, train, 1, tmp_path / "plan")
     flat = [n for shard in lengths for n in shard]
@@ -74,7 +78,7 @@ def test_plan_chunks_every_epoch_into_whole_steps_in_store_order(tmp_path):
         for c in chunks:
             table = pd.read_parquet(tmp_path / "plan" / f"epoch-{e:03d}" / f"chunk-{c['chunk']:05d}.parquet")
             first = (c["start_step"] - chunks[0]["start_step"]) * g
-            want = [i for b in batches[first:first + (c["end_step"] - c["start_step"]) * g] for i in b]
+            want = [i for b in batches[first : first + (c["end_step"] - c["start_step"]) * g] for i in b]
             assert table["sample"].tolist() == want  # the epoch's micro-batches, in order
             assert c["tokens"] == sum(flat[i] for i in want)
             assert c["bytes"] == c["tokens"] * plan["bytes_per_token"] + len(want) * ROW_BYTES
@@ -84,11 +88,15 @@ def test_plan_chunks_every_epoch_into_whole_steps_in_store_order(tmp_path):
     assert plan["peak_bytes"] <= 2 * hidden.chunk_tokens * plan["bytes_per_token"]
 
 
-@pytest.mark.parametrize("hidden, key", [
-    (HiddenConfig(mode="stream", chunk_tokens=100), "hidden.chunk_tokens"),
-    (HiddenConfig(mode="stream", disk_budget="300kB"), "hidden.disk_budget"),
-    (HiddenConfig(mode="stream"), "hidden.disk_budget"),
-], ids=["chunk-below-one-step", "budget-below-one-step", "no-budget"])
+@pytest.mark.parametrize(
+    "hidden, key",
+    [
+        (HiddenConfig(mode="stream", chunk_tokens=100), "hidden.chunk_tokens"),
+        (HiddenConfig(mode="stream", disk_budget="300kB"), "hidden.disk_budget"),
+        (HiddenConfig(mode="stream"), "hidden.disk_budget"),
+    ],
+    ids=["chunk-below-one-step", "budget-below-one-step", "no-budget"],
+)
 def test_a_chunk_smaller_than_one_step_is_one_line_naming_the_key(tmp_path, hidden, key):
     files = _tokens(tmp_path, [[100] * 20])
     train = TrainConfig(epochs=1, batch_tokens=256, global_batch_tokens=512, buckets=[128], val_samples=0)
@@ -110,14 +118,29 @@ def test_a_chunk_too_small_for_one_step_fails_before_any_job_with_the_data_plan_
     from flashdraft.plan import plan
 
     files = _tokens(tmp_path, [[128] * 20])
-    target = {"model_type": "qwen3", "num_hidden_layers": 6, "hidden_size": 128, "intermediate_size": 384,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 576,
-              "max_position_embeddings": 4096}
+    target = {
+        "model_type": "qwen3",
+        "num_hidden_layers": 6,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 576,
+        "max_position_embeddings": 4096,
+    }
     train = {"epochs": 1, "batch_tokens": 256, "global_batch_tokens": 512, "buckets": [128], "val_samples": 0}
 
     def config(value):
-        return from_dict(Config, {"hidden": {"mode": "stream", "max_length": 128, key.split(".")[1]: value},
-                                  "drafter": {"num_layers": 2}, "train": train, "prompts": {"total": 20}})
+        return from_dict(
+            Config,
+            {
+                "hidden": {"mode": "stream", "max_length": 128, key.split(".")[1]: value},
+                "drafter": {"num_layers": 2},
+                "train": train,
+                "prompts": {"total": 20},
+            },
+        )
 
     per_token = 2 * 128 * 2 + 5  # 2 fused layers of 128 in bf16, the id and the mask
     step = 2 * 2 * (128 * per_token + ROW_BYTES)  # 2 micro-batches of 2 rows of 128 tokens
@@ -141,17 +164,34 @@ def test_a_chunk_too_small_for_one_step_fails_before_any_job_with_the_data_plan_
 def test_a_plan_made_for_another_training_names_the_key(tmp_path):
     files = _tokens(tmp_path, [[60] * 30])
     train = TrainConfig(epochs=2, batch_tokens=256, global_batch_tokens=512, buckets=[64], val_samples=0)
-    data_plan(_target(tmp_path), files, HiddenConfig(mode="stream", chunk_tokens=800), DRAFT, train, 1,
-              tmp_path / "plan")
+    data_plan(
+        _target(tmp_path),
+        files,
+        HiddenConfig(mode="stream", chunk_tokens=800),
+        DRAFT,
+        train,
+        1,
+        tmp_path / "plan",
+    )
     plan = Plan(tmp_path / "plan")
     plan.check(train, 1)
-    for change, key in (({"epochs": 3}, "train.epochs"), ({"seed": 1}, "train.seed"),
-                        ({"batch_tokens": 128}, "train.batch_tokens")):
+    for change, key in (
+        ({"epochs": 3}, "train.epochs"),
+        ({"seed": 1}, "train.seed"),
+        ({"batch_tokens": 128}, "train.batch_tokens"),
+    ):
         with pytest.raises(UserError, match=re.escape(f"config key {key}")):
             plan.check(TrainConfig(**{**train.__dict__, **change}), 1)
     one_each = TrainConfig(**{**train.__dict__, "global_batch_tokens": 0})  # a micro-batch per process
-    data_plan(_target(tmp_path), files, HiddenConfig(mode="stream", chunk_tokens=800), DRAFT, one_each, 1,
-              tmp_path / "plan1")
+    data_plan(
+        _target(tmp_path),
+        files,
+        HiddenConfig(mode="stream", chunk_tokens=800),
+        DRAFT,
+        one_each,
+        1,
+        tmp_path / "plan1",
+    )
     Plan(tmp_path / "plan1").check(one_each, 1)
     with pytest.raises(UserError, match="made for 1 training process"):
         Plan(tmp_path / "plan1").check(one_each, 2)
@@ -189,17 +229,29 @@ def test_stream_shards_hold_the_last_hidden_state_when_the_family_needs_it(tmp_p
     files = _tokens(tmp_path, [[40 + (13 * i) % 60 for i in range(24)]])
     train = TrainConfig(epochs=1, batch_tokens=256, global_batch_tokens=512, buckets=[128], val_samples=3)
     hidden = HiddenConfig(mode="stream", disk_budget="2MB")
-    plans = {last: data_plan(target, files, hidden, DRAFT, train, 1, tmp_path / f"plan-{last}",
-                             last_hidden=last) for last in (False, True)}
+    plans = {
+        last: data_plan(target, files, hidden, DRAFT, train, 1, tmp_path / f"plan-{last}", last_hidden=last)
+        for last in (False, True)
+    }
     assert plans[True]["bytes_per_token"] == plans[False]["bytes_per_token"] + 2 * 128  # bf16, H more
     assert plans[True]["last_hidden"] and plans[True]["chunk_tokens"] < plans[False]["chunk_tokens"]
 
     plan_dir = tmp_path / "plan-True"
-    args = ["--cfg", to_json(hidden), "--drafter-cfg", to_json(DRAFT), "--last-hidden", "--target-cfg",
-            to_json(TargetConfig(path=str(target), dtype="float32")), "--plan", str(plan_dir)]
+    args = [
+        "--cfg",
+        to_json(hidden),
+        "--drafter-cfg",
+        to_json(DRAFT),
+        "--last-hidden",
+        "--target-cfg",
+        to_json(TargetConfig(path=str(target), dtype="float32")),
+        "--plan",
+        str(plan_dir),
+    ]
     part, val = tmp_path / "chunk" / "part-00000.arrow", tmp_path / "val.arrow"
     runpy.run_path(str(REPO / "scripts" / "hidden_chunk.py"))["main"](
-        [*args, "--epoch", "0", "--chunk", "0", "--part", "0", "--parts", "1", "--out", str(part)])
+        [*args, "--epoch", "0", "--chunk", "0", "--part", "0", "--parts", "1", "--out", str(part)]
+    )
     runpy.run_path(str(REPO / "scripts" / "hidden_val.py"))["main"]([*args, "--out", str(val)])
     for shard in (part, val):
         assert json.loads(manifest_path(shard).read_text())["last_hidden"] is True
@@ -248,8 +300,11 @@ def test_a_chunk_resumes_a_killed_attempt_or_starts_where_the_previous_chunk_end
     chunks = [Chunk(0, i, i, 10 * i, 10 * i + 10, 1, 1, 1) for i in range(4)]
     run = tmp_path / "removed"
     _checkpoints(run, [10, 14])  # chunk-00001 was killed after step 14, then steps 20 on were removed
-    with pytest.raises(UserError, match=r"no checkpoint at step 30 .*\(kept: 10, 14\).* rerun from chunk "
-                       r"epoch-000/chunk-00001, which resumes at step 14 \(snakemake --forcerun"):
+    with pytest.raises(
+        UserError,
+        match=r"no checkpoint at step 30 .*\(kept: 10, 14\).* rerun from chunk "
+        r"epoch-000/chunk-00001, which resumes at step 14 \(snakemake --forcerun",
+    ):
         chunk_resume_point(run, 30, 40, chunks)
     with pytest.raises(UserError, match="kept: none.* chunk epoch-000/chunk-00000, which starts at step 0"):
         chunk_resume_point(tmp_path / "gone", 20, 30, chunks)
@@ -262,10 +317,24 @@ def _trained_plan(tmp_path):
     from flashdraft.checkpoint import run_key
 
     files = _tokens(tmp_path, [[60] * 30])
-    train = TrainConfig(epochs=2, batch_tokens=256, global_batch_tokens=512, buckets=[64], val_samples=0,
-                        compile=False, checkpoint_every=1)
-    data_plan(_target(tmp_path), files, HiddenConfig(mode="stream", chunk_tokens=1000), DRAFT, train, 1,
-              tmp_path / "plan")
+    train = TrainConfig(
+        epochs=2,
+        batch_tokens=256,
+        global_batch_tokens=512,
+        buckets=[64],
+        val_samples=0,
+        compile=False,
+        checkpoint_every=1,
+    )
+    data_plan(
+        _target(tmp_path),
+        files,
+        HiddenConfig(mode="stream", chunk_tokens=1000),
+        DRAFT,
+        train,
+        1,
+        tmp_path / "plan",
+    )
     plan = Plan(tmp_path / "plan")
     assert len(plan.chunks) == 4 and all(c.end_step - c.start_step >= 2 for c in plan.chunks)
     return train, plan, tmp_path / "checkpoints" / run_key(train, DRAFT, [], plan.fingerprint)
@@ -283,10 +352,25 @@ def _train_chunk(tmp_path, train, plan, chunk, capsys) -> tuple[dict, str]:
     spec.loader.exec_module(script)
     done = tmp_path / "done" / f"{chunk.name}.json"
     capsys.readouterr()
-    script.main(["--cfg", json.dumps(asdict(train)), "--drafter-cfg", to_json(DRAFT),
-                 "--target", str(tmp_path / "target"), "--checkpoints", str(tmp_path / "checkpoints"),
-                 "--plan", str(plan.dir), "--chunk", chunk.name, "--done", str(done),
-                 str(tmp_path / "never-read.arrow")])
+    script.main(
+        [
+            "--cfg",
+            json.dumps(asdict(train)),
+            "--drafter-cfg",
+            to_json(DRAFT),
+            "--target",
+            str(tmp_path / "target"),
+            "--checkpoints",
+            str(tmp_path / "checkpoints"),
+            "--plan",
+            str(plan.dir),
+            "--chunk",
+            chunk.name,
+            "--done",
+            str(done),
+            str(tmp_path / "never-read.arrow"),
+        ]
+    )
     return json.loads(done.read_text()), capsys.readouterr().err
 
 
@@ -347,9 +431,17 @@ def test_disk_watch_keeps_the_peak_while_files_and_folders_come_and_go(tmp_path)
 # Eager steps in both modes (train.compile: false): what is compared is which samples and steps the chunks
 # train, bit for bit, not the compiled step (its warmup cache and hits: test_workflow's small_run); a
 # compile in each of the three runs below (store, stream, killed and rerun) took 30-40 s for nothing asserted.
-STREAM_SMALL = {**SMALL, "train.epochs": 2, "hidden.batch_tokens": 1, "train.checkpoint_every": 1,
-                "train.val_samples": 2, "train.val_every": 2, "drafter.init_from": "init",
-                "hidden.max_length": 64, "train.compile": False}
+STREAM_SMALL = {
+    **SMALL,
+    "train.epochs": 2,
+    "hidden.batch_tokens": 1,
+    "train.checkpoint_every": 1,
+    "train.val_samples": 2,
+    "train.val_every": 2,
+    "drafter.init_from": "init",
+    "hidden.max_length": 64,
+    "train.compile": False,
+}
 THREADS = ["--set-threads", "train=1", "train_chunk=1", "warmup=1"]
 DRAFTER = "results/drafter/config.json"
 INIT_LINE = "drafter: starting from drafter.init_from init"
@@ -474,7 +566,8 @@ def test_the_plan_keeps_the_tokenizer_s_length_so_training_never_imports_transfo
         "import sys, json; from flashdraft.config import DrafterConfig;"
         "from flashdraft.train_step import load_spec;"
         f"spec = load_spec({str(target)!r}, DrafterConfig(num_layers=2), {plan.tokenizer_length});"
-        "print(json.dumps([spec.mask_token_id, 'transformers' in sys.modules]))")
+        "print(json.dumps([spec.mask_token_id, 'transformers' in sys.modules]))"
+    )
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout
     from transformers import AutoTokenizer
 
@@ -488,12 +581,17 @@ def test_stream_mode_writes_the_next_chunk_while_one_trains_within_the_disk_budg
     plan = json.loads((work / "results" / "plan" / "plan.json").read_text())
     assert 0 < peak <= plan["disk_budget"] == 1_200_000
     assert plan["peak_bytes"] <= plan["disk_budget"]
-    jobs = {(j.rule, j.wildcards.get("chunk")): j for j in job_times(latest_log(work))
-            if j.wildcards.get("part", "00000") == "00000"}
+    jobs = {
+        (j.rule, j.wildcards.get("chunk")): j
+        for j in job_times(latest_log(work))
+        if j.wildcards.get("part", "00000") == "00000"
+    }
     names = [f"epoch-{c['epoch']:03d}/chunk-{c['chunk']:05d}" for c in plan["chunks"]]
     # the next chunk's shard job ran while this one trained
-    overlapped = sum(overlap_s(jobs["train_chunk", cur], jobs["hidden_chunk", nxt]) > 0
-                     for cur, nxt in zip(names, names[1:], strict=False))
+    overlapped = sum(
+        overlap_s(jobs["train_chunk", cur], jobs["hidden_chunk", nxt]) > 0
+        for cur, nxt in zip(names, names[1:], strict=False)
+    )
     assert overlapped >= len(names) // 2
 
 
@@ -515,8 +613,22 @@ def _wait_for(pattern, proc, timeout=900):
 
 
 def _background(work, config, *args):
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "workflow" / "Snakefile"), "-d", str(work),
-           "--configfile", str(config), "--cores", "2", DRAFTER, *args, *THREADS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "workflow" / "Snakefile"),
+        "-d",
+        str(work),
+        "--configfile",
+        str(config),
+        "--cores",
+        "2",
+        DRAFTER,
+        *args,
+        *THREADS,
+    ]
     env = shared_pycache({k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"})
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
@@ -525,8 +637,10 @@ def _background(work, config, *args):
 def test_killed_shard_and_training_jobs_rerun_to_the_same_weights(store_run, stream_run, tmp_path):
     work = _fresh_copy(store_run, tmp_path / "run")
     config = _stream_config(work, disk_budget="1.2MB")
-    plan_names = [f"epoch-{c['epoch']:03d}/chunk-{c['chunk']:05d}" for c in
-                  json.loads((stream_run[0] / "results" / "plan" / "plan.json").read_text())["chunks"]]
+    plan_names = [
+        f"epoch-{c['epoch']:03d}/chunk-{c['chunk']:05d}"
+        for c in json.loads((stream_run[0] / "results" / "plan" / "plan.json").read_text())["chunks"]
+    ]
     # kill -9 a shard job of the fourth chunk while it writes
     proc = _background(work, config)
     epoch, chunk = int(plan_names[3][6:9]), int(plan_names[3][-5:])
@@ -568,8 +682,10 @@ def test_forcerun_of_a_finished_run_s_chunk_recomputes_its_shards_and_trains_not
     for name in names[again:]:  # the run got past them: trained already, nothing removed
         log = (work / "results" / "logs" / "train_chunk" / f"{name}.log").read_text()
         assert f"{name} is trained already" in log
-    steps = [sorted(p.name for p in (w / "results" / "checkpoints").glob("*/step-*"))
-             for w in (work, stream_run[0])]
+    steps = [
+        sorted(p.name for p in (w / "results" / "checkpoints").glob("*/step-*"))
+        for w in (work, stream_run[0])
+    ]
     assert steps[0] == steps[1]
     a, b = _weights(work), _weights(stream_run[0])
     assert all(a[k].equal(b[k]) for k in a)
@@ -619,8 +735,16 @@ def test_a_dspark_drafter_trains_in_stream_mode(store_run, tmp_path):
 
     work = _fresh_copy(store_run, tmp_path / "run")
     dspark = {k: v for k, v in STREAM_SMALL.items() if k != "drafter.init_from"}
-    dspark.update({"drafter.family": "dspark", "drafter.block_size": 7, "drafter.dspark": {"markov_rank": 64},
-                   "train.gamma": 4.0, "train.epochs": 1, "train.compile": False})  # compiled: test_workflow
+    dspark.update(
+        {
+            "drafter.family": "dspark",
+            "drafter.block_size": 7,
+            "drafter.dspark": {"markov_rank": 64},
+            "train.gamma": 4.0,
+            "train.epochs": 1,
+            "train.compile": False,
+        }
+    )  # compiled: test_workflow
     config = write_config(work / "config.yaml", dspark)
     data = yaml.safe_load(config.read_text())
     data["hidden"].update({"mode": "stream", "disk_budget": "2MB"})

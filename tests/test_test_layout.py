@@ -66,8 +66,10 @@ def imported(source: str) -> set[str]:
 def has_logic(module: str) -> bool:
     """Whether a module defines anything that runs: a function, a class or a lambda."""
     tree = ast.parse((SRC / f"{module}.py").read_text())
-    return any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda)
-               for n in ast.walk(tree))
+    return any(
+        isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda)
+        for n in ast.walk(tree)
+    )
 
 
 def covering(module: str) -> tuple[str, ...]:
@@ -96,8 +98,9 @@ def test_every_module_has_its_tests():
             if has_logic(m):
                 problems.append(f"NO_LOGIC[{m!r}]: {m}.py defines functions or classes: test it")
         else:
-            problems.append(f"{m}: no tests/test_{m}.py; write it, or name the test file that tests it in "
-                            "COVERED_BY")
+            problems.append(
+                f"{m}: no tests/test_{m}.py; write it, or name the test file that tests it in COVERED_BY"
+            )
     assert not problems, "\n".join(problems)
 
 
@@ -106,19 +109,23 @@ def test_the_map_names_modules_and_reasons():
     assert len(mods) > 50 and {"model", "train", "chat_client"} <= mods
     assert not (COVERED_BY.keys() | NO_LOGIC.keys()) - mods
     assert not COVERED_BY.keys() & NO_LOGIC.keys()
-    assert all(covering(m) and all(f.startswith("test_") and f.endswith(".py") for f in covering(m))
-               for m in COVERED_BY)
+    assert all(
+        covering(m) and all(f.startswith("test_") and f.endswith(".py") for f in covering(m))
+        for m in COVERED_BY
+    )
     assert all(reason.strip() for reason in NO_LOGIC.values())
 
 
 def test_imports_are_read_in_every_form():
-    source = ("import os\n"
-              "import flashdraft.model\n"
-              "from flashdraft.loss import dflash_loss\n"
-              "from flashdraft import chat, toy as t\n"
-              "from . import helpers\n"
-              "def f():\n"
-              "    from flashdraft.float8.x import y\n")
+    source = (
+        "import os\n"
+        "import flashdraft.model\n"
+        "from flashdraft.loss import dflash_loss\n"
+        "from flashdraft import chat, toy as t\n"
+        "from . import helpers\n"
+        "def f():\n"
+        "    from flashdraft.float8.x import y\n"
+    )
     assert imported(source) == {"model", "loss", "chat", "toy", "float8"}
     assert imported("import flashdraft\nfrom flashdraft_other import x\n") == set()
 

@@ -44,32 +44,6 @@ def reference(train_shards, tmp_path_factory):
     return out
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # ---------------------------------------------------------------------------------------------------------
 # real runs
 
@@ -112,8 +86,9 @@ def test_block_size_presets_train_export_and_load_in_the_reference(train_shards,
     ours, spec = load_drafter(tmp_path / "drafter")
     assert spec == load_spec(root / "target", DrafterConfig(**drafter))
     reference = pytest.importorskip("dflash.model", reason="the pinned reference; `make install` installs it")
-    ref, info = reference.DFlashDraftModel.from_pretrained(tmp_path / "drafter", dtype=ours.fc.weight.dtype,
-                                                           output_loading_info=True)
+    ref, info = reference.DFlashDraftModel.from_pretrained(
+        tmp_path / "drafter", dtype=ours.fc.weight.dtype, output_loading_info=True
+    )
     assert not any(info.values()), info
     assert ref.block_size == block and ref.mask_token_id == spec.mask_token_id
     state = ours.state_dict()
@@ -202,12 +177,6 @@ def test_fsdp_accumulates_micro_batches_to_the_single_process_curve(train_shards
     assert len(want) == 3 and got == pytest.approx(want, rel=1e-4)
 
 
-
-
-
-
-
-
 def unnamed_states(checkpoints: Path) -> int:
     """Rewrite every checkpoint's state.json as checkpoints wrote it before the states had names (the
     position's and the metrics' keys side by side); returns how many."""
@@ -273,8 +242,9 @@ def signal_then_resume(train_shards, tmp_path, sig, every_process, nproc=2, gpu=
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if gpu else {"CUDA_VISIBLE_DEVICES": ""})}
     cmd = train_cmd(root, shards, out, cfg, nproc=nproc, gpu=gpu)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         live = out / "checkpoints"
         while proc.poll() is None and sum(len(read_rows(f)) for f in live.glob("*/metrics.csv")) < 2:
@@ -303,8 +273,9 @@ def signal_then_resume(train_shards, tmp_path, sig, every_process, nproc=2, gpu=
     assert [int(r["step"]) for r in before] == list(range(2, step + 1, 2))
     assert not (out / "drafter").exists()
 
-    proc = run(train_cmd(root, shards, out, cfg, nproc=nproc, extra=["--stop-at", str(step + 2)], gpu=gpu),
-               gpu=gpu)
+    proc = run(
+        train_cmd(root, shards, out, cfg, nproc=nproc, extra=["--stop-at", str(step + 2)], gpu=gpu), gpu=gpu
+    )
     assert f"resumed from {run_dir / f'step-{step:08d}'}: step {step}/" in proc.stderr
     after = read_rows(run_dir / "metrics.csv")
     assert [int(r["step"]) for r in after] == list(range(2, step + 3, 2))
@@ -312,13 +283,18 @@ def signal_then_resume(train_shards, tmp_path, sig, every_process, nproc=2, gpu=
     return stderr
 
 
-@pytest.mark.parametrize("sig, every_process, nproc",
-                         [pytest.param(signal.SIGTERM, True, 2, marks=pytest.mark.slow),
-                          pytest.param(signal.SIGINT, False, 2, marks=pytest.mark.slow),
-                          (signal.SIGINT, False, 1)],
-                         ids=["sigterm-to-every-process", "ctrl-c-to-torchrun", "ctrl-c-to-one-process"])
+@pytest.mark.parametrize(
+    "sig, every_process, nproc",
+    [
+        pytest.param(signal.SIGTERM, True, 2, marks=pytest.mark.slow),
+        pytest.param(signal.SIGINT, False, 2, marks=pytest.mark.slow),
+        (signal.SIGINT, False, 1),
+    ],
+    ids=["sigterm-to-every-process", "ctrl-c-to-torchrun", "ctrl-c-to-one-process"],
+)
 def test_a_signal_saves_a_checkpoint_at_the_next_log_step_and_the_rerun_resumes_there(
-        train_shards, tmp_path, sig, every_process, nproc):
+    train_shards, tmp_path, sig, every_process, nproc
+):
     signal_then_resume(train_shards, tmp_path, sig, every_process, nproc)
 
 
@@ -331,18 +307,6 @@ def test_gpu_sigterm_reaches_loader_workers_too_and_training_still_saves(train_s
     assert "DataLoader worker" not in stderr
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 @pytest.mark.slow
 def test_fsdp_compiled_trains_to_the_eager_ddp_losses(train_shards, reference, tmp_path):
     """FSDP2 with the compiled step on 2 gloo processes: Dynamo compiles around FSDP's hooks, every later
@@ -350,8 +314,10 @@ def test_fsdp_compiled_trains_to_the_eager_ddp_losses(train_shards, reference, t
     root, shards = train_shards
     cfg, cache, out = {**TRAIN, "compile": True, "parallel": "fsdp"}, tmp_path / "cache", tmp_path / "fsdp"
     run(warmup_cmd(root, shards, cfg, cache, world=2))  # knows the ranks compile: compiles nothing
-    proc = run(train_cmd(root, shards, out, cfg, extra=["--compile-cache", str(cache)]),
-               env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    proc = run(
+        train_cmd(root, shards, out, cfg, extra=["--compile-cache", str(cache)]),
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")},
+    )
     assert "the warmup compiled nothing: training shards the drafter (FSDP)" in proc.stderr
     assert "parallel: fsdp (fsdp), 2 processes" in proc.stderr and "compiled, caches" in proc.stderr
     assert not [line for line in proc.stderr.splitlines() if COMPILE_ERROR.search(line)]
@@ -368,8 +334,11 @@ def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(t
     root, shards = train_shards
     cfg = {**TRAIN, "compile": True, "max_steps": 8, "lr": 1e-3}
     cache = tmp_path / "cache"
-    run(warmup_cmd(root, shards, cfg, cache), gpu=True,
-        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")})
+    run(
+        warmup_cmd(root, shards, cfg, cache),
+        gpu=True,
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")},
+    )
     meta = json.loads((cache / "meta.json").read_text())
     print("warmup:", json.dumps({k: meta[k] for k in ("seconds", "counters", "artifact_bytes")}))
     assert meta["key"]["attention"] == "flex" and meta["artifact_bytes"] > 0
@@ -388,14 +357,6 @@ def test_gpu_compiled_flex_training_hits_the_warmup_cache_and_never_recompiles(t
     assert next(drafter.parameters()).dtype == torch.bfloat16  # exported in the training dtype
 
 
-
-
-
-
-
-
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not fp8_ready(), reason="needs torchao and a GPU with FP8 matmuls")
 def test_gpu_fp8_training_loads_its_warmup_cache_and_tracks_bf16(train_shards, tmp_path):
@@ -407,8 +368,11 @@ def test_gpu_fp8_training_loads_its_warmup_cache_and_tracks_bf16(train_shards, t
     rows = {}
     for name, lever in (("bf16", {}), ("fp8", {"fp8": "tensorwise", "compile_loss": True})):
         cfg, cache, out = {**base, **lever}, tmp_path / f"cache-{name}", tmp_path / name
-        run(warmup_cmd(root, shards, cfg, cache), gpu=True,
-            env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-warmup-{name}")})
+        run(
+            warmup_cmd(root, shards, cfg, cache),
+            gpu=True,
+            env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-warmup-{name}")},
+        )
         shutil.rmtree(json.loads((cache / "meta.json").read_text())["inductor_dir"])  # another node
         cmd = train_cmd(root, shards, out, cfg, nproc=1, extra=["--compile-cache", str(cache)], gpu=True)
         proc = run(cmd, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}, gpu=True)
@@ -424,8 +388,6 @@ def test_gpu_fp8_training_loads_its_warmup_cache_and_tracks_bf16(train_shards, t
     assert next(drafter.parameters()).dtype == torch.bfloat16
 
 
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -439,8 +401,11 @@ def test_gpu_two_process_training_from_a_cold_or_a_warm_compile_cache(train_shar
     cfg = {**TRAIN, "compile": True, "max_steps": 6, "lr": 1e-3}
     extra = []
     if cache == "warm":
-        run(warmup_cmd(root, shards, cfg, tmp_path / "cache"),
-            env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")}, gpu=True)
+        run(
+            warmup_cmd(root, shards, cfg, tmp_path / "cache"),
+            env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-warmup")},
+            gpu=True,
+        )
         extra = ["--compile-cache", str(tmp_path / "cache")]
     out = tmp_path / "train"
     cmd = train_cmd(root, shards, out, cfg, nproc=2, extra=extra, gpu=True)
@@ -480,5 +445,3 @@ def test_gpu_fsdp_compiled_flex_training_follows_ddp(train_shards, tmp_path):
         curves[mode] = losses(read_rows(out / "metrics.csv"))
         assert len(curves[mode]) == 6 and all(math.isfinite(x) for x in curves[mode])
     assert curves["fsdp"] == pytest.approx(curves["ddp"], rel=2e-2)
-
-

@@ -39,8 +39,11 @@ def expand(tmp_path, path, *extra):
     [
         ("empty.json", b"", "is empty"),
         ("truncated.json", b'[{"prompt": "What is', "is not valid JSON"),
-        ("latin1.json", json.dumps([{"prompt": "café"}]).replace("\\u00e9", "\xe9").encode("latin-1"),
-         "is not UTF-8"),
+        (
+            "latin1.json",
+            json.dumps([{"prompt": "café"}]).replace("\\u00e9", "\xe9").encode("latin-1"),
+            "is not UTF-8",
+        ),
         ("fake.parquet", b"this is not parquet\n" * 10, "is not a readable parquet file"),
     ],
 )
@@ -52,11 +55,15 @@ def test_unreadable_source(tmp_path, name, content, expected):
     assert expected in line
 
 
-@pytest.mark.parametrize("path, split, expected", [
-    ("no-such-user/no-such-dataset", "train", "Couldn't reach 'no-such-user/no-such-dataset' on the Hub"),
-    ("EMPTY", "train", "doesn't contain any data files"),
-    ("DATA", "nope", "Bad split: nope. Available splits: ['train']"),
-], ids=["unknown-hub-id", "folder-without-data-files", "unknown-split"])
+@pytest.mark.parametrize(
+    "path, split, expected",
+    [
+        ("no-such-user/no-such-dataset", "train", "Couldn't reach 'no-such-user/no-such-dataset' on the Hub"),
+        ("EMPTY", "train", "doesn't contain any data files"),
+        ("DATA", "nope", "Bad split: nope. Available splits: ['train']"),
+    ],
+    ids=["unknown-hub-id", "folder-without-data-files", "unknown-split"],
+)
 def test_hf_dataset_that_cannot_be_loaded(tmp_path, monkeypatch, path, split, expected):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network: the hub answers nothing
     (tmp_path / "EMPTY").mkdir()
@@ -85,10 +92,19 @@ def test_disk_preflight_refusal(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"id": "a", "messages": messages}]), tmp_path / "data.parquet")
     out = tmp_path / "hidden" / "shard-00000.arrow"
     proc = run_script(
-        "hidden_shard.py", "--cfg", json.dumps({"disk_margin": 1e18}),
-        "--target-cfg", target_cfg(tmp_path / "target", dtype="float32"), "--data", tmp_path / "data.parquet",
-        "--shard", 0, "--num-shards", 1,
-        "--out", out,
+        "hidden_shard.py",
+        "--cfg",
+        json.dumps({"disk_margin": 1e18}),
+        "--target-cfg",
+        target_cfg(tmp_path / "target", dtype="float32"),
+        "--data",
+        tmp_path / "data.parquet",
+        "--shard",
+        0,
+        "--num-shards",
+        1,
+        "--out",
+        out,
     )
     line = one_line_error(proc)
     assert "not enough disk space in" in line and str(out.parent) in line and " bytes) are free" in line
@@ -98,8 +114,13 @@ def test_disk_preflight_refusal(tmp_path):
 def small_disk(path, size="16k"):
     """A tmpfs of `size` mounted at `path` (root only); unmount it with umount."""
     path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("needs root and tmpfs to fill a disk")
     return path
 
@@ -124,10 +145,19 @@ def precompute(tmp_path, out, cfg: dict):
     rows = [{"id": f"r{i}", "messages": messages} for i in range(8)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
     return run_script(
-        "hidden_shard.py", "--cfg", json.dumps(cfg),
-        "--target-cfg", target_cfg(tmp_path / "target", dtype="float32"), "--data", tmp_path / "data.parquet",
-        "--shard", 0, "--num-shards", 1,
-        "--out", out,
+        "hidden_shard.py",
+        "--cfg",
+        json.dumps(cfg),
+        "--target-cfg",
+        target_cfg(tmp_path / "target", dtype="float32"),
+        "--data",
+        tmp_path / "data.parquet",
+        "--shard",
+        0,
+        "--num-shards",
+        1,
+        "--out",
+        out,
     )
 
 
@@ -152,8 +182,10 @@ def test_disk_full_in_the_hidden_writer_thread(tmp_path):
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
     line = one_line_error(proc)
-    assert line == (f"hidden_shard: error: {mnt}/shard-00000.arrow: no space left on device; free space "
-                    "there (or move results/) and rerun")
+    assert line == (
+        f"hidden_shard: error: {mnt}/shard-00000.arrow: no space left on device; free space "
+        "there (or move results/) and rerun"
+    )
     assert "shard-00000.arrow" not in left
 
 
@@ -163,12 +195,21 @@ def test_target_that_needs_remote_code(tmp_path):
     auto_map = {"AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}
     (target / "config.json").write_text(json.dumps({"model_type": "mine", "auto_map": auto_map}))
     messages = [{"role": "user", "content": "Hi"}]
-    pq.write_table(pa.Table.from_pylist([{"id": "a", "source": "s", "messages": messages}]),
-                   tmp_path / "prompts.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"id": "a", "source": "s", "messages": messages}]), tmp_path / "prompts.parquet"
+    )
     proc = run_script(
-        "regenerate.py", "--cfg", json.dumps({"enabled": False}), "--target-cfg", target_cfg(target),
-        "--prompts", tmp_path / "prompts.parquet", "--out", tmp_path / "out.parquet",
-        "--work-dir", tmp_path / "w",
+        "regenerate.py",
+        "--cfg",
+        json.dumps({"enabled": False}),
+        "--target-cfg",
+        target_cfg(target),
+        "--prompts",
+        tmp_path / "prompts.parquet",
+        "--out",
+        tmp_path / "out.parquet",
+        "--work-dir",
+        tmp_path / "w",
     )
     line = one_line_error(proc)
     assert str(target / "config.json") in line and "needs remote code" in line and "modeling_mine" in line
@@ -223,7 +264,7 @@ def test_running_out_of_gpu_memory_is_one_line_naming_stage_prediction_and_keys(
     from flashdraft.shapes import QWEN3_8B
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", **QWEN3_8B}))
-    raise_it = ("raise RuntimeError('compile failed: ' + str(e)) from e" if wrapped else "raise e")
+    raise_it = "raise RuntimeError('compile failed: ' + str(e)) from e" if wrapped else "raise e"
     code = (
         "import torch\n"
         "from flashdraft import errors, memory\n"
@@ -239,9 +280,11 @@ def test_running_out_of_gpu_memory_is_one_line_naming_stage_prediction_and_keys(
     )
     p = run_python(code)
     line = one_line_error(p)
-    expected = (r"-c: error: stage warmup ran out of GPU memory: predicted peak [\d.]+ GiB \(bucket \d+, \d+ "
-                r"rows a forward, ddp\), the GPU's memory; lower train\.batch_anchors, train\.batch_tokens, "
-                r"train\.max_anchors \(python -m flashdraft\.plan .*\)")
+    expected = (
+        r"-c: error: stage warmup ran out of GPU memory: predicted peak [\d.]+ GiB \(bucket \d+, \d+ "
+        r"rows a forward, ddp\), the GPU's memory; lower train\.batch_anchors, train\.batch_tokens, "
+        r"train\.max_anchors \(python -m flashdraft\.plan .*\)"
+    )
     assert re.fullmatch(expected, line), line
     verbose = run_python(code.replace("main(sys.argv[1:])", "main(['--verbose'])"))
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr and "OutOfMemoryError" in verbose.stderr
@@ -259,17 +302,31 @@ TypeError: unsupported operand type(s) for /: 'Tensor' and 'NoneType'
 RANKS = "[rank0]: train: error: bad shard\n[rank1]: train: error: bad shard\nChildFailedError:\n  rank: 0\n"
 
 
-@pytest.mark.parametrize("log, cause, expected", [
-    ("read mine: 200 rows\nprompts: error: no usable prompt in any source\n", None,
-     "failed: prompts: error: no usable prompt in any source"),
-    (RANKS, None, "failed: train: error: bad shard"),
-    ("prompts: error: a\nprompts: error: b\n", None, "failed:\n  prompts: error: a\n  prompts: error: b"),
-    (TRACEBACK, None, "failed (a crash: the traceback is in its log): TypeError: unsupported operand type(s) "
-                      "for /: 'Tensor' and 'NoneType'"),
-    ("step 1\rstep 2\rstep 3\n", "exit status 137: killed by SIGKILL",
-     "failed (exit status 137: killed by SIGKILL): its log ends: step 3"),
-    ("", "exit status 2", "failed (exit status 2): nothing in its log"),
-], ids=["one-line-error", "every-rank-says-it", "several-problems", "crash", "killed", "empty-log"])
+@pytest.mark.parametrize(
+    "log, cause, expected",
+    [
+        (
+            "read mine: 200 rows\nprompts: error: no usable prompt in any source\n",
+            None,
+            "failed: prompts: error: no usable prompt in any source",
+        ),
+        (RANKS, None, "failed: train: error: bad shard"),
+        ("prompts: error: a\nprompts: error: b\n", None, "failed:\n  prompts: error: a\n  prompts: error: b"),
+        (
+            TRACEBACK,
+            None,
+            "failed (a crash: the traceback is in its log): TypeError: unsupported operand type(s) "
+            "for /: 'Tensor' and 'NoneType'",
+        ),
+        (
+            "step 1\rstep 2\rstep 3\n",
+            "exit status 137: killed by SIGKILL",
+            "failed (exit status 137: killed by SIGKILL): its log ends: step 3",
+        ),
+        ("", "exit status 2", "failed (exit status 2): nothing in its log"),
+    ],
+    ids=["one-line-error", "every-rank-says-it", "several-problems", "crash", "killed", "empty-log"],
+)
 def test_a_failed_job_is_the_error_its_log_ends_with_and_the_log(tmp_path, log, cause, expected):
     from flashdraft.errors import job_failure
 
@@ -278,13 +335,16 @@ def test_a_failed_job_is_the_error_its_log_ends_with_and_the_log(tmp_path, log, 
     assert job_failure("prompts", [path], cause) == f"rule prompts {expected}\n  log: {path}"
 
 
-@pytest.mark.parametrize("message, cause", [
-    ("Command 'x > l.log 2>&1' returned non-zero exit status 1.", None),
-    ("Command 'x' returned non-zero exit status 143.", "exit status 143: killed by SIGTERM"),
-    ("Command 'x' returned non-zero exit status 3.", "exit status 3"),
-    ("Command 'x' died with <Signals.SIGKILL: 9>.", "killed by SIGKILL"),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "message, cause",
+    [
+        ("Command 'x > l.log 2>&1' returned non-zero exit status 1.", None),
+        ("Command 'x' returned non-zero exit status 143.", "exit status 143: killed by SIGTERM"),
+        ("Command 'x' returned non-zero exit status 3.", "exit status 3"),
+        ("Command 'x' died with <Signals.SIGKILL: 9>.", "killed by SIGKILL"),
+        (None, None),
+    ],
+)
 def test_how_a_job_s_command_ended(message, cause):
     from flashdraft.errors import exit_cause
 
@@ -305,14 +365,17 @@ def test_the_console_says_a_failed_job_once_and_leaves_the_rest_to_the_complete_
     def say(msg, **extra):
         return console.format(logging.makeLogRecord({"msg": msg, "levelno": logging.ERROR, **extra}))
 
-    command = (f"RuleException:\nCalledProcessError in file x:\nCommand 'cmd > {log} 2>&1' returned "
-               "non-zero exit status 143.")
+    command = (
+        f"RuleException:\nCalledProcessError in file x:\nCommand 'cmd > {log} 2>&1' returned "
+        "non-zero exit status 143."
+    )
     job = {"event": "job_error", "jobid": 2, "rule_name": "prompts", "rule_msg": None, "log": [str(log)]}
     complete = "Complete log(s): /w/.snakemake/log/x.log"
     assert say(command, event="error", exception="RuleException") == ""
     assert say("Error in rule prompts, jobid: 2", **job) == (
         "rule prompts failed (exit status 143: killed by SIGTERM): prompts: error: no usable prompt\n"
-        f"  log: {log}")
+        f"  log: {log}"
+    )
     assert say("Shutting down.") == "inner: Shutting down."
     assert say("Exiting because a job execution failed. Look below for error messages") == ""
     assert say("Error in rule prompts, jobid: 2", **job) == ""

@@ -23,9 +23,20 @@ from flashdraft.train_data import Plan, split_store
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = {"num_layers": 2, "block_size": 8}
-TRAIN = {"max_steps": 6, "lr": 3e-3, "max_anchors": 16, "batch_tokens": 512, "buckets": [128, 256],
-         "compile": False, "checkpoint_every": 4, "keep_checkpoints": 1, "log_every": 1, "val_samples": 8,
-         "val_every": 2, "export": "best"}
+TRAIN = {
+    "max_steps": 6,
+    "lr": 3e-3,
+    "max_anchors": 16,
+    "batch_tokens": 512,
+    "buckets": [128, 256],
+    "compile": False,
+    "checkpoint_every": 4,
+    "keep_checkpoints": 1,
+    "log_every": 1,
+    "val_samples": 8,
+    "val_every": 2,
+    "export": "best",
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +46,24 @@ def data(tmp_path_factory):
 
 
 def train(root, shards, out, cfg=TRAIN, extra=(), check=True):
-    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "--cfg", json.dumps(cfg),
-           "--drafter-cfg", json.dumps(DRAFTER), "--target", str(root / "target"),
-           "--checkpoints", str(out / "checkpoints"), "--metrics", str(out / "metrics.csv"),
-           "--out", str(out / "drafter"), *extra, *shards]
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "train.py"),
+        "--cfg",
+        json.dumps(cfg),
+        "--drafter-cfg",
+        json.dumps(DRAFTER),
+        "--target",
+        str(root / "target"),
+        "--checkpoints",
+        str(out / "checkpoints"),
+        "--metrics",
+        str(out / "metrics.csv"),
+        "--out",
+        str(out / "drafter"),
+        *extra,
+        *shards,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if check:
@@ -90,8 +115,10 @@ def test_the_default_split_and_the_warning_for_a_large_one():
     cfg.train.val_samples = 36
     assert check(cfg) == []  # a tenth of the 360 prompts
     cfg.train.val_samples = 37
-    assert check(cfg) == ["config key train.val_samples: 37 of at most 360 training prompts (prompts.total) "
-                          "are held out of training; use a few percent, or 0 for no validation"]
+    assert check(cfg) == [
+        "config key train.val_samples: 37 of at most 360 training prompts (prompts.total) "
+        "are held out of training; use a few percent, or 0 for no validation"
+    ]
 
 
 def test_bad_validation_keys_are_one_line_before_any_job():
@@ -122,8 +149,10 @@ def test_validation_rows_the_best_export_and_their_determinism(data, reference, 
     assert exported["step"] == best and exported["last_step"] == 6 and "best validation" in exported["why"]
     run_dir = next((out / "checkpoints").iterdir())
     assert [p.name for p in (run_dir / "best").iterdir()] == [f"step-{best:08d}"]
-    weights, kept = load_file(out / "drafter" / "model.safetensors"), load_file(
-        run_dir / "best" / f"step-{best:08d}" / "model.safetensors")
+    weights, kept = (
+        load_file(out / "drafter" / "model.safetensors"),
+        load_file(run_dir / "best" / f"step-{best:08d}" / "model.safetensors"),
+    )
     assert all(weights[k].equal(kept[k].to(weights[k].dtype)) for k in weights)
     split = json.loads((out / "val_split.json").read_text())
     assert split["val_samples"] == 8 and split["ids"] == val_split(HiddenStore(shards).ids(), 8, 0)
@@ -132,8 +161,9 @@ def test_validation_rows_the_best_export_and_their_determinism(data, reference, 
     train(root, shards, again, extra=["--stop-at", "3"])
     train(root, shards, again)
     pd.testing.assert_frame_equal(val_rows(again)[1], val)
-    pd.testing.assert_frame_equal(val_rows(again)[0].drop(columns="tokens_per_s"),
-                                  df.drop(columns="tokens_per_s"))
+    pd.testing.assert_frame_equal(
+        val_rows(again)[0].drop(columns="tokens_per_s"), df.drop(columns="tokens_per_s")
+    )
     assert json.loads((again / "export.json").read_text()) == exported
     # train.export: last on the finished run exports the last step without training again (Snakemake
     # removes the outputs of a job before it runs)
@@ -153,8 +183,9 @@ def test_validation_does_not_change_what_trains(data, tmp_path):
     from flashdraft.hidden_write import open_shard, write_manifest
 
     path = tmp_path / "train-only.arrow"
-    meta = ShardMeta(target="toy", target_layer_ids=store.layer_ids, hidden_size=store.hidden_size,
-                     dtype="bfloat16")
+    meta = ShardMeta(
+        target="toy", target_layer_ids=store.layer_ids, hidden_size=store.hidden_size, dtype="bfloat16"
+    )
     with open_shard(path, meta) as w:
         for i, sid in enumerate(store.ids()):
             if sid not in held:
@@ -190,8 +221,10 @@ def test_a_split_of_every_sample_is_one_line_before_training(data, tmp_path, val
     proc = train(root, shards, tmp_path, cfg=cfg, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     n = val_samples or 64
-    assert (f"config key train.val_samples ({n}) leaves none of the 48 samples for training"
-            in proc.stderr.strip().splitlines()[-1])
+    assert (
+        f"config key train.val_samples ({n}) leaves none of the 48 samples for training"
+        in proc.stderr.strip().splitlines()[-1]
+    )
     assert not list((tmp_path / "checkpoints").rglob("step-*"))
 
 
@@ -200,19 +233,29 @@ def test_stream_plan_holds_the_validation_samples_out_and_reads_them_back(tmp_pa
 
     rng, files = random.Random(0), []
     for s, n in enumerate([30, 25]):
-        samples = [(f"s{s}-{i}", [rng.randrange(3, 500) for _ in range(40 + i)], [0] * 20 + [1] * (20 + i))
-                   for i in range(n)]
+        samples = [
+            (f"s{s}-{i}", [rng.randrange(3, 500) for _ in range(40 + i)], [0] * 20 + [1] * (20 + i))
+            for i in range(n)
+        ]
         files.append(tmp_path / f"tokens-{s}.parquet")
         write_tokens(samples, files[-1], {"shard": s})
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 6,
-                                                    "hidden_size": 128}))
+    (target / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "num_hidden_layers": 6, "hidden_size": 128})
+    )
     cfg = TrainConfig(epochs=2, batch_tokens=256, buckets=[64, 128], val_samples=6, seed=3)
     from flashdraft.config import DrafterConfig
 
-    plan = data_plan(target, [str(f) for f in files], HiddenConfig(mode="stream", chunk_tokens=2000),
-                     DrafterConfig(num_layers=2), cfg, 1, tmp_path / "plan")
+    plan = data_plan(
+        target,
+        [str(f) for f in files],
+        HiddenConfig(mode="stream", chunk_tokens=2000),
+        DrafterConfig(num_layers=2),
+        cfg,
+        1,
+        tmp_path / "plan",
+    )
     ids = [f"s{s}-{i}" for s, n in enumerate([30, 25]) for i in range(n)]
     held = val_split(ids, 6, 3)
     p = Plan(tmp_path / "plan")
@@ -248,9 +291,20 @@ def test_two_processes_validate_to_the_same_numbers_as_one(data, tmp_path):
     train(root, shards, one, cfg=cfg)
     script = str(REPO / "scripts" / "train.py")
     cmd = torchrun_argv(sys.executable, script, 2) + [
-        "--cfg", json.dumps(cfg), "--drafter-cfg", json.dumps(DRAFTER), "--target", str(root / "target"),
-        "--checkpoints", str(two / "checkpoints"), "--metrics", str(two / "metrics.csv"),
-        "--out", str(two / "drafter"), *shards]
+        "--cfg",
+        json.dumps(cfg),
+        "--drafter-cfg",
+        json.dumps(DRAFTER),
+        "--target",
+        str(root / "target"),
+        "--checkpoints",
+        str(two / "checkpoints"),
+        "--metrics",
+        str(two / "metrics.csv"),
+        "--out",
+        str(two / "drafter"),
+        *shards,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.slow
 
 # ---- config validation: fails before any job runs, naming the key ----
 
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [
@@ -44,27 +45,63 @@ pytestmark = pytest.mark.slow
         ({"drafter.target_layer_ids": [1, 9]}, "drafter.target_layer_ids: [9] out of range"),
         ({"prompts.min_chars": 50, "prompts.max_chars": 10}, "prompts.min_chars (50) > prompts.max_chars"),
         ({"regenerate.max_new_tokens": 10**9}, "1000000000 is greater than the maximum of 1048576"),
-        ({"regenerate.max_new_tokens": 4096}, "config key regenerate.max_new_tokens (4096) does not fit the "
-                                              "target's max_position_embeddings (4096); use at most 4095"),
+        (
+            {"regenerate.max_new_tokens": 4096},
+            "config key regenerate.max_new_tokens (4096) does not fit the "
+            "target's max_position_embeddings (4096); use at most 4095",
+        ),
         ({"eval.max_new_tokens": 5000}, "config key eval.max_new_tokens (5000) does not fit"),
-        ({"hidden.max_length": 4097}, "config key hidden.max_length (4097) does not fit the target's "
-                                      "max_position_embeddings (4096); use at most 4096"),
-        ({"regenerate.backend": "server", "regenerate.server_gpus": 0,
-          "regenerate.server_cmd": "vllm serve {model} --port {port}"}, "unknown placeholder(s) ['model']"),
-        ({"regenerate.backend": "server", "regenerate.server_gpus": 0, "regenerate.server_cmd": " "},
-         "regenerate.server_cmd is empty"),
-        ({"prompts.sources": [{"name": "here", "path": "."}]},
-         "config key prompts.sources[here].path: '.' is a directory; point it at a file"),
-        ({"drafter.init_from": "no/such/drafter"},
-         "config key drafter.init_from: no/such/drafter is not a drafter export"),
+        (
+            {"hidden.max_length": 4097},
+            "config key hidden.max_length (4097) does not fit the target's "
+            "max_position_embeddings (4096); use at most 4096",
+        ),
+        (
+            {
+                "regenerate.backend": "server",
+                "regenerate.server_gpus": 0,
+                "regenerate.server_cmd": "vllm serve {model} --port {port}",
+            },
+            "unknown placeholder(s) ['model']",
+        ),
+        (
+            {"regenerate.backend": "server", "regenerate.server_gpus": 0, "regenerate.server_cmd": " "},
+            "regenerate.server_cmd is empty",
+        ),
+        (
+            {"prompts.sources": [{"name": "here", "path": "."}]},
+            "config key prompts.sources[here].path: '.' is a directory; point it at a file",
+        ),
+        (
+            {"drafter.init_from": "no/such/drafter"},
+            "config key drafter.init_from: no/such/drafter is not a drafter export",
+        ),
         ({"train.val_samples": 360}, "config key train.val_samples (360) leaves none of the 360 samples"),
-        ({"prompts.sources": [{"name": "hub", "path": "HuggingFaceH4/ultrachat_200k"}]},
-         "'HuggingFaceH4/ultrachat_200k' does not exist; for a Hugging Face Hub dataset id, set format: hf"),
+        (
+            {"prompts.sources": [{"name": "hub", "path": "HuggingFaceH4/ultrachat_200k"}]},
+            "'HuggingFaceH4/ultrachat_200k' does not exist; for a Hugging Face Hub dataset id, set "
+            "format: hf",
+        ),
     ],
-    ids=["unknown-key", "wrong-type", "missing-model", "too-many-gpus", "too-many-server-gpus",
-         "layer-beyond-target", "min-over-max-chars", "schema-max-new-tokens", "regenerate-over-positions",
-         "eval-over-positions", "max-length-over-positions", "server-cmd-placeholder", "server-cmd-empty",
-         "source-is-a-directory", "init-from-missing", "val-split-of-every-prompt", "hub-id-without-format"],
+    ids=[
+        "unknown-key",
+        "wrong-type",
+        "missing-model",
+        "too-many-gpus",
+        "too-many-server-gpus",
+        "layer-beyond-target",
+        "min-over-max-chars",
+        "schema-max-new-tokens",
+        "regenerate-over-positions",
+        "eval-over-positions",
+        "max-length-over-positions",
+        "server-cmd-placeholder",
+        "server-cmd-empty",
+        "source-is-a-directory",
+        "init-from-missing",
+        "val-split-of-every-prompt",
+        "hub-id-without-format",
+    ],
 )
 def test_bad_config_fails_before_any_job(tmp_path, overrides, expected):
     config = write_config(tmp_path / "config.yaml", overrides)
@@ -87,8 +124,10 @@ def test_a_source_whose_rows_give_no_prompt_stops_the_run_before_its_prompts_job
     proc = snakemake(tmp_path, "--cores", "1", config=config, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Traceback" not in out
-    assert ("config key prompts.sources[mine]: none of the first 20 rows of mine.jsonl gives a prompt (most "
-            "often: unknown shape); set its shape") in out
+    assert (
+        "config key prompts.sources[mine]: none of the first 20 rows of mine.jsonl gives a prompt (most "
+        "often: unknown shape); set its shape"
+    ) in out
     assert old.read_bytes() == b"the prompts of the run before"
     assert not (tmp_path / "results" / "logs").exists()  # no job started
 
@@ -97,17 +136,31 @@ def test_a_source_whose_rows_give_no_prompt_stops_the_run_before_its_prompts_job
     assert proc.returncode == 0, proc.stdout + proc.stderr  # the fixed source passes the check
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    ({"train.fp8": "tensorwise", "gpus.drafter": 0},
-     "config key train.fp8 (tensorwise) needs a GPU with FP8 matmuls (compute capability 8.9 or newer), but "
-     "the drafter trains on the CPU; set train.fp8: null"),
-    ({"train.lrr": 1.0}, "config key train: Additional properties are not allowed ('lrr' was unexpected)"),
-    ({"hidden.mode": "stream", "hidden.disk_budget": "1MB"},
-     "config key hidden.disk_budget: 1 MB does not hold 2 stream-mode chunks of one optimizer step (up to "
-     "2,080 tokens' worth of hidden states: 2 micro-batch(es) of train.batch_tokens 1024 in train.buckets "
-     "[128, 256], samples of up to hidden.max_length 256 tokens); set hidden.disk_budget >= 2.15 MB "
-     "(2150720 bytes)"),
-], ids=["fp8-on-the-cpu", "unknown-key", "stream-budget-below-one-step"])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            {"train.fp8": "tensorwise", "gpus.drafter": 0},
+            "config key train.fp8 (tensorwise) needs a GPU with FP8 matmuls (compute capability 8.9 "
+            "or newer), but "
+            "the drafter trains on the CPU; set train.fp8: null",
+        ),
+        (
+            {"train.lrr": 1.0},
+            "config key train: Additional properties are not allowed ('lrr' was unexpected)",
+        ),
+        (
+            {"hidden.mode": "stream", "hidden.disk_budget": "1MB"},
+            "config key hidden.disk_budget: 1 MB does not hold 2 stream-mode chunks of one "
+            "optimizer step (up to "
+            "2,080 tokens' worth of hidden states: 2 micro-batch(es) of train.batch_tokens 1024 in "
+            "train.buckets "
+            "[128, 256], samples of up to hidden.max_length 256 tokens); set hidden.disk_budget >= 2.15 MB "
+            "(2150720 bytes)",
+        ),
+    ],
+    ids=["fp8-on-the-cpu", "unknown-key", "stream-budget-below-one-step"],
+)
 def test_a_config_mistake_is_one_line_before_any_job(tmp_path, overrides, expected):
     """production.yaml's float8 on a CPU run, an unknown key, a stream-mode disk budget too small for one
     step: the line that names it, and no job (neither hours of work before the warmup refuses float8 or
@@ -123,16 +176,20 @@ def test_a_config_mistake_is_one_line_before_any_job(tmp_path, overrides, expect
 def test_every_problem_of_a_first_config_is_reported_in_one_dry_run(tmp_path):
     """A typo, a model not downloaded yet, more GPUs than the node has: one line each, all in one run,
     and no job."""
-    config = write_config(tmp_path / "config.yaml", {"train.lrr": 1.0, "gpus.target": 64,
-                                                     "target": {"path": "models/mine", "build_toy": False}})
+    config = write_config(
+        tmp_path / "config.yaml",
+        {"train.lrr": 1.0, "gpus.target": 64, "target": {"path": "models/mine", "build_toy": False}},
+    )
     proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
     lines = (proc.stdout + proc.stderr).splitlines()
     assert proc.returncode != 0 and "Traceback" not in lines
-    assert {"config key train: Additional properties are not allowed ('lrr' was unexpected)",
-            "config key target.path: 'models/mine' is not a local Hugging Face model directory (no "
-            "config.json); download the model there or set target.build_toy: true",
-            "config key gpus.target: asks for 64 GPU(s) but 0 are visible (set gpus.check_visible: false "
-            "when jobs run on other nodes)"} <= set(lines), lines
+    assert {
+        "config key train: Additional properties are not allowed ('lrr' was unexpected)",
+        "config key target.path: 'models/mine' is not a local Hugging Face model directory (no "
+        "config.json); download the model there or set target.build_toy: true",
+        "config key gpus.target: asks for 64 GPU(s) but 0 are visible (set gpus.check_visible: false "
+        "when jobs run on other nodes)",
+    } <= set(lines), lines
     assert not (tmp_path / "results").exists()
 
 
@@ -155,9 +212,11 @@ def test_an_overlay_given_alone_says_so_and_shows_the_form_that_works(tmp_path):
     proc = snakemake(tmp_path, "-n", "--cores", "1", config=overlay, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Job stats" not in out
-    assert (f"--configfile {overlay}: no target or prompts section: an overlay changes a whole config's "
-            f"keys; give it after one: snakemake --cores all --configfile config/config.yaml {overlay}"
-            in out.splitlines()), out
+    assert (
+        f"--configfile {overlay}: no target or prompts section: an overlay changes a whole config's "
+        f"keys; give it after one: snakemake --cores all --configfile config/config.yaml {overlay}"
+        in out.splitlines()
+    ), out
 
 
 def test_a_target_written_after_configfile_is_named_before_any_job(tmp_path):
@@ -169,9 +228,11 @@ def test_a_target_written_after_configfile_is_named_before_any_job(tmp_path):
     target = tmp_path / "results" / "eval" / "summary.json"
     proc = snakemake(tmp_path, "-n", "--cores", "1", "--configfile", str(config), str(target), check=False)
     out = proc.stdout + proc.stderr
-    line = ("--configfile results/eval/summary.json: not a config but a target (--configfile takes every "
-            "path after it); put targets before --configfile or after --: snakemake --cores all --configfile "
-            "<config> -- results/eval/summary.json")  # relative to the working directory
+    line = (
+        "--configfile results/eval/summary.json: not a config but a target (--configfile takes every "
+        "path after it); put targets before --configfile or after --: snakemake --cores all --configfile "
+        "<config> -- results/eval/summary.json"
+    )  # relative to the working directory
     assert proc.returncode != 0 and line in out.splitlines(), out
     assert "dflash" not in out, out
 
@@ -180,8 +241,9 @@ def test_remote_code_target_fails_before_any_job(tmp_path):
     model = tmp_path / "models" / "mine"
     model.mkdir(parents=True)
     auto_map = {"AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}
-    (model / "config.json").write_text(json.dumps({"model_type": "mine", "num_hidden_layers": 8,
-                                                   "auto_map": auto_map}))
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "mine", "num_hidden_layers": 8, "auto_map": auto_map})
+    )
     config = write_config(tmp_path / "config.yaml", {"target": {"path": "models/mine", "build_toy": False}})
     proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
     assert proc.returncode != 0
@@ -190,16 +252,22 @@ def test_remote_code_target_fails_before_any_job(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-@pytest.mark.parametrize("mode, target, script", [
-    ("store", "results/hidden/shard-00000.arrow", "hidden_shard.py"),
-    ("stream", "results/plan", "data_plan.py"),
-])
-def test_the_last_hidden_flag_reaches_the_hidden_stages_only_for_families_that_need_it(tmp_path, mode,
-                                                                                      target, script):
+@pytest.mark.parametrize(
+    "mode, target, script",
+    [
+        ("store", "results/hidden/shard-00000.arrow", "hidden_shard.py"),
+        ("stream", "results/plan", "data_plan.py"),
+    ],
+)
+def test_the_last_hidden_flag_reaches_the_hidden_stages_only_for_families_that_need_it(
+    tmp_path, mode, target, script
+):
     commands = {}
     for family in ("dflash", "dspark"):
-        config = write_config(tmp_path / f"{family}.yaml", {"drafter.family": family, "hidden.mode": mode,
-                                                            "hidden.chunk_tokens": 6000})
+        config = write_config(
+            tmp_path / f"{family}.yaml",
+            {"drafter.family": family, "hidden.mode": mode, "hidden.chunk_tokens": 6000},
+        )
         proc = snakemake(tmp_path, "-n", "-p", "--cores", "1", target, config=config)
         [commands[family]] = [line for line in proc.stdout.splitlines() if f"/{script} " in line]
     assert "--last-hidden" in commands["dspark"] and "--last-hidden" not in commands["dflash"]
@@ -213,8 +281,12 @@ def test_shards_without_the_last_hidden_state_are_refused_before_any_job_when_th
     config = write_config(tmp_path / "config.yaml", {"drafter.family": "dspark", "hidden.shards": 1})
     target = "results/hidden/verify.json"
     dry = snakemake(tmp_path, "-n", "--cores", "1", target, config=config).stdout
-    outputs = [o.strip() for line in dry.splitlines() if line.strip().startswith("output:")
-               for o in line.split(":", 1)[1].split(",")]
+    outputs = [
+        o.strip()
+        for line in dry.splitlines()
+        if line.strip().startswith("output:")
+        for o in line.split(":", 1)[1].split(",")
+    ]
     for out in outputs[:-1]:  # everything up to the shard, as if copied in (the verification is to do)
         (tmp_path / out).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / out).mkdir() if out.endswith("target") else (tmp_path / out).write_text("{}")
@@ -225,9 +297,11 @@ def test_shards_without_the_last_hidden_state_are_refused_before_any_job_when_th
             os.utime(f, (1e9, 1e9))  # none newer than what it was made from
         proc = snakemake(tmp_path, "--cores", "1", target, config=config, check=False)
         out = proc.stdout + proc.stderr
-        line = ("config key drafter.family: dspark trains on the target's last hidden state, but 1 hidden "
-                "shard(s) were made without it (results/hidden/shard-00000.arrow); rerun the hidden stage "
-                "(snakemake --forcerun hidden_shard)")
+        line = (
+            "config key drafter.family: dspark trains on the target's last hidden state, but 1 hidden "
+            "shard(s) were made without it (results/hidden/shard-00000.arrow); rerun the hidden stage "
+            "(snakemake --forcerun hidden_shard)"
+        )
         assert (line in out.splitlines()) == refused, out
         assert proc.returncode != 0 and "Traceback" not in out  # with the column: the fake fails to verify
         assert (tmp_path / "results" / "logs" / "hidden_verify.log").exists() != refused  # no job ran
@@ -240,8 +314,12 @@ def test_a_rerun_says_before_its_first_job_which_finished_costly_outputs_it_make
     config = write_config(tmp_path / "config.yaml", {"hidden.shards": 1, "regenerate.shards": 1})
     target = "results/hidden/verify.json"
     dry = snakemake(tmp_path, "-n", "--cores", "1", target, config=config).stdout
-    outputs = [o.strip() for line in dry.splitlines() if line.strip().startswith("output:")
-               for o in line.split(":", 1)[1].split(",")]
+    outputs = [
+        o.strip()
+        for line in dry.splitlines()
+        if line.strip().startswith("output:")
+        for o in line.split(":", 1)[1].split(",")
+    ]
     for out in outputs[:-1]:  # all but the verification, as a finished run's files
         (tmp_path / out).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / out).mkdir() if out.endswith("target") else (tmp_path / out).write_text("{}")
@@ -255,7 +333,8 @@ def test_a_rerun_says_before_its_first_job_which_finished_costly_outputs_it_make
         "note: this run makes 1 finished regenerate output(s) again (updated input files); `snakemake -n` "
         "lists each job's reason before a run",
         "note: this run makes 1 finished hidden_shard output(s) again (input files updated by another job); "
-        "`snakemake -n` lists each job's reason before a run"], notes
+        "`snakemake -n` lists each job's reason before a run",
+    ], notes
     assert proc.returncode != 0  # the fake files fail the first job
 
 
@@ -263,8 +342,9 @@ def test_a_failed_job_says_its_error_once_with_its_log_and_the_rerun(tmp_path):
     """A job that fails (the prompts stage: prompts.min_chars above every toy prompt) is its error line
     once on the console, with its log; the run ends with the command that reruns it. Neither the job's
     command line nor a traceback is printed; Snakemake's whole account is in the run's complete log."""
-    config = write_config(tmp_path / "config.yaml", {"toy.steps": 0, "toy.num_docs": 200,
-                                                     "prompts.min_chars": 1999})
+    config = write_config(
+        tmp_path / "config.yaml", {"toy.steps": 0, "toy.num_docs": 200, "prompts.min_chars": 1999}
+    )
     proc = snakemake(tmp_path, "--cores", "2", config=config, check=False)
     out = proc.stdout + proc.stderr
     lines = out.splitlines()
@@ -276,8 +356,10 @@ def test_a_failed_job_says_its_error_once_with_its_log_and_the_rerun(tmp_path):
     assert proc.returncode != 0 and "  log: results/logs/prompts.log" in lines, out
     assert error in (tmp_path / "results" / "logs" / "prompts.log").read_text()
     [complete] = list((tmp_path / ".snakemake" / "log").glob("*.snakemake.log"))
-    assert lines[-2] == ("flashdraft: the run stopped; 1 job failed (above: its error and log); Snakemake's "
-                         f"account, with each job's command line: .snakemake/log/{complete.name}"), out
+    assert lines[-2] == (
+        "flashdraft: the run stopped; 1 job failed (above: its error and log); Snakemake's "
+        f"account, with each job's command line: .snakemake/log/{complete.name}"
+    ), out
     rerun = shlex.split(lines[-1].removeprefix("rerun once fixed: "))
     assert lines[-1].startswith("rerun once fixed: snakemake ") and rerun[-2:] == ["--cores", "all"], out
     assert rerun[rerun.index("--configfile") + 1] == str(config), out
@@ -291,11 +373,14 @@ def test_a_model_type_of_transformers_in_a_package_of_another_name_is_not_remote
     model = tmp_path / "models" / "gemma"
     model.mkdir(parents=True)
     auto_map = {"AutoModelForCausalLM": "modeling_gemma.Gemma3ForCausalLM"}
-    (model / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 8,
-                                                   "auto_map": auto_map}))
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 8, "auto_map": auto_map})
+    )
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
-    overrides = {"target": {"path": "models/gemma", "build_toy": False},
-                 "prompts.sources": [{"name": "p", "path": "prompts.jsonl"}]}
+    overrides = {
+        "target": {"path": "models/gemma", "build_toy": False},
+        "prompts.sources": [{"name": "p", "path": "prompts.jsonl"}],
+    }
     config = write_config(tmp_path / "config.yaml", overrides)
     proc = snakemake(tmp_path, "-n", "--cores", "1", config=config, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -315,8 +400,9 @@ def test_production_dry_run_shards_and_gpus(tmp_path):
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 36}))
     production_sources(tmp_path)
-    config = write_config(tmp_path / "prod.yaml", {"gpus.check_visible": False},
-                          base=REPO / "config" / "production.yaml")
+    config = write_config(
+        tmp_path / "prod.yaml", {"gpus.check_visible": False}, base=REPO / "config" / "production.yaml"
+    )
     shutil.copytree(REPO / "config", tmp_path / "config")  # as in a clone: the embedded default is there
     proc = snakemake(tmp_path, "-n", "-p", "--cores", "8", "--resources", "gpu=8", config=config)
     counts = job_counts(proc.stdout)
@@ -350,13 +436,19 @@ def test_a_config_that_does_not_fit_the_gpu_stops_before_any_job(tmp_path):
     proc = snakemake(tmp_path, "-n", "--cores", "8", "--resources", "gpu=8", config=config, check=False)
     out = proc.stdout + proc.stderr
     [line] = [x for x in out.splitlines() if x.startswith("stage train: ")]
-    assert re.search(r"^stage train: predicted peak [\d.]+ GiB of GPU memory, more than the [\d.]+ GiB a 40 "
-                     r"GiB card \(gpus\.memory_gib\) gives it; set train\.batch_anchors to (\d+) or less "
-                     r"\(now unbounded\)$", line), line
+    assert re.search(
+        r"^stage train: predicted peak [\d.]+ GiB of GPU memory, more than the [\d.]+ GiB a 40 "
+        r"GiB card \(gpus\.memory_gib\) gives it; set train\.batch_anchors to (\d+) or less "
+        r"\(now unbounded\)$",
+        line,
+    ), line
     assert proc.returncode != 0 and "Traceback" not in out and "Job stats" not in out
     fits = int(re.search(r"batch_anchors to (\d+)", line).group(1))
-    config = write_config(tmp_path / "prod.yaml", {**keys, "train.batch_anchors": fits},
-                          base=REPO / "config" / "production.yaml")
+    config = write_config(
+        tmp_path / "prod.yaml",
+        {**keys, "train.batch_anchors": fits},
+        base=REPO / "config" / "production.yaml",
+    )
     proc = snakemake(tmp_path, "-n", "--cores", "8", "--resources", "gpu=8", config=config)
     assert job_counts(proc.stdout)["train"] == 1
 
@@ -364,18 +456,27 @@ def test_a_config_that_does_not_fit_the_gpu_stops_before_any_job(tmp_path):
 def test_server_backend_leases_the_server_gpus(tmp_path):
     overrides = {"regenerate.backend": "server", "regenerate.server_gpus": 2, "gpus.check_visible": False}
     config = write_config(tmp_path / "config.yaml", overrides)
-    proc = snakemake(tmp_path, "-n", "-p", "--cores", "1", "results/regenerated/train/shard-00000.parquet",
-                     config=config)
+    proc = snakemake(
+        tmp_path, "-n", "-p", "--cores", "1", "results/regenerated/train/shard-00000.parquet", config=config
+    )
     assert re.search(r"flashdraft\.gpu --gpus 2 .*scripts/regenerate\.py", proc.stdout)
 
 
 # ---- the end-to-end run ----
 
+
 def test_training_on_the_sources_answers(tmp_path):
     """regenerate.enabled: false trains on the sources' own answers. The pool (3 x 20 toy rows) is smaller
     than prompts.total, which would otherwise be filled with answerless augmented prompts."""
-    cheap = {"toy.num_docs": 200, "toy.steps": 0, "toy.source_rows": 20, "regenerate.enabled": False,
-             "hidden.shards": 1, "train.max_steps": 2, "train.compile": False}
+    cheap = {
+        "toy.num_docs": 200,
+        "toy.steps": 0,
+        "toy.source_rows": 20,
+        "regenerate.enabled": False,
+        "hidden.shards": 1,
+        "train.max_steps": 2,
+        "train.compile": False,
+    }
     # in a run directory of its own (results: the only key changed): the toy and its sources included
     own = {"results": "runs/sources"}
     config = write_config(tmp_path / "config.yaml", {**SMALL, **cheap, **own})
@@ -386,8 +487,11 @@ def test_training_on_the_sources_answers(tmp_path):
     # the run directory (a hash) says what it trained with; the export names it
     [run] = (r / "checkpoints").iterdir()
     recorded = json.loads((run / "run.json").read_text())
-    assert recorded["train"]["max_steps"] == 2 and recorded["drafter"]["block_size"] == SMALL.get(
-        "drafter.block_size", 8) and recorded["data"]["shards"]
+    assert (
+        recorded["train"]["max_steps"] == 2
+        and recorded["drafter"]["block_size"] == SMALL.get("drafter.block_size", 8)
+        and recorded["data"]["shards"]
+    )
     assert json.loads((r / "train" / "export.json").read_text())["run"] == run.name
     stats = json.loads((r / "prompts" / "stats.json").read_text())
     assert stats["need_answers"] and stats["totals"]["augmented"] == 0
@@ -400,6 +504,7 @@ def test_training_on_the_sources_answers(tmp_path):
 
 def test_a_source_rewritten_under_its_old_mtime_reruns_the_prompts(tmp_path):
     """cp -p, rsync -t and tar x keep a file's mtime: the prompts still rerun on the new content."""
+
     def source(word):
         return "".join(json.dumps({"prompt": f"Question {i} about {word}?"}) + "\n" for i in range(40))
 
@@ -440,18 +545,36 @@ def test_paths_with_spaces_quotes_and_shell_syntax_stay_plain_text(tmp_path):
     (`results:`), a target path and a GPU lock dir holding `$(...)`: all run, and nothing in those strings
     is executed."""
     root = tmp_path / "it's a checkout"
-    shutil.copytree(REPO, root, ignore=shutil.ignore_patterns(
-        ".git", ".venv", ".whl", "wheelhouse", "results", ".snakemake", "__pycache__", ".gl"))
+    shutil.copytree(
+        REPO,
+        root,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", ".whl", "wheelhouse", "results", ".snakemake", "__pycache__", ".gl"
+        ),
+    )
     work = root / "work"
     work.mkdir()
     results = "runs/r $(touch PWNED) ü"
-    cheap = {"toy.num_docs": 200, "toy.steps": 0, "toy.source_rows": 20, "hidden.shards": 1,
-             "train.max_steps": 2, "train.compile": False, "results": results,
-             "target.path": "{results}/toy/$(touch PWNED)target",
-             "gpus.lock_dir": str(tmp_path / "locks $(touch PWNED)")}
+    cheap = {
+        "toy.num_docs": 200,
+        "toy.steps": 0,
+        "toy.source_rows": 20,
+        "hidden.shards": 1,
+        "train.max_steps": 2,
+        "train.compile": False,
+        "results": results,
+        "target.path": "{results}/toy/$(touch PWNED)target",
+        "gpus.lock_dir": str(tmp_path / "locks $(touch PWNED)"),
+    }
     config = write_config(work / "config.yaml", {**SMALL, **cheap})
-    snakemake(work, "--cores", "2", config=config, snakefile=root / "workflow" / "Snakefile",
-              env={"PYTHONPATH": str(root / "src")})
+    snakemake(
+        work,
+        "--cores",
+        "2",
+        config=config,
+        snakefile=root / "workflow" / "Snakefile",
+        env={"PYTHONPATH": str(root / "src")},
+    )
     assert (work / results / "report.html").exists()
     assert (work / results / "toy" / "$(touch PWNED)target" / "config.json").exists()
     assert not [p for p in tmp_path.rglob("PWNED*")], "a path was run as a command"
@@ -466,8 +589,10 @@ def test_a_finished_run_ends_with_its_result(small_run):
     end = lines[start:]
     summary = json.loads((work / "results" / "eval" / "summary.json").read_text())
     tau = summary["dflash"]["tau_pooled"]
-    assert any(re.fullmatch(rf"  dflash: tau {tau:.2f} pooled, .* speedup [\d.]+x  lossless (True|False)", x)
-               for x in end), end
+    assert any(
+        re.fullmatch(rf"  dflash: tau {tau:.2f} pooled, .* speedup [\d.]+x  lossless (True|False)", x)
+        for x in end
+    ), end
     assert f"  report: {(work / 'results' / 'report.html').resolve()}" in end
     assert [x.split(":")[0] for x in end[-2:]] == ["  serve it with vLLM", "  serve it with SGLang"]
 
@@ -519,8 +644,9 @@ def test_every_stage_artifact(small_run):
     train_log = (r / "logs" / "train.log").read_text()
     first = re.search(r"first step .*caches (\{.*\})", train_log)
     counters = ast.literal_eval(first[1]) if first else {}
-    assert counters.get("fxgraph_cache_hit", 0) > 0 and cache_misses(counters) == 0, \
+    assert counters.get("fxgraph_cache_hit", 0) > 0 and cache_misses(counters) == 0, (
         f"training did not start from the warm cache: {counters}"
+    )
 
     dcfg = json.loads((r / "drafter" / "config.json").read_text())
     assert dcfg["architectures"] == ["DFlashDraftModel"]
@@ -547,22 +673,39 @@ def test_every_stage_artifact(small_run):
     assert "<h2>Throughput</h2>" in html and "hidden_shard/00001" in html and "regenerate/00001" in html
     assert " answers</td>" in html
     assert sorted(p.name for p in (r / "report_plots").glob("*.png")) == [
-        "acceptance.png", "stage-time.png", "tau-hist.png", "train-acc.png", "train-loss.png"]
+        "acceptance.png",
+        "stage-time.png",
+        "tau-hist.png",
+        "train-acc.png",
+        "train-loss.png",
+    ]
 
-    for stage in ("toy_target", "prompts", "regenerate/00000", "warmup", "train", "evaluate/00000",
-                  "evaluate_merge", "report"):
+    for stage in (
+        "toy_target",
+        "prompts",
+        "regenerate/00000",
+        "warmup",
+        "train",
+        "evaluate/00000",
+        "evaluate_merge",
+        "report",
+    ):
         assert (r / "benchmarks" / f"{stage}.tsv").exists(), stage
         assert (r / "logs" / f"{stage}.log").exists(), stage
 
 
 # ---- reruns: dry-run job lists on the finished run ----
 
+
 def test_jobs_keep_their_bytecode_where_the_environment_forbids_writing_it(small_run):
     """PYTHONDONTWRITEBYTECODE was set for the run: each stage still left its modules' bytecode in the
     workflow's cache, so the next job (a stream-mode chunk) imports without compiling them again."""
     work = small_run[0]
-    cached = {p.name.split(".")[0] for p in (work / ".snakemake" / "pycache").rglob("*.pyc")
-              if p.parent.name == "flashdraft"}
+    cached = {
+        p.name.split(".")[0]
+        for p in (work / ".snakemake" / "pycache").rglob("*.pyc")
+        if p.parent.name == "flashdraft"
+    }
     assert {"train", "hidden", "regenerate", "evaluate", "report"} <= cached
 
 
@@ -592,9 +735,25 @@ def test_a_moved_checkout_run_through_another_path_to_python_has_nothing_to_do(s
     env_dir = Path(sys.executable).parent.parent
     (tmp_path / "env").symlink_to(env_dir)
     python = tmp_path / "env" / Path(sys.executable).relative_to(env_dir)
-    proc = subprocess.run([str(python), "-m", "snakemake", "-s", str(moved / "workflow" / "Snakefile"), "-d",
-                           str(work), "-n", "--cores", "2", "--configfile", str(config)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "snakemake",
+            "-s",
+            str(moved / "workflow" / "Snakefile"),
+            "-d",
+            str(work),
+            "-n",
+            "--cores",
+            "2",
+            "--configfile",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert job_counts(proc.stdout) == {}, proc.stdout[-4000:]
 
@@ -609,7 +768,11 @@ def test_one_shard_builds_only_what_it_needs(tmp_path):
     config = write_config(tmp_path / "config.yaml", {})
     proc = snakemake(tmp_path, "-n", "--cores", "2", "results/hidden/shard-00001.arrow", config=config)
     assert job_counts(proc.stdout) == {
-        "toy_target": 1, "toy_sources": 1, "prompts": 1, "regenerate": 1, "hidden_shard": 1,
+        "toy_target": 1,
+        "toy_sources": 1,
+        "prompts": 1,
+        "regenerate": 1,
+        "hidden_shard": 1,
     }
 
 
@@ -618,7 +781,11 @@ def test_a_hidden_shard_waits_only_for_its_regeneration_shards(tmp_path):
     config = write_config(tmp_path / "config.yaml", {"hidden.shards": 4, "regenerate.shards": 2})
     proc = snakemake(tmp_path, "-n", "-p", "--cores", "2", "results/hidden/shard-00003.arrow", config=config)
     assert job_counts(proc.stdout) == {
-        "toy_target": 1, "toy_sources": 1, "prompts": 1, "regenerate": 1, "hidden_shard": 1,
+        "toy_target": 1,
+        "toy_sources": 1,
+        "prompts": 1,
+        "regenerate": 1,
+        "hidden_shard": 1,
     }
     assert "--shard 00001 --num-shards 2" in proc.stdout
 
@@ -641,33 +808,50 @@ def test_a_rerun_regeneration_shard_reruns_only_its_own_downstream(small_run):
     assert "--shard 00001 --num-shards 2" in proc.stdout and "--shard 00000 --num-shards 2" not in proc.stdout
 
 
-@pytest.mark.parametrize("deleted, rerun", [
-    ("hidden/shard-00001.arrow", {"hidden_shard": 1}),
-    ("regenerated/train/shard-00000.parquet", {"regenerate": 1, "hidden_shard": 1}),
-], ids=["hidden", "regenerated"])
-def test_a_plain_rerun_makes_a_deleted_shard_again_with_what_depends_on_it(small_run, tmp_path, deleted,
-                                                                            rerun):
+@pytest.mark.parametrize(
+    "deleted, rerun",
+    [
+        ("hidden/shard-00001.arrow", {"hidden_shard": 1}),
+        ("regenerated/train/shard-00000.parquet", {"regenerate": 1, "hidden_shard": 1}),
+    ],
+    ids=["hidden", "regenerated"],
+)
+def test_a_plain_rerun_makes_a_deleted_shard_again_with_what_depends_on_it(
+    small_run, tmp_path, deleted, rerun
+):
     """Snakemake makes a missing file again only for a job that runs: rule all asks for every shard, so the
     plain rerun makes a deleted one again, and the stages after it, not the others; one line says so."""
     work = tmp_path / "run"
     shutil.copytree(small_run[0], work, symlinks=True, ignore=shutil.ignore_patterns("pycache"))
     (work / "results" / deleted).unlink()
     proc = snakemake(work, "-n", "--cores", "2", config=small_run[1])
-    after = {"hidden_verify": 1, "warmup": 1, "train": 1, "evaluate": 1, "evaluate_merge": 1, "report": 1,
-             "all": 1}
+    after = {
+        "hidden_verify": 1,
+        "warmup": 1,
+        "train": 1,
+        "evaluate": 1,
+        "evaluate_merge": 1,
+        "report": 1,
+        "all": 1,
+    }
     assert job_counts(proc.stdout) == {**rerun, **after}
-    assert (f"note: results/{deleted}: deleted since the run that used it; the plain run makes it again, "
-            "with what depends on it (snakemake ") in proc.stderr
+    assert (
+        f"note: results/{deleted}: deleted since the run that used it; the plain run makes it again, "
+        "with what depends on it (snakemake "
+    ) in proc.stderr
 
 
 def test_a_stream_run_names_the_store_run_s_shards_it_leaves_on_disk(small_run, tmp_path):
     work, config, _ = small_run
-    stream = write_config(tmp_path / "stream.yaml", {"hidden.mode": "stream", "hidden.disk_budget": "10MB"},
-                          base=config)
+    stream = write_config(
+        tmp_path / "stream.yaml", {"hidden.mode": "stream", "hidden.disk_budget": "10MB"}, base=config
+    )
     proc = snakemake(work, "-n", "--cores", "2", config=stream)
     size = sum(p.stat().st_size for p in (work / "results" / "hidden").glob("shard-*"))
-    assert (f"note: results/hidden holds 2 store-mode hidden shard(s) ({human_bytes(size)}) that this "
-            "stream-mode run does not read; to free the space: rm results/hidden/shard-*") in proc.stderr
+    assert (
+        f"note: results/hidden holds 2 store-mode hidden shard(s) ({human_bytes(size)}) that this "
+        "stream-mode run does not read; to free the space: rm results/hidden/shard-*"
+    ) in proc.stderr
     assert (work / "results" / "hidden" / "shard-00000.arrow").exists()
 
 
@@ -704,13 +888,19 @@ def test_snakemake_report_renders_with_plots(small_run, tmp_path):
     # the workflow's description (its template rendered with the run's config), as the report embeds it
     desc = json.loads(re.search(r"var workflow_desc = (\".*?\");\n", out.read_text()).group(1))
     target = yaml.safe_load(config.read_text())["target"]["path"].replace("{results}", "results")
-    assert ('A <tt class="docutils literal">dflash</tt> drafter trained for the target at '
-            f'<tt class="docutils literal">{target}</tt>') in desc
+    assert (
+        'A <tt class="docutils literal">dflash</tt> drafter trained for the target at '
+        f'<tt class="docutils literal">{target}</tt>'
+    ) in desc
     assert "config[" not in desc and "{{" not in desc
 
 
-DSPARK = {"drafter.family": "dspark", "drafter.block_size": 7, "drafter.dspark": {"markov_rank": 64},
-          "train.gamma": 4.0}
+DSPARK = {
+    "drafter.family": "dspark",
+    "drafter.block_size": 7,
+    "drafter.dspark": {"markov_rank": 64},
+    "train.gamma": 4.0,
+}
 
 
 @pytest.mark.slow

@@ -18,8 +18,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 DRAFTER = {"num_layers": 2, "block_size": 8}
 
-TRAIN = {"max_steps": 6, "lr": 3e-3, "max_anchors": 16, "batch_tokens": 512, "buckets": [128, 256],
-         "compile": False, "checkpoint_every": 4, "log_every": 1, "val_samples": 0}
+TRAIN = {
+    "max_steps": 6,
+    "lr": 3e-3,
+    "max_anchors": 16,
+    "batch_tokens": 512,
+    "buckets": [128, 256],
+    "compile": False,
+    "checkpoint_every": 4,
+    "log_every": 1,
+    "val_samples": 0,
+}
+
 
 def train_cmd(root, shards, out, cfg=TRAIN, nproc=2, drafter=DRAFTER, extra=(), gpu=False):
     """scripts/train.py under torchrun (nproc > 1) or as a plain process. gpu: every rank sees its GPU as
@@ -28,10 +38,24 @@ def train_cmd(root, shards, out, cfg=TRAIN, nproc=2, drafter=DRAFTER, extra=(), 
     launcher = [sys.executable, script]
     if nproc > 1:
         launcher = torchrun_argv(sys.executable, script, nproc, virtual=gpu)
-    args = ["--cfg", json.dumps(cfg), "--drafter-cfg", json.dumps(drafter),
-            "--target", str(root / "target"), "--checkpoints", str(out / "checkpoints"),
-            "--metrics", str(out / "metrics.csv"), "--out", str(out / "drafter"), *extra, *shards]
+    args = [
+        "--cfg",
+        json.dumps(cfg),
+        "--drafter-cfg",
+        json.dumps(drafter),
+        "--target",
+        str(root / "target"),
+        "--checkpoints",
+        str(out / "checkpoints"),
+        "--metrics",
+        str(out / "metrics.csv"),
+        "--out",
+        str(out / "drafter"),
+        *extra,
+        *shards,
+    ]
     return launcher + args
+
 
 def run(cmd, env=None, gpu=False):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -41,12 +65,15 @@ def run(cmd, env=None, gpu=False):
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
+
 def read_rows(path):
     with open(path) as f:
         return list(csv.DictReader(f))
 
+
 def losses(rows):
     return [float(r["loss"]) for r in rows]
+
 
 def tensorboard_losses(run_dir) -> dict[int, float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -55,11 +82,25 @@ def tensorboard_losses(run_dir) -> dict[int, float]:
     acc.Reload()
     return {e.step: e.value for e in acc.Scalars("train/loss")}
 
+
 def warmup_cmd(root, shards, cfg, cache, drafter=DRAFTER, world=1):
     """scripts/warmup.py: compile the step once per bucket and save the caches to `cache`."""
-    return [sys.executable, str(REPO / "scripts" / "warmup.py"), "--cfg", json.dumps(cfg), "--drafter-cfg",
-            json.dumps(drafter), "--target", str(root / "target"), "--out-dir", str(cache),
-            "--world", str(world), *shards]
+    return [
+        sys.executable,
+        str(REPO / "scripts" / "warmup.py"),
+        "--cfg",
+        json.dumps(cfg),
+        "--drafter-cfg",
+        json.dumps(drafter),
+        "--target",
+        str(root / "target"),
+        "--out-dir",
+        str(cache),
+        "--world",
+        str(world),
+        *shards,
+    ]
+
 
 def assert_no_autotuning(stderr: str) -> None:
     """The warm rank's slowest compile phases (logged after its first step) hold no Triton autotuning: the
@@ -67,10 +108,12 @@ def assert_no_autotuning(stderr: str) -> None:
     phases = stderr.split("compile phases:")[1].splitlines()[0]
     assert "benchmark_all_configs" not in phases, phases
 
+
 def fp8_ready(cuda: bool = True) -> bool:
     if importlib.util.find_spec("torchao") is None:
         return False
     return not cuda or torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9)
+
 
 # Dynamo / FX failures as they print: "torch._dynamo.exc....Error", "FX ... error", "error ... dynamo"
 _COMPILER = r"(dynamo|\bFX\b|torch\.fx)"

@@ -79,8 +79,11 @@ class Collate:
         rows = rows_per_batch(s, self.batch_tokens)
         ids = torch.zeros(rows, s, dtype=torch.long)
         mask = torch.zeros(rows, s)
-        padded = {k: torch.zeros(rows, s, samples[0][k].shape[-1], dtype=self.hidden_dtype)
-                  for k in ("hidden", "last_hidden") if k in samples[0]}
+        padded = {
+            k: torch.zeros(rows, s, samples[0][k].shape[-1], dtype=self.hidden_dtype)
+            for k in ("hidden", "last_hidden")
+            if k in samples[0]
+        }
         tokens = 0
         for r, x in enumerate(samples):
             n = min(len(x["input_ids"]), s)
@@ -101,8 +104,14 @@ def batch_loader(store, batches: list[list[int]], collate: Collate, device: torc
     if device.type != "cuda":
         return (collate([store[i] for i in b]) for b in batches)
     return torch.utils.data.DataLoader(
-        store, batch_sampler=batches, collate_fn=collate, num_workers=2, prefetch_factor=2,
-        pin_memory=True, persistent_workers=False, worker_init_fn=ignore_stop_signals,
+        store,
+        batch_sampler=batches,
+        collate_fn=collate,
+        num_workers=2,
+        prefetch_factor=2,
+        pin_memory=True,
+        persistent_workers=False,
+        worker_init_fn=ignore_stop_signals,
     )
 
 
@@ -113,12 +122,22 @@ def step_batches(store, batches: list[list[int]], share: list[list[int]], collat
     return ((ks, [next(loader) for _ in ks]) for ks in share)
 
 
-def epoch_steps(store, lengths: list[int], cfg: TrainConfig, epoch: int, cursor: int, steps: int,
-                d: Dist, collate: Collate):
+def epoch_steps(
+    store,
+    lengths: list[int],
+    cfg: TrainConfig,
+    epoch: int,
+    cursor: int,
+    steps: int,
+    d: Dist,
+    collate: Collate,
+):
     """`epoch`'s micro-batch plan and step_batches for up to `steps` optimizer steps from `cursor`."""
     batches, g = epoch_batches(lengths, cfg, epoch), micro_per_step(cfg, d.world)
     if len(batches) < g:
-        raise ValueError(f"{len(batches)} micro-batches per epoch, fewer than one global batch "
-                         f"({g}): lower train.batch_tokens or train.global_batch_tokens, or add data")
+        raise ValueError(
+            f"{len(batches)} micro-batches per epoch, fewer than one global batch "
+            f"({g}): lower train.batch_tokens or train.global_batch_tokens, or add data"
+        )
     share = rank_share(cursor, min((len(batches) - cursor) // g, steps), g, d.rank, d.world)
     return batches, step_batches(store, batches, share, collate, d.device)

@@ -8,8 +8,9 @@ to rendering messages[:i] with the generation prompt. It covers the answer and t
 from __future__ import annotations
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
-           thinking: bool = False) -> str:
+def render(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = False, thinking: bool = False
+) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat_template")
     return tokenizer.apply_chat_template(
@@ -36,8 +37,9 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def assistant_spans(tokenizer, messages: list[dict],
-                    thinking: bool = False) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(
+    tokenizer, messages: list[dict], thinking: bool = False
+) -> tuple[str, list[tuple[int, int]]]:
     """Render a conversation; return the text and the [start, end) character spans of assistant turns."""
     full = render(tokenizer, messages, thinking=thinking)
     spans = []

@@ -54,8 +54,9 @@ class ChatClient:
             choice = resp["choices"][0]
             text, finish = choice["message"].get("content") or "", choice["finish_reason"]
         except (KeyError, IndexError, TypeError, AttributeError):
-            raise ValueError(f"{self.url} answered {json.dumps(resp)[:100]}, not a chat completion "
-                             "(choices[0].message)") from None
+            raise ValueError(
+                f"{self.url} answered {json.dumps(resp)[:100]}, not a chat completion (choices[0].message)"
+            ) from None
         if finish not in ("stop", "length"):
             raise ValueError(f"finish_reason {finish!r}")
         return Reply(text, finish, (resp.get("usage") or {}).get("completion_tokens"))
@@ -71,8 +72,10 @@ class ChatClient:
                 try:
                     return json.loads(answer)
                 except ValueError:
-                    raise ValueError(f"{url} answered {answer[:100]!r}, not JSON: is regenerate.base_url an "
-                                     "OpenAI-compatible server?") from None
+                    raise ValueError(
+                        f"{url} answered {answer[:100]!r}, not JSON: is regenerate.base_url an "
+                        "OpenAI-compatible server?"
+                    ) from None
             except urllib.error.HTTPError as e:
                 reason = f"HTTP {e.code}: {server_message(e)}"
                 if e.code != 429 and e.code < 500:

@@ -48,8 +48,9 @@ def run_key(cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str], pla
     return h.hexdigest()[:12]
 
 
-def record_run(run_dir: Path, cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str],
-               plan: str | None = None) -> None:
+def record_run(
+    run_dir: Path, cfg: TrainConfig, drafter_cfg: DrafterConfig, shards: list[str], plan: str | None = None
+) -> None:
     """run.json in a run directory, written when the run starts: the train and drafter sections it trains
     with and its data (the shards, or stream mode's plan fingerprint), so that a directory named by a hash
     says what it holds."""
@@ -58,8 +59,9 @@ def record_run(run_dir: Path, cfg: TrainConfig, drafter_cfg: DrafterConfig, shar
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     data = {"plan": plan} if plan is not None else {"shards": [str(p) for p in shards]}
-    write_json(path, {"run": run_dir.name, "train": asdict(cfg), "drafter": asdict(drafter_cfg),
-                      "data": data})
+    write_json(
+        path, {"run": run_dir.name, "train": asdict(cfg), "drafter": asdict(drafter_cfg), "data": data}
+    )
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -79,16 +81,19 @@ def full_state(drafter, optimizer, sharded: bool) -> tuple[dict, dict]:
         return drafter.state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # FSDP's alone
 
-    model, optim = get_state_dict(drafter, optimizer,
-                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model, optim = get_state_dict(
+        drafter, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     index = {name: i for i, (name, _) in enumerate(drafter.named_parameters())}  # names -> torch's ids
     return model, _rekey(optim, index) if optim else optim
 
 
 def _rekey(optim: dict, key: dict) -> dict:
     """An optimizer state dict with its parameter keys mapped through `key` (names <-> torch's ids)."""
-    return {"state": {key[k]: v for k, v in optim["state"].items()},
-            "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in optim["param_groups"]]}
+    return {
+        "state": {key[k]: v for k, v in optim["state"].items()},
+        "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in optim["param_groups"]],
+    }
 
 
 def load_full_state(drafter, optimizer, model: dict, optim: dict, sharded: bool) -> None:
@@ -100,17 +105,29 @@ def load_full_state(drafter, optimizer, model: dict, optim: dict, sharded: bool)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     names = dict(enumerate(name for name, _ in drafter.named_parameters()))  # torch's ids -> names
-    set_state_dict(drafter, optimizer, model_state_dict=model, optim_state_dict=_rekey(optim, names),
-                   options=StateDictOptions(full_state_dict=True))
+    set_state_dict(
+        drafter,
+        optimizer,
+        model_state_dict=model,
+        optim_state_dict=_rekey(optim, names),
+        options=StateDictOptions(full_state_dict=True),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # the files: model.safetensors (the model's state dict), optim.safetensors (the optimizer's tensors, named
 # <param>.<key>) and optim.pt (the rest of the optimizer's state dict and the schedule), state.json
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-                      torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8",
-                      torch.bool: "BOOL"}
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _FROM_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
@@ -124,8 +141,11 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     header, offset = {}, 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + n]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -180,22 +200,28 @@ def read_safetensors(path: Path, device=None, threads: int = READ_THREADS) -> di
 
 def split_optim(optim: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """An optimizer state dict as (its skeleton: every tensor None, its tensors named <param>.<key>)."""
-    tensors = {f"{p}.{k}": v for p, s in optim["state"].items() for k, v in s.items()
-               if isinstance(v, torch.Tensor)}
-    state = {p: {k: None if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-             for p, s in optim["state"].items()}
+    tensors = {
+        f"{p}.{k}": v for p, s in optim["state"].items() for k, v in s.items() if isinstance(v, torch.Tensor)
+    }
+    state = {
+        p: {k: None if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        for p, s in optim["state"].items()
+    }
     return {"state": state, "param_groups": optim["param_groups"]}, tensors
 
 
 def join_optim(skeleton: dict, tensors: dict[str, torch.Tensor]) -> dict:
-    state = {p: {k: tensors[f"{p}.{k}"] if v is None else v for k, v in s.items()}
-             for p, s in skeleton["state"].items()}
+    state = {
+        p: {k: tensors[f"{p}.{k}"] if v is None else v for k, v in s.items()}
+        for p, s in skeleton["state"].items()
+    }
     return {"state": state, "param_groups": skeleton["param_groups"]}
 
 
 @dataclass
 class Snapshot:
     """A checkpoint's content in host memory."""
+
     model: dict[str, torch.Tensor]
     optim: dict[str, torch.Tensor] | Future  # split_optim's tensors (a Future: still being read)
     skeleton: dict  # split_optim's skeleton
@@ -243,20 +269,25 @@ def read_checkpoint(path: Path, optim_device=None, optim_later: bool = False) ->
     model = read_model(path)
     if (path / "model.safetensors").exists():
         optim = path / "optim.safetensors"
-        tensors = background(read_safetensors, optim, optim_device, name="optim-reader") if optim_later \
+        tensors = (
+            background(read_safetensors, optim, optim_device, name="optim-reader")
+            if optim_later
             else read_safetensors(optim, optim_device)
+        )
         skeleton = opt["optimizer"]
     else:
         skeleton, tensors = split_optim(opt["optimizer"])
     return Snapshot(model, tensors, skeleton, opt["scheduler"], (path / "state.json").read_text())
 
 
-def save_checkpoint(run_dir: Path, model: dict, optim: dict, scheduler: dict, state: dict, keep: int,
-                    protect=frozenset()) -> Path:
+def save_checkpoint(
+    run_dir: Path, model: dict, optim: dict, scheduler: dict, state: dict, keep: int, protect=frozenset()
+) -> Path:
     """model/optim: full_state's dicts (on the host), scheduler: its state dict, state: state.json's."""
     skeleton, tensors = split_optim(optim)
-    return write_checkpoint(run_dir, Snapshot(model, tensors, skeleton, scheduler, json.dumps(state)), keep,
-                            protect)
+    return write_checkpoint(
+        run_dir, Snapshot(model, tensors, skeleton, scheduler, json.dumps(state)), keep, protect
+    )
 
 
 def apply_snapshot(snap: Snapshot, drafter, optimizer, scheduler, sharded: bool) -> dict:
@@ -343,9 +374,12 @@ def read_state(state: dict) -> dict:
     written before the states had names (step, epoch, cursor, world, rows, window, best and spec side by
     side) reads the same."""
     if "position" not in state:
-        state = {"position": {k: state[k] for k in ("step", "epoch", "cursor", "world")},
-                 "metrics": {"rows": state["rows"], "window": state["window"]}, "best": state.get("best"),
-                 "spec": state.get("spec")}
+        state = {
+            "position": {k: state[k] for k in ("step", "epoch", "cursor", "world")},
+            "metrics": {"rows": state["rows"], "window": state["window"]},
+            "best": state.get("best"),
+            "spec": state.get("spec"),
+        }
     return {**state, "position": Position(**state["position"])}
 
 
@@ -359,8 +393,17 @@ class Checkpointer:
     """Saves and resumes one run's state under its run dir: every rank joins the gather (FSDP), rank 0
     takes a host copy and writes it in the background; `wait` ends that write (and raises its error)."""
 
-    def __init__(self, run_dir: Path, d: Dist, drafter, optimizer, scheduler, sharded: bool, keep: int,
-                 protect=frozenset()):
+    def __init__(
+        self,
+        run_dir: Path,
+        d: Dist,
+        drafter,
+        optimizer,
+        scheduler,
+        sharded: bool,
+        keep: int,
+        protect=frozenset(),
+    ):
         self.run_dir, self.d, self.keep, self.sharded, self.protect = run_dir, d, keep, sharded, protect
         self.drafter, self.optimizer, self.scheduler = drafter, optimizer, scheduler
         self._writer: threading.Thread | None = None
@@ -410,11 +453,16 @@ class Checkpointer:
         if self.d.main:
             skeleton, tensors = split_optim(optim)
             host = self._host.stage(_named(model, tensors))
-            snap = Snapshot({k: host[f"model.{k}"] for k in model}, {k: host[f"optim.{k}"] for k in tensors},
-                            copy.deepcopy(skeleton), copy.deepcopy(self.scheduler.state_dict()),
-                            json.dumps(state))
-            self._writer = threading.Thread(target=self._write, args=(snap,), name="checkpoint-writer",
-                                            daemon=True)
+            snap = Snapshot(
+                {k: host[f"model.{k}"] for k in model},
+                {k: host[f"optim.{k}"] for k in tensors},
+                copy.deepcopy(skeleton),
+                copy.deepcopy(self.scheduler.state_dict()),
+                json.dumps(state),
+            )
+            self._writer = threading.Thread(
+                target=self._write, args=(snap,), name="checkpoint-writer", daemon=True
+            )
             self._writer.start()
             if wait:
                 self.wait()

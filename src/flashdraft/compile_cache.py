@@ -57,14 +57,16 @@ INDUCTOR_FILES = "inductor.tar"  # the warmup's Inductor cache dir
 META = "meta.json"  # the key, the counters and what was compiled
 
 
-
 def cache_key(cfg: TrainConfig, spec: DrafterSpec, device: torch.device) -> dict:
     """What the compiled graphs depend on; the warmup writes it to META and training compares."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     fields = {k: getattr(cfg, k) for k in COMPILED_TRAIN_KEYS}
     run = resolve(cfg, device)
     return {
-        "torch": torch.__version__, "device": name, "spec": asdict(spec), **fields,
+        "torch": torch.__version__,
+        "device": name,
+        "spec": asdict(spec),
+        **fields,
         "buckets": sorted(cfg.buckets),
         "attention": run.attention,
         "dtype": run.dtype,
@@ -76,9 +78,13 @@ def cache_key(cfg: TrainConfig, spec: DrafterSpec, device: torch.device) -> dict
 def cache_counters() -> dict:
     """Compile-cache hits and misses so far in this process (FX graph and AOTAutograd caches), and the graphs
     AOTAutograd could not cache (traced again by every process)."""
-    keys = [("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
-            ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"),
-            ("aot_autograd", "autograd_cache_bypass")]
+    keys = [
+        ("inductor", "fxgraph_cache_hit"),
+        ("inductor", "fxgraph_cache_miss"),
+        ("aot_autograd", "autograd_cache_hit"),
+        ("aot_autograd", "autograd_cache_miss"),
+        ("aot_autograd", "autograd_cache_bypass"),
+    ]
     return {k: int(counters[group][k]) for group, k in keys}
 
 
@@ -132,8 +138,10 @@ def fresh_inductor_dir(path: Path):
     try:
         path.mkdir(mode=0o700, parents=True)
     except FileExistsError:  # another user's, which we cannot remove: never compile into it
-        raise UserError(f"{path} exists and is not this user's ({not_ours(path)}); remove it, or set "
-                        "TMPDIR to a directory of your own") from None
+        raise UserError(
+            f"{path} exists and is not this user's ({not_ours(path)}); remove it, or set "
+            "TMPDIR to a directory of your own"
+        ) from None
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     try:
@@ -151,8 +159,11 @@ def fresh_inductor_dir(path: Path):
 def pack_inductor_dir(src: Path, tar_path: Path) -> int:
     """Tar the Inductor dir's files (not Triton's cache: the FX-graph entries carry their kernels, and its
     dirs are per device index) atomically; returns the file count."""
-    files = sorted(p for p in src.rglob("*") if p.is_file() and "triton" not in p.relative_to(src).parts
-                   and not p.name.endswith(".lock"))
+    files = sorted(
+        p
+        for p in src.rglob("*")
+        if p.is_file() and "triton" not in p.relative_to(src).parts and not p.name.endswith(".lock")
+    )
     with atomic_path(tar_path) as tmp, tarfile.open(tmp, "w") as tar:
         for f in files:
             tar.add(f, arcname=str(f.relative_to(src)))
@@ -209,8 +220,10 @@ def load_compile_cache(cache_dir, key: dict, d: Dist) -> bool:
     torch.compiler.load_cache_artifacts(blob.read_bytes())
     dest = inductor_cache_dir()
     added = merge_inductor_files(files, dest) if files.exists() else 0
-    log(d, f"compile cache: loaded {blob} ({blob.stat().st_size} bytes); {added} Inductor files added to "
-           f"{dest}")
+    log(
+        d,
+        f"compile cache: loaded {blob} ({blob.stat().st_size} bytes); {added} Inductor files added to {dest}",
+    )
     return not differ
 
 
@@ -225,8 +238,11 @@ def use_inductor_dir(path: str | None, d: Dist) -> None:
     except OSError as e:
         why = f"cannot create it: {e}"
     if why:  # its files would be loaded as code
-        log(d, f"compile cache: not using the warmup's Inductor dir ({why}); compiling in "
-               f"{inductor_cache_dir()}, where the cached kernels are autotuned again")
+        log(
+            d,
+            f"compile cache: not using the warmup's Inductor dir ({why}); compiling in "
+            f"{inductor_cache_dir()}, where the cached kernels are autotuned again",
+        )
         return
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
 
@@ -277,8 +293,9 @@ def feature_width(shards: list[str]) -> int | None:
     return widths.pop() if widths else None
 
 
-def random_batch(bucket: int, rows: int, width: int, vocab: int, dtype, generator,
-                 last_hidden: int = 0) -> dict:
+def random_batch(
+    bucket: int, rows: int, width: int, vocab: int, dtype, generator, last_hidden: int = 0
+) -> dict:
     """A micro-batch of the training step's shapes; `last_hidden`: H of the target's last hidden state, for
     a family whose loss reads it (0: none)."""
     batch = {
@@ -293,8 +310,9 @@ def random_batch(bucket: int, rows: int, width: int, vocab: int, dtype, generato
     return batch
 
 
-def warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list[str], out_dir,
-           world: int = 1) -> dict:
+def warmup(
+    cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: list[str], out_dir, world: int = 1
+) -> dict:
     """Compile (or, with compile: false, only check) the step per bucket; write ARTIFACTS, INDUCTOR_FILES
     and META. `world`: the training's process count; when it shards the drafter (FSDP), nothing is
     compiled or run here (its graphs are not the unsharded step's, and one GPU may not hold that step)."""
@@ -302,8 +320,9 @@ def warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards: lis
         return _warmup(cfg, drafter_cfg, target_dir, shards, Path(out_dir), inductor, world)
 
 
-def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, out: Path, inductor: Path,
-            world: int):
+def _warmup(
+    cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, out: Path, inductor: Path, world: int
+):
     dev = device()
     spec = load_spec(target_dir, drafter_cfg)
     initial_weights(drafter_cfg, spec)  # a drafter.init_from that does not fit stops the run here, first
@@ -315,22 +334,32 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
     params = sum(p.numel() for p in meta_drafter(spec).parameters())
     sharded = parallel_mode(cfg.parallel, params, world, gpu_bytes(dev)) == "fsdp"
     if sharded:
-        _say(f"training shards the drafter over {world} processes (FSDP); its graphs are not this "
-             "unsharded step's, so nothing is compiled here and every rank compiles")
+        _say(
+            f"training shards the drafter over {world} processes (FSDP); its graphs are not this "
+            "unsharded step's, so nothing is compiled here and every rank compiles"
+        )
     step = None if sharded else build_step(cfg, spec, target_dir, dev, drafter_cfg=drafter_cfg)
     # the training's state beside the step, so that its memory is the training's: AdamW's moments (lr 0:
     # the weights stay as built) and, for DDP, the gradient buckets' copy of the gradients
-    optimizer = None if sharded else torch.optim.AdamW(step.model.parameters(), lr=0.0,
-                                                        fused=dev.type == "cuda")
-    buckets_copy = torch.empty(4 * params if world > 1 and not sharded and dev.type == "cuda" else 0,
-                               dtype=torch.uint8, device=dev)
+    optimizer = (
+        None if sharded else torch.optim.AdamW(step.model.parameters(), lr=0.0, fused=dev.type == "cuda")
+    )
+    buckets_copy = torch.empty(
+        4 * params if world > 1 and not sharded and dev.type == "cuda" else 0, dtype=torch.uint8, device=dev
+    )
     g = torch.Generator().manual_seed(cfg.seed)
     seconds, peaks = {}, {}
     for bucket in [] if sharded else sorted(set(cfg.buckets)):
         # the worst case training can meet: every row full, every anchor slot used, in its row slices
-        batch = random_batch(bucket, rows_per_batch(bucket, cfg.batch_tokens), width, spec.vocab_size,
-                             step.amp_dtype or torch.float32, g,
-                             spec.hidden_size if needs_last_hidden(drafter_cfg) else 0)
+        batch = random_batch(
+            bucket,
+            rows_per_batch(bucket, cfg.batch_tokens),
+            width,
+            spec.vocab_size,
+            step.amp_dtype or torch.float32,
+            g,
+            spec.hidden_size if needs_last_hidden(drafter_cfg) else 0,
+        )
         anchors, valid = anchors_for(step, batch["loss_mask"], g)
         t0 = time.perf_counter()
         for part, a, v in row_slices(step, batch, anchors, valid):
@@ -342,8 +371,10 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
             peaks[bucket] = torch.cuda.max_memory_allocated(dev)
         seconds[bucket] = round(time.perf_counter() - t0, 3)
         memory = f", peak GPU memory {peaks[bucket] / 2**30:.2f} GiB" if bucket in peaks else ""
-        _say(f"bucket {bucket}: fwd+bwd {seconds[bucket]:.1f} s, loss {loss.item():.3f}, "
-             f"caches {cache_counters()}{memory}")
+        _say(
+            f"bucket {bucket}: fwd+bwd {seconds[bucket]:.1f} s, loss {loss.item():.3f}, "
+            f"caches {cache_counters()}{memory}"
+        )
     del buckets_copy
     blob = b""
     if cfg.compile and not sharded:
@@ -356,11 +387,18 @@ def _warmup(cfg: TrainConfig, drafter_cfg: DrafterConfig, target_dir, shards, ou
         with atomic_path(out / ARTIFACTS) as tmp:
             tmp.write_bytes(blob)
         files = pack_inductor_dir(inductor, out / INDUCTOR_FILES)  # empty when nothing was compiled
-        meta = {"key": key, "compile": cfg.compile, "fsdp": sharded, "seconds": seconds,
-                "peak_gpu_bytes": peaks,
-                "inductor_dir": str(inductor), "counters": cache_counters(), "artifact_bytes": len(blob),
-                "inductor_files": files,
-                "inductor_bytes": (out / INDUCTOR_FILES).stat().st_size}
+        meta = {
+            "key": key,
+            "compile": cfg.compile,
+            "fsdp": sharded,
+            "seconds": seconds,
+            "peak_gpu_bytes": peaks,
+            "inductor_dir": str(inductor),
+            "counters": cache_counters(),
+            "artifact_bytes": len(blob),
+            "inductor_files": files,
+            "inductor_bytes": (out / INDUCTOR_FILES).stat().st_size,
+        }
         write_json(out / META, meta)
     except BaseException:  # stopped or failed between the files: none of them, rather than a mix
         for name in (ARTIFACTS, INDUCTOR_FILES, META):

@@ -222,8 +222,18 @@ class TrainConfig:
 # compile warmup reads: the seed (its drafter's initialization) and the parallel mode (FSDP: nothing to
 # compile). The workflow reruns the warmup when one of WARMUP_TRAIN_KEYS changes, not on lr etc. They
 # live here, not in compile_cache.py, so the workflow reads them without importing torch.
-COMPILED_TRAIN_KEYS = ("max_anchors", "batch_anchors", "batch_tokens", "buckets", "compile", "compile_scope",
-                       "compile_loss", "fp8", "attention", "dtype")
+COMPILED_TRAIN_KEYS = (
+    "max_anchors",
+    "batch_anchors",
+    "batch_tokens",
+    "buckets",
+    "compile",
+    "compile_scope",
+    "compile_loss",
+    "fp8",
+    "attention",
+    "dtype",
+)
 WARMUP_TRAIN_KEYS = (*COMPILED_TRAIN_KEYS, "seed", "parallel")
 
 # Keys added after runs existed, left out of a stage's params (its rerun trigger) while at the value that
@@ -235,9 +245,18 @@ def stage_params(section: str, values: dict) -> dict:
     """A config section's `values` as a stage's params: LATER_KEYS at their unset value left out."""
     later = LATER_KEYS.get(section, {})
     return {k: v for k, v in values.items() if k not in later or later[k] != v}
+
+
 # The train keys stream mode's data plan depends on (flashdraft.stream): a change in one needs a new plan.
-PLAN_TRAIN_KEYS = ("seed", "epochs", "max_steps", "batch_tokens", "global_batch_tokens", "buckets",
-                   "val_samples")
+PLAN_TRAIN_KEYS = (
+    "seed",
+    "epochs",
+    "max_steps",
+    "batch_tokens",
+    "global_batch_tokens",
+    "buckets",
+    "val_samples",
+)
 EXPORTS = ("last", "best")
 FP8_RECIPES = ("tensorwise", "rowwise")
 COMPILE_SCOPES = ("model", "layer")
@@ -259,10 +278,15 @@ class EvalConfig:
         # `temperature` is the key of configs written before `temperatures`: one temperature, as they had it
         if self.temperature is not None:
             self.temperatures, self.temperature = [self.temperature], None
-        if not self.temperatures or len(set(self.temperatures)) != len(self.temperatures) or \
-                any(t < 0 for t in self.temperatures):
-            raise UserError(f"config key eval.temperatures: {self.temperatures}; give one or more distinct "
-                            "temperatures >= 0, e.g. [0, 1]")
+        if (
+            not self.temperatures
+            or len(set(self.temperatures)) != len(self.temperatures)
+            or any(t < 0 for t in self.temperatures)
+        ):
+            raise UserError(
+                f"config key eval.temperatures: {self.temperatures}; give one or more distinct "
+                "temperatures >= 0, e.g. [0, 1]"
+            )
 
 
 @dataclass
@@ -330,8 +354,10 @@ def init_files(path) -> list[Path]:
     files = [path / "config.json", path / "model.safetensors"]
     if not all(f.is_file() for f in files):
         missing = ", ".join(f.name for f in files if not f.is_file())
-        raise UserError(f"config key drafter.init_from: {path} is not a drafter export (it needs config.json "
-                        f"and model.safetensors; missing: {missing})")
+        raise UserError(
+            f"config key drafter.init_from: {path} is not a drafter export (it needs config.json "
+            f"and model.safetensors; missing: {missing})"
+        )
     return files
 
 
@@ -343,15 +369,21 @@ def check_validation(t: TrainConfig, samples: int | None = None, steps: int | No
     if t.val_samples < 0 or t.val_every < 0:
         raise UserError("config keys train.val_samples and train.val_every must be >= 0")
     if t.export == "best" and not t.val_samples:
-        raise UserError("config key train.export: best needs a validation split; set train.val_samples > 0 "
-                        "or train.export: last")
+        raise UserError(
+            "config key train.export: best needs a validation split; set train.val_samples > 0 "
+            "or train.export: last"
+        )
     if samples is not None and t.val_samples and t.val_samples >= samples:
-        raise UserError(f"config key train.val_samples ({t.val_samples}) leaves none of the {samples} "
-                        f"samples for training; use fewer (a few percent), or 0 for no validation")
+        raise UserError(
+            f"config key train.val_samples ({t.val_samples}) leaves none of the {samples} "
+            f"samples for training; use fewer (a few percent), or 0 for no validation"
+        )
     steps = steps if steps is not None else t.max_steps or None
     if steps is not None and t.val_samples and t.val_every > steps:
-        raise UserError(f"config key train.val_every ({t.val_every}) is larger than the run ({steps} "
-                        f"optimizer steps): use at most {steps}, or 0 (every train.checkpoint_every steps)")
+        raise UserError(
+            f"config key train.val_every ({t.val_every}) is larger than the run ({steps} "
+            f"optimizer steps): use at most {steps}, or 0 (every train.checkpoint_every steps)"
+        )
 
 
 # The step's arithmetic, torch-free for the config check; flashdraft.batches makes the batches from it.
@@ -390,8 +422,11 @@ def slice_rows(bucket: int, cfg: TrainConfig, block_size: int) -> int:
     """Rows of one forward+backward in `bucket`: the micro-batch's rows, or, under train.batch_anchors, the
     fewest equal slices whose anchor slots stay within it (the last slice padded with empty rows). One
     number per bucket, so every forward of a bucket has one shape."""
-    return slice_size(rows_per_batch(bucket, cfg.batch_tokens), num_anchor_slots(bucket, cfg.max_anchors,
-                      block_size), cfg.batch_anchors)
+    return slice_size(
+        rows_per_batch(bucket, cfg.batch_tokens),
+        num_anchor_slots(bucket, cfg.max_anchors, block_size),
+        cfg.batch_anchors,
+    )
 
 
 def slice_size(rows: int, slots: int, batch_anchors: int) -> int:
@@ -414,12 +449,16 @@ def stream_chunk_tokens(hidden: HiddenConfig, per_token: int) -> int:
     if hidden.chunk_tokens:
         return hidden.chunk_tokens
     if not hidden.disk_budget:
-        raise UserError("config key hidden.disk_budget: stream mode needs the bytes of hidden states allowed "
-                        "on disk at once (e.g. 2TB), or hidden.chunk_tokens")
+        raise UserError(
+            "config key hidden.disk_budget: stream mode needs the bytes of hidden states allowed "
+            "on disk at once (e.g. 2TB), or hidden.chunk_tokens"
+        )
     tokens = hidden.disk_budget // (STREAM_RING * per_token)
     if tokens < 1:
-        raise UserError(f"config key hidden.disk_budget: {hidden.disk_budget} bytes do not hold two tokens "
-                        f"of hidden states ({per_token} bytes each); give at least {STREAM_RING * per_token}")
+        raise UserError(
+            f"config key hidden.disk_budget: {hidden.disk_budget} bytes do not hold two tokens "
+            f"of hidden states ({per_token} bytes each); give at least {STREAM_RING * per_token}"
+        )
     return tokens
 
 
@@ -462,7 +501,7 @@ def in_run_dir(obj, results: str):
     elif isinstance(obj, list):
         obj[:] = [in_run_dir(x, results) for x in obj]
     elif isinstance(obj, str) and obj.startswith(RUN_DIR + "/"):
-        return results.rstrip("/") + obj[len(RUN_DIR):]
+        return results.rstrip("/") + obj[len(RUN_DIR) :]
     return obj
 
 
@@ -494,8 +533,11 @@ def run_config(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> str:
     same_run = stage_params("train", {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip})
     # a family's own section (drafter.<family>) counts in its runs only, so that adding a family changes no
     # run's key; a DFlash run keeps the key it had before drafter families existed (no `family` either)
-    drafter = {k: v for k, v in dataclasses.asdict(drafter_cfg).items()
-               if k not in FAMILIES or k == drafter_cfg.family}
+    drafter = {
+        k: v
+        for k, v in dataclasses.asdict(drafter_cfg).items()
+        if k not in FAMILIES or k == drafter_cfg.family
+    }
     if drafter_cfg.family == "dflash":
         drafter.pop("family")
     return json.dumps(same_run, sort_keys=True) + json.dumps(drafter, sort_keys=True)
@@ -526,7 +568,8 @@ def feature_layers(num_target_layers: int, drafter: DrafterConfig) -> list[int]:
         raise UserError(
             f"config key drafter.target_layer_ids: the default ids round(1 + i*(N-4)/(K-1)) are {ids} for a "
             f"target with {n} layers and {drafter.num_layers} drafter layers, {bad} out of range; set "
-            f"drafter.target_layer_ids to {drafter.num_layers} ids in 0..{n - 1}")
+            f"drafter.target_layer_ids to {drafter.num_layers} ids in 0..{n - 1}"
+        )
     if bad:
         raise UserError(
             f"config key drafter.target_layer_ids: {bad} out of range for a target with {n} layers; "

@@ -45,11 +45,16 @@ def configfile_problems(paths, results: str) -> list[str]:
     file it cannot read (a missing one, an arrow shard); the workflow sees those it could read: a file of
     this run's directory (`results`; a shard's .json manifest) or of another kind than CONFIG_SUFFIXES."""
     made, here = Path(results).resolve(), Path.cwd()
-    bad = [Path(p).resolve() for p in paths if Path(p).suffix not in CONFIG_SUFFIXES
-           or Path(p).resolve().is_relative_to(made)]
-    return [f"--configfile {p}: not a config but a target (--configfile takes every path after it); put "
-            f"targets before --configfile or after --: snakemake --cores all --configfile <config> -- {p}"
-            for p in (p.relative_to(here) if p.is_relative_to(here) else p for p in bad)]
+    bad = [
+        Path(p).resolve()
+        for p in paths
+        if Path(p).suffix not in CONFIG_SUFFIXES or Path(p).resolve().is_relative_to(made)
+    ]
+    return [
+        f"--configfile {p}: not a config but a target (--configfile takes every path after it); put "
+        f"targets before --configfile or after --: snakemake --cores all --configfile <config> -- {p}"
+        for p in (p.relative_to(here) if p.is_relative_to(here) else p for p in bad)
+    ]
 
 
 def overlay_problem(paths, data: dict) -> str | None:
@@ -59,8 +64,10 @@ def overlay_problem(paths, data: dict) -> str | None:
     if not paths or not missing:
         return None
     given = " ".join(str(p) for p in paths)
-    return (f"--configfile {given}: no {' or '.join(missing)} section: an overlay changes a whole config's "
-            f"keys; give it after one: snakemake --cores all --configfile config/config.yaml {given}")
+    return (
+        f"--configfile {given}: no {' or '.join(missing)} section: an overlay changes a whole config's "
+        f"keys; give it after one: snakemake --cores all --configfile config/config.yaml {given}"
+    )
 
 
 class Problems:
@@ -95,16 +102,20 @@ def _schema_errors(data: dict, schema_path) -> list:
 
     schema = yaml.safe_load(Path(schema_path).read_text())
     errors = jsonschema.validators.validator_for(schema)(schema).iter_errors(data)
-    return sorted((jsonschema.exceptions.best_match([e]) for e in errors),
-                  key=lambda e: [str(p) for p in e.absolute_path])
+    return sorted(
+        (jsonschema.exceptions.best_match([e]) for e in errors),
+        key=lambda e: [str(p) for p in e.absolute_path],
+    )
 
 
 def schema_problems(data: dict, schema_path, where: str = "") -> list[str]:
     """`data` against workflow/schemas/config.schema.yaml (`schema_path`), as the workflow and the planner
     read a config: each mistake as one line naming the key (an unknown one: its section, and the key "was
     unexpected"), `where` (the file) before it, instead of jsonschema's dump of the whole schema."""
-    return [f"{where}config key {'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}"
-            for e in _schema_errors(data, schema_path)]
+    return [
+        f"{where}config key {'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}"
+        for e in _schema_errors(data, schema_path)
+    ]
 
 
 def check_schema(data: dict, schema_path, where: str = "") -> None:
@@ -188,8 +199,10 @@ def target_problem(cfg: Config) -> str | None:
     """target.path without a config.json (a model not downloaded there yet), as the workflow says it."""
     t = cfg.target
     if not t.build_toy and not (Path(t.path) / "config.json").exists():
-        return (f"config key target.path: {t.path!r} is not a local Hugging Face model directory (no "
-                "config.json); download the model there or set target.build_toy: true")
+        return (
+            f"config key target.path: {t.path!r} is not a local Hugging Face model directory (no "
+            "config.json); download the model there or set target.build_toy: true"
+        )
     return None
 
 
@@ -207,11 +220,15 @@ def file_problems(cfg: Config, results: str, read_sources: bool = False) -> list
         made_here = s.path.startswith(f"{results}/toy/")  # the toy's sources, made by a job of the run
         if not Path(s.path).exists() and not made_here:
             hub = len(Path(s.path).parts) == 2 and not Path(s.path).suffix  # an id such as org/dataset
-            lines.append(f"{key} does not exist" + ("; for a Hugging Face Hub dataset id, set format: hf"
-                                                     if hub else ""))
+            lines.append(
+                f"{key} does not exist"
+                + ("; for a Hugging Face Hub dataset id, set format: hf" if hub else "")
+            )
         elif Path(s.path).is_dir():
-            lines.append(f"{key} is a directory; point it at a file (jsonl, json, parquet, arrow), or set "
-                         "format: hf to read a folder of data files")
+            lines.append(
+                f"{key} is a directory; point it at a file (jsonl, json, parquet, arrow), or set "
+                "format: hf to read a folder of data files"
+            )
         elif read_sources and not made_here and (problem := first_rows_problem(s)):  # it exists: read it
             lines.append(problem)
     return lines
@@ -225,12 +242,18 @@ def gpu_problems(cfg: Config, visible: int, srun: bool) -> list[str]:
     asked = {"gpus.target": cfg.gpus.target, "gpus.drafter": cfg.gpus.drafter}
     if cfg.regenerate.backend == "server":
         asked["regenerate.server_gpus"] = cfg.regenerate.server_gpus
-    lines = [f"config key {key}: asks for {n} GPU(s) but {visible} are visible (set gpus.check_visible: "
-             "false when jobs run on other nodes)" for key, n in asked.items() if n > visible]
+    lines = [
+        f"config key {key}: asks for {n} GPU(s) but {visible} are visible (set gpus.check_visible: "
+        "false when jobs run on other nodes)"
+        for key, n in asked.items()
+        if n > visible
+    ]
     if cfg.gpus.drafter_nodes > 1 and not srun:
-        lines.append(f"config key gpus.drafter_nodes: {cfg.gpus.drafter_nodes} nodes need SLURM (no srun "
-                     "here); run with --profile workflow/profiles/slurm (set gpus.check_visible: false to "
-                     "submit anyway)")
+        lines.append(
+            f"config key gpus.drafter_nodes: {cfg.gpus.drafter_nodes} nodes need SLURM (no srun "
+            "here); run with --profile workflow/profiles/slurm (set gpus.check_visible: false to "
+            "submit anyway)"
+        )
     return lines
 
 
@@ -252,18 +275,22 @@ def _check_draft_weights(d) -> None:
     section = getattr(d, d.family, None)
     if keys and section is not None and not any(getattr(section, k) for k in keys):
         names = " and ".join(f"drafter.{d.family}.{k}" for k in keys)
-        raise UserError(f"config keys {names} are all 0: the loss would train no draft and export an "
-                        "untrained drafter; give at least one a weight > 0")
+        raise UserError(
+            f"config keys {names} are all 0: the loss would train no draft and export an "
+            "untrained drafter; give at least one a weight > 0"
+        )
 
 
 def _check_dspark_heads(d) -> None:
     """A DSpark confidence head that reads the Markov features needs a Markov head."""
     h = d.dspark
     if d.family == "dspark" and not h.markov_rank and h.confidence_weight and h.confidence_with_markov:
-        raise UserError("config key drafter.dspark.confidence_with_markov: true reads the Markov head's "
-                        "features, and drafter.dspark.markov_rank 0 builds none; set it false (the "
-                        "confidence head reads the slot's hidden state alone), or "
-                        "drafter.dspark.confidence_weight: 0 (no confidence head)")
+        raise UserError(
+            "config key drafter.dspark.confidence_with_markov: true reads the Markov head's "
+            "features, and drafter.dspark.markov_rank 0 builds none; set it false (the "
+            "confidence head reads the slot's hidden state alone), or "
+            "drafter.dspark.confidence_weight: 0 (no confidence head)"
+        )
 
 
 def _check_chars(p) -> None:
@@ -282,12 +309,18 @@ def _check_lengths(cfg: Config, target: dict | None) -> None:
     limit = TOY_MAX_POSITIONS if target is None else target_max_positions(target)
     if not limit:
         return
-    lengths = {"hidden.max_length": (cfg.hidden.max_length, limit),
-               "eval.max_new_tokens": (cfg.eval.max_new_tokens, limit - 1)}
+    lengths = {
+        "hidden.max_length": (cfg.hidden.max_length, limit),
+        "eval.max_new_tokens": (cfg.eval.max_new_tokens, limit - 1),
+    }
     if cfg.regenerate.enabled:
         lengths["regenerate.max_new_tokens"] = (cfg.regenerate.max_new_tokens, limit - 1)
-    Problems(f"config key {key} ({value}) does not fit the target's max_position_embeddings ({limit}); use "
-             f"at most {most}" for key, (value, most) in lengths.items() if value > most).raise_all()
+    Problems(
+        f"config key {key} ({value}) does not fit the target's max_position_embeddings ({limit}); use "
+        f"at most {most}"
+        for key, (value, most) in lengths.items()
+        if value > most
+    ).raise_all()
 
 
 def _check_global_batch(t: TrainConfig, world: int) -> None:
@@ -308,15 +341,17 @@ def _check_window(d) -> None:
             "whole block; use a window of at least the block size, or null for none"
         )
     if d.family == "dspark" and w is not None:
-        raise UserError("config key drafter.sliding_window: drafter.family dspark has no sliding window; set "
-                        "null")
+        raise UserError(
+            "config key drafter.sliding_window: drafter.family dspark has no sliding window; set null"
+        )
 
 
 def _check_stream_config(cfg: Config, target: dict | None, n: int | None, world: int) -> None:
     h = cfg.toy.hidden_size if target is None else target_hidden_size(target)
     if n and h:
-        per_token = bytes_per_token(cfg.hidden.dtype, len(feature_layers(n, cfg.drafter)), h,
-                                    needs_last_hidden(cfg.drafter))
+        per_token = bytes_per_token(
+            cfg.hidden.dtype, len(feature_layers(n, cfg.drafter)), h, needs_last_hidden(cfg.drafter)
+        )
         check_stream(cfg.hidden, cfg.train, micro_per_step(cfg.train, world), per_token)
 
 
@@ -329,10 +364,13 @@ def config_warnings(cfg: Config, num_target_layers: int | None = None) -> list[s
         warnings.append(
             f"config key drafter.target_layer_ids: the default ids for a target of {n} layers and "
             f"{d.num_layers} drafter layers are {ids}, the same layer fed more than once; set "
-            f"drafter.target_layer_ids to distinct ids in 0..{n - 1}, or lower drafter.num_layers")
+            f"drafter.target_layer_ids to distinct ids in 0..{n - 1}, or lower drafter.num_layers"
+        )
     if t.fp8 is not None and importlib.util.find_spec("torchao") is None:
-        warnings.append(f"config key train.fp8 ({t.fp8}) needs torchao, which this environment lacks: "
-                        "training stops at its start; pip install torchao, or set train.fp8: null")
+        warnings.append(
+            f"config key train.fp8 ({t.fp8}) needs torchao, which this environment lacks: "
+            "training stops at its start; pip install torchao, or set train.fp8: null"
+        )
     if cfg.hidden.shards > p.total:
         warnings.append(
             f"config key hidden.shards: {cfg.hidden.shards} shards for at most {p.total} training prompts "
@@ -350,16 +388,19 @@ def config_warnings(cfg: Config, num_target_layers: int | None = None) -> list[s
 FP8_CAPABILITY = (8, 9)
 
 
-def fp8_problem(recipe: str | None, on_gpu: bool, gpus=(), torchao: bool = True,
-                visible: bool = True) -> str | None:
+def fp8_problem(
+    recipe: str | None, on_gpu: bool, gpus=(), torchao: bool = True, visible: bool = True
+) -> str | None:
     """Why train.fp8 (`recipe`) cannot train here, as the one line to print, or None: `on_gpu` whether the
     drafter trains on GPUs, `gpus` (index, name, (major, minor) or None when unknown) those it may use,
     `torchao` whether torchao can be imported, `visible` whether this node shows any GPU (the workflow's
     start, where its jobs run here). The workflow's start and the trainer share the wording."""
     if recipe is None:
         return None
-    need = (f"config key train.fp8 ({recipe}) needs a GPU with FP8 matmuls (compute capability "
-            f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer)")
+    need = (
+        f"config key train.fp8 ({recipe}) needs a GPU with FP8 matmuls (compute capability "
+        f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer)"
+    )
     fix = "; set train.fp8: null"
     if not on_gpu:
         return f"{need}, but the drafter trains on the CPU{fix}"
@@ -369,8 +410,10 @@ def fp8_problem(recipe: str | None, on_gpu: bool, gpus=(), torchao: bool = True,
         if cap is not None and tuple(cap) < FP8_CAPABILITY:
             return f"{need}, but GPU {index} ({name}) has compute capability {cap[0]}.{cap[1]}{fix}"
     if not torchao:
-        return (f"config key train.fp8 ({recipe}) needs torchao, which this environment lacks: "
-                "pip install torchao, or set train.fp8: null")
+        return (
+            f"config key train.fp8 ({recipe}) needs torchao, which this environment lacks: "
+            "pip install torchao, or set train.fp8: null"
+        )
     return None
 
 
@@ -378,8 +421,9 @@ def check_fp8_gpus(cfg: Config, gpus) -> None:
     """train.fp8 against the GPUs the drafter may use on this node (`gpus`: flashdraft.gpu.gpu_capabilities;
     a lease may give it any of them, and none is checked when nothing is known) and this environment's
     torchao, before any job runs: a UserError names what is missing."""
-    problem = fp8_problem(cfg.train.fp8, cfg.gpus.drafter > 0, gpus,
-                          importlib.util.find_spec("torchao") is not None)
+    problem = fp8_problem(
+        cfg.train.fp8, cfg.gpus.drafter > 0, gpus, importlib.util.find_spec("torchao") is not None
+    )
     if problem:
         raise UserError(problem)
 
@@ -395,9 +439,11 @@ def stream_step_bound(train: TrainConfig, micro: int, max_length: int, per_token
     that bucket holds, at most hidden.max_length tokens (the largest bucket also takes the longer samples,
     kept whole on disk), with its row allowance."""
     top = max(train.buckets)
-    most = max(rows_per_batch(b, train.batch_tokens)
-               * ((max_length if b == top else min(b, max_length)) * per_token + STREAM_ROW_BYTES)
-               for b in train.buckets)
+    most = max(
+        rows_per_batch(b, train.batch_tokens)
+        * ((max_length if b == top else min(b, max_length)) * per_token + STREAM_ROW_BYTES)
+        for b in train.buckets
+    )
     return micro * most
 
 
@@ -411,15 +457,20 @@ def check_stream(hidden: HiddenConfig, train: TrainConfig, micro: int, per_token
     step = stream_step_bound(train, micro, hidden.max_length, per_token)
     kept = train.val_samples * (hidden.max_length * per_token + STREAM_ROW_BYTES)
     tokens, budget = stream_least(step, per_token, kept)
-    step_is = (f"one optimizer step (up to {tokens:,} tokens' worth of hidden states: {micro} "
-               f"micro-batch(es) of train.batch_tokens {train.batch_tokens} in train.buckets "
-               f"{train.buckets}, samples of up to hidden.max_length {hidden.max_length} tokens)")
+    step_is = (
+        f"one optimizer step (up to {tokens:,} tokens' worth of hidden states: {micro} "
+        f"micro-batch(es) of train.batch_tokens {train.batch_tokens} in train.buckets "
+        f"{train.buckets}, samples of up to hidden.max_length {hidden.max_length} tokens)"
+    )
     if hidden.chunk_tokens and cap < tokens:
-        raise UserError(f"config key hidden.chunk_tokens ({cap}): a stream-mode chunk does not hold "
-                        f"{step_is}; set hidden.chunk_tokens >= {tokens}")
+        raise UserError(
+            f"config key hidden.chunk_tokens ({cap}): a stream-mode chunk does not hold "
+            f"{step_is}; set hidden.chunk_tokens >= {tokens}"
+        )
     if not hidden.chunk_tokens and hidden.disk_budget < budget:
         raise UserError(
             f"config key hidden.disk_budget: {human_bytes(hidden.disk_budget)} does not hold {STREAM_RING} "
             f"stream-mode chunks of {step_is}"
             + (f" and a validation shard of train.val_samples {train.val_samples}" if kept else "")
-            + f"; set hidden.disk_budget >= {human_bytes(budget)} ({budget} bytes)")
+            + f"; set hidden.disk_budget >= {human_bytes(budget)} ({budget} bytes)"
+        )

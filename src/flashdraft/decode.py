@@ -57,10 +57,22 @@ class SlotDecoder:
     others decode (default: an eighth of the slots). `prefill_tokens`: padded tokens per prefill.
     `temperature` 0: greedy; above, sampled, within `top_k` and `top_p` where set (`step.pick`)."""
 
-    def __init__(self, model, slots: int, max_len: int, eos: list[int], pad_id: int,
-                 temperature: float = 0.0, seed: int = 0, graphs: bool | None = None,
-                 compiled: bool | None = None, refill: int | None = None, prefill_tokens: int = 16384,
-                 top_p: float = 1.0, top_k: int = 0):
+    def __init__(
+        self,
+        model,
+        slots: int,
+        max_len: int,
+        eos: list[int],
+        pad_id: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        graphs: bool | None = None,
+        compiled: bool | None = None,
+        refill: int | None = None,
+        prefill_tokens: int = 16384,
+        top_p: float = 1.0,
+        top_k: int = 0,
+    ):
         dev = model.device
         cuda = dev.type == "cuda"
         self.model, self.head = model, model.get_output_embeddings()
@@ -132,8 +144,11 @@ class SlotDecoder:
         elif self.graphs.on:
             length = min(self.max_len, -(-length // BUCKET) * BUCKET)
         logits, greedy = self.graphs.run(length, self._step, length)
-        nxt = greedy if self.temperature == 0 else pick(logits, self.temperature, self.generator,
-                                                         **self.sampling)
+        nxt = (
+            greedy
+            if self.temperature == 0
+            else pick(logits, self.temperature, self.generator, **self.sampling)
+        )
         self.tokens.copy_(nxt)
         return nxt.tolist()
 
@@ -185,8 +200,9 @@ class SlotDecoder:
                         break
                     take.append(waiting.popleft())
                 slots = [free.pop() for _ in take]
-                for slot, i, t in zip(slots, take, self._prefill(slots, [prompts[i] for i in take]),
-                                      strict=True):
+                for slot, i, t in zip(
+                    slots, take, self._prefill(slots, [prompts[i] for i in take]), strict=True
+                ):
                     active[slot], pos[slot] = (i, [t]), len(prompts[i])
                     yield from self._finish(slot, t, active, free, max_new_tokens)
                 continue

@@ -11,14 +11,26 @@ from .model import DFlashDrafter, DrafterSpec
 
 def loss(step, t: dict, anchors, valid, normalizer=None):
     """dflash_loss of one micro-batch."""
-    return dflash_loss(step.model, t["input_ids"], t["loss_mask"], t["hidden"], anchors, valid, step.embed,
-                       step.head, step.objective, step.attention, normalizer=normalizer,
-                       compile_loss=step.compile_loss)
+    return dflash_loss(
+        step.model,
+        t["input_ids"],
+        t["loss_mask"],
+        t["hidden"],
+        anchors,
+        valid,
+        step.embed,
+        step.head,
+        step.objective,
+        step.attention,
+        normalizer=normalizer,
+        compile_loss=step.compile_loss,
+    )
 
 
 def normalizer(step, t: dict, anchors, valid):
-    _, weights, _ = block_labels(t["input_ids"], t["loss_mask"], anchors, valid, step.spec.block_size,
-                                 step.objective.decay())
+    _, weights, _ = block_labels(
+        t["input_ids"], t["loss_mask"], anchors, valid, step.spec.block_size, step.objective.decay()
+    )
     return step.objective.normalizer(weights, valid)
 
 
@@ -34,7 +46,14 @@ def metric_names(block_size: int) -> list[str]:
 
 
 FAMILY = Family(
-    name="dflash", spec=DrafterSpec, drafter=DFlashDrafter, loss=loss,
-    normalizer=normalizer, summarize=summarize, metric_names=metric_names, stats_size=stats_size,
-    proposer=proposer, init_weights=init_weights,
+    name="dflash",
+    spec=DrafterSpec,
+    drafter=DFlashDrafter,
+    loss=loss,
+    normalizer=normalizer,
+    summarize=summarize,
+    metric_names=metric_names,
+    stats_size=stats_size,
+    proposer=proposer,
+    init_weights=init_weights,
 )

@@ -27,9 +27,12 @@ def run_disk(cfg: Config, shapes: dict, results) -> dict[str, int]:
         hidden = tok.total * per_token
     params = drafter_parameters(cfg, shapes)
     answers = int(tok.samples * tok.answer_tokens * ANSWER_TOKEN_BYTES) if cfg.regenerate.enabled else 0
-    return {"hidden states": hidden, "regenerated answers": answers,
-            "checkpoints": (cfg.train.keep_checkpoints + 1) * params * CHECKPOINT_BYTES_PER_PARAMETER,
-            "export": params * 4}
+    return {
+        "hidden states": hidden,
+        "regenerated answers": answers,
+        "checkpoints": (cfg.train.keep_checkpoints + 1) * params * CHECKPOINT_BYTES_PER_PARAMETER,
+        "export": params * 4,
+    }
 
 
 def floor3(n: int) -> int:
@@ -57,11 +60,15 @@ def disk_problem(cfg: Config, shapes: dict, results, free: int | None = None) ->
     others = int((sum(parts.values()) - parts["hidden states"]) * (1 + margin))
     room = floor3(int((free + on_disk(results)) / (1 + margin)) - others)
     if cfg.hidden.mode == "store" and room > 0:
-        fixes.append(f"set hidden.mode: stream with hidden.disk_budget: {human_bytes(room)} or less (two "
-                     "chunks of hidden states on disk at once)")
+        fixes.append(
+            f"set hidden.mode: stream with hidden.disk_budget: {human_bytes(room)} or less (two "
+            "chunks of hidden states on disk at once)"
+        )
     elif cfg.hidden.mode == "stream" and room > 0:
         fixes.append(f"lower hidden.disk_budget to {human_bytes(room)} or less")
     if cfg.hidden.dtype != FP8:
         fixes.append("set hidden.dtype: float8_e4m3 (halves the hidden states)")
-    return (f"disk: the run needs about {human_bytes(need)} more under {results}/ ({said}, +{margin:.0%}: "
-            f"hidden.disk_margin) but {human_bytes(free)} are free; {'; or '.join(fixes)}")
+    return (
+        f"disk: the run needs about {human_bytes(need)} more under {results}/ ({said}, +{margin:.0%}: "
+        f"hidden.disk_margin) but {human_bytes(free)} are free; {'; or '.join(fixes)}"
+    )

@@ -77,8 +77,10 @@ def _on_stop_signal(signum, frame):
     _signals.append(signum)
     if os.environ.get("RANK", "0") == "0":  # os.write: safe inside a signal handler, unlike print
         again = " (Ctrl-C again: stop now)" if signum == signal.SIGINT else ""
-        os.write(2, f"{signal.Signals(signum).name}: a checkpoint at the next log step, then stop{again}\n"
-                 .encode())
+        os.write(
+            2,
+            f"{signal.Signals(signum).name}: a checkpoint at the next log step, then stop{again}\n".encode(),
+        )
 
 
 @contextlib.contextmanager
@@ -154,7 +156,6 @@ def no_grad_sync(model, sharded: bool, skip: bool):
 
 # ---------------------------------------------------------------------------------------------------------
 # log lines
-
 
 
 def log(d: Dist, msg: str, every_rank: bool = False) -> None:

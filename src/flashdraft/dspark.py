@@ -51,8 +51,10 @@ class DSparkSpec(DrafterSpec):
             raise ValueError(f"markov_rank {self.markov_rank}: 0 (no Markov head) or more")
         if not self.markov_rank:
             if self.confidence_head and self.confidence_with_markov:
-                raise ValueError("a confidence head reads the Markov features only with a Markov head "
-                                 "(markov_rank > 0); set confidence_head_with_markov false")
+                raise ValueError(
+                    "a confidence head reads the Markov features only with a Markov head "
+                    "(markov_rank > 0); set confidence_head_with_markov false"
+                )
             self.confidence_with_markov = False  # without either head there are none to read
 
     @property
@@ -61,14 +63,18 @@ class DSparkSpec(DrafterSpec):
         return self.block_size + 1
 
     @classmethod
-    def from_target(cls, target_config, tokenizer, drafter_cfg: DrafterConfig,
-                    dspark_cfg: DSparkConfig | None = None) -> DSparkSpec:
+    def from_target(
+        cls, target_config, tokenizer, drafter_cfg: DrafterConfig, dspark_cfg: DSparkConfig | None = None
+    ) -> DSparkSpec:
         """DrafterSpec.from_target plus the heads of `dspark_cfg` (default drafter_cfg.dspark); the
         confidence head exists where its loss weight is not 0, the Markov head where its rank is."""
         d = drafter_cfg.dspark if dspark_cfg is None else dspark_cfg
-        return dataclasses.replace(super().from_target(target_config, tokenizer, drafter_cfg),
-                                   markov_rank=d.markov_rank, confidence_head=d.confidence_weight > 0,
-                                   confidence_with_markov=d.confidence_with_markov)
+        return dataclasses.replace(
+            super().from_target(target_config, tokenizer, drafter_cfg),
+            markov_rank=d.markov_rank,
+            confidence_head=d.confidence_weight > 0,
+            confidence_with_markov=d.confidence_with_markov,
+        )
 
     def to_config_dict(self, dtype: str = "bfloat16") -> dict:
         """config.json in DeepSpec's layout (what SGLang and vLLM load): the Qwen3 fields, with the DSpark
@@ -77,11 +83,16 @@ class DSparkSpec(DrafterSpec):
         d = super().to_config_dict(dtype)
         del d["dflash_config"]
         kind = {"markov_head_type": "vanilla"} if self.markov_rank else {}
-        d.update(architectures=[FAMILIES["dspark"].architecture], mask_token_id=self.mask_token_id,
-                 target_layer_ids=list(self.target_layer_ids), num_anchors=NUM_ANCHORS,
-                 markov_rank=self.markov_rank, **kind,
-                 enable_confidence_head=self.confidence_head,
-                 confidence_head_with_markov=self.confidence_with_markov)
+        d.update(
+            architectures=[FAMILIES["dspark"].architecture],
+            mask_token_id=self.mask_token_id,
+            target_layer_ids=list(self.target_layer_ids),
+            num_anchors=NUM_ANCHORS,
+            markov_rank=self.markov_rank,
+            **kind,
+            enable_confidence_head=self.confidence_head,
+            confidence_head_with_markov=self.confidence_with_markov,
+        )
         return d
 
     @classmethod
@@ -91,19 +102,28 @@ class DSparkSpec(DrafterSpec):
         has no Markov head); only the vanilla Markov head, or none (markov_rank 0)."""
         rank, kind = int(d["markov_rank"]), d.get("markov_head_type")
         if rank < 0 or (rank and kind != "vanilla"):
-            raise ValueError(f"markov_rank {rank}, markov_head_type {kind!r}: only DSpark's vanilla Markov "
-                             "head (markov_rank > 0, markov_head_type 'vanilla') or none (markov_rank 0) is "
-                             "supported")
+            raise ValueError(
+                f"markov_rank {rank}, markov_head_type {kind!r}: only DSpark's vanilla Markov "
+                "head (markov_rank > 0, markov_head_type 'vanilla') or none (markov_rank 0) is "
+                "supported"
+            )
         confidence = bool(d.get("enable_confidence_head", False))
         with_markov = bool(d.get("confidence_head_with_markov", rank > 0))
-        return dataclasses.replace(super().from_config_dict(d), markov_rank=rank,
-                                   confidence_head=confidence, confidence_with_markov=with_markov)
+        return dataclasses.replace(
+            super().from_config_dict(d),
+            markov_rank=rank,
+            confidence_head=confidence,
+            confidence_with_markov=with_markov,
+        )
 
 
 # what an init_from checkpoint must share beyond the backbone's fields (a confidence head present in one
 # and not the other shows as missing or extra tensors)
-INIT_KEYS = {**drafter_io.INIT_KEYS, "markov_rank": "drafter.dspark.markov_rank",
-             "confidence_with_markov": "drafter.dspark.confidence_with_markov"}
+INIT_KEYS = {
+    **drafter_io.INIT_KEYS,
+    "markov_rank": "drafter.dspark.markov_rank",
+    "confidence_with_markov": "drafter.dspark.confidence_with_markov",
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -260,8 +280,20 @@ class MarkovLinearLoss(torch.autograd.Function):
     last, shorter one eager."""
 
     @staticmethod
-    def forward(ctx, h, e, w2, head, teacher, labels, weights, ce_weight: float, l1_weight: float,
-                chunk: int, compiled: bool = False):
+    def forward(
+        ctx,
+        h,
+        e,
+        w2,
+        head,
+        teacher,
+        labels,
+        weights,
+        ce_weight: float,
+        l1_weight: float,
+        chunk: int,
+        compiled: bool = False,
+    ):
         n, dev, markov = h.shape[0], h.device, e is not None
         fused = compiled_chunk(dspark_chunk) if compiled else dspark_chunk
         grad_h = torch.empty_like(h)
@@ -275,9 +307,17 @@ class MarkovLinearLoss(torch.autograd.Function):
             for i in range(0, n, chunk):
                 j = slice(i, i + chunk)
                 run = fused if h[j].shape[0] == chunk else dspark_chunk
-                out = run(h[j], e[j] if markov else None, w2h, head,
-                                   None if teacher is None else teacher[j], labels[j], weights[j].float(),
-                                   ce_weight, l1_weight)
+                out = run(
+                    h[j],
+                    e[j] if markov else None,
+                    w2h,
+                    head,
+                    None if teacher is None else teacher[j],
+                    labels[j],
+                    weights[j].float(),
+                    ce_weight,
+                    l1_weight,
+                )
                 total += out[0]
                 ce[j], l1[j], correct[j], grad_h[j] = out[1:5]
                 if markov:
@@ -293,10 +333,26 @@ class MarkovLinearLoss(torch.autograd.Function):
         return *grads, *[None] * 8
 
 
-def dspark_loss(model, input_ids, loss_mask, hidden, last_hidden, anchors, valid, embed_weight,
-                lm_head_weight, *, gamma: float, ce_weight: float, l1_weight: float, confidence_weight: float,
-                attention: str = "sdpa", chunk_blocks: int = 128, normalizer=None,
-                compile_loss: bool = False):
+def dspark_loss(
+    model,
+    input_ids,
+    loss_mask,
+    hidden,
+    last_hidden,
+    anchors,
+    valid,
+    embed_weight,
+    lm_head_weight,
+    *,
+    gamma: float,
+    ce_weight: float,
+    l1_weight: float,
+    confidence_weight: float,
+    attention: str = "sdpa",
+    chunk_blocks: int = 128,
+    normalizer=None,
+    compile_loss: bool = False,
+):
     """DeepSpec's DSpark loss: (ce_weight * sum w*CE + l1_weight * sum w*L1 + confidence_weight * sum w*BCE)
     / normalizer, per slot k with w = eval_mask * exp(-k/gamma) (`dspark_labels`); CE of the Markov-corrected
     logits against token[anchor+k+1]; L1 = |p_draft - p_target|_1, p_target the target's softmax over its
@@ -312,16 +368,19 @@ def dspark_loss(model, input_ids, loss_mask, hidden, last_hidden, anchors, valid
     sum expected_tau, blocks, correct_k (B), counted_k (B)]."""
     drafter = model.module if hasattr(model, "module") else model
     if last_hidden is None and (l1_weight or drafter.confidence_head is not None):
-        raise ValueError("the L1 term and the confidence head read the target's last hidden state: "
-                         "dspark_loss needs last_hidden")
+        raise ValueError(
+            "the L1 term and the confidence head read the target's last hidden state: "
+            "dspark_loss needs last_hidden"
+        )
     bs = drafter.spec.block_size
     out = train_forward(model, input_ids, hidden, anchors, valid, embed_weight, attention)
     labels, prev, pos, weights, eval_mask = dspark_labels(input_ids, loss_mask, anchors, valid, bs, gamma)
     own = weights.sum()
     sel = valid.flatten()  # only real blocks go through the heads
     h = out.flatten(0, 1)[sel]  # [n, B, H]
-    labels, prev, pos, weights, eval_mask = (t.flatten(0, 1)[sel] for t in (labels, prev, pos, weights,
-                                                                              eval_mask))
+    labels, prev, pos, weights, eval_mask = (
+        t.flatten(0, 1)[sel] for t in (labels, prev, pos, weights, eval_mask)
+    )
     rows, w, y = h.flatten(0, 1), weights.flatten(), labels.flatten()
     teacher = None
     if last_hidden is not None:
@@ -329,8 +388,9 @@ def dspark_loss(model, input_ids, loss_mask, hidden, last_hidden, anchors, valid
         teacher = last_hidden[rows_of[sel][:, None], pos].flatten(0, 1)  # [n * B, H]
     e = drafter.prev_embeds(prev.flatten())
     w2 = None if drafter.markov_head is None else drafter.markov_head.markov_w2.weight
-    total, ce, l1, correct = MarkovLinearLoss.apply(rows, e, w2, lm_head_weight, teacher, y, w, ce_weight,
-                                                    l1_weight, chunk_blocks * bs, compile_loss)
+    total, ce, l1, correct = MarkovLinearLoss.apply(
+        rows, e, w2, lm_head_weight, teacher, y, w, ce_weight, l1_weight, chunk_blocks * bs, compile_loss
+    )
     accept = (1.0 - l1 / 2).clamp(0.0, 1.0)  # the acceptance rate of rejection sampling, per slot
     bce_sum = torch.zeros((), device=rows.device)
     if drafter.confidence_head is not None:
@@ -345,8 +405,18 @@ def dspark_loss(model, input_ids, loss_mask, hidden, last_hidden, anchors, valid
         hit = correct.view_as(labels) & eval_mask
         expected = (accept.view_as(labels) * eval_mask).cumprod(1).sum(1) + 1.0
         blocks = torch.tensor(float(h.shape[0]), device=h.device)
-        head = torch.stack([total.detach(), (w * ce).sum(), (w * l1).sum(), bce_sum.detach(), own,
-                            simulated_tau(hit).sum(), expected.sum(), blocks])
+        head = torch.stack(
+            [
+                total.detach(),
+                (w * ce).sum(),
+                (w * l1).sum(),
+                bce_sum.detach(),
+                own,
+                simulated_tau(hit).sum(),
+                expected.sum(),
+                blocks,
+            ]
+        )
         stats = torch.cat([head, hit.sum(0).float(), eval_mask.sum(0).float()])
     return loss, stats
 
@@ -368,8 +438,13 @@ def dspark_summarize(stats, block_size: int) -> dict:
     def per(x, n):
         return x / n if n else math.nan
 
-    row = {"loss": per(total, w), "ce": per(ce, w), "l1": per(l1, w), "confidence": per(bce, w),
-           "acc": sum(correct) / max(1.0, sum(counted))}
+    row = {
+        "loss": per(total, w),
+        "ce": per(ce, w),
+        "l1": per(l1, w),
+        "confidence": per(bce, w),
+        "acc": sum(correct) / max(1.0, sum(counted)),
+    }
     for k in range(block_size):
         row[f"acc_pos_{k + 1}"] = per(correct[k], counted[k])
     row["sim_tau"], row["expected_tau"] = per(tau, blocks), per(expected, blocks)
@@ -440,8 +515,9 @@ class DSparkProposer(Proposer):
 
     uses_features = True
 
-    def __init__(self, drafter, embed_weight, lm_head_weight, cached: bool = True,
-                 confidence_threshold: float = 0.0):
+    def __init__(
+        self, drafter, embed_weight, lm_head_weight, cached: bool = True, confidence_threshold: float = 0.0
+    ):
         self.drafter, self.embed, self.head, self.cached = drafter, embed_weight, lm_head_weight, cached
         self.block_size, self.threshold = drafter.spec.block_size, confidence_threshold
         self.session, self.picks = None, None
@@ -470,8 +546,9 @@ class DSparkProposer(Proposer):
             assert self.session.length == len(tokens) - 1, "the drafter's context is the verified tokens"
             h = self.session.draft(tokens[-1], size)
         elif self.cached:
-            h = self.drafter.block_hidden_cached(new_features, tokens[-1], self.embed, self.cache,
-                                                 len(tokens) - 1, size)
+            h = self.drafter.block_hidden_cached(
+                new_features, tokens[-1], self.embed, self.cache, len(tokens) - 1, size
+            )
         else:
             f = self.features
             self.features = new_features if f is None else torch.cat([f, new_features], 1)
@@ -512,8 +589,13 @@ class DSparkLoss:
 
 def loss_options(train_cfg, drafter_cfg: DrafterConfig, spec: DSparkSpec) -> DSparkLoss:
     d = drafter_cfg.dspark
-    return DSparkLoss(train_cfg.loss_gamma(spec.block_size), d.ce_weight, d.l1_weight, d.confidence_weight,
-                      needs_last_hidden(drafter_cfg))
+    return DSparkLoss(
+        train_cfg.loss_gamma(spec.block_size),
+        d.ce_weight,
+        d.l1_weight,
+        d.confidence_weight,
+        needs_last_hidden(drafter_cfg),
+    )
 
 
 def loss(step, t: dict, anchors, valid, normalizer=None):
@@ -522,20 +604,43 @@ def loss(step, t: dict, anchors, valid, normalizer=None):
     if o.teacher and "last_hidden" not in t:
         raise ValueError("a DSpark drafter trains on hidden shards holding the target's last hidden state")
     last = t["last_hidden"] if o.teacher else None
-    return dspark_loss(step.model, t["input_ids"], t["loss_mask"], t["hidden"], last, anchors,
-                       valid, step.embed, step.head, gamma=o.gamma, ce_weight=o.ce_weight,
-                       l1_weight=o.l1_weight, confidence_weight=o.confidence_weight, attention=step.attention,
-                       normalizer=normalizer, compile_loss=step.compile_loss)
+    return dspark_loss(
+        step.model,
+        t["input_ids"],
+        t["loss_mask"],
+        t["hidden"],
+        last,
+        anchors,
+        valid,
+        step.embed,
+        step.head,
+        gamma=o.gamma,
+        ce_weight=o.ce_weight,
+        l1_weight=o.l1_weight,
+        confidence_weight=o.confidence_weight,
+        attention=step.attention,
+        normalizer=normalizer,
+        compile_loss=step.compile_loss,
+    )
 
 
 def normalizer(step, t: dict, anchors, valid):
-    return dspark_normalizer(t["input_ids"], t["loss_mask"], anchors, valid, step.spec.block_size,
-                             step.options.gamma)
+    return dspark_normalizer(
+        t["input_ids"], t["loss_mask"], anchors, valid, step.spec.block_size, step.options.gamma
+    )
 
 
 def metric_names(block_size: int) -> list[str]:
-    return ["loss", "ce", "l1", "confidence", "acc", *(f"acc_pos_{k}" for k in range(1, block_size + 1)),
-            "sim_tau", "expected_tau"]
+    return [
+        "loss",
+        "ce",
+        "l1",
+        "confidence",
+        "acc",
+        *(f"acc_pos_{k}" for k in range(1, block_size + 1)),
+        "sim_tau",
+        "expected_tau",
+    ]
 
 
 def init_weights(path, spec: DSparkSpec) -> dict[str, torch.Tensor]:
@@ -545,8 +650,15 @@ def init_weights(path, spec: DSparkSpec) -> dict[str, torch.Tensor]:
 
 
 FAMILY = Family(
-    name="dspark", spec=DSparkSpec, drafter=DSparkDrafter, loss=loss,
-    normalizer=normalizer, summarize=dspark_summarize, metric_names=metric_names,
-    stats_size=dspark_stats_size, proposer=DSparkProposer, init_weights=init_weights,
+    name="dspark",
+    spec=DSparkSpec,
+    drafter=DSparkDrafter,
+    loss=loss,
+    normalizer=normalizer,
+    summarize=dspark_summarize,
+    metric_names=metric_names,
+    stats_size=dspark_stats_size,
+    proposer=DSparkProposer,
+    init_weights=init_weights,
     loss_options=loss_options,
 )

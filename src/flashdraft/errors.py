@@ -100,8 +100,10 @@ def cli(main):
             if entry:
                 faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
             if stopped_by and not isinstance(e, SystemExit) and not verbose:  # the stop, wrapped on its way
-                print(f"{name()}: stopped by signal {stopped_by} ({type(e).__name__} on the way out)",
-                      file=sys.stderr)
+                print(
+                    f"{name()}: stopped by signal {stopped_by} ({type(e).__name__} on the way out)",
+                    file=sys.stderr,
+                )
                 sys.exit(128 + stopped_by)
             if out_of_memory(e) and not verbose:
                 oom_exit(e, name())
@@ -141,7 +143,7 @@ def log_error(lines: list[str]) -> tuple[list[str], bool]:
         return errors, False
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
     if starts:
-        after = [line for line in lines[starts[-1] + 1:] if not line[:1].isspace()]
+        after = [line for line in lines[starts[-1] + 1 :] if not line[:1].isspace()]
         if after:
             return after[:1], True
     return [], False
@@ -203,8 +205,11 @@ class FailureConsole(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         event, text = getattr(record, "event", None), str(record.msg)
-        if event == "error" and getattr(record, "exception", None) == "RuleException" and \
-                "CalledProcessError" in text:
+        if (
+            event == "error"
+            and getattr(record, "exception", None) == "RuleException"
+            and "CalledProcessError" in text
+        ):
             self.commands.append(text)
             return ""  # an empty message is not written
         if event == "job_error":

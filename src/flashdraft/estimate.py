@@ -39,46 +39,60 @@ class Rate:
 RATES = {
     # at the benchmark's answer length (its `setup`), longer on average than production's assumed answers
     "regenerate": Rate("regenerate_1024_qwen3-8b.json", "tokens_per_s_per_gpu", "new tokens/s"),
-    "precompute_bfloat16": Rate("precompute_hidden_gpu_qwen3-8b.json", "bfloat16.tokens_per_s",
-                                "tokens/s"),
-    "precompute_float8_e4m3": Rate("precompute_hidden_gpu_qwen3-8b.json",
-                                   "float8_e4m3.tokens_per_s", "tokens/s"),
-    "train_1gpu": Rate("train_drafter_qwen3-8b.json", "throughput.1.tokens_per_s_per_gpu",
-                       "tokens/s"),
+    "precompute_bfloat16": Rate("precompute_hidden_gpu_qwen3-8b.json", "bfloat16.tokens_per_s", "tokens/s"),
+    "precompute_float8_e4m3": Rate(
+        "precompute_hidden_gpu_qwen3-8b.json", "float8_e4m3.tokens_per_s", "tokens/s"
+    ),
+    "train_1gpu": Rate("train_drafter_qwen3-8b.json", "throughput.1.tokens_per_s_per_gpu", "tokens/s"),
     # with 2 or more processes (DDP): the per-GPU rate of the 2-GPU run, assumed to hold at any count
-    "train_per_gpu": Rate("train_drafter_qwen3-8b_2gpu.json", "throughput.2.tokens_per_s_per_gpu",
-                          "tokens/s"),
+    "train_per_gpu": Rate(
+        "train_drafter_qwen3-8b_2gpu.json", "throughput.2.tokens_per_s_per_gpu", "tokens/s"
+    ),
     # train.fp8 (tensorwise, with train.compile_loss) against bf16 in the same one-GPU run: the factor on
     # the training rates above, assumed to hold on any GPU count (train.compile_scope: layer, as
     # config/fp8.yaml sets it, runs faster again: not counted); a float8 job's start, measured with
     # layer scope and the compiled loss (production.yaml's keys) beside bf16's
-    "train_fp8_speedup": Rate("train_drafter_qwen3-8b_fp8.json", "comparison.speedup_vs_baseline",
-                              "x", scaled=False),
+    "train_fp8_speedup": Rate(
+        "train_drafter_qwen3-8b_fp8.json", "comparison.speedup_vs_baseline", "x", scaled=False
+    ),
     # drafter.family dspark against dflash, the same block (7) and data, one process, bf16 (measured on
     # one H100): the factor on the training rates above (its heads and the target's distribution cost more)
-    "train_dspark_factor": Rate("train_drafter_qwen3-8b_dspark_vs_dflash.json",
-                                "comparison.speedup_vs_baseline", "x", scaled=False),
-    "train_launch_fp8": Rate("train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
-                             "first_step.warm.launch_to_first_step_s", "s", scaled=False),
-    "train_launch_resumed_fp8": Rate("train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
-                                     "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
+    "train_dspark_factor": Rate(
+        "train_drafter_qwen3-8b_dspark_vs_dflash.json", "comparison.speedup_vs_baseline", "x", scaled=False
+    ),
+    "train_launch_fp8": Rate(
+        "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
+        "first_step.warm.launch_to_first_step_s",
+        "s",
+        scaled=False,
+    ),
+    "train_launch_resumed_fp8": Rate(
+        "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
+        "first_step.resumed.launch_to_first_step_s",
+        "s",
+        scaled=False,
+    ),
     # drafter.family dspark's decoding against dflash's at the same block (7) and acceptance, the static
     # engine at batch 1 (its drafting step with the Markov picks, and a verify one token wider; one H100)
-    "eval_dspark_factor": Rate("eval_decode_qwen3-8b_dspark_vs_dflash.json",
-                               "dspark_over_dflash.tokens_per_s_at_equal_tau", "x", scaled=False),
-    "eval_target_only": Rate("eval_decode_qwen3-8b.json", "modes.target_only.tokens_per_s",
-                             "new tokens/s"),
+    "eval_dspark_factor": Rate(
+        "eval_decode_qwen3-8b_dspark_vs_dflash.json",
+        "dspark_over_dflash.tokens_per_s_at_equal_tau",
+        "x",
+        scaled=False,
+    ),
+    "eval_target_only": Rate("eval_decode_qwen3-8b.json", "modes.target_only.tokens_per_s", "new tokens/s"),
     # each speculative decoder (dflash, dflash_untrained, ngram), as measured at tau 1 (random weights)
-    "eval_speculative": Rate("eval_decode_qwen3-8b.json", "modes.dflash.tokens_per_s",
-                             "new tokens/s"),
+    "eval_speculative": Rate("eval_decode_qwen3-8b.json", "modes.dflash.tokens_per_s", "new tokens/s"),
     # a training job's start-up, warm compile cache, production drafter shape, one process: imports, data
     # open, cache load, drafter built, first step (stream mode pays it once per chunk; several processes
     # start through torchrun, which adds its own start). A resumed job (every chunk after a run's first)
     # also reads and loads the previous chunk's checkpoint, in part while it starts: measured as a whole.
-    "train_launch": Rate("train_drafter_qwen3-8b.json", "first_step.warm.launch_to_first_step_s",
-                         "s", scaled=False),
-    "train_launch_resumed": Rate("train_drafter_qwen3-8b.json",
-                                 "first_step.resumed.launch_to_first_step_s", "s", scaled=False),
+    "train_launch": Rate(
+        "train_drafter_qwen3-8b.json", "first_step.warm.launch_to_first_step_s", "s", scaled=False
+    ),
+    "train_launch_resumed": Rate(
+        "train_drafter_qwen3-8b.json", "first_step.resumed.launch_to_first_step_s", "s", scaled=False
+    ),
     # checkpoints (flashdraft.checkpoint): a save holds training up for its copy into the host buffers, then
     # writes in the background; a job's last save is waited for
     "checkpoint_stage": Rate("checkpoint_io_qwen3-8b.json", "stage_gb_per_s", "GB/s", scaled=False),
@@ -86,9 +100,15 @@ RATES = {
     "checkpoint_read": Rate("checkpoint_io_qwen3-8b.json", "read_gb_per_s", "GB/s", scaled=False),
 }
 # The target those benchmarks ran (`shapes.target` of eval_decode_qwen3-8b.json): rates scale from it.
-REFERENCE_TARGET = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                    "vocab_size": 151936}
+REFERENCE_TARGET = {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+}
 EVAL_DECODERS = 3  # speculative decoders per prompt, beside target-only (evaluate.run_rows)
 FAMILY_DECODERS = 2  # of them, the drafter family's (trained and untrained); the third is n-gram lookup
 CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's two fp32 moments (checkpoint.save_checkpoint)
@@ -160,6 +180,7 @@ class Split:
 class Run:
     """What every stage estimate reads: the config, its token counts, the target's shapes, how much slower
     than the benchmarks' target it runs (scale), and the GPUs one-GPU jobs share at once (gpus)."""
+
     cfg: Config
     tok: Tokens
     shapes: dict
@@ -184,8 +205,11 @@ class Run:
     def train_keys(self, split: Split) -> list[str]:
         """The rates training is planned with: the per-GPU rate, and the measured factors of train.fp8 and
         of a drafter family other than dflash."""
-        return [self.train_key(split)] + (["train_fp8_speedup"] if self.cfg.train.fp8 else []) + \
-            (["train_dspark_factor"] if self.dspark_costs("train") else [])
+        return (
+            [self.train_key(split)]
+            + (["train_fp8_speedup"] if self.cfg.train.fp8 else [])
+            + (["train_dspark_factor"] if self.dspark_costs("train") else [])
+        )
 
     def dspark_costs(self, stage: str) -> bool:
         """Whether a dspark drafter pays the measured factor against dflash at `stage` (train, eval): in
@@ -238,8 +262,9 @@ class Run:
     def eval_keys(self) -> list[str]:
         """The rates evaluation is planned with: target-only, the speculative decoders, and the measured
         factor of a drafter family other than dflash."""
-        return ["eval_target_only", "eval_speculative"] + \
-            (["eval_dspark_factor"] if self.dspark_costs("eval") else [])
+        return ["eval_target_only", "eval_speculative"] + (
+            ["eval_dspark_factor"] if self.dspark_costs("eval") else []
+        )
 
     def eval_prompt_s(self) -> float:
         """One evaluation prompt on one GPU: target-only and every speculative decoder, at each of
@@ -269,9 +294,14 @@ def stage_table(run: Run, split: Split) -> dict:
     stages = {}
 
     def stage(name, work, unit, rate_keys, hours, gpus_used):
-        stages[name] = {"work": work, "unit": unit, "rates": {k: rate(k, scale) for k in rate_keys},
-                        "sources": [f"{RATES[k].file}: {RATES[k].key}" for k in rate_keys],
-                        "gpus": gpus_used, "hours": hours}
+        stages[name] = {
+            "work": work,
+            "unit": unit,
+            "rates": {k: rate(k, scale) for k in rate_keys},
+            "sources": [f"{RATES[k].file}: {RATES[k].key}" for k in rate_keys],
+            "gpus": gpus_used,
+            "hours": hours,
+        }
 
     rg = cfg.regenerate
     new_tokens = tok.samples * tok.answer_tokens if rg.enabled else 0
@@ -300,8 +330,14 @@ def stage_table(run: Run, split: Split) -> dict:
 
     saves = int(work / run.step_tokens(split)) // cfg.train.checkpoint_every
     hours = (saves * run.save_s() + run.last_save_s()) / 3600 if split.drafter else None
-    stage("checkpoints", (saves + 1) * run.checkpoint_bytes(), "bytes",
-          ["checkpoint_stage", "checkpoint_write"], hours, split.drafter * cfg.gpus.drafter_nodes)
+    stage(
+        "checkpoints",
+        (saves + 1) * run.checkpoint_bytes(),
+        "bytes",
+        ["checkpoint_stage", "checkpoint_write"],
+        hours,
+        split.drafter * cfg.gpus.drafter_nodes,
+    )
 
     e = cfg.eval
     jobs = e.shards or max(1, split.target)
@@ -314,6 +350,7 @@ def stage_table(run: Run, split: Split) -> dict:
 @dataclass
 class ModePlan:
     """One hidden-state mode on one split: busy hours per stage, wall time, peak hidden-state disk."""
+
     mode: str  # store | stream
     split: Split
     hours: dict[str, float | None]  # stream: precompute and training overlap, the pipeline row holds both
@@ -333,8 +370,9 @@ def store_mode(run: Run, split: Split) -> ModePlan:
     hours = {k: v["hours"] for k, v in table.items()}
     peak = run.tok.total * run.token_bytes
     gpus = {k: v["gpus"] for k, v in table.items()}
-    return ModePlan("store", split, hours, gpus, _wall(list(hours.values())), peak,
-                    run.gpu_hours(split, run.tok.total))
+    return ModePlan(
+        "store", split, hours, gpus, _wall(list(hours.values())), peak, run.gpu_hours(split, run.tok.total)
+    )
 
 
 class ChunkSizes(Sequence):
@@ -343,8 +381,10 @@ class ChunkSizes(Sequence):
     only when iterated or indexed."""
 
     def __init__(self, segments=()):
-        self.segments = tuple((tuple((int(size), int(n)) for size, n in pattern if n > 0), int(times))
-                              for pattern, times in segments)
+        self.segments = tuple(
+            (tuple((int(size), int(n)) for size, n in pattern if n > 0), int(times))
+            for pattern, times in segments
+        )
         self.segments = tuple((p, t) for p, t in self.segments if p and t > 0)
 
     @property
@@ -414,6 +454,7 @@ class ChunkSizes(Sequence):
 @dataclass(frozen=True)
 class Chunks:
     """Stream mode's chunks: every epoch cut into whole optimizer steps of at most `cap` tokens."""
+
     cap: int  # hidden-state tokens a chunk may hold
     source: str  # where the cap comes from
     step_tokens: int
@@ -435,8 +476,11 @@ def chunk_sizes(run: Run, split: Split, budget: int) -> tuple[int, str, ChunkSiz
     cap = stream_chunk_tokens(hidden, per_token)
     step = run.step_tokens(split)
     check_stream(hidden, run.cfg.train, step // run.cfg.train.batch_tokens, per_token)  # the workflow's check
-    source = (f"hidden.chunk_tokens {cap:,}" if h.chunk_tokens else
-              f"hidden.disk_budget {human_bytes(budget)} / 2 chunks / {per_token:,} bytes per token")
+    source = (
+        f"hidden.chunk_tokens {cap:,}"
+        if h.chunk_tokens
+        else f"hidden.disk_budget {human_bytes(budget)} / 2 chunks / {per_token:,} bytes per token"
+    )
     full = max(cap // step, 1) * step  # the check's bound of a step may fall below its token budget
     total, train = run.tok.total, int(run.train_tokens(split))
     whole, rem = divmod(total, full)
@@ -447,10 +491,12 @@ def chunk_sizes(run: Run, split: Split, budget: int) -> tuple[int, str, ChunkSiz
     sizes = ChunkSizes([(epoch, epochs), (last, 1)])
     if sizes.length > MAX_CHUNKS:
         key = "hidden.chunk_tokens" if h.chunk_tokens else "hidden.disk_budget"
-        raise UserError(f"config key {key}: chunks of {full:,} tokens ({source}) cut the run's {train:,} "
-                        f"training tokens into {sizes.length:,} chunks, past the planner's limit of "
-                        f"{MAX_CHUNKS:,}; give larger chunks or fewer tokens (prompts.total, train.epochs, "
-                        "train.max_steps)")
+        raise UserError(
+            f"config key {key}: chunks of {full:,} tokens ({source}) cut the run's {train:,} "
+            f"training tokens into {sizes.length:,} chunks, past the planner's limit of "
+            f"{MAX_CHUNKS:,}; give larger chunks or fewer tokens (prompts.total, train.epochs, "
+            "train.max_steps)"
+        )
     return cap, source, sizes
 
 
@@ -530,24 +576,50 @@ def stream_mode(run: Run, split: Split, budget: int) -> ModePlan:
     else:
         first, rest = sizes.without_first()
         runs = [(((first / pre_rate, first / train_rate + startup_s(first, False), 1),), 1)]
-        runs += [(tuple((n / pre_rate, n / train_rate + startup_s(n, True), k) for n, k in pattern), times)
-                 for pattern, times in rest.segments]
+        runs += [
+            (tuple((n / pre_rate, n / train_rate + startup_s(n, True), k) for n, k in pattern), times)
+            for pattern, times in rest.segments
+        ]
         pipeline_s = pipeline_seconds_runs(runs)
         total = sizes.total
-        startup_total = (run.launch_s(resumed=False) + (count - 1) * run.launch_s(resumed=True)
-                         + count * run.last_save_s() + run.save_s() * (total / step / every))
-        busy_s = {"precompute": total / pre_rate, "training": total / train_rate,
-                  "start-up and checkpoints": startup_total}
+        startup_total = (
+            run.launch_s(resumed=False)
+            + (count - 1) * run.launch_s(resumed=True)
+            + count * run.last_save_s()
+            + run.save_s() * (total / step / every)
+        )
+        busy_s = {
+            "precompute": total / pre_rate,
+            "training": total / train_rate,
+            "start-up and checkpoints": startup_total,
+        }
     first = sizes[0] if count else 0
     pipeline = pipeline_s / 3600 if on_gpus else None
     busy = {k: v / 3600 if on_gpus else None for k, v in busy_s.items()}
-    hours = {"regeneration": table["regeneration"]["hours"], **busy, "pipeline": pipeline,
-             "evaluation": table["evaluation"]["hours"]}
-    gpus = {"regeneration": table["regeneration"]["gpus"], "precompute": max(1, split.target),
-            "training": run.world(split), "start-up and checkpoints": run.world(split),
-            "pipeline": max(1, split.target) + run.world(split), "evaluation": table["evaluation"]["gpus"]}
-    chunks = Chunks(cap, source, step, count and math.ceil(count / cfg.train.epochs), sizes,
-                    first / pre_rate, first / train_rate, startup_s(first, False) if count else 0.0)
+    hours = {
+        "regeneration": table["regeneration"]["hours"],
+        **busy,
+        "pipeline": pipeline,
+        "evaluation": table["evaluation"]["hours"],
+    }
+    gpus = {
+        "regeneration": table["regeneration"]["gpus"],
+        "precompute": max(1, split.target),
+        "training": run.world(split),
+        "start-up and checkpoints": run.world(split),
+        "pipeline": max(1, split.target) + run.world(split),
+        "evaluation": table["evaluation"]["gpus"],
+    }
+    chunks = Chunks(
+        cap,
+        source,
+        step,
+        count and math.ceil(count / cfg.train.epochs),
+        sizes,
+        first / pre_rate,
+        first / train_rate,
+        startup_s(first, False) if count else 0.0,
+    )
     peak = 2 * sizes.largest * run.token_bytes
     wall = _wall([hours["regeneration"], pipeline, hours["evaluation"]])
     return ModePlan("stream", split, hours, gpus, wall, peak, run.gpu_hours(split, sizes.total), chunks)
@@ -616,7 +688,9 @@ def recommend(run: Run, budget: int, budget_source: str, targets=None) -> Recomm
     best = min(fits, key=lambda c: c.wall_hours, default=None)
     if best is None and n and all(c.wall_hours is not None for c in candidates):
         stream = next(iter(refused.values()), "").removeprefix("config key hidden.disk_budget: ")
-        raise UserError(f"config key hidden.disk_budget: {human_bytes(budget)} ({budget_source}) fits no "
-                        f"plan on {n} GPUs: store mode keeps {human_bytes(candidates[0].peak_disk)} of "
-                        f"hidden states" + (f"; in stream mode {stream}" if stream else ""))
+        raise UserError(
+            f"config key hidden.disk_budget: {human_bytes(budget)} ({budget_source}) fits no "
+            f"plan on {n} GPUs: store mode keeps {human_bytes(candidates[0].peak_disk)} of "
+            f"hidden states" + (f"; in stream mode {stream}" if stream else "")
+        )
     return Recommendation(n, budget, budget_source, candidates, refused, best)

@@ -78,8 +78,10 @@ def read_shapes(source: str) -> dict:
             raise UserError(f"--target-config {source}: not a config.json ({e})") from e
         return checked_shapes(shapes, source)
     if source not in PRESETS:
-        raise UserError(f"--target-config {source}: no such file, nor a preset of flashdraft.shapes "
-                        f"({', '.join(sorted(PRESETS))})")
+        raise UserError(
+            f"--target-config {source}: no such file, nor a preset of flashdraft.shapes "
+            f"({', '.join(sorted(PRESETS))})"
+        )
     return dict(PRESETS[source])
 
 
@@ -95,8 +97,10 @@ def checked_shapes(shapes, source: str) -> dict:
     for key in SHAPE_KEYS:
         value = text.get(key) if isinstance(text, dict) else None
         if type(value) is not int or value <= 0:
-            raise UserError(f"--target-config {source}: {key} is {value!r}; a target's config.json gives it "
-                            "as a positive integer")
+            raise UserError(
+                f"--target-config {source}: {key} is {value!r}; a target's config.json gives it "
+                "as a positive integer"
+            )
     return shapes
 
 
@@ -109,15 +113,22 @@ def target_shapes(cfg: Config, given: dict | None = None) -> dict:
         c = read_target_config(cfg.target.path)
         return c.get("text_config", c) if "hidden_size" not in c else c
     t = cfg.toy
-    return {"hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
-            "num_hidden_layers": t.num_layers, "num_attention_heads": t.num_heads,
-            "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
-            "vocab_size": (t.vocab_size // 64 + 1) * 64, "tie_word_embeddings": False}
+    return {
+        "hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_hidden_layers": t.num_layers,
+        "num_attention_heads": t.num_heads,
+        "num_key_value_heads": t.num_kv_heads,
+        "head_dim": t.head_dim,
+        "vocab_size": (t.vocab_size // 64 + 1) * 64,
+        "tie_word_embeddings": False,
+    }
 
 
 @dataclass
 class Tokens:
     """The token counts the cost model reads (`token_stats`), and where each came from."""
+
     samples: int  # training samples
     prompt_tokens: float  # mean per sample
     answer_tokens: float
@@ -151,15 +162,19 @@ def token_stats(cfg: Config, results) -> Tokens:
     r, notes = Path(results), []
     used = results_target(r)
     if used and not same_target(used[0], cfg.target.path, r.resolve().parent):
-        notes.append(f"IGNORED {r}: it holds a run of another target ({used[0]}, in {used[1]}), not "
-                     f"target.path {cfg.target.path}; its token statistics are not used")
+        notes.append(
+            f"IGNORED {r}: it holds a run of another target ({used[0]}, in {used[1]}), not "
+            f"target.path {cfg.target.path}; its token statistics are not used"
+        )
         r = r / "(another target's)"  # nothing exists under it: every figure below is assumed
     stats_file = r / "prompts" / "stats.json"
     stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
     requested = stats.get("requested_train", cfg.prompts.total)
     if stats and requested != cfg.prompts.total:
-        notes.append(f"IGNORED {stats_file}: made for prompts.total {requested:,}, the config asks for "
-                     f"{cfg.prompts.total:,}")
+        notes.append(
+            f"IGNORED {stats_file}: made for prompts.total {requested:,}, the config asks for "
+            f"{cfg.prompts.total:,}"
+        )
         stats = {}
     if stats:
         totals = stats["totals"]
@@ -188,8 +203,10 @@ def token_stats(cfg: Config, results) -> Tokens:
         notes.append(f"answer tokens {answer:,.0f} per sample: {len(answers)} file(s) in {answers[0].parent}")
     else:
         answer = min(ASSUMED_ANSWER_TOKENS, cfg.regenerate.max_new_tokens)
-        notes.append(f"answer tokens {answer} per sample: ASSUMED (no regenerated answers yet; "
-                     f"regenerate.max_new_tokens {cfg.regenerate.max_new_tokens})")
+        notes.append(
+            f"answer tokens {answer} per sample: ASSUMED (no regenerated answers yet; "
+            f"regenerate.max_new_tokens {cfg.regenerate.max_new_tokens})"
+        )
     shards = range(cfg.hidden.shards)  # each manifest looked for in turn, up to the first missing one
 
     def manifest(i: int) -> Path:
@@ -197,10 +214,11 @@ def token_stats(cfg: Config, results) -> Tokens:
 
     if all(manifest(i).exists() for i in shards):
         total = sum(json.loads(manifest(i).read_text())["tokens"] for i in shards)
-        notes.append(f"hidden-state tokens {total:,}: the {len(shards)} manifests in "
-                     f"{manifest(0).parent}")
+        notes.append(f"hidden-state tokens {total:,}: the {len(shards)} manifests in {manifest(0).parent}")
     else:
         total = int(samples * min(prompt + answer, cfg.hidden.max_length))
-        notes.append(f"hidden-state tokens {total:,}: samples x min(prompt + answer, hidden.max_length "
-                     f"{cfg.hidden.max_length})")
+        notes.append(
+            f"hidden-state tokens {total:,}: samples x min(prompt + answer, hidden.max_length "
+            f"{cfg.hidden.max_length})"
+        )
     return Tokens(samples, prompt, answer, total, min(cfg.eval.num_prompts, evals), notes)

@@ -93,8 +93,9 @@ def first_mismatch(model, prompt_ids, ref: list[int], out: list[int]) -> tuple[i
 NO_MISMATCH = (-1, float("nan"), False)
 
 
-def decoded_row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=NO_MISMATCH, index=0,
-                temperature=0.0) -> dict:
+def decoded_row(
+    pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=NO_MISMATCH, index=0, temperature=0.0
+) -> dict:
     steps = len(d.emitted)
     return {
         "prompt_index": index,  # position in the evaluated prompt set: the merged shards' order
@@ -118,8 +119,9 @@ def decoded_row(pid, name, d: Decoded, num_prompt_tokens, lossless, mismatch=NO_
     }
 
 
-def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, cfg: EvalConfig,
-             indices=None):
+def evaluate(
+    model, tokenizer, proposers: dict, prompts, layer_ids, block_size, cfg: EvalConfig, indices=None
+):
     """Run target-only and every drafter on each prompt at each of cfg.temperatures; return per-prompt rows
     (dicts). `indices`: the prompts' positions in the whole evaluated set (default 0, 1, ...), which seed
     their sampling (cfg.seed + index), so a shard of the set decodes each prompt exactly as one job over
@@ -127,8 +129,10 @@ def evaluate(model, tokenizer, proposers: dict, prompts, layer_ids, block_size, 
     eos, dev = eos_ids(model, tokenizer), model.device
     gen = torch.Generator(device=dev)
     indices = range(len(prompts)) if indices is None else indices
-    encoded = [(i, p["id"], prompt_ids(tokenizer, list(p["messages"])))
-               for i, p in zip(indices, prompts, strict=True)]
+    encoded = [
+        (i, p["id"], prompt_ids(tokenizer, list(p["messages"])))
+        for i, p in zip(indices, prompts, strict=True)
+    ]
     # target-only and the n-gram lookup need no features; a DFlash drafter reads them at its layer ids
     max_len = max((len(ids) for _, _, ids in encoded), default=1) + cfg.max_new_tokens
     plain = make_session(model, cfg.engine, max_len, (), block_size)
@@ -175,9 +179,14 @@ def summarize(rows, block_size) -> dict:
     one that is (`temperature`), and its numbers at every temperature under `by_temperature`."""
     temps = list(dict.fromkeys(r.get("temperature", 0.0) for r in rows)) or [0.0]
     at = {t: summarize_at([r for r in rows if r.get("temperature", 0.0) == t], block_size) for t in temps}
-    return {name: {**s, "temperature": temps[0],
-                   "by_temperature": {temperature_key(t): at[t][name] for t in temps if name in at[t]}}
-            for name, s in at[temps[0]].items()}
+    return {
+        name: {
+            **s,
+            "temperature": temps[0],
+            "by_temperature": {temperature_key(t): at[t][name] for t in temps if name in at[t]},
+        }
+        for name, s in at[temps[0]].items()
+    }
 
 
 def summarize_at(rows, block_size) -> dict:
@@ -214,8 +223,12 @@ def summarize_at(rows, block_size) -> dict:
             "numerical_ties": sum(bool(r["numerical_tie"]) for r in differ) if compared else None,
             # where each differing output first left target-only's, and whether that was a numerical tie
             "divergences": [
-                {"id": r["id"], "position": r["first_mismatch"], "numerical_tie": bool(r["numerical_tie"]),
-                 "logit_gap": None if math.isnan(r["mismatch_logit_gap"]) else r["mismatch_logit_gap"]}
+                {
+                    "id": r["id"],
+                    "position": r["first_mismatch"],
+                    "numerical_tie": bool(r["numerical_tie"]),
+                    "logit_gap": None if math.isnan(r["mismatch_logit_gap"]) else r["mismatch_logit_gap"],
+                }
                 for r in differ
             ],
             "prompts": len(rs),
@@ -235,8 +248,9 @@ def shard_prompts(prompts_path, num_prompts: int, shard: int = 0, num_shards: in
     return [i for i, _ in mine], [p for _, p in mine]
 
 
-def run_rows(cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, shard=0,
-             num_shards=1) -> tuple[list[dict], int]:
+def run_rows(
+    cfg: EvalConfig, target: TargetConfig, drafter_dir, prompts_path, shard=0, num_shards=1
+) -> tuple[list[dict], int]:
     """Trained drafter, untrained drafter and n-gram lookup against target-only on one shard of the
     prompts: its rows and the block size."""
     from .drafter_io import load_drafter
@@ -315,13 +329,16 @@ def summary_text(summary: dict) -> str:
     lines = [f"target_only: {base['tokens_per_s'] or 0:.1f} tok/s"]
 
     def tau(s):
-        return (f"tau {s['tau_pooled'] or 0:.2f} pooled, {s['tau_prompt_mean'] or 0:.2f} mean of prompts  "
-                f"speedup {s['speedup'] or 0:.2f}x")
+        return (
+            f"tau {s['tau_pooled'] or 0:.2f} pooled, {s['tau_prompt_mean'] or 0:.2f} mean of prompts  "
+            f"speedup {s['speedup'] or 0:.2f}x"
+        )
 
     lines += [f"{name}: {tau(s)}  lossless {s['lossless_all']}" for name, s in drafters.items()]
     others = [k for k in base.get("by_temperature", {}) if k != temperature_key(base["temperature"])]
-    lines += [f"{name} at T={k}: {tau(s['by_temperature'][k])}"
-              for k in others for name, s in drafters.items()]
+    lines += [
+        f"{name} at T={k}: {tau(s['by_temperature'][k])}" for k in others for name, s in drafters.items()
+    ]
     return "\n".join(lines)
 
 
@@ -334,13 +351,15 @@ def run_end(results, target) -> list[str]:
     summary, report, config = r / "eval" / "summary.json", r / "report.html", r / "drafter" / "config.json"
     if not (summary.exists() and report.exists()):
         return []
-    lines = ["flashdraft: the drafter is trained and evaluated", *[f"  {x}" for x in
-                                                                  summary_text(json.loads(summary.read_text()))
-                                                                  .splitlines()],
-             f"  report: {report.resolve()}"]
+    lines = [
+        "flashdraft: the drafter is trained and evaluated",
+        *[f"  {x}" for x in summary_text(json.loads(summary.read_text())).splitlines()],
+        f"  report: {report.resolve()}",
+    ]
     if config.exists():
-        cmds = serve_commands(str(Path(target).resolve()), str(config.parent.resolve()),
-                              json.loads(config.read_text()))
+        cmds = serve_commands(
+            str(Path(target).resolve()), str(config.parent.resolve()), json.loads(config.read_text())
+        )
         lines += [f"  serve it with {engine}: {cmd}" for engine, cmd in cmds.items()]
     return lines
 

@@ -25,8 +25,18 @@ from .train_step import load_spec, resolve
 from .validate import Best, export_choice
 
 
-def export_run(d: Dist, job, spec: DrafterSpec, run: Path, model: dict, best: Best | None, step: int,
-               rows: list[dict], dtype: torch.dtype | None, drafter=None) -> None:
+def export_run(
+    d: Dist,
+    job,
+    spec: DrafterSpec,
+    run: Path,
+    model: dict,
+    best: Best | None,
+    step: int,
+    rows: list[dict],
+    dtype: torch.dtype | None,
+    drafter=None,
+) -> None:
     """Write the export of `job` (a train.TrainJob) from its run dir `run` trained to `step`: `model` is the
     last step's full state dict, `best` the validation's best so far (every rank calls: they read it)."""
     chosen = export_choice(job.cfg, best, step)
@@ -40,8 +50,11 @@ def export_run(d: Dist, job, spec: DrafterSpec, run: Path, model: dict, best: Be
         write_json(info / "export.json", {**chosen, "run": run.name, **code_version()})  # checkpoints/<run>
         if (split := job.data.val_split()) is not None:
             write_json(info / "val_split.json", split)
-        log(d, f"exported {job.out}: step {chosen['step']} of {step} ({chosen['why']}); metrics in "
-               f"{job.metrics}")
+        log(
+            d,
+            f"exported {job.out}: step {chosen['step']} of {step} ({chosen['why']}); metrics in "
+            f"{job.metrics}",
+        )
 
 
 def export_stream(job) -> dict:
@@ -55,19 +68,22 @@ def export_stream(job) -> dict:
         found = checkpoint_dirs(run)
         step = checkpoint_step(found[-1]) if found else 0
         if step < data.total:
-            raise UserError(f"the run is trained to step {step} of {data.total}: train every chunk of the "
-                            f"plan {data.plan.dir} first (the train_chunk jobs)")
+            raise UserError(
+                f"the run is trained to step {step} of {data.total}: train every chunk of the "
+                f"plan {data.plan.dir} first (the train_chunk jobs)"
+            )
         spec = load_spec(job.target, job.drafter, data.tokenizer_length)
         dtype = resolve(cfg, d.device).amp_dtype
         state = read_state(json.loads((found[-1] / "state.json").read_text()))
-        log(d, f"resumed from {found[-1]}: step {step}/{data.total}, saved by {state['position'].world} "
-               "rank(s)")
+        log(
+            d,
+            f"resumed from {found[-1]}: step {step}/{data.total}, saved by {state['position'].world} rank(s)",
+        )
         best = Best(run, d, state["best"], dtype) if cfg.val_samples else None
         rows = state["metrics"]["rows"]
         model = read_model(found[-1]) if d.main else {}  # rank 0 writes the export
         export_run(d, job, spec, run, model, best, step, rows, dtype)
         barrier(d)
-        return {"step": step, "stopped": False, "run_dir": str(run), "rows": rows,
-                "compile_cache": {}}
+        return {"step": step, "stopped": False, "run_dir": str(run), "rows": rows, "compile_cache": {}}
     finally:
         teardown_dist(d)

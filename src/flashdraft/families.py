@@ -56,12 +56,24 @@ class Family:
 
 
 FAMILIES: dict[str, FamilyInfo] = {
-    "dflash": FamilyInfo("flashdraft.dflash", last_hidden=False, architecture="DFlashDraftModel",
-                         vllm_method="dflash", sglang_algorithm="DFLASH", anchor_drafts=False),
-    "dspark": FamilyInfo("flashdraft.dspark", last_hidden=True, architecture="Qwen3DSparkModel",
-                         vllm_method="dspark", sglang_algorithm="DSPARK", anchor_drafts=True,
-                         draft_weights=("ce_weight", "l1_weight"),
-                         teacher_weights=("l1_weight", "confidence_weight")),
+    "dflash": FamilyInfo(
+        "flashdraft.dflash",
+        last_hidden=False,
+        architecture="DFlashDraftModel",
+        vllm_method="dflash",
+        sglang_algorithm="DFLASH",
+        anchor_drafts=False,
+    ),
+    "dspark": FamilyInfo(
+        "flashdraft.dspark",
+        last_hidden=True,
+        architecture="Qwen3DSparkModel",
+        vllm_method="dspark",
+        sglang_algorithm="DSPARK",
+        anchor_drafts=True,
+        draft_weights=("ce_weight", "l1_weight"),
+        teacher_weights=("l1_weight", "confidence_weight"),
+    ),
 }
 
 
@@ -82,8 +94,10 @@ def family_name_of_export(config: dict) -> str:
     for name, info in FAMILIES.items():
         if info.architecture == arch:
             return name
-    raise ValueError(f"architectures {arch!r} is no drafter family of this version "
-                     f"({', '.join(info.architecture for info in FAMILIES.values())})")
+    raise ValueError(
+        f"architectures {arch!r} is no drafter family of this version "
+        f"({', '.join(info.architecture for info in FAMILIES.values())})"
+    )
 
 
 def family_of_export(config: dict) -> Family:

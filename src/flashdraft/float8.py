@@ -38,17 +38,25 @@ def to_float8(model: torch.nn.Module, recipe: str) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def fits(module, _name):  # float8 matmuls need both dimensions in multiples of 16
-        return isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 \
+        return (
+            isinstance(module, torch.nn.Linear)
+            and module.in_features % 16 == 0
             and module.out_features % 16 == 0
+        )
 
     config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(model, module_filter_fn=fits, config=config)
     float8_graphs_cacheable()
 
 
-_FLOAT8_MODULES = ("torchao.float8.float8_training_tensor", "torchao.float8.config",
-                   "torchao.float8.float8_linear", "torchao.float8.float8_scaling_utils",
-                   "torchao.float8.distributed_utils", "torchao.float8.float8_utils")
+_FLOAT8_MODULES = (
+    "torchao.float8.float8_training_tensor",
+    "torchao.float8.config",
+    "torchao.float8.float8_linear",
+    "torchao.float8.float8_scaling_utils",
+    "torchao.float8.distributed_utils",
+    "torchao.float8.float8_utils",
+)
 
 
 def float8_graphs_cacheable() -> None:
@@ -83,8 +91,10 @@ def float8_graphs_cacheable() -> None:
             return dynamo_wrapper(fn_cls)
         name = _apply_name(fn_cls)
         if not hasattr(module, name):
+
             def apply(*args, **kwargs):
                 return fn_cls.apply(*args, **kwargs)
+
             apply.__name__ = apply.__qualname__ = name
             apply.__module__ = module.__name__
             apply._origin = misc.produce_trampoline_autograd_apply  # Dynamo's mark for "trace into me"

@@ -132,13 +132,17 @@ def open_lock_dir(path) -> Path:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise UserError(f"{where} is a link or not a directory; point gpus.lock_dir at a directory itself")
     if st.st_mode & stat.S_IWOTH:
-        raise UserError(f"{where} is writable by every user, who could plant lock files or links there; "
-                        "use a directory of your own (the default) or one of a group (chmod 2770)")
+        raise UserError(
+            f"{where} is writable by every user, who could plant lock files or links there; "
+            "use a directory of your own (the default) or one of a group (chmod 2770)"
+        )
     ours = st.st_uid == os.getuid()
     group = st.st_gid in {os.getgid(), *os.getgroups()} and st.st_mode & stat.S_IWGRP
     if not (ours or group):
-        raise UserError(f"{where} belongs to user id {st.st_uid} and is not writable by a group of yours; "
-                        "leave gpus.lock_dir unset (this user's own) or use a group directory (chmod 2770)")
+        raise UserError(
+            f"{where} belongs to user id {st.st_uid} and is not writable by a group of yours; "
+            "leave gpus.lock_dir unset (this user's own) or use a group directory (chmod 2770)"
+        )
     return path
 
 
@@ -154,8 +158,10 @@ def open_lock_file(path: Path):
         try:
             fd, mode = os.open(path, os.O_RDONLY | flags), "r"
         except OSError as e:
-            raise UserError(f"GPU lock file {path}: {e.strerror}; make it writable by the group of "
-                            "gpus.lock_dir (chmod 660) or remove it") from None
+            raise UserError(
+                f"GPU lock file {path}: {e.strerror}; make it writable by the group of "
+                "gpus.lock_dir (chmod 660) or remove it"
+            ) from None
     except OSError as e:
         why = "a link there is refused" if e.errno == errno.ELOOP else e.strerror
         raise UserError(f"GPU lock file {path}: {why}; remove it") from None
@@ -171,8 +177,14 @@ def open_lock_file(path: Path):
 class Lease:
     """Holds flocks on `n` GPU lock files under `lock_dir` until released."""
 
-    def __init__(self, n: int, lock_dir: str | None = None, pool: list[str] | None = None,
-                 poll_s: float = 2.0, timeout_s: float | None = None):
+    def __init__(
+        self,
+        n: int,
+        lock_dir: str | None = None,
+        pool: list[str] | None = None,
+        poll_s: float = 2.0,
+        timeout_s: float | None = None,
+    ):
         self.lock_dir = Path(lock_dir) if lock_dir else default_lock_dir()
         self.n, self.poll_s, self.timeout_s = n, poll_s, timeout_s
         self.pool = pool  # GPU ids to choose from (default: all visible)
@@ -244,8 +256,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Run a command on N leased GPUs (0: on the CPU).")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--lock-dir", default=None, help="default: this user's own, " + str(default_lock_dir()))
-    p.add_argument("--pool", default=None,
-                   help="comma-separated GPU ids to choose from (default: all visible)")
+    p.add_argument(
+        "--pool", default=None, help="comma-separated GPU ids to choose from (default: all visible)"
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -255,8 +268,11 @@ def main(argv=None) -> None:
     lease = Lease(args.gpus, args.lock_dir, pool=pool)
     lease.acquire()
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(lease.gpus))
-    print(f"[gpu] {args.gpus} GPU(s) leased: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}",
-          file=sys.stderr, flush=True)
+    print(
+        f"[gpu] {args.gpus} GPU(s) leased: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}",
+        file=sys.stderr,
+        flush=True,
+    )
     # Become the command rather than wait for it: a signal for this job (Snakemake's, SLURM's) reaches
     # the command itself, and the inherited locks live as long as it does. A waiting parent would die
     # on SIGTERM and free its GPUs while the orphaned command still ran on them.

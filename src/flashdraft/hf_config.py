@@ -25,8 +25,10 @@ def read_target_config(path) -> dict:
             f"config key target.path: cannot read {file} ({e}); point it at an HF model directory"
         ) from e
     if not isinstance(cfg, dict):
-        raise UserError(f"config key target.path: {file} holds {type(cfg).__name__}, not a JSON object; "
-                        "point it at an HF model directory")
+        raise UserError(
+            f"config key target.path: {file} holds {type(cfg).__name__}, not a JSON object; "
+            "point it at an HF model directory"
+        )
     model_type = cfg.get("model_type")
     if cfg.get("auto_map") and not _transformers_ships(model_type):
         raise UserError(
@@ -52,8 +54,17 @@ def _transformers_ships(model_type) -> bool:
 # its JSON gives the spec exactly what AutoConfig would, without importing transformers (tests/test_model.py
 # compares both on these types' real configs).
 PLAIN_CONFIG_TYPES = ("qwen3", "qwen2", "llama", "mistral")
-SPEC_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-             "rms_norm_eps", "vocab_size", "max_position_embeddings", "num_hidden_layers")
+SPEC_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "vocab_size",
+    "max_position_embeddings",
+    "num_hidden_layers",
+)
 
 
 def plain_target_config(cfg: dict):
@@ -67,8 +78,11 @@ def plain_target_config(cfg: dict):
         theta = rope.get("rope_theta")
     else:  # both, or one per layer type: how they combine is the config class's business
         theta = None
-    if (cfg.get("model_type") not in PLAIN_CONFIG_TYPES or not isinstance(theta, (int, float))
-            or any(cfg.get(k) is None for k in SPEC_KEYS)):
+    if (
+        cfg.get("model_type") not in PLAIN_CONFIG_TYPES
+        or not isinstance(theta, (int, float))
+        or any(cfg.get(k) is None for k in SPEC_KEYS)
+    ):
         return None
     return types.SimpleNamespace(**cfg)
 
@@ -112,8 +126,9 @@ def kv_dims(heads: int, kv_heads: int | None, head_dim: int | None, hidden: int)
 def attention_shape(cfg) -> tuple[int, int, int]:
     """(attention heads, KV heads, head dim) of a target's config."""
     heads = _get(cfg, "num_attention_heads")
-    return heads, *kv_dims(heads, _get(cfg, "num_key_value_heads"), _get(cfg, "head_dim"),
-                           _get(cfg, "hidden_size"))
+    return heads, *kv_dims(
+        heads, _get(cfg, "num_key_value_heads"), _get(cfg, "head_dim"), _get(cfg, "hidden_size")
+    )
 
 
 def kv_bytes_per_token(cfg, value_bytes: int) -> int:

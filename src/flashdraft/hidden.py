@@ -112,8 +112,13 @@ class ShardMeta:
     def to_dict(self) -> dict:
         """The manifest's keys for it; `last_hidden` only when true, so a shard without the column (and its
         manifest) is written byte for byte as before the key existed."""
-        d = {"target": self.target, "target_layer_ids": list(self.target_layer_ids),
-             "dtype": self.dtype.name, "hidden_size": self.hidden_size, "num_features": self.num_features}
+        d = {
+            "target": self.target,
+            "target_layer_ids": list(self.target_layer_ids),
+            "dtype": self.dtype.name,
+            "hidden_size": self.hidden_size,
+            "num_features": self.num_features,
+        }
         return {**d, "last_hidden": True} if self.last_hidden else d
 
     def compared(self) -> dict:
@@ -352,4 +357,5 @@ def require_last_hidden(store, family: str) -> None:
             f"hidden shard {store.paths[0]} has no last_hidden column (the target's last hidden state), "
             f"which drafter.family {family} trains on: it was made for a family that does not store it; "
             "rerun the hidden stage (snakemake --forcerun hidden_shard; in stream mode hidden_chunk "
-            "hidden_val)")
+            "hidden_val)"
+        )

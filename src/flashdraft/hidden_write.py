@@ -43,6 +43,7 @@ def file_checksum(path, threads: int | None = None) -> str:
     size = Path(path).stat().st_size
     fd = os.open(path, os.O_RDONLY)
     try:
+
         def chunk(i):
             return hashlib.sha256(os.pread(fd, CHECKSUM_CHUNK, i * CHECKSUM_CHUNK)).digest()
 
@@ -126,8 +127,12 @@ class ShardWriter:
 
     def _want(self, n: int) -> dict:
         """(shape, dtype) of each binary column of n tokens."""
-        shapes = {"hidden": (n, self.width), "scale": (n,), "last_hidden": (n, self.meta.hidden_size),
-                  "last_scale": (n,)}
+        shapes = {
+            "hidden": (n, self.width),
+            "scale": (n,),
+            "last_hidden": (n, self.meta.hidden_size),
+            "last_scale": (n,),
+        }
         return {k: (shapes[k], self.torch_dtype if "hidden" in k else torch.float32) for k in self.columns}
 
     def _raws(self, sample_id, n: int, mask_len: int, tensors: dict) -> list[np.ndarray]:
@@ -136,8 +141,16 @@ class ShardWriter:
         self._check(sample_id, n, mask_len, got, self._want(n))
         return [_raw(tensors[k]) for k in self.columns]
 
-    def write(self, sample_id: str, input_ids, loss_mask, hidden: torch.Tensor, scale=None, last_hidden=None,
-              last_scale=None) -> None:
+    def write(
+        self,
+        sample_id: str,
+        input_ids,
+        loss_mask,
+        hidden: torch.Tensor,
+        scale=None,
+        last_hidden=None,
+        last_scale=None,
+    ) -> None:
         """One row; fp8 shards take the quantized hidden with its float32 scale [n] (see quantize_fp8); a
         shard with `meta.last_hidden` takes the target's last hidden state [n, H] too (fp8: quantized on its
         own, with its own last_scale [n])."""

@@ -22,8 +22,12 @@ from .errors import disk_full, disk_full_error
 
 # The dtype names configs use -> torch's names for them; the schema's enums are checked against these
 # (tests/test_config.py).
-TORCH_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
-               "float8_e4m3": "float8_e4m3fn"}
+TORCH_NAMES = {
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "float8_e4m3": "float8_e4m3fn",
+}
 DTYPES = ("float32", "bfloat16", "float16")  # what a model runs in: target.dtype, train.dtype
 STORAGE_DTYPES = ("bfloat16", "float32", "float8_e4m3")  # what a hidden-state shard stores: hidden.dtype
 FP8 = "float8_e4m3"
@@ -66,8 +70,9 @@ class StorageDtype:
 _STORAGE = {name: StorageDtype(name, ITEMSIZE[name], name == FP8) for name in STORAGE_DTYPES}
 
 
-def bytes_per_token(dtype: str | StorageDtype, num_features: int, hidden_size: int,
-                    last_hidden: bool = False) -> int:
+def bytes_per_token(
+    dtype: str | StorageDtype, num_features: int, hidden_size: int, last_hidden: bool = False
+) -> int:
     """Bytes one token takes in a hidden-state shard (StorageDtype.bytes_per_token): every estimate of
     hidden-state bytes (the precompute preflight, the plan, stream mode's chunks) counts with it. Without
     torch, so the config and the plan can size chunks and disks."""
@@ -75,8 +80,12 @@ def bytes_per_token(dtype: str | StorageDtype, num_features: int, hidden_size: i
 
 
 # "2TB", "500 GB", "1.5TiB", "2e12", "4096": decimal units are powers of 1000, binary (KiB..) of 1024
-_UNITS = {"": 1, "b": 1, **{f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgtp")},
-          **{f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgtp")}}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    **{f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgtp")},
+    **{f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgtp")},
+}
 _SIZE = re.compile(r"\s*(\d+\.?\d*(?:e[+-]?\d+)?|\.\d+(?:e[+-]?\d+)?)\s*([kmgtp]i?b|b)?\s*", re.IGNORECASE)
 
 
@@ -87,8 +96,10 @@ def parse_bytes(value, key: str = "size") -> int:
         return value
     m = _SIZE.fullmatch(value) if isinstance(value, str) else None
     if not m:
-        raise ValueError(f"{key}: {value!r} is not a size; give bytes (an integer >= 0) or a string such "
-                         "as 2TB, 500GB, 1.5TiB or 2e12")
+        raise ValueError(
+            f"{key}: {value!r} is not a size; give bytes (an integer >= 0) or a string such "
+            "as 2TB, 500GB, 1.5TiB or 2e12"
+        )
     from decimal import Decimal
 
     return int(Decimal(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
@@ -207,8 +218,10 @@ def progress(iterable=None, **kwargs):
 # workflow/rules/common.smk: a job's log takes its output, and this its status line.
 CONSOLE_ENV, CONSOLE_HOST_ENV = "FLASHDRAFT_CONSOLE", "FLASHDRAFT_CONSOLE_HOST"
 CONSOLE_EVERY_S = 30.0  # a long job's status line on the console, at most this often
-CONSOLE_FORMAT = ("{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) [{elapsed} elapsed, ETA {remaining}, "
-                  "{rate_fmt}{postfix}]")
+CONSOLE_FORMAT = (
+    "{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) [{elapsed} elapsed, ETA {remaining}, "
+    "{rate_fmt}{postfix}]"
+)
 CONSOLE_FORMAT_OPEN = "{desc}: {n_fmt} [{elapsed} elapsed, {rate_fmt}{postfix}]"  # no total known
 
 
@@ -237,8 +250,9 @@ def console_env() -> dict:
     import stat
 
     console = Path("/proc", str(os.getpid()), "fd", "2")
-    if not console.exists() or (stat.S_ISREG(os.fstat(2).st_mode)
-                                and not fcntl.fcntl(2, fcntl.F_GETFL) & os.O_APPEND):
+    if not console.exists() or (
+        stat.S_ISREG(os.fstat(2).st_mode) and not fcntl.fcntl(2, fcntl.F_GETFL) & os.O_APPEND
+    ):
         return {}
     return {CONSOLE_ENV: str(console), CONSOLE_HOST_ENV: socket.gethostname()}
 
@@ -272,7 +286,7 @@ def console_line(bar) -> str:
 
 def job_label(argv=None) -> str:
     argv = sys.argv if argv is None else argv
-    shard = argv[argv.index("--shard") + 1:][:1] if "--shard" in argv else []
+    shard = argv[argv.index("--shard") + 1 :][:1] if "--shard" in argv else []
     return " ".join([Path(argv[0]).stem if argv and argv[0] else "flashdraft", *shard])
 
 

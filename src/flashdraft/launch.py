@@ -17,8 +17,9 @@ RDZV_HOST = '"$(hostname)"'
 RDZV_ID = '"$SLURM_JOB_ID"'
 
 
-def torchrun_argv(py, script, nproc: int, nodes: int = 1, virtual: bool = False,
-                  port: int = 29400) -> list[str]:
+def torchrun_argv(
+    py, script, nproc: int, nodes: int = 1, virtual: bool = False, port: int = 29400
+) -> list[str]:
     """`nproc` processes per node running `script`; `virtual` adds --virtual-local-rank (each rank sees
     its GPU as cuda:0). On several nodes the rendezvous endpoint and id are shell words (RDZV_HOST,
     RDZV_ID) that the job's shell expands: such an argv runs only through `torchrun`'s line."""
@@ -30,8 +31,9 @@ def torchrun_argv(py, script, nproc: int, nodes: int = 1, virtual: bool = False,
     return argv + [str(script)]
 
 
-def launch_argv(py, script, nproc: int, nodes: int = 1, virtual: bool = False,
-                port: int = 29400) -> list[str]:
+def launch_argv(
+    py, script, nproc: int, nodes: int = 1, virtual: bool = False, port: int = 29400
+) -> list[str]:
     """`torchrun_argv`, except for one process on one node: then the script itself, which sets up no
     process group (distributed.setup_dist), and no agent process importing torch before it starts."""
     if nproc == 1 and nodes == 1:
@@ -39,8 +41,9 @@ def launch_argv(py, script, nproc: int, nodes: int = 1, virtual: bool = False,
     return torchrun_argv(py, script, nproc, nodes, virtual, port)
 
 
-def torchrun(py: str, script: str, nproc: int, nodes: int = 1, virtual: bool = False,
-             port: int = 29400) -> str:
+def torchrun(
+    py: str, script: str, nproc: int, nodes: int = 1, virtual: bool = False, port: int = 29400
+) -> str:
     """`launch_argv` as a shell line: every word quoted (a checkout path may hold spaces or quotes)
     except the rendezvous words the shell must expand."""
     expand = {f"{RDZV_HOST}:{port}", RDZV_ID}

@@ -189,8 +189,16 @@ class LinearCrossEntropy(torch.autograd.Function):
     softmax; the gradient goes back through the same matmul in W's dtype."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, weights, chunk: int, objective: Objective | None = None,
-                compiled: bool = False):
+    def forward(
+        ctx,
+        h,
+        weight,
+        labels,
+        weights,
+        chunk: int,
+        objective: Objective | None = None,
+        compiled: bool = False,
+    ):
         grad_h = torch.empty_like(h)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(labels.shape, dtype=torch.bool, device=h.device)
@@ -200,8 +208,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             for i in range(0, h.shape[0], chunk):
                 j = slice(i, i + chunk)
                 run = fused if h[j].shape[0] == chunk else ce_chunk
-                part, correct[j], ce[j], grad_h[j] = run(h[j], weight, labels[j], weights[j].float(),
-                                                         objective)
+                part, correct[j], ce[j], grad_h[j] = run(
+                    h[j], weight, labels[j], weights[j].float(), objective
+                )
                 total += part
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(correct, ce)
@@ -213,9 +222,21 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_h * grad_total, None, None, None, None, None, None
 
 
-def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_weight, lm_head_weight,
-                objective: Objective, attention: str = "sdpa", chunk_blocks: int = 128, normalizer=None,
-                compile_loss: bool = False):
+def dflash_loss(
+    drafter,
+    input_ids,
+    loss_mask,
+    hidden,
+    anchors,
+    valid,
+    embed_weight,
+    lm_head_weight,
+    objective: Objective,
+    attention: str = "sdpa",
+    chunk_blocks: int = 128,
+    normalizer=None,
+    compile_loss: bool = False,
+):
     """Weighted block CE: loss = sum(w*CE) / normalizer, w and the normalizer the objective's (`Decay`:
     w = loss_mask * exp(-(k-1)/gamma), normalizer sum(w), the DFlash recipe; `DPace`: w = `dpace_weights`,
     normalizer the number of blocks). `normalizer`: a given one (a global batch's, summed over its
@@ -234,8 +255,15 @@ def dflash_loss(drafter, input_ids, loss_mask, hidden, anchors, valid, embed_wei
     h = out[:, :, 1:].flatten(0, 1)[sel]
     labels, weights, label_mask = (t.flatten(0, 1)[sel] for t in (labels, weights, label_mask))
     rows = h.flatten(0, 1)  # [blocks*(B-1), H]
-    ce_sum, correct, ce = LinearCrossEntropy.apply(rows, lm_head_weight, labels.flatten(), weights.flatten(),
-                                                   chunk_blocks * (bs - 1), objective, compile_loss)
+    ce_sum, correct, ce = LinearCrossEntropy.apply(
+        rows,
+        lm_head_weight,
+        labels.flatten(),
+        weights.flatten(),
+        chunk_blocks * (bs - 1),
+        objective,
+        compile_loss,
+    )
     correct = correct.view_as(labels)
     loss = ce_sum / (own if normalizer is None else normalizer).clamp(min=1e-6)
     if isinstance(drafter, torch.nn.parallel.DistributedDataParallel):

@@ -52,11 +52,15 @@ def server_argv(template: str, target: str, port: int, gpus: int) -> list[str]:
         raise ServerError("regenerate.server_cmd is empty")
     unknown = sorted({m for a in args for m in re.findall(r"\{(\w+)\}", a)} - set(PLACEHOLDERS))
     if unknown:
-        raise ServerError(f"regenerate.server_cmd {template!r}: unknown placeholder(s) {unknown}; "
-                          f"allowed: {list(PLACEHOLDERS)}")
+        raise ServerError(
+            f"regenerate.server_cmd {template!r}: unknown placeholder(s) {unknown}; "
+            f"allowed: {list(PLACEHOLDERS)}"
+        )
     if not any("{port}" in a for a in args):
-        raise ServerError(f"regenerate.server_cmd {template!r} has no {{port}}: the server must listen "
-                          "on the port this job gives it")
+        raise ServerError(
+            f"regenerate.server_cmd {template!r} has no {{port}}: the server must listen "
+            "on the port this job gives it"
+        )
     values = {"target": str(target), "port": str(port), "gpus": str(gpus)}
     return [re.sub(r"\{(\w+)\}", lambda m: values[m[1]], a) for a in args]
 
@@ -117,8 +121,17 @@ class ManagedServer:
 
     The pdeath signal is tied to the thread that starts the server: start it from the main thread."""
 
-    def __init__(self, cmd: str, target: str, gpus: int = 1, port: int = 0, timeout_s: float = 1800.0,
-                 log_path: str | Path = "server.log", stop_grace_s: float = 30.0, poll_s: float = 0.5):
+    def __init__(
+        self,
+        cmd: str,
+        target: str,
+        gpus: int = 1,
+        port: int = 0,
+        timeout_s: float = 1800.0,
+        log_path: str | Path = "server.log",
+        stop_grace_s: float = 30.0,
+        poll_s: float = 0.5,
+    ):
         self.cmd, self.target, self.gpus = cmd, target, gpus
         self.port, self.fixed_port = port or free_port(), bool(port)
         self.timeout_s, self.log_path = timeout_s, Path(log_path)
@@ -141,22 +154,32 @@ class ManagedServer:
 
     def start(self) -> None:
         if self.fixed_port and port_in_use(self.port):
-            raise ServerError(f"regenerate.server_port {self.port} is already in use by another program; "
-                              "free it, or set regenerate.server_port: 0 (any free port)")
+            raise ServerError(
+                f"regenerate.server_port {self.port} is already in use by another program; "
+                "free it, or set regenerate.server_port: 0 (any free port)"
+            )
         _no_proxy_for_localhost()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             try:
                 self.proc = subprocess.Popen(
-                    self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    self.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group: stopped as a whole
-                    pass_fds=_lease_fds(), preexec_fn=_die_with_parent(os.getpid()),
+                    pass_fds=_lease_fds(),
+                    preexec_fn=_die_with_parent(os.getpid()),
                 )
             except OSError as e:  # no such executable, not executable
-                raise ServerError(f"regenerate.server_cmd: cannot run {self.argv[0]!r}: "
-                                  f"{e.strerror or e}") from None
-        print(f"regenerate: server pid {self.proc.pid} starting on port {self.port} "
-              f"({shlex.join(self.argv)}); log {self.log_path}", flush=True)
+                raise ServerError(
+                    f"regenerate.server_cmd: cannot run {self.argv[0]!r}: {e.strerror or e}"
+                ) from None
+        print(
+            f"regenerate: server pid {self.proc.pid} starting on port {self.port} "
+            f"({shlex.join(self.argv)}); log {self.log_path}",
+            flush=True,
+        )
         try:
             self._wait_healthy()
         except BaseException:  # failed, timed out, or the job was stopped: no server outlives this
@@ -180,8 +203,10 @@ class ManagedServer:
             except (urllib.error.URLError, OSError, HTTPException) as e:  # not listening yet
                 last = f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
             if time.monotonic() > deadline:
-                raise self._error(f"the server did not answer GET {url} within "
-                                  f"regenerate.server_timeout_s={self.timeout_s:g} s (last: {last})")
+                raise self._error(
+                    f"the server did not answer GET {url} within "
+                    f"regenerate.server_timeout_s={self.timeout_s:g} s (last: {last})"
+                )
             time.sleep(self.poll_s)
         try:
             models = json.loads(body)
@@ -189,13 +214,17 @@ class ManagedServer:
         except ValueError:
             ok = False
         if not ok:
-            raise self._error(f"GET {url} answered {body[:200]!r}, not an OpenAI model list (JSON with a "
-                              "`data` list): is regenerate.server_cmd an OpenAI-compatible server?")
+            raise self._error(
+                f"GET {url} answered {body[:200]!r}, not an OpenAI model list (JSON with a "
+                "`data` list): is regenerate.server_cmd an OpenAI-compatible server?"
+            )
         # what answered must be our server, not another program that took the port
         code = self.proc.poll()
         if code is not None:
-            raise self._error(f"GET {url} answered, but the server {_status(code)}: another program "
-                              f"answers on port {self.port}")
+            raise self._error(
+                f"GET {url} answered, but the server {_status(code)}: another program "
+                f"answers on port {self.port}"
+            )
 
     def exited(self) -> ServerError | None:
         """While the job uses it: None if the server runs, else the error that says it exited, with its
@@ -203,8 +232,10 @@ class ManagedServer:
         with self._gone_lock:
             proc = self.proc
             if self._gone is None and proc is not None and (code := proc.poll()) is not None:
-                self._gone = self._error(f"the job's server (pid {proc.pid}) {_status(code)} while the job "
-                                         f"was using it at {self.base_url}")
+                self._gone = self._error(
+                    f"the job's server (pid {proc.pid}) {_status(code)} while the job "
+                    f"was using it at {self.base_url}"
+                )
             return self._gone
 
     def _error(self, problem: str) -> ServerError:

@@ -180,10 +180,16 @@ def train_state(cfg: Config, shapes: dict, world: int, mode: str) -> dict[str, i
     head = 2 * v * h * amp_bytes(cfg)
     if mode == "fsdp":
         layer = layer_parameters(shapes)
-        return {"weights, gradients and AdamW moments (sharded)": 16 * p // world,
-                "one layer gathered (weights and gradients)": 8 * layer, "frozen embedding and LM head": head}
-    parts = {"weights and gradients (fp32)": 8 * p, "AdamW moments (fp32)": 8 * p,
-             "frozen embedding and LM head": head}
+        return {
+            "weights, gradients and AdamW moments (sharded)": 16 * p // world,
+            "one layer gathered (weights and gradients)": 8 * layer,
+            "frozen embedding and LM head": head,
+        }
+    parts = {
+        "weights and gradients (fp32)": 8 * p,
+        "AdamW moments (fp32)": 8 * p,
+        "frozen embedding and LM head": head,
+    }
     if mode == "ddp":
         parts["DDP gradient buckets (fp32)"] = 4 * p
     return parts
@@ -193,8 +199,9 @@ def config_parallel_mode(cfg: Config, shapes: dict, world: int, gpu_bytes: int |
     return parallel_mode(cfg.train.parallel, drafter_parameters(cfg, shapes), world, gpu_bytes)
 
 
-def train_peak(cfg: Config, shapes: dict, world: int = 1, gpu_bytes: int | None = None,
-               coefficients: dict | None = None) -> Peak:
+def train_peak(
+    cfg: Config, shapes: dict, world: int = 1, gpu_bytes: int | None = None, coefficients: dict | None = None
+) -> Peak:
     """The training step's peak on one process (the warmup's is the same by construction: it holds the
     same state and runs every bucket's largest forward), over the buckets."""
     coef = coefficients or globals()["coefficients"]()
@@ -206,14 +213,16 @@ def train_peak(cfg: Config, shapes: dict, world: int = 1, gpu_bytes: int | None 
     best = None
     for bucket in sorted(set(cfg.train.buckets)):
         f, rows = pass_features(cfg, shapes, bucket)
-        act = {"batch on the device": rows * bucket * width * amp_bytes(cfg),
-               "activations of one forward+backward": int(draft_coefficient(coef, f.variant) * f.draft
-                                                          + coef["context"] * f.context + coef["constant"])}
+        act = {
+            "batch on the device": rows * bucket * width * amp_bytes(cfg),
+            "activations of one forward+backward": int(
+                draft_coefficient(coef, f.variant) * f.draft + coef["context"] * f.context + coef["constant"]
+            ),
+        }
         if best is None or sum(act.values()) > sum(best[1].values()):
             best = (bucket, act, rows)
     bucket, act, rows = best
-    return Peak("train", {**state, **act}, TRAIN_KEYS,
-                note=f"bucket {bucket}, {rows} rows a forward, {mode}")
+    return Peak("train", {**state, **act}, TRAIN_KEYS, note=f"bucket {bucket}, {rows} rows a forward, {mode}")
 
 
 TRAIN_KEYS = ("train.batch_anchors", "train.batch_tokens", "train.max_anchors")
@@ -248,10 +257,12 @@ def precompute_peak(cfg: Config, shapes: dict) -> Peak:
     tapped = feature_layers(n, cfg.drafter)
     deepest = n if needs_last_hidden(cfg.drafter) else max(tapped) + 1
     b = target_bytes(cfg)
-    parts = {"target weights": target_parameters(shapes) * b,
-             "hidden states of one batch": (deepest + 1) * t * h * b,
-             "one layer's activations": t * (3 * i + 4 * h) * b,
-             "packed features": t * len(tapped) * h * (b + DTYPE_BYTES.get(cfg.hidden.dtype, 2))}
+    parts = {
+        "target weights": target_parameters(shapes) * b,
+        "hidden states of one batch": (deepest + 1) * t * h * b,
+        "one layer's activations": t * (3 * i + 4 * h) * b,
+        "packed features": t * len(tapped) * h * (b + DTYPE_BYTES.get(cfg.hidden.dtype, 2)),
+    }
     return Peak("precompute", parts, ("hidden.batch_tokens",))
 
 
@@ -263,12 +274,24 @@ def regenerate_peak(cfg: Config, shapes: dict, prompt_tokens: int = 1024) -> Pea
     if r.backend != "hf":
         return Peak("regenerate", {}, (), note=f"backend {r.backend}: the server's own", by_construction=True)
     if not r.batch_size:
-        return Peak("regenerate", {"target weights": weights}, ("regenerate.batch_size",),
-                    note="slots sized from the free memory", by_construction=True)
+        return Peak(
+            "regenerate",
+            {"target weights": weights},
+            ("regenerate.batch_size",),
+            note="slots sized from the free memory",
+            by_construction=True,
+        )
     per = (prompt_tokens + r.max_new_tokens) * kv_bytes_per_token(shapes, shapes["num_hidden_layers"], b)
-    return Peak("regenerate", {"target weights": weights, "KV cache": r.batch_size * per,
-                               "logits": r.batch_size * shapes["vocab_size"] * 4, "prefill": 2 * GIB},
-                ("regenerate.batch_size", "regenerate.max_new_tokens"))
+    return Peak(
+        "regenerate",
+        {
+            "target weights": weights,
+            "KV cache": r.batch_size * per,
+            "logits": r.batch_size * shapes["vocab_size"] * 4,
+            "prefill": 2 * GIB,
+        },
+        ("regenerate.batch_size", "regenerate.max_new_tokens"),
+    )
 
 
 def evaluate_peak(cfg: Config, shapes: dict, prompt_tokens: int = 1024) -> Peak:
@@ -276,11 +299,16 @@ def evaluate_peak(cfg: Config, shapes: dict, prompt_tokens: int = 1024) -> Peak:
     evaluated length, the verify's logits."""
     b = target_bytes(cfg)
     length = prompt_tokens + cfg.eval.max_new_tokens + cfg.drafter.block_size
-    parts = {"target weights": target_parameters(shapes) * b,
-             "drafter weights": drafter_parameters(cfg, shapes) * b,
-             "KV caches": length * (kv_bytes_per_token(shapes, shapes["num_hidden_layers"], b)
-                                    + kv_bytes_per_token(shapes, cfg.drafter.num_layers, b)),
-             "logits and activations": cfg.drafter.block_size * shapes["vocab_size"] * 4 + GIB}
+    parts = {
+        "target weights": target_parameters(shapes) * b,
+        "drafter weights": drafter_parameters(cfg, shapes) * b,
+        "KV caches": length
+        * (
+            kv_bytes_per_token(shapes, shapes["num_hidden_layers"], b)
+            + kv_bytes_per_token(shapes, cfg.drafter.num_layers, b)
+        ),
+        "logits and activations": cfg.drafter.block_size * shapes["vocab_size"] * 4 + GIB,
+    }
     return Peak("evaluate", parts, ("eval.max_new_tokens",))
 
 
@@ -299,8 +327,11 @@ def training_world(cfg: Config) -> int:
 
 def stage_peaks(cfg: Config, shapes: dict, world: int, gpu_bytes: int | None) -> list[Peak]:
     """Every GPU stage's predicted peak, in the DAG's order (regeneration only where it runs)."""
-    peaks = [precompute_peak(cfg, shapes), train_peak(cfg, shapes, world, gpu_bytes),
-             evaluate_peak(cfg, shapes)]
+    peaks = [
+        precompute_peak(cfg, shapes),
+        train_peak(cfg, shapes, world, gpu_bytes),
+        evaluate_peak(cfg, shapes),
+    ]
     if cfg.regenerate.enabled:
         peaks.insert(0, regenerate_peak(cfg, shapes))
     return peaks
@@ -347,8 +378,10 @@ def problems(cfg: Config, shapes: dict, world: int, gpu_bytes: int, where: str) 
     for peak in stage_peaks(cfg, shapes, world, gpu_bytes):
         if not on_gpu(cfg, peak.stage) or peak.by_construction or peak.bytes <= budget(gpu_bytes):
             continue
-        head = (f"stage {peak.stage}: predicted peak {peak.bytes / GIB:.1f} GiB of GPU memory, more than "
-                f"the {budget(gpu_bytes) / GIB:.1f} GiB a {gpu_bytes / GIB:.0f} GiB card ({where}) gives it")
+        head = (
+            f"stage {peak.stage}: predicted peak {peak.bytes / GIB:.1f} GiB of GPU memory, more than "
+            f"the {budget(gpu_bytes) / GIB:.1f} GiB a {gpu_bytes / GIB:.0f} GiB card ({where}) gives it"
+        )
         out.append(f"{head}; {remedy(cfg, shapes, world, gpu_bytes, peak)}")
     return out
 
@@ -359,20 +392,25 @@ def remedy(cfg: Config, shapes: dict, world: int, gpu_bytes: int, peak: Peak) ->
         n = largest_batch_anchors(cfg, shapes, world, gpu_bytes)
         if n:
             return f"set train.batch_anchors to {n} or less (now {cfg.train.batch_anchors or 'unbounded'})"
-        return ("not even one row of the largest bucket fits: lower train.max_anchors or the largest of "
-                "train.buckets, or train on GPUs with more memory (or more of them: train.parallel fsdp)")
+        return (
+            "not even one row of the largest bucket fits: lower train.max_anchors or the largest of "
+            "train.buckets, or train on GPUs with more memory (or more of them: train.parallel fsdp)"
+        )
     if peak.stage == "precompute":
         fixed = peak.parts["target weights"]
         per_token = (peak.bytes - fixed) / cfg.hidden.batch_tokens
         tokens = int((budget(gpu_bytes) - fixed) // per_token) if budget(gpu_bytes) > fixed else 0
         if tokens >= cfg.hidden.max_length:
-            return (f"set hidden.batch_tokens to {tokens // 1024 * 1024} or less "
-                    f"(now {cfg.hidden.batch_tokens})")
+            return (
+                f"set hidden.batch_tokens to {tokens // 1024 * 1024} or less (now {cfg.hidden.batch_tokens})"
+            )
     if peak.stage == "regenerate":
         return "set regenerate.batch_size to 0 (slots sized from the free memory) or fewer"
     weights = peak.parts.get("target weights", 0) / GIB
-    return (f"the target's weights alone take {weights:.1f} GiB: serve it on larger GPUs (regenerate.backend "
-            "server with tensor parallelism) or a smaller target")
+    return (
+        f"the target's weights alone take {weights:.1f} GiB: serve it on larger GPUs (regenerate.backend "
+        "server with tensor parallelism) or a smaller target"
+    )
 
 
 def oom_message(stage: str, peak: Peak | None, gpu_bytes: int | None, allocated: int | None = None) -> str:
@@ -380,12 +418,17 @@ def oom_message(stage: str, peak: Peak | None, gpu_bytes: int | None, allocated:
     have = f"{gpu_bytes / GIB:.1f} GiB on this GPU" if gpu_bytes else "the GPU's memory"
     if allocated:
         have += f" ({allocated / GIB:.1f} GiB allocated at the most)"
-    predicted = f"predicted peak {peak.bytes / GIB:.1f} GiB ({peak.note or 'the config'})" if peak else \
-        "no prediction"
+    predicted = (
+        f"predicted peak {peak.bytes / GIB:.1f} GiB ({peak.note or 'the config'})"
+        if peak
+        else "no prediction"
+    )
     keys = ", ".join(peak.keys) if peak and peak.keys else "the stage's batch keys"
-    return (f"stage {stage} ran out of GPU memory: {predicted}, {have}; lower {keys} (python -m "
-            f"flashdraft.plan prints each stage's peak and the values that fit; another process on the "
-            f"GPU takes from it too)")
+    return (
+        f"stage {stage} ran out of GPU memory: {predicted}, {have}; lower {keys} (python -m "
+        f"flashdraft.plan prints each stage's peak and the values that fit; another process on the "
+        f"GPU takes from it too)"
+    )
 
 
 def on_oom(stage: str, cfg: Config, world: int = 1, peak_of: str | None = None) -> None:
@@ -402,8 +445,9 @@ def on_oom(stage: str, cfg: Config, world: int = 1, peak_of: str | None = None) 
         cuda = torch.cuda.is_available()
         gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda else None
         peaks = {p.stage: p for p in stage_peaks(cfg, target_shapes(cfg), world, gpu)}
-        return oom_message(stage, peaks.get(peak_of or stage), gpu,
-                           torch.cuda.max_memory_allocated() if cuda else None)
+        return oom_message(
+            stage, peaks.get(peak_of or stage), gpu, torch.cuda.max_memory_allocated() if cuda else None
+        )
 
     errors.oom_line = line
 
@@ -423,8 +467,9 @@ def fit(samples: list[Sample]) -> dict:
     names = sorted({variant(s.cfg) for s in samples})
     rows, ys = [], []
     for s in samples:
-        base = train_peak(s.cfg, s.shapes, coefficients={"draft": dict.fromkeys(names, 0.0), "context": 0.0,
-                                                          "constant": 0})
+        base = train_peak(
+            s.cfg, s.shapes, coefficients={"draft": dict.fromkeys(names, 0.0), "context": 0.0, "constant": 0}
+        )
         f, _ = pass_features(s.cfg, s.shapes, max(s.cfg.train.buckets))
         rows.append([f.draft if n == f.variant else 0.0 for n in names] + [f.context, 1.0])
         ys.append(s.measured - base.bytes)
@@ -432,8 +477,11 @@ def fit(samples: list[Sample]) -> dict:
     scale = np.abs(a).max(axis=0)
     scale[scale == 0] = 1
     x = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale
-    return {"draft": {n: round(float(v), 4) for n, v in zip(names, x[:-2], strict=True)},
-            "context": round(float(x[-2]), 4), "constant": int(x[-1])}
+    return {
+        "draft": {n: round(float(v), 4) for n, v in zip(names, x[:-2], strict=True)},
+        "context": round(float(x[-2]), 4),
+        "constant": int(x[-1]),
+    }
 
 
 def human(n: int) -> str:

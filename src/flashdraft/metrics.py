@@ -55,9 +55,18 @@ class MetricsLogger:
     """One run's metrics from `step` on; `rows` and `window` come from the checkpoint on a resume (a
     resumed window lives on rank 0: the ranks' sum is what counts). close() ends the bar and TensorBoard."""
 
-    def __init__(self, run_dir: Path, d: Dist, block_size: int, step: int, total: int,
-                 rows: list[dict] | None = None, window: list[float] | None = None, val: bool = False,
-                 kind: str = "dflash"):
+    def __init__(
+        self,
+        run_dir: Path,
+        d: Dist,
+        block_size: int,
+        step: int,
+        total: int,
+        rows: list[dict] | None = None,
+        window: list[float] | None = None,
+        val: bool = False,
+        kind: str = "dflash",
+    ):
         self.d, self.block_size, self.rows, self.family = d, block_size, rows or [], family(kind)
         self.fields = metric_fields(block_size, val, kind)
         width = self.family.stats_size(block_size) + 1  # + tokens
@@ -86,16 +95,24 @@ class MetricsLogger:
         validation's metrics at this step (val_*), in the same row."""
         summed = all_sum(self.window, self.d).cpu()
         dt, self.t_window = time.perf_counter() - self.t_window, time.perf_counter()
-        row = {"step": step, "epoch": epoch, **self.family.summarize(summed[:-1], self.block_size), "lr": lr,
-               "grad_norm": grad_norm, "tokens_per_s": float(summed[-1]) / max(dt, 1e-9), **(val or {})}
+        row = {
+            "step": step,
+            "epoch": epoch,
+            **self.family.summarize(summed[:-1], self.block_size),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": float(summed[-1]) / max(dt, 1e-9),
+            **(val or {}),
+        }
         self.rows.append(row)
         self.window.zero_()
         if self.d.main:
             with open(self.live_csv, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=self.fields).writerow(row)
             extra = {"val_tau": f"{val['val_sim_tau']:.2f}"} if val else {}
-            self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}", **extra,
-                                 refresh=False)
+            self.bar.set_postfix(
+                loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}", **extra, refresh=False
+            )
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step":  # val_x goes to val/x, beside train/x

@@ -159,8 +159,9 @@ def _qwen3_shape(get) -> dict:
     always uses default (unscaled) RoPE: its export says so (`rope_scaling: null`), so it is consistent
     with itself whatever scaling the target uses for long contexts."""
     heads = get("num_attention_heads")
-    kv_heads, head_dim = kv_dims(heads, get("num_key_value_heads", None), get("head_dim", None),
-                                 get("hidden_size"))
+    kv_heads, head_dim = kv_dims(
+        heads, get("num_key_value_heads", None), get("head_dim", None), get("hidden_size")
+    )
     rope = get("rope_parameters", None) or {}
     theta = rope["rope_theta"] if "rope_theta" in rope else get("rope_theta", None) or 10000.0
     return {
@@ -343,8 +344,9 @@ class DFlashDrafter(nn.Module):
         return self(target_hidden.to(self.fc.weight.dtype), embeds, positions, mask=mask)[0]
 
     @torch.no_grad()
-    def predict_block(self, target_hidden, last_token: int, embed_weight, lm_head_weight,
-                      size: int | None = None):
+    def predict_block(
+        self, target_hidden, last_token: int, embed_weight, lm_head_weight, size: int | None = None
+    ):
         """Logits `[B-1, V]` for the tokens at S+1..S+B-1 after a context of S verified tokens: block
         position k predicts the token at S+k (`block_hidden`'s block, B its size)."""
         out = self.block_hidden(target_hidden, last_token, embed_weight, size)
@@ -368,8 +370,15 @@ class DFlashDrafter(nn.Module):
         cache.append(self.context_kv(new_hidden.to(self.fc.weight.dtype), cos, sin))
 
     @torch.no_grad()
-    def block_hidden_cached(self, new_hidden, last_token: int, embed_weight, cache: DraftCache,
-                            context_len: int, size: int | None = None):
+    def block_hidden_cached(
+        self,
+        new_hidden,
+        last_token: int,
+        embed_weight,
+        cache: DraftCache,
+        context_len: int,
+        size: int | None = None,
+    ):
         """`block_hidden` over a context held in `cache`: new_hidden `[1, n, K*H]` are the features of
         the positions verified since the last call (all of the prompt on the first), appended first.
 
@@ -387,8 +396,16 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)[0]
 
     @torch.no_grad()
-    def predict_block_cached(self, new_hidden, last_token: int, embed_weight, lm_head_weight,
-                             cache: DraftCache, context_len: int, size: int | None = None):
+    def predict_block_cached(
+        self,
+        new_hidden,
+        last_token: int,
+        embed_weight,
+        lm_head_weight,
+        cache: DraftCache,
+        context_len: int,
+        size: int | None = None,
+    ):
         """`predict_block` over a context held in `cache` (`block_hidden_cached`)."""
         out = self.block_hidden_cached(new_hidden, last_token, embed_weight, cache, context_len, size)
         return out[1:] @ lm_head_weight.to(out.dtype).T
@@ -422,6 +439,7 @@ class DraftCache:
 
 # ---------------------------------------------------------------------------------------------------------
 # the attention pattern (training builds it for many blocks, drafting for one)
+
 
 def dflash_mask_mod(anchors, valid, ctx_len: int, block_size: int, window: int | None = None):
     """mask_mod(b, h, q_idx, kv_idx) over kv = [context (ctx_len); blocks (A*B)], queries = blocks.

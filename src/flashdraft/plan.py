@@ -62,14 +62,26 @@ from .io import FP8, human_bytes, parse_bytes
 GOAL_HOURS = 36.0  # the whole DAG on one node, as configured
 GOAL_RECOMMENDED = (19.0, 2e12)  # the recommended plan: hours of wall time, bytes of hidden states on disk
 DEFAULT_DISK_BUDGET = 2 * 10**12  # hidden-state bytes allowed on disk when neither config nor --disk-budget
-DEFAULT_GPU = (81559 * 2**20, "an 80 GB H100's 81,559 MiB: no GPU visible here and no --gpu-memory or "
-               "gpus.memory_gib")  # the card planned for when nothing says which
-MEMORY_STAGES = {"regenerate": "regeneration", "precompute": "precompute", "train": "training",
-                 "evaluate": "evaluation"}  # flashdraft.memory's stage names, as the stage table's
+DEFAULT_GPU = (
+    81559 * 2**20,
+    "an 80 GB H100's 81,559 MiB: no GPU visible here and no --gpu-memory or gpus.memory_gib",
+)  # the card planned for when nothing says which
+MEMORY_STAGES = {
+    "regenerate": "regeneration",
+    "precompute": "precompute",
+    "train": "training",
+    "evaluate": "evaluation",
+}  # flashdraft.memory's stage names, as the stage table's
 
 
-def plan(cfg: Config, results="results", gpus: int | None = None, budget: int | None = None,
-         target: dict | None = None, gpu_memory: tuple[int, str] | None = None) -> dict:
+def plan(
+    cfg: Config,
+    results="results",
+    gpus: int | None = None,
+    budget: int | None = None,
+    target: dict | None = None,
+    gpu_memory: tuple[int, str] | None = None,
+) -> dict:
     """Hours per stage (None: on the CPU, or on a server the plan cannot see), hidden-state bytes and each
     GPU stage's peak memory on a card of `gpu_memory` (bytes, where that figure comes from; default
     `gpu_card`), for the config's split in both modes, and the recommended mode and split of `gpus` GPUs
@@ -101,18 +113,37 @@ def plan(cfg: Config, results="results", gpus: int | None = None, budget: int | 
     peaks = {MEMORY_STAGES[p.stage]: p for p in memory.stage_peaks(cfg, shapes, world, gpu_bytes)}
     best_world = rec.best.split.drafter * cfg.gpus.drafter_nodes if rec and rec.best else None
     best_train = memory.train_peak(cfg, shapes, best_world, gpu_bytes) if best_world else None
-    return {"parameters": params, "reference_parameters": ref, "scale": scale, "gpus": g, "tokens": run.tok,
-            "stages": stages, "total_hours": total, "slowest": slowest, "hidden_width": run.width,
-            "hidden_bytes": hidden_disk(cfg, shapes, run.tok.total), "hidden_dtype": cfg.hidden.dtype,
-            "hidden_token_bytes": {d: token_bytes(cfg, shapes, d) for d in ("bfloat16", FP8)},
-            "last_hidden": needs_last_hidden(cfg.drafter),
-            "drafter_parameters": drafter_parameters(cfg, shapes), "checkpoint_bytes": run.checkpoint_bytes(),
-            "save_s": run.save_s(), "last_save_s": run.last_save_s(), "load_s": run.load_s(),
-            "disk_budget": budget, "budget_source": source,
-            "modes": modes, "recommendation": rec,
-            "memory": {"gpu_bytes": gpu_bytes, "source": gpu_source, "peaks": peaks,
-                       "problems": memory.problems(cfg, shapes, world, gpu_bytes, gpu_source),
-                       "recommended_train": best_train}}
+    return {
+        "parameters": params,
+        "reference_parameters": ref,
+        "scale": scale,
+        "gpus": g,
+        "tokens": run.tok,
+        "stages": stages,
+        "total_hours": total,
+        "slowest": slowest,
+        "hidden_width": run.width,
+        "hidden_bytes": hidden_disk(cfg, shapes, run.tok.total),
+        "hidden_dtype": cfg.hidden.dtype,
+        "hidden_token_bytes": {d: token_bytes(cfg, shapes, d) for d in ("bfloat16", FP8)},
+        "last_hidden": needs_last_hidden(cfg.drafter),
+        "drafter_parameters": drafter_parameters(cfg, shapes),
+        "checkpoint_bytes": run.checkpoint_bytes(),
+        "save_s": run.save_s(),
+        "last_save_s": run.last_save_s(),
+        "load_s": run.load_s(),
+        "disk_budget": budget,
+        "budget_source": source,
+        "modes": modes,
+        "recommendation": rec,
+        "memory": {
+            "gpu_bytes": gpu_bytes,
+            "source": gpu_source,
+            "peaks": peaks,
+            "problems": memory.problems(cfg, shapes, world, gpu_bytes, gpu_source),
+            "recommended_train": best_train,
+        },
+    }
 
 
 def gpu_card(cfg: Config) -> tuple[int, str]:
@@ -125,20 +156,29 @@ def gpu_card(cfg: Config) -> tuple[int, str]:
 def summary(p: dict) -> dict:
     """benchmarks/results/plan_production.json's figures: both modes on the config's split, the
     recommendation, the floor (every GPU-hour spread over the GPUs) and the share of it reached."""
+
     def figures(m):
         ok = isinstance(m, ModePlan)
-        return {"wall_hours": _round(m.wall_hours, 2) if ok else None,
-                "peak_disk_tb": round(m.peak_disk / 1e12, 3) if ok else None}
+        return {
+            "wall_hours": _round(m.wall_hours, 2) if ok else None,
+            "peak_disk_tb": round(m.peak_disk / 1e12, 3) if ok else None,
+        }
 
     rec = p["recommendation"]
     best = rec.best if rec else None
     floor = rec.floor_hours if rec else None
-    return {"store": figures(p["modes"]["store"]), "stream": figures(p["modes"]["stream"]),
-            "recommended": best and {"mode": best.mode, "gpus": {"target": best.split.target,
-                                                                 "drafter": best.split.drafter},
-                                     **figures(best)},
-            "floor_hours": _round(floor, 2),
-            "floor_fraction": _round(floor / best.wall_hours, 3) if best else None}
+    return {
+        "store": figures(p["modes"]["store"]),
+        "stream": figures(p["modes"]["stream"]),
+        "recommended": best
+        and {
+            "mode": best.mode,
+            "gpus": {"target": best.split.target, "drafter": best.split.drafter},
+            **figures(best),
+        },
+        "floor_hours": _round(floor, 2),
+        "floor_fraction": _round(floor / best.wall_hours, 3) if best else None,
+    }
 
 
 def _round(x, digits):
@@ -163,27 +203,39 @@ SCALE_TRUSTED = 4.0
 
 def render(p: dict, configfile) -> str:
     n, ref = _num(p["parameters"]), _num(p["reference_parameters"])
-    lines = [f"plan for {configfile}: a target of {n} parameters; the benchmarks' rates (one H200, a "
-             f"Qwen3-8B shape of {ref}) scaled by {ref} / {n} = {p['scale']:.3g}"]
+    lines = [
+        f"plan for {configfile}: a target of {n} parameters; the benchmarks' rates (one H200, a "
+        f"Qwen3-8B shape of {ref}) scaled by {ref} / {n} = {p['scale']:.3g}"
+    ]
     if p["scale"] > SCALE_TRUSTED:
-        lines.append(f"  ASSUMED: a target this much smaller than the benchmarks' does not run "
-                     f"{p['scale']:.3g}x faster (its steps are bound by kernel launches and data movement, "
-                     "not its weights): read the hours below as a lower bound")
+        lines.append(
+            f"  ASSUMED: a target this much smaller than the benchmarks' does not run "
+            f"{p['scale']:.3g}x faster (its steps are bound by kernel launches and data movement, "
+            "not its weights): read the hours below as a lower bound"
+        )
     lines += ["", "token statistics:"]
     lines += [f"  {note}" for note in p["tokens"].notes]
-    lines += ["", f"store mode, stage after stage (gpus.target and --gpus {p['gpus']} for the one-GPU jobs, "
-              "gpus.drafter for training):",
-              "| stage | work | per-GPU rate | GPUs | hours | peak GPU memory |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        f"store mode, stage after stage (gpus.target and --gpus {p['gpus']} for the one-GPU jobs, "
+        "gpus.drafter for training):",
+        "| stage | work | per-GPU rate | GPUs | hours | peak GPU memory |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     sources = []
     for name, s in p["stages"].items():
-        rates = " + ".join(f"{r:,.4g}" if s["unit"] == "bytes" else f"{r:,.1f}"
-                           for k, r in s["rates"].items() if RATES[k].unit != "x")
+        rates = " + ".join(
+            f"{r:,.4g}" if s["unit"] == "bytes" else f"{r:,.1f}"
+            for k, r in s["rates"].items()
+            if RATES[k].unit != "x"
+        )
         rates += "".join(f" x {r:.3g}" for k, r in s["rates"].items() if RATES[k].unit == "x")  # factors
         unit = "GB" if s["unit"] == "bytes" else s["unit"]
         work = human_bytes(s["work"]) if s["unit"] == "bytes" else f"{_num(s['work'])} {s['unit']}"
-        lines.append(f"| {name} | {work} | {rates} {unit}/s | {s['gpus']} | {_hours(s['hours'])} | "
-                     f"{_memory_cell(p['memory'], name)} |")
+        lines.append(
+            f"| {name} | {work} | {rates} {unit}/s | {s['gpus']} | {_hours(s['hours'])} | "
+            f"{_memory_cell(p['memory'], name)} |"
+        )
         sources.append(f"  {name}: {', '.join(s['sources'])}")
     total = p["total_hours"]
     lines.append(f"| total | | | | {_hours(total)} | |")
@@ -194,21 +246,26 @@ def render(p: dict, configfile) -> str:
     b, w, per_token = p["hidden_bytes"], p["hidden_width"], p["hidden_token_bytes"]
     disk = ", ".join(f"{b[d] / 1e12:,.2f} TB in {d} ({per_token[d]:,} bytes/token)" for d in b)
     last = " + the target's last hidden state (drafter.family)" if p["last_hidden"] else ""
-    lines += ["", f"hidden states ({p['tokens'].total:,} tokens x {w:,} values{last}): {disk}; "
-              f"configured hidden.dtype: {p['hidden_dtype']}",
-              f"checkpoints: {human_bytes(p['checkpoint_bytes'])} (the drafter's "
-              f"{_num(p['drafter_parameters'])} parameters in fp32 + AdamW's two moments), "
-              f"a save holds training up {p['save_s']:.1f} s (then writes in the background), a job's last "
-              f"save {p['last_save_s']:.1f} s, a resume {p['load_s']:.1f} s to read (while the job starts: "
-              "a resumed job's measured start-up holds it)"]
+    lines += [
+        "",
+        f"hidden states ({p['tokens'].total:,} tokens x {w:,} values{last}): {disk}; "
+        f"configured hidden.dtype: {p['hidden_dtype']}",
+        f"checkpoints: {human_bytes(p['checkpoint_bytes'])} (the drafter's "
+        f"{_num(p['drafter_parameters'])} parameters in fp32 + AdamW's two moments), "
+        f"a save holds training up {p['save_s']:.1f} s (then writes in the background), a job's last "
+        f"save {p['last_save_s']:.1f} s, a resume {p['load_s']:.1f} s to read (while the job starts: "
+        "a resumed job's measured start-up holds it)",
+    ]
     if total is None:
         lines.append("goal (whole DAG <= 36 h): not planned, some stages run without a GPU rate")
     else:
         slow = p["slowest"]
         verdict = "met" if total <= GOAL_HOURS else "NOT met"
         what = "the longest stage" if total <= GOAL_HOURS else "held back by"
-        lines.append(f"goal (whole DAG <= {GOAL_HOURS:.0f} h): {verdict}, {total:.1f} h; {what}: {slow} "
-                     f"({p['stages'][slow]['hours']:.1f} h)")
+        lines.append(
+            f"goal (whole DAG <= {GOAL_HOURS:.0f} h): {verdict}, {total:.1f} h; {what}: {slow} "
+            f"({p['stages'][slow]['hours']:.1f} h)"
+        )
     lines += render_modes(p)
     if p["recommendation"]:
         lines += render_recommendation(p["recommendation"])
@@ -228,18 +285,20 @@ def render_memory(m: dict) -> list[str]:
     """The card the peaks are for, the training peak's parts, and a line per stage that does not fit."""
     gpu, fit = m["gpu_bytes"], memory.FIT_FRACTION
     train = m["peaks"]["training"]
-    lines = [f"peak GPU memory: per process, on a card of {memory.human(gpu)} ({m['source']}), as a share "
-             f"of it in brackets; a stage fits at <= {fit} of the card less the CUDA context "
-             f"({memory.human(memory.budget(gpu))}); flashdraft.memory, its coefficients "
-             f"{memory.coefficients_source()}",
-             f"  training ({train.note}): "
-             + ", ".join(f"{k} {memory.human(v)}" for k, v in train.parts.items())]
+    lines = [
+        f"peak GPU memory: per process, on a card of {memory.human(gpu)} ({m['source']}), as a share "
+        f"of it in brackets; a stage fits at <= {fit} of the card less the CUDA context "
+        f"({memory.human(memory.budget(gpu))}); flashdraft.memory, its coefficients "
+        f"{memory.coefficients_source()}",
+        f"  training ({train.note}): " + ", ".join(f"{k} {memory.human(v)}" for k, v in train.parts.items()),
+    ]
     lines += [f"  does NOT fit: {line}" for line in m["problems"]]
     best = m["recommended_train"]
     if best is not None:
         verdict = "fits" if best.bytes <= memory.budget(gpu) else "does NOT fit"
-        lines.append(f"  the recommended split's training: {memory.human(best.bytes)}, {verdict} "
-                     f"({best.note})")
+        lines.append(
+            f"  the recommended split's training: {memory.human(best.bytes)}, {verdict} ({best.note})"
+        )
     return lines
 
 
@@ -263,21 +322,28 @@ def _cells(m, key, overlapped=False) -> list[str]:
 
 def render_modes(p: dict) -> list[str]:
     store, stream = p["modes"]["store"], p["modes"]["stream"]
-    lines = ["", f"both hidden-state modes as configured (gpus.target {store.split.target}, gpus.drafter "
-             f"{store.split.drafter}), hidden states on disk <= {human_bytes(p['disk_budget'])} "
-             f"({p['budget_source']}):",
-             "| stage | store: GPUs | store: hours | stream: GPUs | stream: hours |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "",
+        f"both hidden-state modes as configured (gpus.target {store.split.target}, gpus.drafter "
+        f"{store.split.drafter}), hidden states on disk <= {human_bytes(p['disk_budget'])} "
+        f"({p['budget_source']}):",
+        "| stage | store: GPUs | store: hours | stream: GPUs | stream: hours |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for label, a, b in MODE_ROWS:
         over = b in ("precompute", "training", "start-up and checkpoints")
         lines.append("| " + " | ".join([label, *_cells(store, a), *_cells(stream, b, over)]) + " |")
     wall = [f"{_hours(m.wall_hours) if isinstance(m, ModePlan) else '-'}" for m in (store, stream)]
     disk = [f"{m.peak_disk / 1e12:.2f}" if isinstance(m, ModePlan) else "-" for m in (store, stream)]
-    lines += [f"| wall | | {wall[0]} | | {wall[1]} |",
-              f"| peak hidden-state disk, TB | | {disk[0]} | | {disk[1]} |"]
+    lines += [
+        f"| wall | | {wall[0]} | | {wall[1]} |",
+        f"| peak hidden-state disk, TB | | {disk[0]} | | {disk[1]} |",
+    ]
     if isinstance(stream, ModePlan):
-        lines += ["* busy hours of those GPUs, at the same time as the other side's (the pipeline row)",
-                  f"stream: {describe_chunks(stream)}"]
+        lines += [
+            "* busy hours of those GPUs, at the same time as the other side's (the pipeline row)",
+            f"stream: {describe_chunks(stream)}",
+        ]
     else:
         lines.append(f"stream: not planned: {stream}")
     return lines
@@ -286,37 +352,48 @@ def render_modes(p: dict) -> list[str]:
 def describe_chunks(m: ModePlan) -> str:
     c = m.chunks
     slower = "training" if c.train_s + c.startup_s >= c.precompute_s else "precompute"
-    return (f"chunks of <= {c.cap:,} hidden-state tokens ({c.source}), {c.cap // c.step_tokens:,} optimizer "
-            f"steps of {c.step_tokens:,} tokens; {c.per_epoch} per epoch, {len(c.sizes)} in all. A full "
-            f"chunk: precompute {c.precompute_s:,.0f} s on {max(1, m.split.target)} GPU(s), training "
-            f"{c.train_s:,.0f} s on {m.gpus['training']} GPU(s) + {c.startup_s:.0f} s for its job's launch "
-            f"to first step, checkpoint load and saves; the slower side: {slower}")
+    return (
+        f"chunks of <= {c.cap:,} hidden-state tokens ({c.source}), {c.cap // c.step_tokens:,} optimizer "
+        f"steps of {c.step_tokens:,} tokens; {c.per_epoch} per epoch, {len(c.sizes)} in all. A full "
+        f"chunk: precompute {c.precompute_s:,.0f} s on {max(1, m.split.target)} GPU(s), training "
+        f"{c.train_s:,.0f} s on {m.gpus['training']} GPU(s) + {c.startup_s:.0f} s for its job's launch "
+        f"to first step, checkpoint load and saves; the slower side: {slower}"
+    )
 
 
 def render_recommendation(r: Recommendation) -> list[str]:
     which = "every split" if r.gpus <= EXHAUSTIVE_GPUS else "the splits tried (a bounded search)"
-    lines = ["", f"{which} of {r.gpus} GPUs, hidden states <= {human_bytes(r.budget)}:",
-             "| mode | gpus.target | gpus.drafter | wall hours | peak hidden-state disk, TB | fits |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "",
+        f"{which} of {r.gpus} GPUs, hidden states <= {human_bytes(r.budget)}:",
+        "| mode | gpus.target | gpus.drafter | wall hours | peak hidden-state disk, TB | fits |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for m in r.candidates:
         fits = "yes" if m.peak_disk <= r.budget else "no"
-        lines.append(f"| {m.mode} | {m.split.target} | {m.split.drafter} | {_hours(m.wall_hours)} | "
-                     f"{m.peak_disk / 1e12:.2f} | {fits} |")
+        lines.append(
+            f"| {m.mode} | {m.split.target} | {m.split.drafter} | {_hours(m.wall_hours)} | "
+            f"{m.peak_disk / 1e12:.2f} | {fits} |"
+        )
     lines += [f"  not planned, {k}: {why}" for k, why in r.refused.items()]
     b = r.best
     if b is None:
         return [*lines, "recommended: none (some stages run without a GPU rate)"]
     floor = r.floor_hours
-    lines += [f"recommended: hidden.mode {b.mode}, gpus.target {b.split.target}, gpus.drafter "
-              f"{b.split.drafter}: {b.wall_hours:.1f} h wall, {human_bytes(b.peak_disk)} of hidden states "
-              "on disk",
-              f"floor: {b.gpu_hours:,.1f} GPU-hours of regeneration, precompute, training and evaluation "
-              f"over {r.gpus} GPUs = {floor:.1f} h; the recommendation reaches {floor / b.wall_hours:.2f} of "
-              "it"]
+    lines += [
+        f"recommended: hidden.mode {b.mode}, gpus.target {b.split.target}, gpus.drafter "
+        f"{b.split.drafter}: {b.wall_hours:.1f} h wall, {human_bytes(b.peak_disk)} of hidden states "
+        "on disk",
+        f"floor: {b.gpu_hours:,.1f} GPU-hours of regeneration, precompute, training and evaluation "
+        f"over {r.gpus} GPUs = {floor:.1f} h; the recommendation reaches {floor / b.wall_hours:.2f} of "
+        "it",
+    ]
     hours, disk = GOAL_RECOMMENDED
     verdict = "met" if b.wall_hours <= hours and b.peak_disk <= disk else "NOT met"
-    lines.append(f"goal (recommended <= {hours:.0f} h wall and <= {human_bytes(disk)} of hidden states): "
-                 f"{verdict}, {b.wall_hours:.1f} h and {human_bytes(b.peak_disk)}")
+    lines.append(
+        f"goal (recommended <= {hours:.0f} h wall and <= {human_bytes(disk)} of hidden states): "
+        f"{verdict}, {b.wall_hours:.1f} h and {human_bytes(b.peak_disk)}"
+    )
     return lines
 
 
@@ -324,28 +401,56 @@ def render_recommendation(r: Recommendation) -> list[str]:
 def main(argv=None):
     from .estimate import MAX_GPUS  # the most GPUs the planner plans for
 
-    ap = argparse.ArgumentParser(prog="python -m flashdraft.plan", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configfile", required=True, nargs="+",
-                    help="the config the workflow will run with (several: each on top of the one before)")
-    ap.add_argument("--results", default=None,
-                    help="results of stages already run (token statistics); default: the config's `results`")
-    ap.add_argument("--gpus", type=int, default=None,
-                    help="GPUs the one-GPU jobs (regeneration, precompute, evaluation) share at once, "
-                         "e.g. the node's (the profile's gpu resource), and the GPUs the recommendation "
-                         f"splits (at most {MAX_GPUS:,}); default: gpus.target")
-    ap.add_argument("--disk-budget", default=None,
-                    help="bytes of hidden states allowed on disk at once, e.g. 2TB; default: "
-                         f"hidden.disk_budget, else {human_bytes(DEFAULT_DISK_BUDGET)}")
-    ap.add_argument("--target-config", default=None,
-                    help="the target's config.json when target.path does not hold it yet, or a preset of "
-                         "flashdraft.shapes (qwen3-8b, toy)")
-    ap.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
-                    help="GiB of memory of one GPU to plan for; default: gpus.memory_gib, else the visible "
-                         "GPU's, else an 80 GB H100's")
-    ap.add_argument("--json", default=None, metavar="PATH",
-                    help="also write both modes, the recommendation and the floor as JSON to PATH "
-                         "(-: print only that)")
+    ap = argparse.ArgumentParser(
+        prog="python -m flashdraft.plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--configfile",
+        required=True,
+        nargs="+",
+        help="the config the workflow will run with (several: each on top of the one before)",
+    )
+    ap.add_argument(
+        "--results",
+        default=None,
+        help="results of stages already run (token statistics); default: the config's `results`",
+    )
+    ap.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs the one-GPU jobs (regeneration, precompute, evaluation) share at once, "
+        "e.g. the node's (the profile's gpu resource), and the GPUs the recommendation "
+        f"splits (at most {MAX_GPUS:,}); default: gpus.target",
+    )
+    ap.add_argument(
+        "--disk-budget",
+        default=None,
+        help="bytes of hidden states allowed on disk at once, e.g. 2TB; default: "
+        f"hidden.disk_budget, else {human_bytes(DEFAULT_DISK_BUDGET)}",
+    )
+    ap.add_argument(
+        "--target-config",
+        default=None,
+        help="the target's config.json when target.path does not hold it yet, or a preset of "
+        "flashdraft.shapes (qwen3-8b, toy)",
+    )
+    ap.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="GiB of memory of one GPU to plan for; default: gpus.memory_gib, else the visible "
+        "GPU's, else an 80 GB H100's",
+    )
+    ap.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write both modes, the recommendation and the floor as JSON to PATH (-: print only that)",
+    )
     a = ap.parse_args(argv)
     if a.gpus is not None and not 0 <= a.gpus <= MAX_GPUS:
         raise UserError(f"--gpus {a.gpus}: give a GPU count from 0 to {MAX_GPUS:,} (the planner's limit)")
@@ -358,8 +463,10 @@ def main(argv=None):
     target = read_shapes(a.target_config) if a.target_config else None
     cfg = load(a.configfile, target=target)
     if a.gpus is None and cfg.gpus.target > MAX_GPUS:
-        raise UserError(f"config key gpus.target: {cfg.gpus.target} GPUs, past the planner's limit of "
-                        f"{MAX_GPUS:,}; plan fewer with --gpus")
+        raise UserError(
+            f"config key gpus.target: {cfg.gpus.target} GPUs, past the planner's limit of "
+            f"{MAX_GPUS:,}; plan fewer with --gpus"
+        )
     if a.gpu_memory is not None and a.gpu_memory <= 0:
         raise UserError(f"--gpu-memory {a.gpu_memory}: give the GiB of one GPU, e.g. 80")
     card = None if a.gpu_memory is None else (int(a.gpu_memory * memory.GIB), "--gpu-memory")

@@ -95,9 +95,16 @@ class Features(NamedTuple):
 
 
 @torch.inference_mode()
-def forward_features(model, batch_ids: list[list[int]], layer_ids: list[int], dtype: str | StorageDtype,
-                     pad_id: int, copy_stream=None, host_rows: int | None = None,
-                     last_hidden: bool = False) -> Features:
+def forward_features(
+    model,
+    batch_ids: list[list[int]],
+    layer_ids: list[int],
+    dtype: str | StorageDtype,
+    pad_id: int,
+    copy_stream=None,
+    host_rows: int | None = None,
+    last_hidden: bool = False,
+) -> Features:
     """Target features of a batch, packed: [T, K*H] in the storage dtype with the rows' T tokens back to
     back (no padding), their float32 scales [T] for fp8; with `last_hidden`, the target's last hidden
     state (after its final norm: what its LM head reads) [T, H] too, quantized on its own for fp8.
@@ -233,8 +240,16 @@ def write_shard(model, samples, out_arrow, meta: ShardMeta, batch_tokens: int, p
             for batch in token_batches(lengths, batch_tokens):
                 rows = [samples[i] for i in batch]
                 ids = [r[1] for r in rows]
-                feats = forward_features(model, ids, meta.target_layer_ids, meta.dtype, pad_id, copy_stream,
-                                         host_rows=batch_tokens, last_hidden=meta.last_hidden)
+                feats = forward_features(
+                    model,
+                    ids,
+                    meta.target_layer_ids,
+                    meta.dtype,
+                    pad_id,
+                    copy_stream,
+                    host_rows=batch_tokens,
+                    last_hidden=meta.last_hidden,
+                )
                 io_thread.put((rows, feats))
                 bar.update(sum(lengths[i] for i in batch))
         except BaseException:
@@ -245,8 +260,12 @@ def write_shard(model, samples, out_arrow, meta: ShardMeta, batch_tokens: int, p
         t_loop = time.perf_counter()
         io_thread.close()
     # where the time went: a forward that waits on the writer is disk- (or checksum-) bound
-    writer.timing = {"seconds": time.perf_counter() - t_start, "loop_s": t_loop - t_start,
-                     "waited_on_writer_s": io_thread.wait_s, "writer_busy_s": io_thread.busy_s}
+    writer.timing = {
+        "seconds": time.perf_counter() - t_start,
+        "loop_s": t_loop - t_start,
+        "waited_on_writer_s": io_thread.wait_s,
+        "writer_busy_s": io_thread.busy_s,
+    }
     return writer
 
 
@@ -269,22 +288,48 @@ def hidden_shard(
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
     model, tokenizer = load_target(str(target.path), target.dtype, device())
-    samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards,
-                                                 hidden_cfg.max_length)
+    samples, truncated, skipped = tokenize_shard(
+        tokenizer, data_parquet, shard, num_shards, hidden_cfg.max_length
+    )
     counts = {"shard": shard, "num_shards": num_shards, "truncated": truncated, "skipped": skipped}
-    return write_hidden(model, tokenizer, target.path, samples, out_arrow, hidden_cfg, drafter_cfg,
-                        desc=f"hidden shard {shard}/{num_shards}", counts=counts, manifest=manifest,
-                        last_hidden=last_hidden)
+    return write_hidden(
+        model,
+        tokenizer,
+        target.path,
+        samples,
+        out_arrow,
+        hidden_cfg,
+        drafter_cfg,
+        desc=f"hidden shard {shard}/{num_shards}",
+        counts=counts,
+        manifest=manifest,
+        last_hidden=last_hidden,
+    )
 
 
-def write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg: HiddenConfig,
-                 drafter_cfg: DrafterConfig, desc: str, counts: dict, manifest=None,
-                 last_hidden: bool = False) -> dict:
+def write_hidden(
+    model,
+    tokenizer,
+    target_path,
+    samples,
+    out_arrow,
+    hidden_cfg: HiddenConfig,
+    drafter_cfg: DrafterConfig,
+    desc: str,
+    counts: dict,
+    manifest=None,
+    last_hidden: bool = False,
+) -> dict:
     """Forward `samples` [(id, input_ids, loss_mask)] through the loaded target and write the drafter's
     features (and with `last_hidden` the target's last hidden state) to the shard `out_arrow` and its
     manifest (which adds `counts`); returns the manifest."""
-    meta = ShardMeta(target=str(target_path), target_layer_ids=feature_layer_ids(model.config, drafter_cfg),
-                     hidden_size=model.config.hidden_size, dtype=hidden_cfg.dtype, last_hidden=last_hidden)
+    meta = ShardMeta(
+        target=str(target_path),
+        target_layer_ids=feature_layer_ids(model.config, drafter_cfg),
+        hidden_size=model.config.hidden_size,
+        dtype=hidden_cfg.dtype,
+        last_hidden=last_hidden,
+    )
     lengths = [len(s[1]) for s in samples]
     preflight(sum(lengths), meta, Path(out_arrow).parent, hidden_cfg.disk_margin)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked, right side
@@ -296,7 +341,9 @@ def write_hidden(model, tokenizer, target_path, samples, out_arrow, hidden_cfg: 
             raise
         raise disk_full_error(out_arrow) from e
     t = writer.timing
-    log(f"{desc}: {writer.tokens} tokens in {t['seconds']:.1f} s "
+    log(
+        f"{desc}: {writer.tokens} tokens in {t['seconds']:.1f} s "
         f"({writer.tokens / max(t['seconds'], 1e-9):.0f} tok/s); the forward waited "
-        f"{t['waited_on_writer_s']:.1f} s on the writer thread, which was busy {t['writer_busy_s']:.1f} s")
+        f"{t['waited_on_writer_s']:.1f} s on the writer thread, which was busy {t['writer_busy_s']:.1f} s"
+    )
     return write_manifest(manifest or manifest_path(out_arrow), writer, **counts)

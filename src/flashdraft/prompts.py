@@ -178,8 +178,13 @@ class TargetFit:
                 raise Rejected(self.too_long)
 
 
-def _read_pool(cfg: PromptsConfig, spool: str, rejects: _Rejects, need_answers: bool = False,
-               fit: TargetFit | None = None):
+def _read_pool(
+    cfg: PromptsConfig,
+    spool: str,
+    rejects: _Rejects,
+    need_answers: bool = False,
+    fit: TargetFit | None = None,
+):
     """Pass 1: read, clean and exact-dedup every source; kept rows go to the spool file in order.
     `need_answers`: rows without an assistant answer are rejected (nothing will answer them). `fit`: rows
     whose prompt does not fit the target are rejected (tokenized once per new prompt: a duplicate of a kept
@@ -295,8 +300,9 @@ def _write(pool, base: np.ndarray, tpl: np.ndarray, templates: list[str], path):
             w.write_table(chunk)
 
 
-def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False, target=None,
-           thinking: bool = False) -> dict:
+def expand(
+    cfg: PromptsConfig, out_dir: str, need_answers: bool = False, target=None, thinking: bool = False
+) -> dict:
     """Read, clean, dedup (exact, then near) and mix every source; write train/eval/rejects parquet,
     stats.json and stats.parquet.
 
@@ -323,8 +329,11 @@ def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False, target=
             finally:
                 rejects.close()
         # an empty file is most likely a failed download or export: say so instead of mixing without it
-        warnings = [f"source {s.name!r}: {s.path} has no rows; it contributes no prompts"
-                    for s in cfg.sources if stats[s.name]["read"] == 0]
+        warnings = [
+            f"source {s.name!r}: {s.path} has no rows; it contributes no prompts"
+            for s in cfg.sources
+            if stats[s.name]["read"] == 0
+        ]
         for w in warnings:
             log(f"warning: {w}")
         near = near_duplicates(sig, cfg.near_dup_threshold) if sig is not None else np.zeros(len(src), bool)
@@ -340,10 +349,17 @@ def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False, target=
         picked = np.concatenate([_rng(cfg.seed, n).permutation(p)[: quota[n]] for n, p in pools.items()])
         if not len(picked):
             # the reasons in the line itself: a failed job's outputs (rejects.parquet too) are removed
-            keys = {"too short": f"under prompts.min_chars {cfg.min_chars}",
-                    "too long": f"over prompts.max_chars {cfg.max_chars}"}
-            top = "; ".join(f"{n} {r}" + (f" ({keys[r]})" if r in keys else "")
-                            for r, n in rejects.reasons.most_common(3)) or "no rows read"
+            keys = {
+                "too short": f"under prompts.min_chars {cfg.min_chars}",
+                "too long": f"over prompts.max_chars {cfg.max_chars}",
+            }
+            top = (
+                "; ".join(
+                    f"{n} {r}" + (f" ({keys[r]})" if r in keys else "")
+                    for r, n in rejects.reasons.most_common(3)
+                )
+                or "no rows read"
+            )
             raise UserError(f"no usable prompt in any source (rejected: {top})")
         picked = _rng(cfg.seed, "mix").permutation(picked)
         n_eval = min(cfg.eval_count, len(picked) // 2)  # a small pool still leaves half for training
@@ -383,7 +399,8 @@ def expand(cfg: PromptsConfig, out_dir: str, need_answers: bool = False, target=
     }
     if fit is not None:  # what the prompts were measured against, and how many did not fit
         summary["target"] = {
-            "path": str(target), "max_position_embeddings": fit.limit,
+            "path": str(target),
+            "max_position_embeddings": fit.limit,
             "too_long": sum(st["rejected"].get(fit.too_long, 0) for st in stats.values()),
         }
     if warnings:

@@ -19,8 +19,9 @@ class Proposer:
         where it has any (CUDA-graph steps), else itself."""
         return self
 
-    def propose(self, tokens: list[int], new_features, max_draft: int, temperature: float,
-                generator) -> tuple[list[int], torch.Tensor | None]:
+    def propose(
+        self, tokens: list[int], new_features, max_draft: int, temperature: float, generator
+    ) -> tuple[list[int], torch.Tensor | None]:
         """At most `max_draft` draft tokens after `tokens`, and their distributions at T > 0 (None: the
         drafts are certain, as greedy or a lookup gives them). new_features: the target's features of
         the positions verified since the last call."""

@@ -40,8 +40,18 @@ from .target import generate, load_for_generate
 
 FLUSH_S = 30.0  # openai backend: commit a part at least this often, so a crash loses little
 # settings of how to reach the server, not of what it answers: changing them keeps committed parts
-TRANSPORT_KEYS = ("base_url", "api_key_env", "concurrency", "max_retries", "timeout_s", "backoff_s",
-                  "server_cmd", "server_gpus", "server_port", "server_timeout_s")
+TRANSPORT_KEYS = (
+    "base_url",
+    "api_key_env",
+    "concurrency",
+    "max_retries",
+    "timeout_s",
+    "backoff_s",
+    "server_cmd",
+    "server_gpus",
+    "server_port",
+    "server_timeout_s",
+)
 # settings of how the answers are computed and committed, not of what they are: they keep committed parts
 ENGINE_KEYS = ("engine", "batch_size", "shards", "part_rows", "retry_failed")
 
@@ -61,8 +71,13 @@ class Regenerated:
 
     @classmethod
     def answered(cls, row: dict, prompt: list[dict], answer: str, n_tokens: int, finish: str) -> Regenerated:
-        return cls(row["id"], row["source"], prompt + [{"role": "assistant", "content": answer.strip()}],
-                   n_tokens, finish)
+        return cls(
+            row["id"],
+            row["source"],
+            prompt + [{"role": "assistant", "content": answer.strip()}],
+            n_tokens,
+            finish,
+        )
 
     @classmethod
     def failed(cls, row: dict, reason: str, cause: str) -> Regenerated:
@@ -83,12 +98,22 @@ def parts_schema(error: bool):
     return pa.schema(fields + ([("error", pa.string()), ("cause", pa.string())] if error else []))
 
 
-def generate_batch(model, tokenizer, rows: list[dict], cfg: RegenerateConfig,
-                   eos: list[int]) -> list[Regenerated]:
+def generate_batch(
+    model, tokenizer, rows: list[dict], cfg: RegenerateConfig, eos: list[int]
+) -> list[Regenerated]:
     """Answer a batch of prompt rows."""
     prompts = [prompt_messages(r["messages"]) for r in rows]
-    out = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, cfg.thinking, eos,
-                   cfg.top_p, cfg.top_k)
+    out = generate(
+        model,
+        tokenizer,
+        prompts,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.thinking,
+        eos,
+        cfg.top_p,
+        cfg.top_k,
+    )
     return [
         Regenerated.answered(row, prompt, answer, n, finish)
         for row, prompt, (answer, _, n, finish) in zip(rows, prompts, out, strict=True)
@@ -142,8 +167,10 @@ def _past_positions(model, n: int, cfg: RegenerateConfig) -> str | None:
     limit = getattr(model.config, "max_position_embeddings", None)
     if not past_positions(n, cfg.max_new_tokens, limit):
         return None
-    return (f"longer than the target's positions: the prompt is {n} tokens, with regenerate.max_new_tokens "
-            f"({cfg.max_new_tokens}) {n + cfg.max_new_tokens}, over its max_position_embeddings ({limit})")
+    return (
+        f"longer than the target's positions: the prompt is {n} tokens, with regenerate.max_new_tokens "
+        f"({cfg.max_new_tokens}) {n + cfg.max_new_tokens}, over its max_position_embeddings ({limit})"
+    )
 
 
 def _run_hf(cfg, target, dtype, todo: Pending) -> Answered:
@@ -167,8 +194,9 @@ def _run_hf(cfg, target, dtype, todo: Pending) -> Answered:
     too_long = [r for r in pending if _past_positions(model, lengths[r["id"]], cfg)]
     if too_long:  # recorded and counted, like any prompt that cannot be answered; in a part of their own,
         # so the batches' parts stay as an uninterrupted run forms them
-        parts.add([Regenerated.failed(r, _past_positions(model, lengths[r["id"]], cfg), "prompt")
-                   for r in too_long])
+        parts.add(
+            [Regenerated.failed(r, _past_positions(model, lengths[r["id"]], cfg), "prompt") for r in too_long]
+        )
         parts.flush()
         todo.bar.update(len(too_long))
         dropped = {r["id"] for r in too_long}
@@ -213,11 +241,14 @@ def _run_static(cfg, model, tokenizer, eos, todo: Pending) -> Answered:
     max_len = max(map(len, ids)) + cfg.max_new_tokens
     slots = cfg.batch_size or (auto_slots(model, max_len) if model.device.type == "cuda" else 32)
     slots = min(slots, len(rows))
-    decoder = SlotDecoder(model, slots, max_len, eos, tokenizer.pad_token_id, cfg.temperature,
-                          top_p=cfg.top_p, top_k=cfg.top_k)
-    log(f"regenerate: static-cache engine, {slots} slots of {decoder.max_len} positions, "
+    decoder = SlotDecoder(
+        model, slots, max_len, eos, tokenizer.pad_token_id, cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k
+    )
+    log(
+        f"regenerate: static-cache engine, {slots} slots of {decoder.max_len} positions, "
         f"CUDA graphs {'on' if decoder.graphs.on else 'off'}, "
-        f"compiled step {'on' if decoder.compiled else 'off'}")
+        f"compiled step {'on' if decoder.compiled else 'off'}"
+    )
     parts.flush_s = FLUSH_S
     t = time.monotonic()
     decoder.prepare()  # a one-off per job, reported apart from the decode rate
@@ -269,7 +300,9 @@ def _run_openai(cfg, target, dtype, todo: Pending, server_gone=None) -> Answered
     from transformers import AutoTokenizer
 
     if not cfg.base_url:
-        raise UserError("regenerate.backend 'openai' needs regenerate.base_url, e.g. http://127.0.0.1:8000/v1")
+        raise UserError(
+            "regenerate.backend 'openai' needs regenerate.base_url, e.g. http://127.0.0.1:8000/v1"
+        )
     tokenizer, lock = AutoTokenizer.from_pretrained(target), threading.Lock()
 
     def count(text):  # fast tokenizers are not thread-safe
@@ -325,8 +358,9 @@ BACKENDS = {"hf": _run_hf, "openai": _run_openai, "server": _run_server}
 
 
 def _managed_server(cfg: RegenerateConfig, target: str, work: Path):
-    return ManagedServer(cfg.server_cmd, target, cfg.server_gpus, cfg.server_port, cfg.server_timeout_s,
-                         work / "server.log")
+    return ManagedServer(
+        cfg.server_cmd, target, cfg.server_gpus, cfg.server_port, cfg.server_timeout_s, work / "server.log"
+    )
 
 
 def _part_number(path: Path) -> int:
@@ -402,16 +436,28 @@ def _prepare_work_dir(work: Path, key: dict, before: dict | None = None) -> None
         write_json(meta, key)
 
 
-def _finish(rows: list[dict], errors: list[dict], out: str, max_fraction: float,
-            total: int | None = None, err_path=None, work: Path | None = None) -> dict:
+def _finish(
+    rows: list[dict],
+    errors: list[dict],
+    out: str,
+    max_fraction: float,
+    total: int | None = None,
+    err_path=None,
+    work: Path | None = None,
+) -> dict:
     err_path = err_path or Path(out).parent / "errors.parquet"
     err_schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("reason", pa.string())])
     write_parquet(pa.Table.from_pylist(errors, schema=err_schema), err_path)
     total = total or len(rows) + len(errors)
     if errors and len(errors) > max_fraction * total:
-        again = "" if work is None else (
-            f"; the answers so far are kept in {work}/: fix the cause and rerun ({rerun_command()}), which "
-            "retries the rows the server failed (regenerate.retry_failed: true retries every failed row)"
+        again = (
+            ""
+            if work is None
+            else (
+                f"; the answers so far are kept in {work}/: fix the cause and rerun "
+                f"({rerun_command()}), which "
+                "retries the rows the server failed (regenerate.retry_failed: true retries every failed row)"
+            )
         )
         raise UserError(
             f"{len(errors)} of {total} rows failed (> {max_fraction:.0%}, regenerate.max_error_fraction); "
@@ -422,8 +468,9 @@ def _finish(rows: list[dict], errors: list[dict], out: str, max_fraction: float,
     return {"rows": len(rows), "errors": len(errors), "stop": stop, "length": len(rows) - stop}
 
 
-def copy_original(prompt_rows: list[dict], tokenizer, out: str, max_error_fraction: float,
-                  err_path=None) -> dict:
+def copy_original(
+    prompt_rows: list[dict], tokenizer, out: str, max_error_fraction: float, err_path=None
+) -> dict:
     """Regeneration disabled: keep each conversation's own answers (rows without one become errors)."""
     rows, errors = [], []
     for r in prompt_rows:
@@ -443,8 +490,14 @@ def copy_original(prompt_rows: list[dict], tokenizer, out: str, max_error_fracti
 
 
 def regenerate(
-    cfg: RegenerateConfig, target: TargetConfig, prompts_path: str, out: str, work_dir: str,
-    shard: int = 0, num_shards: int = 1, errors_path=None,
+    cfg: RegenerateConfig,
+    target: TargetConfig,
+    prompts_path: str,
+    out: str,
+    work_dir: str,
+    shard: int = 0,
+    num_shards: int = 1,
+    errors_path=None,
 ) -> dict:
     """Answer the prompts of `prompts_path` in shard `shard` of `num_shards` (`shards.shard_of`, the
     assignment the hidden-state shards use) with the target (`target.path`, run in `target.dtype`); write
@@ -460,20 +513,30 @@ def regenerate(
     if not cfg.enabled:
         from transformers import AutoTokenizer
 
-        return copy_original(prompt_rows, AutoTokenizer.from_pretrained(path), out, cfg.max_error_fraction,
-                             errors_path)
+        return copy_original(
+            prompt_rows, AutoTokenizer.from_pretrained(path), out, cfg.max_error_fraction, errors_path
+        )
     if cfg.backend not in BACKENDS:
-        raise ValueError(f"regenerate.backend {cfg.backend!r} is not supported; use one of "
-                         f"{', '.join(map(repr, BACKENDS))}")
+        raise ValueError(
+            f"regenerate.backend {cfg.backend!r} is not supported; use one of "
+            f"{', '.join(map(repr, BACKENDS))}"
+        )
 
     work = Path(work_dir)
     # keys added later are left out at their unset value, as in the stage's params: parts stay ours
-    key = {k: v for k, v in stage_params("regenerate", json.loads(to_json(cfg))).items()
-           if k not in TRANSPORT_KEYS + ENGINE_KEYS}
+    key = {
+        k: v
+        for k, v in stage_params("regenerate", json.loads(to_json(cfg))).items()
+        if k not in TRANSPORT_KEYS + ENGINE_KEYS
+    }
     # before keys held the resolved paths of the target and the prompts: a work dir of that kind is
     # still ours when those paths match
-    before = {"target": str(Path(path).resolve()), "dtype": dtype, "cfg": key,
-              "prompts": str(Path(prompts_path).resolve())}
+    before = {
+        "target": str(Path(path).resolve()),
+        "dtype": dtype,
+        "cfg": key,
+        "prompts": str(Path(prompts_path).resolve()),
+    }
     _prepare_work_dir(work, work_key(path, dtype, key, [r["id"] for r in prompt_rows]), before)
     done = [r for r in _read_parts(work, set(order)) if not _retried(r, cfg.retry_failed)]
     done_ids = {r["id"] for r in done}
@@ -483,8 +546,14 @@ def regenerate(
         parts = _Parts(work, cfg.part_rows)
         desc = f"regenerate {shard}/{num_shards}" if num_shards > 1 else "regenerate"
         bar = progress(total=len(prompt_rows), initial=len(done), desc=desc, unit="prompt")
-        todo = Pending(pending, order, parts, bar, sum(r["error"] is not None for r in done),
-                       cfg.max_error_fraction * len(prompt_rows))
+        todo = Pending(
+            pending,
+            order,
+            parts,
+            bar,
+            sum(r["error"] is not None for r in done),
+            cfg.max_error_fraction * len(prompt_rows),
+        )
         try:
             answered = BACKENDS[cfg.backend](cfg, path, dtype, todo)
         finally:

@@ -68,10 +68,21 @@ def serve_commands(target: str, drafter: str, config: dict) -> dict[str, str]:
     info = FAMILIES[family_name_of_export(config)]
     block = int(config["block_size"])
     spec = {"method": info.vllm_method, "model": drafter, "num_speculative_tokens": info.drafts(block)}
-    sglang = ["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm",
-              info.sglang_algorithm, "--speculative-draft-model-path", drafter]
-    return {"vLLM": shlex.join(["vllm", "serve", target, "--speculative-config", json.dumps(spec)]),
-            "SGLang": shlex.join(sglang)}
+    sglang = [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        target,
+        "--speculative-algorithm",
+        info.sglang_algorithm,
+        "--speculative-draft-model-path",
+        drafter,
+    ]
+    return {
+        "vLLM": shlex.join(["vllm", "serve", target, "--speculative-config", json.dumps(spec)]),
+        "SGLang": shlex.join(sglang),
+    }
 
 
 def run_section(metrics_csv, target=None, drafter_dir=None, checkpoints=None) -> str:
@@ -97,13 +108,15 @@ def run_section(metrics_csv, target=None, drafter_dir=None, checkpoints=None) ->
     config = Path(drafter_dir) / "config.json" if drafter_dir is not None else None
     if target is None or config is None or not config.exists():
         return out + note("no drafter export to serve (the report was given no target or drafter)")
-    cmds = serve_commands(str(Path(target).resolve()), str(Path(drafter_dir).resolve()),
-                          json.loads(config.read_text()))
+    cmds = serve_commands(
+        str(Path(target).resolve()), str(Path(drafter_dir).resolve()), json.loads(config.read_text())
+    )
     out += "<h2>Serve it</h2>"
     for engine, cmd in cmds.items():
         out += f"<p>{engine}:</p><pre>{html.escape(cmd)}</pre>"
-    return out + note("Engine versions that load each family's format: docs/outputs.md, "
-                      "\"Serving the drafter\".")
+    return out + note(
+        'Engine versions that load each family\'s format: docs/outputs.md, "Serving the drafter".'
+    )
 
 
 def eval_section(eval_dir) -> str:
@@ -115,13 +128,30 @@ def eval_section(eval_dir) -> str:
     drafters = {k: v for k, v in summary.items() if k != "target_only"}
     rows = [["target_only", 1.0, 1.0, None, base, 1.0, None, None, None]]
     rows += [
-        [k, v.get("tau_pooled"), v.get("tau_prompt_mean"), v.get("prompts"), v.get("tokens_per_s"),
-         v.get("speedup"), v.get("lossless_all"), v.get("exact_match_rate"),
-         None if v.get("mismatches") is None else f"{v['mismatches']} ({v.get('numerical_ties')})"]
+        [
+            k,
+            v.get("tau_pooled"),
+            v.get("tau_prompt_mean"),
+            v.get("prompts"),
+            v.get("tokens_per_s"),
+            v.get("speedup"),
+            v.get("lossless_all"),
+            v.get("exact_match_rate"),
+            None if v.get("mismatches") is None else f"{v['mismatches']} ({v.get('numerical_ties')})",
+        ]
         for k, v in drafters.items()
     ]
-    header = ["drafter", "tau pooled", "tau mean of prompts", "prompts", "tokens/s", "speedup", "lossless",
-              "exact match", "differing (numerical ties)"]
+    header = [
+        "drafter",
+        "tau pooled",
+        "tau mean of prompts",
+        "prompts",
+        "tokens/s",
+        "speedup",
+        "lossless",
+        "exact match",
+        "differing (numerical ties)",
+    ]
     first = summary.get("target_only", {}).get("temperature")
     at = "" if first is None else f" at temperature {first:g}"
     out = f"<h2>Evaluation</h2><p>Decoded{at}:</p>" + table(header, rows)
@@ -168,18 +198,26 @@ def temperatures_table(summary: dict) -> str:
     if len(temps) < 2:
         return ""
     keys = {"tau_pooled": "tau pooled", "tau_prompt_mean": "tau mean of prompts", "speedup": "speedup"}
-    rows = [[k, *(v["by_temperature"][t].get(m) for t in temps for m in keys)]
-            for k, v in summary.items() if k != "target_only"]
+    rows = [
+        [k, *(v["by_temperature"][t].get(m) for t in temps for m in keys)]
+        for k, v in summary.items()
+        if k != "target_only"
+    ]
     header = ["drafter", *(f"{what} T={t}" for t in temps for what in keys.values())]
-    return ("<h3>tau by temperature</h3>" + table(header, rows) + "<p>T=0: greedy; above: sampled from the "
-            "target's softmax at T, drafts accepted by rejection sampling (the output keeps the target's "
-            "distribution); the DSpark paper reports T=1.</p>")
+    return (
+        "<h3>tau by temperature</h3>" + table(header, rows) + "<p>T=0: greedy; above: sampled from the "
+        "target's softmax at T, drafts accepted by rejection sampling (the output keeps the target's "
+        "distribution); the DSpark paper reports T=1.</p>"
+    )
 
 
 def divergences_table(drafters: dict) -> str:
     """Where each differing output first left the target's, folded away (empty when none differ)."""
-    rows = [[k, d["id"], d["position"], d["logit_gap"], d["numerical_tie"]]
-            for k, v in drafters.items() for d in v.get("divergences") or []]
+    rows = [
+        [k, d["id"], d["position"], d["logit_gap"], d["numerical_tie"]]
+        for k, v in drafters.items()
+        for d in v.get("divergences") or []
+    ]
     if not rows:
         return ""
     header = ["drafter", "prompt", "first divergence (new token)", "target logit gap", "numerical tie"]
@@ -208,7 +246,8 @@ def per_prompt_section(eval_dir) -> str:
     names = [c for c in tau.columns if not c.startswith("target_only")]
     greedy = df[(df["drafter"] != "target_only") & (df["temperature"] == 0)]
     lossless = greedy.groupby("id", sort=False)["lossless"].agg(
-        lambda x: None if x.isna().any() else bool(x.all()))
+        lambda x: None if x.isna().any() else bool(x.all())
+    )
     new = first[first["drafter"] == "target_only"].set_index("id")["new_tokens"]
     rows = [[i, new.get(i), *(tau.at[i, c] for c in names), lossless.get(i)] for i in tau.index]
     header = ["prompt", "new tokens", *(f"tau {c}" for c in names), "lossless (greedy)"]
@@ -256,8 +295,11 @@ def training_section(metrics_csv) -> str:
     ax.set(xlabel="step", ylabel="draft accuracy", ylim=(0, 1.02))
     ax.legend()
     out += img(fig, "train-acc", "training accuracy per step")
-    cols = [c for c in ["step", "epoch", "loss", "acc", "sim_tau", "expected_tau", "lr", "tokens_per_s"]
-            if c in df]
+    cols = [
+        c
+        for c in ["step", "epoch", "loss", "acc", "sim_tau", "expected_tau", "lr", "tokens_per_s"]
+        if c in df
+    ]
     last = [
         df[c].iloc[-1].item() for c in cols
     ]  # per column: a row of mixed dtypes would turn ints to floats
@@ -265,14 +307,16 @@ def training_section(metrics_csv) -> str:
     if len(val):
         vcols = [c for c in ["step", "val_loss", "val_acc", "val_sim_tau", "val_expected_tau"] if c in val]
         out += "<h3>Validation</h3>" + table(vcols, [[r[c] for c in vcols] for _, r in val.iterrows()])
-        out += ("<p>Both taus are teacher-forced, per anchored block of the held-out samples. sim_tau: the "
-                "drafts the drafter's greedy picks get right up to the first miss, + the bonus token. "
-                "expected_tau (DeepSpec's tau_probabilistic): the tokens a verify step emits on average when "
-                "the drafter samples at T=1, 1 + the sum over draft positions of the product of the "
-                "acceptance probabilities up to it, each 1 - the total variation distance between the "
-                "drafter's and the target's distributions: dspark against the target's own distribution, "
-                "dflash, whose hidden shards hold none, against the stored token (the drafter's probability "
-                "of it).</p>")
+        out += (
+            "<p>Both taus are teacher-forced, per anchored block of the held-out samples. sim_tau: the "
+            "drafts the drafter's greedy picks get right up to the first miss, + the bonus token. "
+            "expected_tau (DeepSpec's tau_probabilistic): the tokens a verify step emits on average when "
+            "the drafter samples at T=1, 1 + the sum over draft positions of the product of the "
+            "acceptance probabilities up to it, each 1 - the total variation distance between the "
+            "drafter's and the target's distributions: dspark against the target's own distribution, "
+            "dflash, whose hidden shards hold none, against the stored token (the drafter's probability "
+            "of it).</p>"
+        )
     if exported:
         out += note(f"Exported step {exported['step']} of {exported['last_step']}: {exported['why']}.")
     return out
@@ -388,8 +432,19 @@ def export_plots(doc: str, plots_dir) -> list[str]:
     return ids
 
 
-def build_report(out, eval_dir, metrics_csv, prompt_stats, benchmarks_dir, plots_dir=None, hidden_dir=None,
-                 regenerated=None, target=None, drafter_dir=None, checkpoints=None) -> str:
+def build_report(
+    out,
+    eval_dir,
+    metrics_csv,
+    prompt_stats,
+    benchmarks_dir,
+    plots_dir=None,
+    hidden_dir=None,
+    regenerated=None,
+    target=None,
+    drafter_dir=None,
+    checkpoints=None,
+) -> str:
     """Write the report to `out` (atomically), its plots to `plots_dir` if given, and return its HTML."""
     from .io import atomic_path
 

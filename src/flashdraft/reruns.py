@@ -26,8 +26,10 @@ def deleted_line(shards: list[str], command: str) -> str:
     """One line on the deleted `shards` and the plain run (`command`) that makes them again, with what
     depends on them (rule all asks for every shard)."""
     what = f"{shards[0]} and {len(shards) - 1} more" if len(shards) > 1 else shards[0]
-    return (f"{what}: deleted since the run that used it; the plain run makes it again, with what depends on "
-            f"it ({command})")
+    return (
+        f"{what}: deleted since the run that used it; the plain run makes it again, with what depends on "
+        f"it ({command})"
+    )
 
 
 def store_leftovers(hidden_dir) -> str | None:
@@ -38,14 +40,24 @@ def store_leftovers(hidden_dir) -> str | None:
     if not arrows:
         return None
     size = sum(f.stat().st_size for f in files)
-    return (f"{hidden_dir} holds {len(arrows)} store-mode hidden shard(s) ({human_bytes(size)}) that this "
-            f"stream-mode run does not read; to free the space: rm {shlex.quote(str(hidden_dir))}/shard-*")
+    return (
+        f"{hidden_dir} holds {len(arrows)} store-mode hidden shard(s) ({human_bytes(size)}) that this "
+        f"stream-mode run does not read; to free the space: rm {shlex.quote(str(hidden_dir))}/shard-*"
+    )
 
 
 # The stages whose jobs cost GPU hours at production size: a rerun says before its first job when it makes
 # their finished outputs again.
-COSTLY = ("regenerate", "hidden_shard", "hidden_chunk", "hidden_val", "warmup", "train", "train_chunk",
-          "evaluate")
+COSTLY = (
+    "regenerate",
+    "hidden_shard",
+    "hidden_chunk",
+    "hidden_val",
+    "warmup",
+    "train",
+    "train_chunk",
+    "evaluate",
+)
 
 
 def redo_lines(jobs) -> list[str]:
@@ -56,6 +68,8 @@ def redo_lines(jobs) -> list[str]:
         if rule in COSTLY and done:
             counts[rule] += 1
             reasons.setdefault(rule, {}).update(dict.fromkeys(why))  # in order, each once
-    return [f"this run makes {n} finished {rule} output(s) again ({'; '.join(reasons[rule])}); "
-            "`snakemake -n` lists each job's reason before a run"
-            for rule, n in sorted(counts.items(), key=lambda kv: COSTLY.index(kv[0]))]  # in the DAG's order
+    return [
+        f"this run makes {n} finished {rule} output(s) again ({'; '.join(reasons[rule])}); "
+        "`snakemake -n` lists each job's reason before a run"
+        for rule, n in sorted(counts.items(), key=lambda kv: COSTLY.index(kv[0]))
+    ]  # in the DAG's order

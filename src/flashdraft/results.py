@@ -19,8 +19,10 @@ def results_dir() -> Path:
     for d in (CHECKOUT_RESULTS, Path.cwd() / "benchmarks" / "results"):
         if d.is_dir():
             return d
-    raise UserError("benchmarks/results/ not found: the planner reads its measured rates there; run it "
-                    "from a flashdraft checkout")
+    raise UserError(
+        "benchmarks/results/ not found: the planner reads its measured rates there; run it "
+        "from a flashdraft checkout"
+    )
 
 
 @cache

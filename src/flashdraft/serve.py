@@ -45,37 +45,55 @@ def _number(value) -> bool:
 
 def _json_type(value) -> str:
     """What a client sent, in JSON's words."""
-    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
-             dict: "an object", type(None): "null"}
+    names = {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
 def _check_message(i: int, m) -> None:
     """messages[i] is {role: one of ROLES, content: a string of Unicode text}, or ValueError says why."""
     if not isinstance(m, dict):
-        raise ValueError(f"`messages[{i}]` must be an object with a string `role` and `content`, "
-                         f"got {_json_type(m)}")
+        raise ValueError(
+            f"`messages[{i}]` must be an object with a string `role` and `content`, got {_json_type(m)}"
+        )
     for key in ("role", "content"):
         if not isinstance(m.get(key), str):
             got = _json_type(m[key]) if key in m else "none"
             raise ValueError(f"`messages[{i}].{key}` must be a string, got {got}")
     if m["role"] not in ROLES:
-        raise ValueError(f"`messages[{i}].role` must be one of {', '.join(map(repr, ROLES))}, "
-                         f"got {m['role'][:40]!r}")
+        raise ValueError(
+            f"`messages[{i}].role` must be one of {', '.join(map(repr, ROLES))}, got {m['role'][:40]!r}"
+        )
     # JSON's \ud800 escapes decode to lone surrogates: no text a tokenizer can encode
     bad = re.search("[\ud800-\udfff]", m["content"])
     if bad:
-        raise ValueError(f"bad unicode in message {i}: a lone UTF-16 surrogate ({ascii(bad[0])[1:-1]}) in "
-                         "`content`")
+        raise ValueError(
+            f"bad unicode in message {i}: a lone UTF-16 surrogate ({ascii(bad[0])[1:-1]}) in `content`"
+        )
 
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, target: str, host: str = "127.0.0.1", port: int = 8000,
-                 dtype: str = TargetConfig.dtype, name: str | None = None, fail_every: int = 0,
-                 max_tokens_limit: int = MAX_TOKENS_LIMIT, max_body: int = MAX_BODY,
-                 request_timeout: float = REQUEST_TIMEOUT):
+    def __init__(
+        self,
+        target: str,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        dtype: str = TargetConfig.dtype,
+        name: str | None = None,
+        fail_every: int = 0,
+        max_tokens_limit: int = MAX_TOKENS_LIMIT,
+        max_body: int = MAX_BODY,
+        request_timeout: float = REQUEST_TIMEOUT,
+    ):
         self.model, self.tokenizer, self.eos = load_for_generate(target, dtype)
         self.name, self.fail_every = name or target, fail_every
         self.max_tokens_limit, self.max_body = max_tokens_limit, max_body
@@ -97,8 +115,10 @@ class Server(ThreadingHTTPServer):
         if not any(m["role"] == "user" for m in messages):
             raise ValueError("`messages` has no user turn: there is nothing to answer")
         if messages[-1]["role"] == "assistant":  # answered already; continuing an answer is not supported
-            raise ValueError(f"the conversation ends with an assistant turn (messages[{len(messages) - 1}]): "
-                             "there is nothing to answer; end it with a user turn")
+            raise ValueError(
+                f"the conversation ends with an assistant turn (messages[{len(messages) - 1}]): "
+                "there is nothing to answer; end it with a user turn"
+            )
         max_tokens = self._max_tokens(req)
         temperature = req.get("temperature")
         temperature = 1.0 if temperature is None else temperature
@@ -118,17 +138,28 @@ class Server(ThreadingHTTPServer):
         with self.lock:  # the tokenizer is not thread-safe either
             self._check_length(messages, max_tokens, thinking)
             [(answer, n_prompt, n, finish)] = generate(
-                self.model, self.tokenizer, [messages], max_tokens, float(temperature), thinking, self.eos,
-                float(top_p), top_k,
+                self.model,
+                self.tokenizer,
+                [messages],
+                max_tokens,
+                float(temperature),
+                thinking,
+                self.eos,
+                float(top_p),
+                top_k,
             )
         return {
             "object": "chat.completion",
             "model": self.name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
-                         "finish_reason": finish}],
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": finish}
+            ],
             # like vLLM and SGLang, the end-of-turn token that stopped the answer counts as generated
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n + (finish == "stop"),
-                      "total_tokens": n_prompt + n + (finish == "stop")},
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n + (finish == "stop"),
+                "total_tokens": n_prompt + n + (finish == "stop"),
+            },
         }
 
     def _check_length(self, messages: list[dict], max_tokens: int, thinking: bool) -> None:
@@ -140,12 +171,16 @@ class Server(ThreadingHTTPServer):
         text = render(self.tokenizer, messages, add_generation_prompt=True, thinking=thinking)
         n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if n > limit:
-            raise ValueError(f"the prompt is {n} tokens, over the model's max_position_embeddings of "
-                             f"{limit}; shorten the messages")
+            raise ValueError(
+                f"the prompt is {n} tokens, over the model's max_position_embeddings of "
+                f"{limit}; shorten the messages"
+            )
         if n + max_tokens > limit:
-            raise ValueError(f"the prompt ({n} tokens) and max_tokens ({max_tokens}) are {n + max_tokens} "
-                             f"tokens, over the model's max_position_embeddings of {limit}; shorten the "
-                             "messages or lower max_tokens")
+            raise ValueError(
+                f"the prompt ({n} tokens) and max_tokens ({max_tokens}) are {n + max_tokens} "
+                f"tokens, over the model's max_position_embeddings of {limit}; shorten the "
+                "messages or lower max_tokens"
+            )
 
     def _max_tokens(self, req: dict) -> int:
         """max_completion_tokens (the newer name) else max_tokens; absent or null: the default. Checked,
@@ -234,21 +269,27 @@ def _stop(signum, frame):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(
         description="Serve a local HF model over a minimal OpenAI-compatible chat-completions API "
-                    "(greedy by default).")
+        "(greedy by default)."
+    )
     ap.add_argument("--target", required=True, help="HF model directory")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--dtype", default=TargetConfig.dtype)
     ap.add_argument("--name", default=None, help="model name clients send (default: --target)")
     ap.add_argument("--fail-every", type=int, default=0, help="answer every N-th request with 503 (tests)")
-    ap.add_argument("--max-tokens-limit", type=int, default=MAX_TOKENS_LIMIT,
-                    help="largest max_tokens a request may ask for (larger: HTTP 400)")
+    ap.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=MAX_TOKENS_LIMIT,
+        help="largest max_tokens a request may ask for (larger: HTTP 400)",
+    )
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)  # a managed server is stopped with SIGTERM
     srv = None
     try:
-        srv = Server(args.target, args.host, args.port, args.dtype, args.name, args.fail_every,
-                     args.max_tokens_limit)
+        srv = Server(
+            args.target, args.host, args.port, args.dtype, args.name, args.fail_every, args.max_tokens_limit
+        )
         log(f"serving {srv.name} on http://{args.host}:{srv.server_address[1]}/v1")
         srv.serve_forever()
     except KeyboardInterrupt:

@@ -30,8 +30,15 @@ class StaticSession:
 
     static = True  # a cache of fixed size: the drafters' caches can be static too (Proposer.static)
 
-    def __init__(self, model, max_len: int, layer_ids=(), block: int = 1, compiled: bool | None = None,
-                 graphs: bool | None = None):
+    def __init__(
+        self,
+        model,
+        max_len: int,
+        layer_ids=(),
+        block: int = 1,
+        compiled: bool | None = None,
+        graphs: bool | None = None,
+    ):
         dev = model.device
         self.model, self.layer_ids, self.block = model, list(layer_ids), block
         self.compiled = dev.type == "cuda" if compiled is None else compiled
@@ -49,10 +56,12 @@ class StaticSession:
     def _step(self, size: int):
         """ids[:size] at positions pos_t.. : logits [size, V] and features [size, K*H] (or None)."""
         positions = self.pos_t + self.arange[:size]
-        write, attend = self.layers.over_sequence(self.cache.k, self.cache.v, positions, self._mask_mod,
-                                                  self.arange)
-        h, feats = target_step(self.model, self.layers, self.ids[:size], positions, write, attend,
-                               self.layer_ids)
+        write, attend = self.layers.over_sequence(
+            self.cache.k, self.cache.v, positions, self._mask_mod, self.arange
+        )
+        h, feats = target_step(
+            self.model, self.layers, self.ids[:size], positions, write, attend, self.layer_ids
+        )
         return self.head(h), feats
 
     @torch.inference_mode()
@@ -68,8 +77,13 @@ class StaticSession:
         last position [V] and its features [1, n, K*H] (None without layer ids)."""
         self.prepare()
         dev = self.model.device
-        h, feats = prefill(self.model, self.cache, torch.zeros(1, dtype=torch.long, device=dev),
-                           torch.tensor([ids], device=dev), self.layer_ids)
+        h, feats = prefill(
+            self.model,
+            self.cache,
+            torch.zeros(1, dtype=torch.long, device=dev),
+            torch.tensor([ids], device=dev),
+            self.layer_ids,
+        )
         self.pos = len(ids)
         return self.head(h[0, -1]), feats
 
@@ -79,8 +93,10 @@ class StaticSession:
         n = len(tokens)
         size = 1 if n == 1 else self.block
         if not 1 <= n <= self.block or self.pos + size > self.max_len:
-            raise ValueError(f"{n} tokens at position {self.pos}: the session holds blocks of "
-                             f"1..{self.block} tokens within {self.max_len} positions")
+            raise ValueError(
+                f"{n} tokens at position {self.pos}: the session holds blocks of "
+                f"1..{self.block} tokens within {self.max_len} positions"
+            )
         self.prepare()
         self.ids[:n] = torch.tensor(tokens)
         self.pos_t.fill_(self.pos)
@@ -103,8 +119,12 @@ class HFSession:
 
     def _run(self, ids, **kw):
         hs = bool(self.layer_ids)
-        o = self.model(input_ids=torch.tensor([ids], device=self.model.device), past_key_values=self.cache,
-                       output_hidden_states=hs, **kw)
+        o = self.model(
+            input_ids=torch.tensor([ids], device=self.model.device),
+            past_key_values=self.cache,
+            output_hidden_states=hs,
+            **kw,
+        )
         return o.logits[0], select_features(o.hidden_states, self.layer_ids) if hs else None
 
     @torch.no_grad()
@@ -137,16 +157,31 @@ class DraftSession:
     gives the block's hidden states (after the final norm) instead of logits, for a family that picks its
     drafts from them itself (DSpark: the anchor's slot predicts too, and each pick biases the next)."""
 
-    def __init__(self, drafter, embed_weight, lm_head_weight, max_len: int, compiled: bool | None = None,
-                 graphs: bool | None = None, hidden_states: bool = False):
+    def __init__(
+        self,
+        drafter,
+        embed_weight,
+        lm_head_weight,
+        max_len: int,
+        compiled: bool | None = None,
+        graphs: bool | None = None,
+        hidden_states: bool = False,
+    ):
         spec, dev = drafter.spec, drafter.fc.weight.device
         self.drafter, self.spec, self.block = drafter, spec, spec.block_size
         self.embed, self.head, self.hidden_states = embed_weight, lm_head_weight, hidden_states
         self.compiled = dev.type == "cuda" if compiled is None else compiled
         self.max_len = round_len(max_len + 2 * self.block)
-        self.layers = Layers(drafter.layers, eps=spec.rms_norm_eps, heads=spec.num_heads,
-                             kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, act=F.silu,
-                             scaling=spec.head_dim ** -0.5, compiled=self.compiled)
+        self.layers = Layers(
+            drafter.layers,
+            eps=spec.rms_norm_eps,
+            heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            act=F.silu,
+            scaling=spec.head_dim**-0.5,
+            compiled=self.compiled,
+        )
         kv = drafter.context_kv
         self._kv = torch.compile(kv, fullgraph=True, dynamic=False) if self.compiled else kv
         dtype = drafter.fc.weight.dtype
@@ -186,8 +221,9 @@ class DraftSession:
         """ids (the block) at positions len_t..: the block's logits at positions 1..block-1 (or its hidden
         states at every position). Its keys and values go right after the context (never committed)."""
         positions, cos, sin = self._rope(self.block)
-        write, attend = self.layers.over_sequence(self.k, self.v, positions, self._mask_mod, self.arange,
-                                                  mask_all=True)
+        write, attend = self.layers.over_sequence(
+            self.k, self.v, positions, self._mask_mod, self.arange, mask_all=True
+        )
         x = F.embedding(self.ids, self.embed).to(self.feats.dtype)
         h, _ = self.layers.run(x, cos[0, :, None, None], sin[0, :, None, None], write, attend)
         out = self.drafter.norm(h)

@@ -247,7 +247,9 @@ def first_rows_problem(src: SourceConfig, rows: int = 20) -> str | None:
         return f"{key}: {e}"
     if not reasons:
         return None
-    (most, _), = reasons.most_common(1)
-    return (f"{key}: none of the first {reasons.total()} rows of {src.path} gives a prompt (most "
-            f"often: {most}); set its shape (sharegpt, messages, alpaca, prompt) or map its fields "
-            "(docs/data.md)")
+    ((most, _),) = reasons.most_common(1)
+    return (
+        f"{key}: none of the first {reasons.total()} rows of {src.path} gives a prompt (most "
+        f"often: {most}); set its shape (sharegpt, messages, alpaca, prompt) or map its fields "
+        "(docs/data.md)"
+    )

@@ -145,13 +145,15 @@ def verify(draft, logits, q, temperature, generator) -> tuple[int, int]:
 def target_decode(session, prompt_ids, max_new_tokens, eos, temperature=0.0, generator=None) -> Decoded:
     """Plain autoregressive decoding, one token per forward over the session's cache: speculative decoding
     without drafts."""
-    return speculative_decode(session, NgramProposer(0), prompt_ids, max_new_tokens, eos, temperature,
-                              generator)
+    return speculative_decode(
+        session, NgramProposer(0), prompt_ids, max_new_tokens, eos, temperature, generator
+    )
 
 
 @torch.no_grad()
-def speculative_decode(session, proposer: Proposer, prompt_ids, max_new_tokens, eos, temperature=0.0,
-                       generator=None) -> Decoded:
+def speculative_decode(
+    session, proposer: Proposer, prompt_ids, max_new_tokens, eos, temperature=0.0, generator=None
+) -> Decoded:
     """Draft, verify [last, drafts] in one forward, keep the accepted prefix and the bonus token. The
     session's features are the drafter's input (a session without layer ids suits a proposer that
     needs none)."""

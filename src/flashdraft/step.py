@@ -91,8 +91,9 @@ def prefill(model, cache: SlotCache, rows, ids, layer_ids=()):
     model.config._attn_implementation, cache.rows = ATTENTION, rows
     try:
         for i, layer in enumerate(base.layers):
-            h = layer(h, attention_mask=None, position_ids=positions, past_key_values=cache,
-                      position_embeddings=pe)
+            h = layer(
+                h, attention_mask=None, position_ids=positions, past_key_values=cache, position_embeddings=pe
+            )
             h = h[0] if isinstance(h, tuple) else h
             feats[i] = h
     finally:
@@ -174,18 +175,31 @@ def hf_layer_weights(layer) -> LayerWeights:
     def norm(x):
         return None if x is None else x.weight.detach()
 
-    return LayerWeights(norm(layer.input_layernorm), linear(a.q_proj), linear(a.k_proj), linear(a.v_proj),
-                        norm(getattr(a, "q_norm", None)), norm(getattr(a, "k_norm", None)), linear(a.o_proj),
-                        norm(layer.post_attention_layernorm), linear(m.gate_proj), linear(m.up_proj),
-                        linear(m.down_proj))
+    return LayerWeights(
+        norm(layer.input_layernorm),
+        linear(a.q_proj),
+        linear(a.k_proj),
+        linear(a.v_proj),
+        norm(getattr(a, "q_norm", None)),
+        norm(getattr(a, "k_norm", None)),
+        linear(a.o_proj),
+        norm(layer.post_attention_layernorm),
+        linear(m.gate_proj),
+        linear(m.up_proj),
+        linear(m.down_proj),
+    )
 
 
 # model_type -> the recipe that reads one of its decoder layers as LayerWeights. A layout belongs here when
 # its layers take (hidden, attention_mask, position_embeddings, past_key_values) and call
 # `past_key_values.update` then the configured attention function (the prefill runs them as they are),
 # and `attn_in`/`attn_out` are its math; tests/test_decode.py checks each against HF generate.
-RECIPES = {"llama": hf_layer_weights, "mistral": hf_layer_weights, "qwen2": hf_layer_weights,
-           "qwen3": hf_layer_weights}
+RECIPES = {
+    "llama": hf_layer_weights,
+    "mistral": hf_layer_weights,
+    "qwen2": hf_layer_weights,
+    "qwen3": hf_layer_weights,
+}
 
 
 class Layers:
@@ -194,8 +208,19 @@ class Layers:
     a cache (FlexAttention when compiled, else SDPA over a dense mask). `recipe` reads a layer's tensors
     (RECIPES[model_type] for a target; the drafter's layers have the HF names of hf_layer_weights)."""
 
-    def __init__(self, layers, *, eps: float, heads: int, kv_heads: int, head_dim: int, act, scaling: float,
-                 compiled: bool, recipe=hf_layer_weights):
+    def __init__(
+        self,
+        layers,
+        *,
+        eps: float,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        act,
+        scaling: float,
+        compiled: bool,
+        recipe=hf_layer_weights,
+    ):
         self.heads, self.kv_heads, self.head_dim, self.scaling = heads, kv_heads, head_dim, scaling
         self.compiled = compiled
         self.weights = [recipe(layer) for layer in layers]
@@ -214,9 +239,17 @@ class Layers:
             raise ValueError(f"the static-cache engines cannot run this model: {why}")
         cfg, base = model.config, model.base_model
         heads, kv_heads, head_dim = attention_shape(cfg)
-        return cls(base.layers, eps=cfg.rms_norm_eps, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                   act=base.layers[0].mlp.act_fn, scaling=base.layers[0].self_attn.scaling, compiled=compiled,
-                   recipe=RECIPES[cfg.model_type])
+        return cls(
+            base.layers,
+            eps=cfg.rms_norm_eps,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            act=base.layers[0].mlp.act_fn,
+            scaling=base.layers[0].self_attn.scaling,
+            compiled=compiled,
+            recipe=RECIPES[cfg.model_type],
+        )
 
     def run(self, h, cos, sin, write, attend):
         """The layers over rows h [rows, H] with their RoPE cos/sin [rows, 1, 1, d]: `write(layer, k, v)`
@@ -297,8 +330,16 @@ def block_mask(first, last, max_len: int, q_len: int, mask_mod) -> BlockMask:
     nblk = max_len // KV_BLOCK
     ar = torch.arange(nblk, dtype=torch.int32, device=first.device).expand(first.shape[0], 1, 1, -1)
     partial_idx = (first[..., None] + ar).clamp(max=nblk - 1).contiguous()
-    return BlockMask.from_kv_blocks(last - first + 1, partial_idx, first, ar.contiguous(), KV_BLOCK, mask_mod,
-                                    (q_len, max_len), compute_q_blocks=False)
+    return BlockMask.from_kv_blocks(
+        last - first + 1,
+        partial_idx,
+        first,
+        ar.contiguous(),
+        KV_BLOCK,
+        mask_mod,
+        (q_len, max_len),
+        compute_q_blocks=False,
+    )
 
 
 class Graphs:

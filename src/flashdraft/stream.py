@@ -42,8 +42,9 @@ from .train_data import FORMAT, Chunk, Plan, chunk_name
 # ------------------------------------------------------------------------------------------- tokenize
 
 
-def hidden_tokens(target_path, data_parquet, shard: int, num_shards: int, hidden_cfg: HiddenConfig,
-                  out) -> dict:
+def hidden_tokens(
+    target_path, data_parquet, shard: int, num_shards: int, hidden_cfg: HiddenConfig, out
+) -> dict:
     """Tokenize hidden shard `shard`'s samples into `out` (parquet: id, input_ids, loss_mask, num_tokens),
     in the row order precompute gives a store-mode shard."""
     from transformers import AutoTokenizer
@@ -53,14 +54,28 @@ def hidden_tokens(target_path, data_parquet, shard: int, num_shards: int, hidden
 
     read_target_config(target_path)  # refuses remote code before transformers sees the directory
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    samples, truncated, skipped = tokenize_shard(tokenizer, data_parquet, shard, num_shards,
-                                                 hidden_cfg.max_length)
+    samples, truncated, skipped = tokenize_shard(
+        tokenizer, data_parquet, shard, num_shards, hidden_cfg.max_length
+    )
     order = [i for b in token_batches([len(s[1]) for s in samples], hidden_cfg.batch_tokens) for i in b]
-    write_tokens([samples[i] for i in order], out, {"shard": shard, "num_shards": num_shards,
-                                                    "truncated": truncated, "skipped": skipped,
-                                                    "tokenizer_length": len(tokenizer)})
-    stats = {"shard": shard, "samples": len(order), "tokens": sum(len(samples[i][1]) for i in order),
-             "truncated": truncated, "skipped": skipped}
+    write_tokens(
+        [samples[i] for i in order],
+        out,
+        {
+            "shard": shard,
+            "num_shards": num_shards,
+            "truncated": truncated,
+            "skipped": skipped,
+            "tokenizer_length": len(tokenizer),
+        },
+    )
+    stats = {
+        "shard": shard,
+        "samples": len(order),
+        "tokens": sum(len(samples[i][1]) for i in order),
+        "truncated": truncated,
+        "skipped": skipped,
+    }
     log(f"tokens shard {shard}: {stats}")
     return stats
 
@@ -68,12 +83,14 @@ def hidden_tokens(target_path, data_parquet, shard: int, num_shards: int, hidden
 def write_tokens(samples, out, meta: dict) -> None:
     import pyarrow as pa
 
-    table = pa.table({
-        "id": pa.array([s[0] for s in samples], pa.string()),
-        "input_ids": pa.array([list(s[1]) for s in samples], pa.list_(pa.int32())),
-        "loss_mask": pa.array([list(s[2]) for s in samples], pa.list_(pa.int8())),
-        "num_tokens": pa.array([len(s[1]) for s in samples], pa.int32()),
-    }).replace_schema_metadata({"flashdraft.tokens": json.dumps(meta)})
+    table = pa.table(
+        {
+            "id": pa.array([s[0] for s in samples], pa.string()),
+            "input_ids": pa.array([list(s[1]) for s in samples], pa.list_(pa.int32())),
+            "loss_mask": pa.array([list(s[2]) for s in samples], pa.list_(pa.int8())),
+            "num_tokens": pa.array([len(s[1]) for s in samples], pa.int32()),
+        }
+    ).replace_schema_metadata({"flashdraft.tokens": json.dumps(meta)})
     write_parquet(table, out)
 
 
@@ -101,8 +118,16 @@ def cut_chunks(step_sizes: list[int], capacity: int) -> list[tuple[int, int]]:
     return cuts
 
 
-def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig,
-              train_cfg: TrainConfig, world: int, out_dir, last_hidden: bool = False) -> dict:
+def data_plan(
+    target_path,
+    tokens_files: list[str],
+    hidden_cfg: HiddenConfig,
+    drafter_cfg: DrafterConfig,
+    train_cfg: TrainConfig,
+    world: int,
+    out_dir,
+    last_hidden: bool = False,
+) -> dict:
     """Write the run's plan into `out_dir`; returns plan.json's content. `last_hidden`: the chunks' shards
     hold the target's last hidden state too (config.needs_last_hidden), so a token takes more bytes."""
     from .hf_config import read_target_config, target_num_layers
@@ -131,8 +156,10 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
         tokens_rows = [r for r in tokens_rows if ids[r] not in held]
         ids, lengths, shard_of_row = ([x[r] for r in tokens_rows] for x in (ids, lengths, shard_of_row))
     if not ids:
-        raise UserError(f"no training samples in {', '.join(map(str, tokens_files))}: every sample was "
-                        "skipped (no answer token within hidden.max_length); see the hidden_tokens logs")
+        raise UserError(
+            f"no training samples in {', '.join(map(str, tokens_files))}: every sample was "
+            "skipped (no answer token within hidden.max_length); see the hidden_tokens logs"
+        )
     g = micro_per_step(train_cfg, world)
     total = train_cfg.max_steps or steps_left(lengths, train_cfg, world)
     check_validation(train_cfg, steps=total)
@@ -143,36 +170,55 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
             break
         batches = epoch_batches(lengths, train_cfg, epoch)
         if len(batches) < g:
-            raise UserError(f"{len(batches)} micro-batches per epoch, fewer than one global batch ({g}): "
-                            "lower train.batch_tokens or train.global_batch_tokens, or add data")
+            raise UserError(
+                f"{len(batches)} micro-batches per epoch, fewer than one global batch ({g}): "
+                "lower train.batch_tokens or train.global_batch_tokens, or add data"
+            )
         steps = min(len(batches) // g, total - step)
-        step_rows = [[i for b in batches[s * g:(s + 1) * g] for i in b] for s in range(steps)]
+        step_rows = [[i for b in batches[s * g : (s + 1) * g] for i in b] for s in range(steps)]
         step_bytes = [sum(lengths[i] for i in r) * per_token + len(r) * ROW_BYTES for r in step_rows]
         if max(step_bytes) > chunk_tokens * per_token:  # the check before any job bounds this from the config
             need, least = stream_least(max(step_bytes), per_token, val_bytes)  # with the rows' allowance
             raise UserError(
                 f"config key {key}: a chunk of {chunk_tokens} hidden-state tokens cannot hold one optimizer "
                 f"step of epoch {epoch} ({need} tokens' worth); "
-                + (f"set hidden.chunk_tokens >= {need}" if key == "hidden.chunk_tokens" else
-                   f"set hidden.disk_budget >= {human_bytes(least)} ({least} bytes: {RING} chunks of one step"
-                   + (" and the validation shard)" if val_bytes else ")")))
+                + (
+                    f"set hidden.chunk_tokens >= {need}"
+                    if key == "hidden.chunk_tokens"
+                    else f"set hidden.disk_budget >= {human_bytes(least)} ({least} bytes: {RING} "
+                    f"chunks of one step" + (" and the validation shard)" if val_bytes else ")")
+                )
+            )
         for c, (a, b) in enumerate(cut_chunks(step_bytes, chunk_tokens * per_token)):
             rows = [(s, k, i) for s in range(a, b) for k in range(s * g, (s + 1) * g) for i in batches[k]]
             tokens = sum(lengths[i] for _, _, i in rows)
-            chunks.append(Chunk(epoch, c, len(chunks), step + a, step + b, len(rows), tokens,
-                                sum(step_bytes[a:b])))
+            chunks.append(
+                Chunk(epoch, c, len(chunks), step + a, step + b, len(rows), tokens, sum(step_bytes[a:b]))
+            )
             write_parquet(_chunk_table(rows, step, ids, lengths), out / f"{chunk_name(epoch, c)}.parquet")
         step += steps
 
     _write_rows(out / "samples.parquet", tokens_rows, ids, lengths, shard_of_row, renumber=True)
     train = {k: getattr(train_cfg, k) for k in PLAN_TRAIN_KEYS}
     plan = {
-        "format": FORMAT, "world": world, "micro_per_step": g, "total_steps": total, "train": train,
-        "samples": len(ids), "tokens": sum(lengths), "target_layer_ids": layer_ids, "width": width,
-        "last_hidden": last_hidden, "dtype": hidden_cfg.dtype, "bytes_per_token": per_token,
+        "format": FORMAT,
+        "world": world,
+        "micro_per_step": g,
+        "total_steps": total,
+        "train": train,
+        "samples": len(ids),
+        "tokens": sum(lengths),
+        "target_layer_ids": layer_ids,
+        "width": width,
+        "last_hidden": last_hidden,
+        "dtype": hidden_cfg.dtype,
+        "bytes_per_token": per_token,
         "chunk_tokens": chunk_tokens,
-        "chunk_tokens_from": key, "disk_budget": hidden_cfg.disk_budget, "ring": RING,
-        "peak_bytes": _peak_bytes(chunks) + val_bytes, "val_bytes": val_bytes,
+        "chunk_tokens_from": key,
+        "disk_budget": hidden_cfg.disk_budget,
+        "ring": RING,
+        "peak_bytes": _peak_bytes(chunks) + val_bytes,
+        "val_bytes": val_bytes,
         "tokens_files": [str(f) for f in tokens_files],
         "tokenizer_length": tokenizer_length(tokens_files[0]),
         "fingerprint": fingerprint(ids, lengths, train, world, chunk_tokens),
@@ -180,9 +226,11 @@ def data_plan(target_path, tokens_files: list[str], hidden_cfg: HiddenConfig, dr
     }
     write_json(out / "plan.json", plan)
     per_epoch = [sum(c.epoch == e for c in chunks) for e in range(train_cfg.epochs)]
-    log(f"plan: {len(ids)} samples, {sum(lengths)} tokens, {total} steps; chunks of <= {chunk_tokens} tokens "
+    log(
+        f"plan: {len(ids)} samples, {sum(lengths)} tokens, {total} steps; chunks of <= {chunk_tokens} tokens "
         f"(from {key}), {len(chunks)} chunks ({per_epoch} per epoch); hidden states on disk at most "
-        f"{human_bytes(plan['peak_bytes'])} ({RING} chunks)")
+        f"{human_bytes(plan['peak_bytes'])} ({RING} chunks)"
+    )
     return plan
 
 
@@ -193,10 +241,18 @@ def _write_rows(path, rows, ids, lengths, shard_of_row, renumber=False) -> None:
 
     pick = range(len(rows)) if renumber else rows
     cols = {"index": pa.array(range(len(rows)), pa.int64())} if renumber else {}
-    write_parquet(pa.table({**cols, "row": pa.array(rows, pa.int64()),
-                            "id": pa.array([ids[i] for i in pick], pa.string()),
-                            "num_tokens": pa.array([lengths[i] for i in pick], pa.int32()),
-                            "tokens_shard": pa.array([shard_of_row[i] for i in pick], pa.int32())}), path)
+    write_parquet(
+        pa.table(
+            {
+                **cols,
+                "row": pa.array(rows, pa.int64()),
+                "id": pa.array([ids[i] for i in pick], pa.string()),
+                "num_tokens": pa.array([lengths[i] for i in pick], pa.int32()),
+                "tokens_shard": pa.array([shard_of_row[i] for i in pick], pa.int32()),
+            }
+        ),
+        path,
+    )
 
 
 def _rows(parquet_file) -> int:
@@ -217,19 +273,21 @@ def tokenizer_length(tokens_file) -> int | None:
 def _chunk_table(rows, epoch_start_step: int, ids, lengths):
     import pyarrow as pa
 
-    return pa.table({
-        "step": pa.array([epoch_start_step + s for s, _, _ in rows], pa.int64()),  # the run's step
-        "micro_batch": pa.array([k for _, k, _ in rows], pa.int32()),  # in the epoch's plan
-        "sample": pa.array([i for _, _, i in rows], pa.int64()),  # the run's sample index
-        "id": pa.array([ids[i] for _, _, i in rows], pa.string()),
-        "num_tokens": pa.array([lengths[i] for _, _, i in rows], pa.int32()),
-    })
+    return pa.table(
+        {
+            "step": pa.array([epoch_start_step + s for s, _, _ in rows], pa.int64()),  # the run's step
+            "micro_batch": pa.array([k for _, k, _ in rows], pa.int32()),  # in the epoch's plan
+            "sample": pa.array([i for _, _, i in rows], pa.int64()),  # the run's sample index
+            "id": pa.array([ids[i] for _, _, i in rows], pa.string()),
+            "num_tokens": pa.array([lengths[i] for _, _, i in rows], pa.int32()),
+        }
+    )
 
 
 def _peak_bytes(chunks: list[Chunk]) -> int:
     """The most hidden-state bytes on disk at once: any RING consecutive chunks of the run."""
     sizes = [c.bytes for c in chunks]
-    return max((sum(sizes[i:i + RING]) for i in range(len(sizes))), default=0)
+    return max((sum(sizes[i : i + RING]) for i in range(len(sizes))), default=0)
 
 
 def fingerprint(ids, lengths, train: dict, world: int, chunk_tokens: int) -> str:
@@ -248,23 +306,47 @@ def part_samples(samples: list[int], part: int, parts: int) -> list[int]:
     return sorted(set(samples))[part::parts]
 
 
-def hidden_chunk(target: TargetConfig, plan_dir, epoch: int, chunk: int, part: int, parts: int,
-                 hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig, out_arrow,
-                 last_hidden: bool = False) -> dict:
+def hidden_chunk(
+    target: TargetConfig,
+    plan_dir,
+    epoch: int,
+    chunk: int,
+    part: int,
+    parts: int,
+    hidden_cfg: HiddenConfig,
+    drafter_cfg: DrafterConfig,
+    out_arrow,
+    last_hidden: bool = False,
+) -> dict:
     """Forward part `part` of `parts` of a chunk's samples through the target into the shard `out_arrow`
     (and its manifest); returns the manifest."""
     plan = Plan(plan_dir)
     c = plan.find(epoch, chunk)
     rows = plan.tokens_rows(part_samples(plan.chunk_samples(c), part, parts))
-    return precompute_rows(target, plan, rows, hidden_cfg, drafter_cfg, out_arrow,
-                           desc=f"hidden {c.name} part {part}/{parts}",
-                           counts={"epoch": epoch, "chunk": chunk, "part": part, "parts": parts},
-                           last_hidden=last_hidden)
+    return precompute_rows(
+        target,
+        plan,
+        rows,
+        hidden_cfg,
+        drafter_cfg,
+        out_arrow,
+        desc=f"hidden {c.name} part {part}/{parts}",
+        counts={"epoch": epoch, "chunk": chunk, "part": part, "parts": parts},
+        last_hidden=last_hidden,
+    )
 
 
-def precompute_rows(target: TargetConfig, plan: Plan, rows: list[int], hidden_cfg: HiddenConfig,
-                    drafter_cfg: DrafterConfig, out_arrow, desc: str, counts: dict,
-                    last_hidden: bool = False) -> dict:
+def precompute_rows(
+    target: TargetConfig,
+    plan: Plan,
+    rows: list[int],
+    hidden_cfg: HiddenConfig,
+    drafter_cfg: DrafterConfig,
+    out_arrow,
+    desc: str,
+    counts: dict,
+    last_hidden: bool = False,
+) -> dict:
     """Rows `rows` of the plan's tokens files through the target into the shard `out_arrow` (with
     `last_hidden`, the target's last hidden state too: precompute.write_hidden)."""
     from .io import device
@@ -274,8 +356,18 @@ def precompute_rows(target: TargetConfig, plan: Plan, rows: list[int], hidden_cf
     StorageDtype.of(hidden_cfg.dtype)  # fail before loading the model
     samples = token_rows(plan.meta["tokens_files"], rows)
     model, tokenizer = load_target(str(target.path), target.dtype, device())
-    return write_hidden(model, tokenizer, target.path, samples, out_arrow, hidden_cfg, drafter_cfg, desc=desc,
-                        counts=counts, last_hidden=last_hidden)
+    return write_hidden(
+        model,
+        tokenizer,
+        target.path,
+        samples,
+        out_arrow,
+        hidden_cfg,
+        drafter_cfg,
+        desc=desc,
+        counts=counts,
+        last_hidden=last_hidden,
+    )
 
 
 def token_rows(files, rows: list[int]) -> list[tuple]:
@@ -290,17 +382,35 @@ def token_rows(files, rows: list[int]) -> list[tuple]:
         mine = [i - starts[s] for i in rows if starts[s] <= i < starts[s + 1]]
         if mine:
             t = read_samples([f], ("id", "input_ids", "loss_mask")).take(pa.array(mine, pa.int64()))
-            samples += zip(t.column("id").to_pylist(), t.column("input_ids").to_pylist(),
-                           t.column("loss_mask").to_pylist(), strict=True)
+            samples += zip(
+                t.column("id").to_pylist(),
+                t.column("input_ids").to_pylist(),
+                t.column("loss_mask").to_pylist(),
+                strict=True,
+            )
     return samples
 
 
-def hidden_val(target: TargetConfig, plan_dir, hidden_cfg: HiddenConfig, drafter_cfg: DrafterConfig,
-               out_arrow, last_hidden: bool = False) -> dict:
+def hidden_val(
+    target: TargetConfig,
+    plan_dir,
+    hidden_cfg: HiddenConfig,
+    drafter_cfg: DrafterConfig,
+    out_arrow,
+    last_hidden: bool = False,
+) -> dict:
     """The validation samples of the plan (train.val_samples) through the target, into one shard that
     lives through every chunk; returns its manifest."""
     plan = Plan(plan_dir)
     ids, rows, _ = plan.val_samples()
-    return precompute_rows(target, plan, rows, hidden_cfg, drafter_cfg, out_arrow,
-                           desc="hidden validation", counts={"val_samples": len(ids)},
-                           last_hidden=last_hidden)
+    return precompute_rows(
+        target,
+        plan,
+        rows,
+        hidden_cfg,
+        drafter_cfg,
+        out_arrow,
+        desc="hidden validation",
+        counts={"val_samples": len(ids)},
+        last_hidden=last_hidden,
+    )

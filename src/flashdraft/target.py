@@ -20,8 +20,9 @@ def load_target(path: str, dtype: str = TargetConfig.dtype, dev=None):
 
     read_target_config(path)  # refuses remote code before transformers sees the directory
     dev = dev or device()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(run_dtype(dtype, dev)),
-                                                 attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype(run_dtype(dtype, dev)), attn_implementation="sdpa"
+    )
     model.to(dev).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
@@ -86,9 +87,17 @@ def load_for_generate(target: str, dtype: str):
     return model, tokenizer, eos_ids(model, tokenizer)
 
 
-def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
-             thinking: bool, eos: list[int], top_p: float = 1.0,
-             top_k: int = 0) -> list[tuple[str, int, int, str]]:
+def generate(
+    model,
+    tokenizer,
+    prompts: list[list[dict]],
+    max_new_tokens: int,
+    temperature: float,
+    thinking: bool,
+    eos: list[int],
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> list[tuple[str, int, int, str]]:
     """Answer a batch of chat prompts: (answer, prompt tokens, answer tokens, finish_reason) each. Sampled
     above temperature 0, within `top_p` and `top_k` where set (else as the model's generation_config says)."""
     import torch
@@ -97,8 +106,12 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, t
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     # greedy: unset the model's sampling defaults so generate does not warn that they are ignored
     sampling = (
-        dict(do_sample=True, temperature=temperature, **({"top_p": top_p} if top_p < 1 else {}),
-             **({"top_k": top_k} if top_k else {}))
+        dict(
+            do_sample=True,
+            temperature=temperature,
+            **({"top_p": top_p} if top_p < 1 else {}),
+            **({"top_k": top_k} if top_k else {}),
+        )
         if temperature > 0
         else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     )

@@ -31,11 +31,31 @@ SPLIT_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-COLORS = {"banana": "yellow", "apple": "red", "lime": "green", "plum": "purple", "orange": "orange",
-          "cherry": "red", "kiwi": "green", "lemon": "yellow", "blueberry": "blue", "coconut": "brown"}
+COLORS = {
+    "banana": "yellow",
+    "apple": "red",
+    "lime": "green",
+    "plum": "purple",
+    "orange": "orange",
+    "cherry": "red",
+    "kiwi": "green",
+    "lemon": "yellow",
+    "blueberry": "blue",
+    "coconut": "brown",
+}
 SOUNDS = {"cow": "moo", "dog": "woof", "cat": "meow", "duck": "quack", "sheep": "baa", "owl": "hoot"}
-CAPITALS = {"France": "Paris", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo", "Egypt": "Cairo",
-            "Peru": "Lima", "Norway": "Oslo", "Kenya": "Nairobi", "Canada": "Ottawa", "Chile": "Santiago"}
+CAPITALS = {
+    "France": "Paris",
+    "Italy": "Rome",
+    "Spain": "Madrid",
+    "Japan": "Tokyo",
+    "Egypt": "Cairo",
+    "Peru": "Lima",
+    "Norway": "Oslo",
+    "Kenya": "Nairobi",
+    "Canada": "Ottawa",
+    "Chile": "Santiago",
+}
 WORDS = {"add": ("adds", "+"), "sub": ("subtracts", "-"), "mul": ("multiplies by", "*")}
 
 

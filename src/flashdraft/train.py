@@ -62,13 +62,15 @@ def global_normalizer(run: Run, micro: list[dict], anchors: list) -> torch.Tenso
     return (all_sum(mine, run.d) / run.d.world).float()
 
 
-def accumulate(run: Run, micro: list[dict], anchors: list, norm, metrics: MetricsLogger,
-               seen: set[int]) -> list[int]:
+def accumulate(
+    run: Run, micro: list[dict], anchors: list, norm, metrics: MetricsLogger, seen: set[int]
+) -> list[int]:
     """Forward and backward of this rank's micro-batches of one step (each in its row slices under
     train.batch_anchors), their gradients summed; returns the buckets that ran for the first time."""
     firsts = []
-    passes = [p for batch, (a, v) in zip(micro, anchors, strict=True)
-              for p in row_slices(run.step, batch, a, v)]
+    passes = [
+        p for batch, (a, v) in zip(micro, anchors, strict=True) for p in row_slices(run.step, batch, a, v)
+    ]
     for j, (batch, a, v) in enumerate(passes):
         first = batch["bucket"] not in seen
         # after a bucket's first pass its graph exists: a recompile now is a bug, or an eager fallback
@@ -96,11 +98,17 @@ def log_first_steps(run: Run, buckets: list[int], t_step: float) -> None:
         log(d, f"bucket {bucket}: first step {took:.1f} s ({what})")
         if d.device.type == "cuda":  # the peak so far: the optimizer state exists from the first step on
             gib = torch.cuda.max_memory_allocated(d.device) / 2**30
-            log(d, f"bucket {bucket}: peak GPU memory {gib:.2f} GiB allocated, "
-                   f"{torch.cuda.max_memory_reserved(d.device) / 2**30:.2f} GiB reserved")
+            log(
+                d,
+                f"bucket {bucket}: peak GPU memory {gib:.2f} GiB allocated, "
+                f"{torch.cuda.max_memory_reserved(d.device) / 2**30:.2f} GiB reserved",
+            )
         if d.world > 1:  # DDP syncs the backward: a rank that started late shows up as a long step
-            log(d, f"bucket {bucket}: step began at {process_age() - took:.1f} s, took {took:.1f} s",
-                every_rank=True)
+            log(
+                d,
+                f"bucket {bucket}: step began at {process_age() - took:.1f} s, took {took:.1f} s",
+                every_rank=True,
+            )
         if run.cfg.compile:
             log(d, f"compile phases: {compile_phases()}", every_rank=True)
 
@@ -113,7 +121,8 @@ def check_finite(row: dict, cfg: TrainConfig, run_dir: Path) -> None:
     raise UserError(
         f"the loss is {row['loss']} and the gradient norm {row['grad_norm']} at step {row['step']}: training "
         f"diverged; lower train.lr ({cfg.lr}) or check drafter.init_from's weights, then rerun (the "
-        f"checkpoints before this step stay in {run_dir})")
+        f"checkpoints before this step stay in {run_dir})"
+    )
 
 
 def optimizer_step(run: Run) -> tuple[float, torch.Tensor]:
@@ -129,13 +138,17 @@ def optimizer_step(run: Run) -> tuple[float, torch.Tensor]:
     return lr, grad_norm
 
 
-def after_step(run: Run, job: TrainJob, at: Position, epoch_len: int, lr: float, grad_norm, metrics,
-               best: Best | None) -> dict | None:
+def after_step(
+    run: Run, job: TrainJob, at: Position, epoch_len: int, lr: float, grad_norm, metrics, best: Best | None
+) -> dict | None:
     """Validation, the logged row, the checkpoint and a stop after optimizer step `at.step`; returns the
     job's summary when it stops here (a signal, --stop-at), else None."""
     cfg, d, step = run.cfg, run.d, at.step
-    val_row = run.val.evaluate(run.step, run.drafter, run.sharded) if run.val and due(cfg, step, run.total) \
+    val_row = (
+        run.val.evaluate(run.step, run.drafter, run.sharded)
+        if run.val and due(cfg, step, run.total)
         else None
+    )
     if val_row:
         best.update(step, val_row, run.checkpointer.model_state)
     if step % cfg.log_every == 0 or step == run.total or val_row:
@@ -144,30 +157,51 @@ def after_step(run: Run, job: TrainJob, at: Position, epoch_len: int, lr: float,
     signalled = stop_signal(d) if step % cfg.log_every == 0 and step < run.total else 0
     stopping = bool(signalled) or (job.stop_at is not None and step >= job.stop_at)
     if step % cfg.checkpoint_every == 0 or step == run.stop or stopping:
-        run.checkpointer.save({"position": asdict(at), "metrics": metrics.state_dict(),
-                               "best": best.state_dict() if best else None, "spec": asdict(run.spec)},
-                              wait=stopping)
+        run.checkpointer.save(
+            {
+                "position": asdict(at),
+                "metrics": metrics.state_dict(),
+                "best": best.state_dict() if best else None,
+                "spec": asdict(run.spec),
+            },
+            wait=stopping,
+        )
     if not stopping:
         return None
     why = f"on {signal.Signals(signalled).name}" if signalled else "as asked (--stop-at)"
-    log(d, f"stopped {why} after step {step}, checkpoint saved; rerun the same command to resume from "
-           f"{run.run_dir}")
-    return {"step": step, "stopped": True, "signal": signalled, "run_dir": str(run.run_dir),
-            "rows": metrics.rows}
+    log(
+        d,
+        f"stopped {why} after step {step}, checkpoint saved; rerun the same command to resume from "
+        f"{run.run_dir}",
+    )
+    return {
+        "step": step,
+        "stopped": True,
+        "signal": signalled,
+        "run_dir": str(run.run_dir),
+        "rows": metrics.rows,
+    }
 
 
-def train_steps(run: Run, job: TrainJob, at: Position, metrics: MetricsLogger,
-                best: Best | None) -> dict | None:
+def train_steps(
+    run: Run, job: TrainJob, at: Position, metrics: MetricsLogger, best: Best | None
+) -> dict | None:
     """The loop, from `at` to the job's stop; returns the summary of a job stopped early, else None."""
     cfg, seen = run.cfg, set()
     while at.step < run.stop:
-        batches, steps = run.ahead or epoch_steps(run.data.store, run.data.lengths, cfg, at.epoch, at.cursor,
-                                                  run.stop - at.step, run.d, run.collate)
+        batches, steps = run.ahead or epoch_steps(
+            run.data.store, run.data.lengths, cfg, at.epoch, at.cursor, run.stop - at.step, run.d, run.collate
+        )
         run.ahead = None
         for ks, micro in steps:
-            anchors = [anchors_for(run.step, b["loss_mask"],
-                                   seeds=anchor_seeds(cfg.seed, at.epoch, batches[k], len(b["loss_mask"])))
-                       for k, b in zip(ks, micro, strict=True)]
+            anchors = [
+                anchors_for(
+                    run.step,
+                    b["loss_mask"],
+                    seeds=anchor_seeds(cfg.seed, at.epoch, batches[k], len(b["loss_mask"])),
+                )
+                for k, b in zip(ks, micro, strict=True)
+            ]
             norm = global_normalizer(run, micro, anchors)
             t_step = time.perf_counter()
             firsts = accumulate(run, micro, anchors, norm, metrics, seen)
@@ -208,11 +242,23 @@ def trained_already(d: Dist, data: TrainData, run: Path, past: Path) -> dict:
         data.finish(run, 0)
     barrier(d)
     start, end = data.steps
-    log(d, f"{data.name} is trained already: {past} holds step {checkpoint_step(past)}, at or past the "
-           f"chunk's steps {start}..{end}; nothing to train")
-    return {"step": end, "stopped": False, "run_dir": str(run), "rows": [], "compile_cache": {},
-            **data.summary(), "first_step_done_s": None, "first_step_done_at": None, "seconds": process_age(),
-            "trained_already": str(past)}
+    log(
+        d,
+        f"{data.name} is trained already: {past} holds step {checkpoint_step(past)}, at or past the "
+        f"chunk's steps {start}..{end}; nothing to train",
+    )
+    return {
+        "step": end,
+        "stopped": False,
+        "run_dir": str(run),
+        "rows": [],
+        "compile_cache": {},
+        **data.summary(),
+        "first_step_done_s": None,
+        "first_step_done_at": None,
+        "seconds": process_age(),
+        "trained_already": str(past),
+    }
 
 
 def _train(d: Dist, job: TrainJob) -> dict:
@@ -224,8 +270,16 @@ def _train(d: Dist, job: TrainJob) -> dict:
         return trained_already(d, data, run_path, past)
     run, state = setup(d, job, run_path)
     at = replace(state["position"], world=d.world)  # saved by this job's processes from here on
-    metrics = MetricsLogger(run_path, d, run.spec.block_size, at.step, run.total, **(state["metrics"] or {}),
-                            val=bool(cfg.val_samples), kind=run.spec.family)
+    metrics = MetricsLogger(
+        run_path,
+        d,
+        run.spec.block_size,
+        at.step,
+        run.total,
+        **(state["metrics"] or {}),
+        val=bool(cfg.val_samples),
+        kind=run.spec.family,
+    )
     best = Best(run_path, d, state.get("best"), run.step.amp_dtype) if cfg.val_samples else None
     run.drafter.train()
     try:
@@ -238,19 +292,45 @@ def _train(d: Dist, job: TrainJob) -> dict:
 
     peak = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else None
     if peak is not None:
-        log(d, f"peak GPU memory {peak / 2**30:.2f} GiB allocated, "
-               f"{torch.cuda.max_memory_reserved(d.device) / 2**30:.2f} GiB reserved", every_rank=True)
-    summary = {"step": at.step, "stopped": False, "run_dir": str(run_path), "rows": metrics.rows,
-               "compile_cache": cache_counters(), "peak_gpu_bytes": peak}
+        log(
+            d,
+            f"peak GPU memory {peak / 2**30:.2f} GiB allocated, "
+            f"{torch.cuda.max_memory_reserved(d.device) / 2**30:.2f} GiB reserved",
+            every_rank=True,
+        )
+    summary = {
+        "step": at.step,
+        "stopped": False,
+        "run_dir": str(run_path),
+        "rows": metrics.rows,
+        "compile_cache": cache_counters(),
+        "peak_gpu_bytes": peak,
+    }
     if not data.exports:
         if d.main:
             data.finish(run_path, cfg.keep_checkpoints)
         barrier(d)
         log(d, f"trained {data.name}: steps {data.steps[0]}..{at.step} of {run.total}")
         done = run.first_step_done or (None, None)
-        return {**summary, **data.summary(), "first_step_done_s": done[0], "first_step_done_at": done[1],
-                "seconds": process_age(), "trained_already": None}
-    export_run(d, job, run.spec, run_path, run.checkpointer.model_state(), best, at.step, metrics.rows,
-               run.step.amp_dtype, run.drafter)
+        return {
+            **summary,
+            **data.summary(),
+            "first_step_done_s": done[0],
+            "first_step_done_at": done[1],
+            "seconds": process_age(),
+            "trained_already": None,
+        }
+    export_run(
+        d,
+        job,
+        run.spec,
+        run_path,
+        run.checkpointer.model_state(),
+        best,
+        at.step,
+        metrics.rows,
+        run.step.amp_dtype,
+        run.drafter,
+    )
     barrier(d)
     return summary

@@ -54,7 +54,8 @@ def check_stores(data, spec, drafter_cfg: DrafterConfig) -> None:
         if (s.layer_ids, s.hidden_size) != (spec.target_layer_ids, spec.hidden_size):
             raise ValueError(
                 f"hidden shards hold layers {s.layer_ids} (H={s.hidden_size}) but the drafter wants "
-                f"{spec.target_layer_ids} (H={spec.hidden_size}); recompute the hidden states")
+                f"{spec.target_layer_ids} (H={spec.hidden_size}); recompute the hidden states"
+            )
 
 
 class StoreData:
@@ -209,8 +210,13 @@ class PlanData(_Planned):
 TrainData = StoreData | ChunkData | PlanData
 
 
-def train_data(cfg: TrainConfig, shards: list[str], plan: str | None = None, chunk: str | None = None,
-               val_shards: list[str] | None = None) -> TrainData:
+def train_data(
+    cfg: TrainConfig,
+    shards: list[str],
+    plan: str | None = None,
+    chunk: str | None = None,
+    val_shards: list[str] | None = None,
+) -> TrainData:
     """The data of a training job from its command line: hidden shards (store mode), or a data plan's
     directory and one of its chunks (the chunk's shards, `val_shards` holding the validation samples), or
     the plan alone (its export)."""
@@ -300,8 +306,10 @@ class Plan:
 
         path = self.dir / "val.parquet"
         if not path.exists():
-            raise UserError(f"the data plan {self.dir} has no validation split (train.val_samples was 0 when "
-                            "it was made); rerun the plan (snakemake --forcerun data_plan)")
+            raise UserError(
+                f"the data plan {self.dir} has no validation split (train.val_samples was 0 when "
+                "it was made); rerun the plan (snakemake --forcerun data_plan)"
+            )
         t = pq.read_table(path, columns=["id", "row", "num_tokens"])
         return (t.column("id").to_pylist(), t.column("row").to_pylist(), t.column("num_tokens").to_pylist())
 
@@ -316,16 +324,19 @@ class Plan:
         ids, _, lengths = self.val_samples()
         got = dict(zip(store.ids(), (store.num_tokens(i) for i in range(len(store))), strict=True))
         if got != dict(zip(ids, lengths, strict=True)):
-            raise UserError(f"the validation shard {shards[0]} does not hold the validation samples of the "
-                            f"data plan {self.dir}; rerun it (snakemake --forcerun hidden_val)")
+            raise UserError(
+                f"the validation shard {shards[0]} does not hold the validation samples of the "
+                f"data plan {self.dir}; rerun it (snakemake --forcerun hidden_val)"
+            )
         return store
 
     def named(self, name: str) -> Chunk:
         for c in self.chunks:
             if c.name == name:
                 return c
-        raise UserError(f"{self.dir}/plan.json has no chunk {name} (it has {self.chunks[0].name}.."
-                        f"{self.chunks[-1].name})")
+        raise UserError(
+            f"{self.dir}/plan.json has no chunk {name} (it has {self.chunks[0].name}..{self.chunks[-1].name})"
+        )
 
     def find(self, epoch: int, chunk: int) -> Chunk:
         return self.named(chunk_name(epoch, chunk))
@@ -344,11 +355,14 @@ class Plan:
                 raise UserError(
                     f"config key train.{k}: {getattr(cfg, k)!r}, but the data plan {self.dir}/plan.json was "
                     f"made for {planned.get(k, 0)!r}; rerun the plan (snakemake --forcerun data_plan): "
-                    "nothing trained is lost")
+                    "nothing trained is lost"
+                )
         if micro_per_step(cfg, world) != self.meta["micro_per_step"]:  # one micro-batch per process
-            raise UserError(f"the data plan {self.dir}/plan.json was made for {self.meta['world']} training "
-                            f"process(es), this run has {world}: rerun the plan "
-                            "(snakemake --forcerun data_plan)")
+            raise UserError(
+                f"the data plan {self.dir}/plan.json was made for {self.meta['world']} training "
+                f"process(es), this run has {world}: rerun the plan "
+                "(snakemake --forcerun data_plan)"
+            )
 
 
 def planned_store(plan: Plan, c: Chunk, shards):
@@ -371,7 +385,8 @@ def planned_store(plan: Plan, c: Chunk, shards):
             f"the hidden shards of {c.name} ({shards[0]}, ...) do not match the data plan {plan.dir}: "
             f"{len(unknown)} sample(s) not in the plan or of another length, {len(missing)} of the chunk's "
             "missing; rerun the chunk's hidden_chunk jobs (after a data change: snakemake --forcerun "
-            "data_plan)")
+            "data_plan)"
+        )
     return StoreView(store, local)
 
 
@@ -397,12 +412,17 @@ def chunk_resume_point(run_dir: Path, start: int, end: int, chunks=()) -> Path |
         kept = [checkpoint_step(p) for p in found]
         last = max([s for s in kept if s < start], default=0)
         c = next((c for c in chunks if c.start_step <= last < c.end_step), None)
-        frm = f"the chunk that holds step {last}" if c is None else \
-            f"chunk {c.name}, which {'starts' if c.start_step == last else 'resumes'} at step {last}"
-        raise UserError(f"no checkpoint at step {start} in {run_dir} (kept: "
-                        f"{', '.join(map(str, kept)) or 'none'}) to train steps {start}..{end} from: the "
-                        f"previous chunk did not finish, or its checkpoint was removed; rerun from {frm} "
-                        "(snakemake --forcerun on its train_chunk output)")
+        frm = (
+            f"the chunk that holds step {last}"
+            if c is None
+            else f"chunk {c.name}, which {'starts' if c.start_step == last else 'resumes'} at step {last}"
+        )
+        raise UserError(
+            f"no checkpoint at step {start} in {run_dir} (kept: "
+            f"{', '.join(map(str, kept)) or 'none'}) to train steps {start}..{end} from: the "
+            f"previous chunk did not finish, or its checkpoint was removed; rerun from {frm} "
+            "(snakemake --forcerun on its train_chunk output)"
+        )
     return at
 
 

@@ -99,7 +99,8 @@ def total_steps(cfg: TrainConfig, lengths: list[int], world: int, at: Position |
             f"training would take 0 optimizer steps: the {len(lengths)} training samples fill fewer "
             f"micro-batches than one step takes ({micro_per_step(cfg, world)}, train.global_batch_tokens / "
             "train.batch_tokens); lower train.global_batch_tokens, or train on more samples (prompts.total, "
-            "train.val_samples)")
+            "train.val_samples)"
+        )
     return total
 
 
@@ -110,8 +111,11 @@ def setup(d: Dist, job: TrainJob, run: Path) -> tuple[Run, dict]:
     spec = load_spec(job.target, job.drafter, data.tokenizer_length)
     check_stores(data, spec, job.drafter)
     lengths = data.lengths
-    log(d, f"train: {len(lengths)} samples, {sum(lengths)} tokens{data.where()}, {d.world} process(es) on "
-           f"{d.device}")
+    log(
+        d,
+        f"train: {len(lengths)} samples, {sum(lengths)} tokens{data.where()}, {d.world} process(es) on "
+        f"{d.device}",
+    )
     if d.main:
         data.begin(run)  # a stream chunk: a checkpoint to start from exists
     barrier(d)
@@ -129,8 +133,11 @@ def setup(d: Dist, job: TrainJob, run: Path) -> tuple[Run, dict]:
     head = background(frozen_head, job.target, d.device, amp, name="head-reader")
     stop = data.stop(total)
     collate = Collate(cfg.buckets, cfg.batch_tokens, amp or torch.float32)
-    ahead = epoch_steps(data.store, lengths, cfg, at.epoch, at.cursor, stop - at.step, d,
-                        collate) if at.step < stop else None
+    ahead = (
+        epoch_steps(data.store, lengths, cfg, at.epoch, at.cursor, stop - at.step, d, collate)
+        if at.step < stop
+        else None
+    )
     # Dynamo: seconds of imports
     from .compile_cache import cache_key, load_compile_cache, set_compile_workers, warm_triton
 
@@ -148,10 +155,14 @@ def setup(d: Dist, job: TrainJob, run: Path) -> tuple[Run, dict]:
     if cfg.compile:
         # the warmup compiles the unsharded step; FSDP's hooks split the graph elsewhere, so its ranks compile
         workers = set_compile_workers(warm and not sharded, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        log(d, f"compile workers per process: {workers}" + (" (FSDP: the warmup's graphs do not apply)"
-                                                             if warm and sharded else ""))
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=d.device.type == "cuda")
+        log(
+            d,
+            f"compile workers per process: {workers}"
+            + (" (FSDP: the warmup's graphs do not apply)" if warm and sharded else ""),
+        )
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=d.device.type == "cuda"
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
     if d.main:  # every check passed: the run starts (or goes on) here
         record_run(run, cfg, job.drafter, data.shards, data.fingerprint)
@@ -159,8 +170,25 @@ def setup(d: Dist, job: TrainJob, run: Path) -> tuple[Run, dict]:
     hidden_dtype = step.amp_dtype or torch.float32
     val = None if data.val_store is None else Validator(data.val_store, cfg, d, hidden_dtype)
     g = micro_per_step(cfg, d.world)
-    r = Run(d, cfg, spec, data, run, step, drafter, sharded, optimizer, scheduler, ckpt, g, collate, total,
-            stop, ahead, val)
+    r = Run(
+        d,
+        cfg,
+        spec,
+        data,
+        run,
+        step,
+        drafter,
+        sharded,
+        optimizer,
+        scheduler,
+        ckpt,
+        g,
+        collate,
+        total,
+        stop,
+        ahead,
+        val,
+    )
     if triton is not None:
         with contextlib.suppress(Exception):  # the first step meets the same error, where torch reports it
             triton.result()
@@ -171,6 +199,9 @@ def setup(d: Dist, job: TrainJob, run: Path) -> tuple[Run, dict]:
         log(d, f"resumed from {latest}: step {at.step}/{total}, saved by {at.world} rank(s)")
     else:
         log(d, f"new run in {run}: {total} steps")
-    log(d, f"global batch: {g} micro-batches of {cfg.batch_tokens} tokens, {-(-g // d.world)} or fewer per "
-           f"process and step")
+    log(
+        d,
+        f"global batch: {g} micro-batches of {cfg.batch_tokens} tokens, {-(-g // d.world)} or fewer per "
+        f"process and step",
+    )
     return r, state

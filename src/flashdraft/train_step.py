@@ -84,9 +84,15 @@ def frozen_head(target_dir, device: torch.device, dtype: torch.dtype | None) -> 
     return tuple(t.to(device, dtype or torch.float32) for t in load_target_head(target_dir, device))
 
 
-def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.device,
-               init: dict | None = None, head: Future | None = None,
-               drafter_cfg: DrafterConfig | None = None) -> Step:
+def build_step(
+    cfg: TrainConfig,
+    spec: DrafterSpec,
+    target_dir,
+    device: torch.device,
+    init: dict | None = None,
+    head: Future | None = None,
+    drafter_cfg: DrafterConfig | None = None,
+) -> Step:
     """A seeded fp32 drafter on `device` (compiled in place when cfg.compile) and the target's frozen head;
     `init`: weights to start from (drafter_io.init_weights of drafter.init_from); `head`: frozen_head's, read
     in the background while the drafter is built (None: read here)."""
@@ -103,8 +109,21 @@ def build_step(cfg: TrainConfig, spec: DrafterSpec, target_dir, device: torch.de
     run = resolve(cfg, device)
     embed, head = head.result() if head is not None else frozen_head(target_dir, device, run.amp_dtype)
     options = kind.loss_options(cfg, drafter_cfg or DrafterConfig(family=spec.family), spec)
-    return Step(drafter, spec, kind, embed, head, objective_for(cfg, spec.block_size), run.attention,
-                cfg.max_anchors, cfg.compile_loss, device, run.amp_dtype, options, cfg.batch_anchors)
+    return Step(
+        drafter,
+        spec,
+        kind,
+        embed,
+        head,
+        objective_for(cfg, spec.block_size),
+        run.attention,
+        cfg.max_anchors,
+        cfg.compile_loss,
+        device,
+        run.amp_dtype,
+        options,
+        cfg.batch_anchors,
+    )
 
 
 def compile_drafter(drafter: torch.nn.Module, scope: str) -> None:
@@ -154,11 +173,18 @@ def row_slices(step: Step, batch: dict, anchors, valid) -> list[tuple[dict, torc
         return [(batch, anchors, valid)]
     out = []
     for start in range(0, rows, per):
-        part = {k: pad_rows(v[start:start + per], per, 0) if isinstance(v, torch.Tensor) else v
-                for k, v in batch.items()}
+        part = {
+            k: pad_rows(v[start : start + per], per, 0) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()
+        }
         part["tokens"] = batch["tokens"] if start == 0 else 0
-        out.append((part, pad_rows(anchors[start:start + per], per, -1),
-                    pad_rows(valid[start:start + per], per, False)))
+        out.append(
+            (
+                part,
+                pad_rows(anchors[start : start + per], per, -1),
+                pad_rows(valid[start : start + per], per, False),
+            )
+        )
     return out
 
 

@@ -55,9 +55,11 @@ class Validator:
         by_bucket: dict[int, list[int]] = {}
         for i in order:
             by_bucket.setdefault(bucket_for(store.num_tokens(i), cfg.buckets), []).append(i)
-        self.batches = [rows[j:j + rows_per_batch(b, cfg.batch_tokens)]
-                        for b, rows in sorted(by_bucket.items())
-                        for j in range(0, len(rows), rows_per_batch(b, cfg.batch_tokens))]
+        self.batches = [
+            rows[j : j + rows_per_batch(b, cfg.batch_tokens)]
+            for b, rows in sorted(by_bucket.items())
+            for j in range(0, len(rows), rows_per_batch(b, cfg.batch_tokens))
+        ]
         self.collate = Collate(cfg.buckets, cfg.batch_tokens, hidden_dtype)
 
     def evaluate(self, step_fn, drafter, sharded: bool) -> dict:
@@ -73,8 +75,11 @@ class Validator:
         drafter.eval()
         amp = step_fn.amp_dtype
         try:
-            with torch.no_grad(), torch.compiler.set_stance("force_eager"), \
-                    torch.autocast(d.device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+            with (
+                torch.no_grad(),
+                torch.compiler.set_stance("force_eager"),
+                torch.autocast(d.device.type, dtype=amp or torch.bfloat16, enabled=amp is not None),
+            ):
                 for k in mine:
                     rows = self.batches[0 if k is None else k]
                     batch = self.collate([self.store[i] for i in rows])
@@ -82,8 +87,10 @@ class Validator:
                     pad = len(batch["loss_mask"]) - len(rows)
                     seeds = [anchor_seed(self.ids[i]) for i in rows] + [None] * pad
                     anchors, valid = anchors_for(step_fn, batch["loss_mask"], seeds=seeds)
-                    stats = sum(view.family.loss(view, batch_tensors(view, part), a, v)[1]
-                                for part, a, v in row_slices(view, batch, anchors, valid))
+                    stats = sum(
+                        view.family.loss(view, batch_tensors(view, part), a, v)[1]
+                        for part, a, v in row_slices(view, batch, anchors, valid)
+                    )
                     if per is None:
                         per = torch.zeros(n, len(stats), dtype=torch.float64, device=d.device)
                     if k is not None:
@@ -135,9 +142,10 @@ class Best:
             path = self.dir / f"step-{step:08d}"
             with atomic_path(path) as tmp:
                 tmp.mkdir(parents=True)
-                write_safetensors(tmp / "model.safetensors",
-                                  {k: v.detach().to("cpu", self.dtype or v.dtype).contiguous()
-                                   for k, v in model.items()})
+                write_safetensors(
+                    tmp / "model.safetensors",
+                    {k: v.detach().to("cpu", self.dtype or v.dtype).contiguous() for k, v in model.items()},
+                )
                 (tmp / "val.json").write_text(json.dumps({"step": step, **row}))
             for p in best_dirs(self.dir.parent):
                 if int(p.name.split("-")[1]) not in (step, self.kept):
@@ -149,18 +157,26 @@ class Best:
     def weights(self) -> dict[str, torch.Tensor]:
         path = self.dir / f"step-{self.step:08d}" / "model.safetensors"
         if not path.exists():
-            raise UserError(f"{path}: the best checkpoint is missing; rerun training with train.export: "
-                            "last, or remove the run's checkpoints to train again")
+            raise UserError(
+                f"{path}: the best checkpoint is missing; rerun training with train.export: "
+                "last, or remove the run's checkpoints to train again"
+            )
         return read_safetensors(path)
 
 
 def export_choice(cfg: TrainConfig, best: Best | None, last_step: int) -> dict:
     """Which step the export takes, and why (export.json, the report)."""
-    out = {"export": cfg.export, "last_step": last_step, "best_step": best.step if best else None,
-           "best_val_sim_tau": best.sim_tau if best and best.step is not None else None}
+    out = {
+        "export": cfg.export,
+        "last_step": last_step,
+        "best_step": best.step if best else None,
+        "best_val_sim_tau": best.sim_tau if best and best.step is not None else None,
+    }
     if cfg.export == "best" and best is not None and best.step is not None:
-        why = (f"train.export: best: step {best.step} had the best validation sim_tau ({best.sim_tau:.4f}) "
-               f"of the run's validations")
+        why = (
+            f"train.export: best: step {best.step} had the best validation sim_tau ({best.sim_tau:.4f}) "
+            f"of the run's validations"
+        )
         return {**out, "step": best.step, "why": why}
     if cfg.export == "best":
         why = "train.export: best, but no validation gave a number: the last step is exported"
