@@ -13,6 +13,7 @@ from snakemake.utils import validate
 
 from flashdraft.config import (
     Config,
+    GpusConfig,
     RegenerateConfig,
     TargetConfig,
     TrainConfig,
@@ -21,6 +22,7 @@ from flashdraft.config import (
     load_section,
     target_layer_ids,
     to_json,
+    train_world,
 )
 from flashdraft.config_check import check, check_schema
 from flashdraft.errors import UserError
@@ -476,3 +478,11 @@ def test_eval_temperatures_and_the_former_single_temperature():
             EvalConfig(temperatures=bad)
         with pytest.raises(Exception, match="temperatures"):
             check_schema({**data, "eval": {**data["eval"], "temperatures": bad}}, SCHEMA)
+
+
+def test_the_training_world_is_one_process_per_gpu_or_one_on_the_cpu_per_node():
+    assert train_world(GpusConfig()) == 1
+    assert train_world(GpusConfig(drafter=3)) == 3
+    assert train_world(GpusConfig(drafter=4, drafter_nodes=2)) == 8
+    assert train_world(GpusConfig(drafter=0, drafter_nodes=2)) == 2
+    assert train_world(GpusConfig(drafter=4, drafter_nodes=2), 1) == 2  # a planner's split: 1 GPU a node

@@ -29,6 +29,7 @@ from .config import (
     stream_chunk_tokens,
     stream_least,
     target_layer_ids,
+    train_world,
 )
 from .errors import UserError
 from .hf_config import read_target_config, target_hidden_size, target_max_positions, target_num_layers
@@ -178,7 +179,7 @@ def config_problems(cfg: Config, target: dict | None = None) -> tuple[list[str],
     r = cfg.regenerate
     if r.enabled and r.backend == "server":
         found.run(server_argv, r.server_cmd, "target", 1, r.server_gpus)  # the template's mistakes
-    t, world = cfg.train, max(1, cfg.gpus.drafter) * cfg.gpus.drafter_nodes
+    t, world = cfg.train, train_world(cfg.gpus)
     found.run(_check_global_batch, t, world)
     found.run(_check_window, cfg.drafter)
     found.run(_check_draft_weights, cfg.drafter)

@@ -36,7 +36,7 @@ import json
 from pathlib import Path
 
 from . import memory
-from .config import Config, needs_last_hidden
+from .config import Config, needs_last_hidden, train_world
 from .errors import UserError, cli
 from .estimate import (
     EXHAUSTIVE_GPUS,
@@ -109,9 +109,10 @@ def plan(
         modes["stream"] = str(e)
     rec = recommend(run, budget, source) if g and total is not None else None
     gpu_bytes, gpu_source = gpu_memory or gpu_card(cfg)
-    world = memory.training_world(cfg)
+    world = train_world(cfg.gpus)
     peaks = {MEMORY_STAGES[p.stage]: p for p in memory.stage_peaks(cfg, shapes, world, gpu_bytes)}
-    best_world = rec.best.split.drafter * cfg.gpus.drafter_nodes if rec and rec.best else None
+    best = rec.best.split.drafter if rec and rec.best else 0
+    best_world = train_world(cfg.gpus, best) if best else None
     best_train = memory.train_peak(cfg, shapes, best_world, gpu_bytes) if best_world else None
     return {
         "parameters": params,

@@ -16,6 +16,7 @@ from flashdraft.config import (  # noqa: E402
     config_from,
     needs_last_hidden,
     stage_params,
+    train_world as config_train_world,
 )
 from flashdraft.config_check import (  # noqa: E402
     Problems,
@@ -279,7 +280,7 @@ def parent(kind, key=0):
 
 def train_world():
     """Training processes: one per GPU (or one on the CPU) on each node."""
-    return max(1, CFG.gpus.drafter) * CFG.gpus.drafter_nodes
+    return config_train_world(CFG.gpus)
 
 
 def train_threads():
