@@ -23,7 +23,8 @@ from flashdraft.config import (
     slice_size,
     train_world,
 )
-from flashdraft.estimate_inputs import load, target_shapes
+from flashdraft.config_load import load
+from flashdraft.estimate_inputs import target_shapes
 from flashdraft.shapes import QWEN3_8B
 
 pytestmark = pytest.mark.usefixtures("one_thread")

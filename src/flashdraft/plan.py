@@ -37,6 +37,7 @@ from pathlib import Path
 
 from . import memory
 from .config import Config, needs_last_hidden, train_world
+from .config_load import load
 from .errors import UserError, cli
 from .estimate import (
     EXHAUSTIVE_GPUS,
@@ -55,7 +56,7 @@ from .estimate import (
     stream_mode,
     token_bytes,
 )
-from .estimate_inputs import load, read_shapes, target_shapes, token_stats
+from .estimate_inputs import read_shapes, target_shapes, token_stats
 from .gpu import gpu_memory_bytes
 from .io import FP8, human_bytes, parse_bytes
 
