@@ -518,13 +518,6 @@ def config_from(data: dict | None) -> Config:
     return in_run_dir(cfg, cfg.results)
 
 
-def load_config(path: str) -> Config:
-    import yaml
-
-    with open(path) as f:
-        return config_from(yaml.safe_load(f))
-
-
 def to_json(obj) -> str:
     return json.dumps(dataclasses.asdict(obj), sort_keys=True)
 
