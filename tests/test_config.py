@@ -487,3 +487,22 @@ def test_the_training_world_is_one_process_per_gpu_or_one_on_the_cpu_per_node():
     assert train_world(GpusConfig(drafter=4, drafter_nodes=2)) == 8
     assert train_world(GpusConfig(drafter=0, drafter_nodes=2)) == 2
     assert train_world(GpusConfig(drafter=4, drafter_nodes=2), 1) == 2  # a planner's split: 1 GPU a node
+
+
+@pytest.mark.parametrize("global_tokens", [1536, 1024])
+def test_a_global_batch_that_is_no_whole_step_of_micro_batches_is_one_line(global_tokens):
+    """train.global_batch_tokens against micro_per_step's rule (a multiple of train.batch_tokens, a
+    micro-batch for each process), in the check's own words."""
+    cfg = load(REPO / "config" / "config.yaml")
+    cfg.gpus.drafter, cfg.train.batch_tokens = 2, 1024
+    for fine in (0, 2048, 4096):
+        cfg.train.global_batch_tokens = fine
+        check(cfg)
+    cfg.train.global_batch_tokens = global_tokens
+    with pytest.raises(UserError) as e:
+        check(cfg)
+    assert str(e.value) == (
+        f"config key train.global_batch_tokens ({global_tokens}) must be a multiple of train.batch_tokens "
+        "(1024) and hold a micro-batch for each of the 2 training process(es): use a multiple of 1024 from "
+        "2048 up, or 0"
+    )

@@ -325,13 +325,14 @@ def _check_lengths(cfg: Config, target: dict | None) -> None:
 
 
 def _check_global_batch(t: TrainConfig, world: int) -> None:
-    g = t.global_batch_tokens
-    if g and (g % t.batch_tokens or g < world * t.batch_tokens):
+    try:
+        micro_per_step(t, world)
+    except ValueError:
         raise UserError(
-            f"config key train.global_batch_tokens ({g}) must be a multiple of train.batch_tokens "
-            f"({t.batch_tokens}) and hold a micro-batch for each of the {world} training process(es): "
-            f"use a multiple of {t.batch_tokens} from {world * t.batch_tokens} up, or 0"
-        )
+            f"config key train.global_batch_tokens ({t.global_batch_tokens}) must be a multiple of "
+            f"train.batch_tokens ({t.batch_tokens}) and hold a micro-batch for each of the {world} training "
+            f"process(es): use a multiple of {t.batch_tokens} from {world * t.batch_tokens} up, or 0"
+        ) from None
 
 
 def _check_window(d) -> None:
