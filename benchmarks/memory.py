@@ -41,7 +41,9 @@ from harness import write_result
 from train_bench import PRESETS, REPO, drafter_json, setup
 
 from flashdraft import memory
-from flashdraft.config import Config, DrafterConfig, TrainConfig, from_dict, load_config
+from flashdraft.config import Config, DrafterConfig, TrainConfig, from_dict
+from flashdraft.config_load import load
+from flashdraft.shapes import QWEN3_8B
 
 # The measured points: (name, family overrides, train overrides, bucket, rows). Production's keys are the
 # first group's (float8 tensorwise, compiled loss, layer scope).
@@ -281,7 +283,7 @@ def logged(cmd: list[str], log: Path, timeout: float) -> tuple[int, str]:
 def production(preset_name: str, work: Path, steps: int, timeout: float, logs: Path) -> dict:
     """production.yaml's warmup, then its training for `steps` steps; their logs go to `logs`/."""
     preset = PRESETS[preset_name]
-    prod = load_config(str(REPO / "config" / "production.yaml"))
+    prod = load(REPO / "config" / "production.yaml", target=QWEN3_8B)  # its train section
     train = {
         **json.loads(json.dumps(prod.train.__dict__)),
         "max_steps": steps,

@@ -13,19 +13,22 @@ from snakemake.utils import validate
 
 from flashdraft.config import (
     Config,
+    GpusConfig,
     RegenerateConfig,
     TargetConfig,
     TrainConfig,
     from_dict,
-    load_config,
     load_section,
     target_layer_ids,
     to_json,
+    train_world,
 )
 from flashdraft.config_check import check, check_schema
+from flashdraft.config_load import load
 from flashdraft.errors import UserError
 from flashdraft.io import DTYPES, STORAGE_DTYPES, torch_dtype
 from flashdraft.objectives import OBJECTIVES
+from flashdraft.shapes import QWEN3_8B
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -71,7 +74,7 @@ def test_schema_backends_are_the_registered_ones():
 
 
 def test_an_unknown_loss_is_one_line_before_any_job():
-    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg = load(REPO / "config" / "config.yaml")
     for name in OBJECTIVES:
         cfg.train.loss = name
         check(cfg)
@@ -84,7 +87,7 @@ def test_an_unknown_loss_is_one_line_before_any_job():
 def test_shipped_configs_validate(name):
     data = yaml.safe_load((REPO / "config" / name).read_text())
     validate(data, str(SCHEMA))
-    cfg = load_config(REPO / "config" / name)
+    cfg = load(REPO / "config" / name, target=QWEN3_8B)  # production's target.path is not here
     assert cfg.drafter.block_size in (8, 16)
 
 
@@ -119,7 +122,7 @@ def test_a_schema_mistake_is_one_line_naming_the_key():
 def test_every_problem_of_a_config_is_one_line_at_once():
     """The checks before any job gathered: three independent mistakes, three lines in one error (each in
     its own words), and the warnings still returned where nothing is wrong."""
-    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg = load(REPO / "config" / "config.yaml")
     cfg.prompts.min_chars, cfg.prompts.max_chars = 50, 10
     cfg.train.loss, cfg.drafter.sliding_window = "mean", 4
     with pytest.raises(UserError) as e:
@@ -263,7 +266,7 @@ def test_remote_code_target_refused_known_type_with_auto_map_read(tmp_path):
 
 
 def test_a_sliding_window_smaller_than_a_block_is_refused_before_any_job():
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "config" / "config.yaml"))
+    cfg = load(Path(__file__).resolve().parents[1] / "config" / "config.yaml")
     cfg.drafter.sliding_window = cfg.drafter.block_size
     check(cfg)
     cfg.drafter.sliding_window = cfg.drafter.block_size - 1
@@ -272,7 +275,7 @@ def test_a_sliding_window_smaller_than_a_block_is_refused_before_any_job():
 
 
 def test_a_global_batch_the_training_processes_cannot_share_is_refused_before_any_job():
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "config" / "config.yaml"))
+    cfg = load(Path(__file__).resolve().parents[1] / "config" / "config.yaml")
     cfg.gpus.drafter = 2
     check(cfg)  # 2048 tokens: one micro-batch of 1024 on each of 2 processes
     cfg.gpus.drafter = 3
@@ -288,7 +291,7 @@ def test_fp8_takes_a_known_recipe_and_a_gpu_with_fp8_matmuls():
 
     from flashdraft.float8 import float8_linears
 
-    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg = load(REPO / "config" / "config.yaml")
     assert cfg.train.fp8 is None  # the embedded default trains as it always has
     assert not [w for w in check(cfg) if "torchao" in w]
     cfg.train.fp8, cfg.gpus.drafter = "rowwise", 1
@@ -389,7 +392,7 @@ def test_fp8_with_no_gpu_visible_on_the_node_is_its_own_line_beside_the_gpu_coun
 def test_fp8_on_the_cpu_is_refused_by_the_check_before_any_job():
     """production.yaml's train.fp8 with gpus.drafter: 0: the config check the workflow (and the planner)
     runs first refuses it in one line, whatever GPUs this machine has."""
-    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg = load(REPO / "config" / "config.yaml")
     cfg.train.fp8, cfg.gpus.drafter = "tensorwise", 0
     with pytest.raises(UserError) as e:
         check(cfg)
@@ -401,7 +404,7 @@ def test_fp8_against_this_node_s_gpus_and_torchao(monkeypatch):
     torchao in this environment."""
     import flashdraft.config_check as C
 
-    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg = load(REPO / "config" / "config.yaml")
     cfg.train.fp8, cfg.gpus.drafter = "tensorwise", 1
     with pytest.raises(UserError, match=r"but GPU 0 \(NVIDIA A100\) has compute capability 8\.0; set train"):
         C.check_fp8_gpus(cfg, [("0", "NVIDIA A100", (8, 0))])
@@ -420,7 +423,7 @@ def test_fp8_against_this_node_s_gpus_and_torchao(monkeypatch):
 
 
 def test_compile_scope_is_model_or_layer():
-    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg = load(REPO / "config" / "config.yaml")
     assert cfg.train.compile_scope == "model"
     cfg.train.compile_scope = "layer"
     check(cfg)
@@ -476,3 +479,30 @@ def test_eval_temperatures_and_the_former_single_temperature():
             EvalConfig(temperatures=bad)
         with pytest.raises(Exception, match="temperatures"):
             check_schema({**data, "eval": {**data["eval"], "temperatures": bad}}, SCHEMA)
+
+
+def test_the_training_world_is_one_process_per_gpu_or_one_on_the_cpu_per_node():
+    assert train_world(GpusConfig()) == 1
+    assert train_world(GpusConfig(drafter=3)) == 3
+    assert train_world(GpusConfig(drafter=4, drafter_nodes=2)) == 8
+    assert train_world(GpusConfig(drafter=0, drafter_nodes=2)) == 2
+    assert train_world(GpusConfig(drafter=4, drafter_nodes=2), 1) == 2  # a planner's split: 1 GPU a node
+
+
+@pytest.mark.parametrize("global_tokens", [1536, 1024])
+def test_a_global_batch_that_is_no_whole_step_of_micro_batches_is_one_line(global_tokens):
+    """train.global_batch_tokens against micro_per_step's rule (a multiple of train.batch_tokens, a
+    micro-batch for each process), in the check's own words."""
+    cfg = load(REPO / "config" / "config.yaml")
+    cfg.gpus.drafter, cfg.train.batch_tokens = 2, 1024
+    for fine in (0, 2048, 4096):
+        cfg.train.global_batch_tokens = fine
+        check(cfg)
+    cfg.train.global_batch_tokens = global_tokens
+    with pytest.raises(UserError) as e:
+        check(cfg)
+    assert str(e.value) == (
+        f"config key train.global_batch_tokens ({global_tokens}) must be a multiple of train.batch_tokens "
+        "(1024) and hold a micro-batch for each of the 2 training process(es): use a multiple of 1024 from "
+        "2048 up, or 0"
+    )

@@ -4,8 +4,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from flashdraft.config_load import load
 from flashdraft.disk import disk_problem, run_disk
-from flashdraft.estimate_inputs import load
 from flashdraft.io import parse_bytes
 from flashdraft.shapes import QWEN3_8B
 

@@ -24,7 +24,7 @@ import figures  # noqa: E402  (benchmarks/figures.py)
 
 from flashdraft import results
 from flashdraft.config import Config
-from flashdraft.estimate_inputs import SCHEMA  # the schema file the workflow and the planner validate against
+from flashdraft.config_load import SCHEMA  # the schema file the workflow and the planner validate against
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

@@ -952,18 +952,11 @@ def test_gpu_flex_and_sdpa_agree_and_bf16_tracks_float32(data):
 
 def overlay(*names):
     """The Config of the embedded default with `names` (files of config/) over it, as Snakemake merges
-    them, validated against the schema."""
-    from snakemake.utils import validate
-
-    from flashdraft.config import config_from
-    from flashdraft.estimate_inputs import merge_into
+    them, read as the workflow reads it."""
+    from flashdraft.config_load import load
 
     repo = Path(__file__).resolve().parents[1]
-    data = {}
-    for name in ("config.yaml", *names):
-        merge_into(data, yaml.safe_load((repo / "config" / name).read_text()))
-    validate(data, str(repo / "workflow" / "schemas" / "config.schema.yaml"))
-    return config_from(data)
+    return load([repo / "config" / name for name in ("config.yaml", *names)])
 
 
 def test_the_paper_baseline_config_is_heads_off_on_dflash_shards_at_dflash_rates():

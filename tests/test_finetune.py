@@ -11,8 +11,9 @@ import torch
 from conftest import toy_hidden_shards
 from safetensors.torch import load_file, save_file
 
-from flashdraft.config import DrafterConfig, load_config
+from flashdraft.config import DrafterConfig
 from flashdraft.config_check import check
+from flashdraft.config_load import load
 from flashdraft.drafter_io import export_drafter, init_weights
 from flashdraft.errors import UserError
 from flashdraft.model import DFlashDrafter
@@ -161,7 +162,7 @@ def test_missing_or_broken_files_are_one_line_each(toy, tmp_path):
 
 
 def test_a_missing_init_from_is_one_line_before_any_job(tmp_path):
-    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg = load(REPO / "config" / "config.yaml")
     cfg.drafter.init_from = str(tmp_path / "nowhere")
     with pytest.raises(
         UserError,

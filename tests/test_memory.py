@@ -21,8 +21,10 @@ from flashdraft.config import (
     rows_per_batch,
     slice_rows,
     slice_size,
+    train_world,
 )
-from flashdraft.estimate_inputs import load, target_shapes
+from flashdraft.config_load import load
+from flashdraft.estimate_inputs import target_shapes
 from flashdraft.shapes import QWEN3_8B
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -435,7 +437,7 @@ def test_problems_is_one_line_per_failing_stage_naming_it_and_a_key(production, 
 
 def test_check_reads_the_card_from_gpus_memory_gib_else_the_visible_gpu(production):
     cfg, shapes = production
-    world = memory.training_world(cfg)
+    world = train_world(cfg.gpus)
     small = dataclasses.replace(cfg, gpus=dataclasses.replace(cfg.gpus, memory_gib=16))
     assert (
         memory.check(small, lambda: 1000 * GIB, target=dict(QWEN3_8B))

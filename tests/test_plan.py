@@ -11,6 +11,7 @@ import yaml
 
 from flashdraft import results
 from flashdraft.config import Config, DrafterConfig, HiddenConfig, TargetConfig, ToyConfig, feature_layers
+from flashdraft.config_load import load
 from flashdraft.errors import UserError
 from flashdraft.estimate import (
     RATES,
@@ -24,7 +25,6 @@ from flashdraft.estimate import (
 from flashdraft.estimate_inputs import (
     ASSUMED_ANSWER_TOKENS,
     ASSUMED_PROMPT_TOKENS,
-    load,
     read_shapes,
     target_shapes,
     token_stats,

@@ -13,8 +13,9 @@ import pytest
 from conftest import toy_hidden_shards
 from safetensors.torch import load_file
 
-from flashdraft.config import HiddenConfig, TrainConfig, load_config
+from flashdraft.config import HiddenConfig, TrainConfig
 from flashdraft.config_check import check
+from flashdraft.config_load import load
 from flashdraft.errors import UserError
 from flashdraft.hidden import HiddenStore
 from flashdraft.holdout import val_split
@@ -110,7 +111,7 @@ def test_store_mode_keeps_the_validation_samples_out_of_training(data):
 
 def test_the_default_split_and_the_warning_for_a_large_one():
     assert TrainConfig().val_samples == 64
-    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg = load(REPO / "config" / "config.yaml")
     assert cfg.train.val_samples == 0 and check(cfg) == []  # the embedded default (docs/performance.md)
     cfg.train.val_samples = 36
     assert check(cfg) == []  # a tenth of the 360 prompts
@@ -122,7 +123,7 @@ def test_the_default_split_and_the_warning_for_a_large_one():
 
 
 def test_bad_validation_keys_are_one_line_before_any_job():
-    cfg = load_config(str(REPO / "config" / "config.yaml"))
+    cfg = load(REPO / "config" / "config.yaml")
     check(cfg)
     cfg.train.val_samples = cfg.prompts.total
     with pytest.raises(UserError, match=r"config key train\.val_samples \(360\) leaves none of the 360"):

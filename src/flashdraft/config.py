@@ -386,6 +386,12 @@ def check_validation(t: TrainConfig, samples: int | None = None, steps: int | No
         )
 
 
+def train_world(gpus: GpusConfig, drafter: int | None = None) -> int:
+    """Training processes: one per GPU (or one on the CPU) on each of gpus.drafter_nodes nodes (`drafter`:
+    GPUs per node other than gpus.drafter, the planner's splits)."""
+    return max(1, gpus.drafter if drafter is None else drafter) * gpus.drafter_nodes
+
+
 # The step's arithmetic, torch-free for the config check; flashdraft.batches makes the batches from it.
 def micro_per_step(cfg: TrainConfig, world: int) -> int:
     """Micro-batches in one optimizer step, over all ranks: global_batch_tokens // batch_tokens, or one
@@ -510,13 +516,6 @@ def config_from(data: dict | None) -> Config:
     paths placed in its `results`."""
     cfg = from_dict(Config, data, "config")
     return in_run_dir(cfg, cfg.results)
-
-
-def load_config(path: str) -> Config:
-    import yaml
-
-    with open(path) as f:
-        return config_from(yaml.safe_load(f))
 
 
 def to_json(obj) -> str:

@@ -29,6 +29,7 @@ from .config import (
     stream_chunk_tokens,
     stream_least,
     target_layer_ids,
+    train_world,
 )
 from .errors import UserError
 from .hf_config import read_target_config, target_hidden_size, target_max_positions, target_num_layers
@@ -178,7 +179,7 @@ def config_problems(cfg: Config, target: dict | None = None) -> tuple[list[str],
     r = cfg.regenerate
     if r.enabled and r.backend == "server":
         found.run(server_argv, r.server_cmd, "target", 1, r.server_gpus)  # the template's mistakes
-    t, world = cfg.train, max(1, cfg.gpus.drafter) * cfg.gpus.drafter_nodes
+    t, world = cfg.train, train_world(cfg.gpus)
     found.run(_check_global_batch, t, world)
     found.run(_check_window, cfg.drafter)
     found.run(_check_draft_weights, cfg.drafter)
@@ -324,13 +325,14 @@ def _check_lengths(cfg: Config, target: dict | None) -> None:
 
 
 def _check_global_batch(t: TrainConfig, world: int) -> None:
-    g = t.global_batch_tokens
-    if g and (g % t.batch_tokens or g < world * t.batch_tokens):
+    try:
+        micro_per_step(t, world)
+    except ValueError:
         raise UserError(
-            f"config key train.global_batch_tokens ({g}) must be a multiple of train.batch_tokens "
-            f"({t.batch_tokens}) and hold a micro-batch for each of the {world} training process(es): "
-            f"use a multiple of {t.batch_tokens} from {world * t.batch_tokens} up, or 0"
-        )
+            f"config key train.global_batch_tokens ({t.global_batch_tokens}) must be a multiple of "
+            f"train.batch_tokens ({t.batch_tokens}) and hold a micro-batch for each of the {world} training "
+            f"process(es): use a multiple of {t.batch_tokens} from {world * t.batch_tokens} up, or 0"
+        ) from None
 
 
 def _check_window(d) -> None:

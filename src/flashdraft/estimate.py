@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from .config import Config, feature_layers, needs_last_hidden, stream_chunk_tokens
+from .config import Config, feature_layers, needs_last_hidden, stream_chunk_tokens, train_world
 from .config_check import check_stream
 from .errors import UserError
 from .estimate_inputs import Tokens
@@ -197,7 +197,7 @@ class Run:
         return token_bytes(self.cfg, self.shapes)
 
     def world(self, split: Split) -> int:
-        return max(1, split.drafter) * self.cfg.gpus.drafter_nodes
+        return train_world(self.cfg.gpus, split.drafter)
 
     def train_key(self, split: Split) -> str:
         return "train_1gpu" if self.world(split) == 1 else "train_per_gpu"

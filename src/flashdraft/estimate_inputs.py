@@ -1,72 +1,23 @@
-"""What the planner's estimate reads before it runs anything: the config as the workflow reads it (`load`),
-the target's shapes (its config.json, a file given on the command line or a preset of flashdraft.shapes),
+"""What the planner's estimate reads before it runs anything, beside the config (config_load.load): the
+target's shapes (its config.json, a file given on the command line or a preset of flashdraft.shapes),
 and the token statistics of what earlier stages left under results/ (`token_stats`), or the assumptions
 where nothing has run yet."""
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, config_from
-from .config_check import Problems, check, schema_problems, schema_valid_part
+from .config import Config
 from .errors import UserError
 from .hf_config import read_target_config
 from .shapes import PRESETS
-
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = REPO / "config" / "config.yaml"  # the Snakefile's `configfile:`
-SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 
 # Where no earlier stage has run: chat prompts and answers of ShareGPT/UltraChat-like mixes.
 ASSUMED_PROMPT_TOKENS = 250
 ASSUMED_ANSWER_TOKENS = 550
 PROMPT_SAMPLE = 1000  # prompts tokenized to measure the mean prompt length
-
-
-def load(configfile, base=DEFAULT_CONFIG, target: dict | None = None) -> Config:
-    """The config as the workflow sees it, or a UserError naming the file or key (`configfile`: one file or
-    several, each on top of the one before, as Snakemake reads `--configfile a.yaml b.yaml`; `base`, the
-    embedded default, only where none is given, as the Snakefile; `target`: the
-    target's config.json when it is not at target.path)."""
-    import yaml
-
-    files = [configfile] if isinstance(configfile, (str, os.PathLike)) else list(configfile)
-    configfile = " + ".join(map(str, files))  # what the errors name
-    data = {}
-    for f in files or [base]:  # the embedded default only where no file is given, as the Snakefile
-        try:
-            loaded = yaml.safe_load(Path(f).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise UserError(f"{f}: cannot read the config ({str(e).splitlines()[0]})") from e
-        if not isinstance(loaded, dict):
-            raise UserError(f"{f}: the config must be a mapping of sections")
-        merge_into(data, loaded)
-    # every problem at once, as the workflow's read_config: the schema's lines, then the checks that need a
-    # Config on what the schema accepts
-    found = Problems(schema_problems(data, SCHEMA, f"{configfile}: ") if SCHEMA.exists() else [])
-    part = schema_valid_part(data, SCHEMA) if found.lines else data
-    if part is None:
-        found.raise_all()
-    try:
-        cfg = config_from(part)
-    except ValueError as e:
-        found.lines.append(f"{configfile}: {e}")
-        found.raise_all()
-    found.run(check, cfg, target)
-    found.raise_all()
-    return cfg
-
-
-def merge_into(base: dict, update: dict) -> None:
-    """Snakemake's merge of a --configfile over the workflow's configfile: nested mappings key by key."""
-    for k, v in update.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            merge_into(base[k], v)
-        else:
-            base[k] = v
 
 
 def read_shapes(source: str) -> dict:

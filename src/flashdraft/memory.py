@@ -25,7 +25,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from .config import Config, feature_layers, needs_last_hidden, num_anchor_slots, rows_per_batch, slice_size
+from .config import (
+    Config,
+    feature_layers,
+    needs_last_hidden,
+    num_anchor_slots,
+    rows_per_batch,
+    slice_size,
+    train_world,
+)
 from .parallel import parallel_mode
 
 GIB = 2**30
@@ -321,10 +329,6 @@ def budget(gpu_bytes: int) -> int:
     return int(gpu_bytes * FIT_FRACTION) - CUDA_CONTEXT
 
 
-def training_world(cfg: Config) -> int:
-    return max(1, cfg.gpus.drafter) * cfg.gpus.drafter_nodes
-
-
 def stage_peaks(cfg: Config, shapes: dict, world: int, gpu_bytes: int | None) -> list[Peak]:
     """Every GPU stage's predicted peak, in the DAG's order (regeneration only where it runs)."""
     peaks = [
@@ -366,7 +370,7 @@ def check(cfg: Config, visible: Callable[[], int | None], target: dict | None = 
         return []
     try:
         shapes = target_shapes(cfg, target)
-        return problems(cfg, shapes, training_world(cfg), gpu_bytes, where)
+        return problems(cfg, shapes, train_world(cfg.gpus), gpu_bytes, where)
     except (UserError, KeyError):  # no config.json yet, or not a decoder's: the target's own check names it
         return []
 

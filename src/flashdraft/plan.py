@@ -36,7 +36,8 @@ import json
 from pathlib import Path
 
 from . import memory
-from .config import Config, needs_last_hidden
+from .config import Config, needs_last_hidden, train_world
+from .config_load import load
 from .errors import UserError, cli
 from .estimate import (
     EXHAUSTIVE_GPUS,
@@ -55,7 +56,7 @@ from .estimate import (
     stream_mode,
     token_bytes,
 )
-from .estimate_inputs import load, read_shapes, target_shapes, token_stats
+from .estimate_inputs import read_shapes, target_shapes, token_stats
 from .gpu import gpu_memory_bytes
 from .io import FP8, human_bytes, parse_bytes
 
@@ -109,9 +110,10 @@ def plan(
         modes["stream"] = str(e)
     rec = recommend(run, budget, source) if g and total is not None else None
     gpu_bytes, gpu_source = gpu_memory or gpu_card(cfg)
-    world = memory.training_world(cfg)
+    world = train_world(cfg.gpus)
     peaks = {MEMORY_STAGES[p.stage]: p for p in memory.stage_peaks(cfg, shapes, world, gpu_bytes)}
-    best_world = rec.best.split.drafter * cfg.gpus.drafter_nodes if rec and rec.best else None
+    best = rec.best.split.drafter if rec and rec.best else 0
+    best_world = train_world(cfg.gpus, best) if best else None
     best_train = memory.train_peak(cfg, shapes, best_world, gpu_bytes) if best_world else None
     return {
         "parameters": params,

@@ -5,31 +5,26 @@ import shutil
 import sys
 from pathlib import Path
 
-from snakemake.utils import validate
-
 REPO = Path(workflow.basedir).parent
 sys.path.insert(0, str(REPO / "src"))
 
 from flashdraft.config import (  # noqa: E402
     WARMUP_TRAIN_KEYS,
     Config,
-    config_from,
     needs_last_hidden,
     stage_params,
+    train_world as config_train_world,
 )
 from flashdraft.config_check import (  # noqa: E402
     Problems,
     check_fp8_gpus,
-    config_problems,
     configfile_problems,
     file_problems,
     fp8_problem,
     gpu_problems,
     overlay_problem,
-    schema_problems,
-    schema_valid_part,
-    target_problem,
 )
+from flashdraft.config_load import read as read_data  # noqa: E402
 from flashdraft.gpu import gpu_capabilities, gpu_memory_bytes, visible_gpus  # noqa: E402
 from flashdraft import memory  # noqa: E402
 from flashdraft.disk import disk_problem  # noqa: E402
@@ -41,9 +36,6 @@ from flashdraft.shards import shard_sources  # noqa: E402
 from flashdraft.launch import on_every_node, torchrun  # noqa: E402
 
 
-SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
-
-
 def read_config():
     """The config as a Config, once every check that needs no job has run: all the problems found, one line
     each, end the run in one stop() before any job (the warnings are printed either way)."""
@@ -52,19 +44,16 @@ def read_config():
     if not found.lines:  # a target read as a config: its keys' lines would only hide that
         overlay = overlay_problem(workflow.overwrite_configfiles, config)
         found.lines += [overlay] if overlay else []
-        found.lines += schema_problems(config, SCHEMA)  # one line naming each key, not the whole schema
-        if not found.lines:
-            validate(config, schema="../schemas/config.schema.yaml")  # fills in the schema's defaults
-        data = schema_valid_part(config, SCHEMA) if found.lines else config
-        if data is not None:
-            cfg = config_from(data)
-            problems, warnings = config_problems(cfg, {} if target_problem(cfg) else None)
+        read = read_data(config, absent_target_ok=True)  # Snakemake merged the files as config_load.load
+        found.lines += read.schema  # one line naming each key, not the whole schema
+        cfg = read.cfg
+        if cfg is not None:
             # the sources' first rows: once, not again in each job a cluster or a subprocess runs
             sources = file_problems(cfg, cfg.results.rstrip("/"), read_sources=workflow.is_main_process)
-            found.lines += sources + problems + run_here_problems(cfg)
+            found.lines += sources + read.problems + run_here_problems(cfg)
             if not found.lines:  # each GPU stage's predicted peak against the card
                 found.lines += memory.check(cfg, gpu_memory_bytes)
-            for w in warnings:
+            for w in read.warnings:
                 print(f"warning: {w}", file=sys.stderr)
     if found.lines:
         stop(found.unique())
@@ -279,7 +268,7 @@ def parent(kind, key=0):
 
 def train_world():
     """Training processes: one per GPU (or one on the CPU) on each node."""
-    return max(1, CFG.gpus.drafter) * CFG.gpus.drafter_nodes
+    return config_train_world(CFG.gpus)
 
 
 def train_threads():
