@@ -31,8 +31,9 @@ from . import drafter_io
 from .config import DrafterConfig, DSparkConfig, needs_last_hidden
 from .families import FAMILIES, Family
 from .loss import compiled_chunk, simulated_tau, train_forward
-from .model import DFlashDrafter, DraftCache, DrafterSpec
-from .proposer import Proposer
+from .model import DFlashDrafter, DrafterSpec
+from .speculative import DFlashProposer
+from .step import Graphs
 
 NUM_ANCHORS = 512  # DeepSpec's loader requires config.num_anchors (its training sampler's): its recipe's
 
@@ -464,8 +465,6 @@ class GraphPicks:
     shorter than the graph's runs all slots: a slot's pick depends on those before it only."""
 
     def __init__(self, drafter: DSparkDrafter, lm_head_weight, block_size: int):
-        from .step import Graphs
-
         dev = lm_head_weight.device
         self.drafter, self.head, self.vocab = drafter, lm_head_weight, drafter.spec.vocab_size
         self.h = torch.zeros(block_size, drafter.spec.hidden_size, dtype=drafter.fc.weight.dtype, device=dev)
@@ -504,60 +503,45 @@ class GraphPicks:
         return drafts[:n].clone(), None if q is None else q[:n].clone()
 
 
-class DSparkProposer(Proposer):
-    """A DSpark drafter: one parallel block over the target features of the verified context, then its
-    slots picked left to right with the Markov bias (`DSparkDrafter.pick_block`); min(B, max_draft) drafts.
-    The context's keys/values live in a `DraftCache`, or after `static(max_len)` in a
-    `session.DraftSession` (static cache, CUDA-graph steps; the picks run after its step);
-    `cached=False` recomputes them every step (the reference). `confidence_threshold` > 0: the proposal
-    stops before the first slot whose confidence (sigmoid) is below it, as DeepSpec's evaluator can
-    (default off)."""
+class DSparkProposer(DFlashProposer):
+    """A DSpark drafter: DFlash's proposer (its context in a `DraftCache`, a static `session.DraftSession`
+    after `static(max_len)`, or recomputed with `cached=False`) whose block gives the hidden states of all
+    its slots, picked left to right with the Markov bias (`DSparkDrafter.pick_block`, or `GraphPicks` in a
+    session with CUDA graphs); min(B, max_draft) drafts. `confidence_threshold` > 0: the proposal stops
+    before the first slot whose confidence (sigmoid) is below it, as DeepSpec's evaluator can (default
+    off)."""
 
-    uses_features = True
+    hidden_states = True
 
     def __init__(
         self, drafter, embed_weight, lm_head_weight, cached: bool = True, confidence_threshold: float = 0.0
     ):
-        self.drafter, self.embed, self.head, self.cached = drafter, embed_weight, lm_head_weight, cached
-        self.block_size, self.threshold = drafter.spec.block_size, confidence_threshold
-        self.session, self.picks = None, None
-        self.reset()
+        self.threshold, self.picks = confidence_threshold, None
+        super().__init__(drafter, embed_weight, lm_head_weight, cached)
 
     def static(self, max_len: int) -> DSparkProposer:
-        """Draft over a static cache of `max_len` context positions (a cached proposer only)."""
-        if self.cached:
-            from .session import DraftSession
-
-            self.session = DraftSession(self.drafter, self.embed, self.head, max_len, hidden_states=True)
-            if self.session.graphs.on and self.drafter.markov_head is not None:
-                self.picks = GraphPicks(self.drafter, self.head, self.block_size)
-            self.reset()
+        super().static(max_len)
+        if self.session is not None and self.session.graphs.on and self.drafter.markov_head is not None:
+            self.picks = GraphPicks(self.drafter, self.head, self.block_size)
         return self
 
-    def reset(self):
-        self.cache, self.features = DraftCache(), None
-        if self.session is not None:
-            self.session.reset()
+    def slots(self, max_draft: int) -> int:
+        return min(self.block_size, max(max_draft, 1))  # the block always runs: it takes in the new features
 
-    def propose(self, tokens, new_features, max_draft, temperature, generator):
-        size = min(self.block_size, max(max_draft, 1))  # the block always runs: it takes in the new features
-        if self.session is not None:
-            self.session.extend(new_features)
-            assert self.session.length == len(tokens) - 1, "the drafter's context is the verified tokens"
-            h = self.session.draft(tokens[-1], size)
-        elif self.cached:
-            h = self.drafter.block_hidden_cached(
-                new_features, tokens[-1], self.embed, self.cache, len(tokens) - 1, size
-            )
-        else:
-            f = self.features
-            self.features = new_features if f is None else torch.cat([f, new_features], 1)
-            h = self.drafter.block_hidden(self.features, tokens[-1], self.embed, size)
+    def cached_block(self, new_features, last_token: int, position: int, size: int):
+        return self.drafter.block_hidden_cached(
+            new_features, last_token, self.embed, self.cache, position, size
+        )
+
+    def uncached_block(self, features, last_token: int, size: int):
+        return self.drafter.block_hidden(features, last_token, self.embed, size)
+
+    def block_drafts(self, h, last_token: int, max_draft: int, temperature, generator):
         if self.picks is not None:
-            drafts, q = self.picks(h, tokens[-1], temperature, generator)
+            drafts, q = self.picks(h, last_token, temperature, generator)
         else:
-            drafts, q, _ = self.drafter.pick_block(h, tokens[-1], self.head, temperature, generator)
-        n = min(max_draft, self._confident(h, tokens[-1], drafts))
+            drafts, q, _ = self.drafter.pick_block(h, last_token, self.head, temperature, generator)
+        n = min(max_draft, self._confident(h, last_token, drafts))
         return drafts[:n].tolist(), None if q is None else q[:n]
 
     @torch.no_grad()
