@@ -552,11 +552,7 @@ def needs_last_hidden(drafter: DrafterConfig) -> bool:
     """Whether drafter.family trains on the target's last hidden state, which its hidden shards then hold
     per token beside the K layers' features (the `last_hidden` column; families.FamilyInfo.last_hidden):
     a family that has one, where a term reading it has a weight (FamilyInfo.teacher_weights)."""
-    info = family_info(drafter.family)
-    section = getattr(drafter, drafter.family, None)
-    if not info.last_hidden or not info.teacher_weights or section is None:
-        return info.last_hidden
-    return any(getattr(section, k) for k in info.teacher_weights)
+    return family_info(drafter.family).needs_last_hidden(drafter)
 
 
 def feature_layers(num_target_layers: int, drafter: DrafterConfig) -> list[int]:
