@@ -1,7 +1,7 @@
 """A drafter family is its module plus one registry line (docs/architecture.md, "Adding a drafter family"):
 a family made here, a module holding its FAMILY and a line of families.FAMILIES, is what the family
-look-ups, the config check, the memory estimate and the planner use, with no other edit; adding it changes
-no existing run's key, rates or plan. DFlash's entries are the identity."""
+look-ups, the config (its own section), the config check, the memory estimate and the planner use, with no
+other edit; adding it changes no existing run's key, rates or plan. DFlash's entries are the identity."""
 
 import dataclasses
 import sys
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flashdraft import config
 from flashdraft.config import DrafterConfig, config_from, run_config
 from flashdraft.config_check import config_problems
 from flashdraft.estimate import RATES, Run, Split
@@ -35,12 +36,19 @@ TOO_LONG = f"config key drafter.block_size: drafter.family {NAME} drafts blocks 
 SPLIT = Split(target=1, drafter=1)
 
 
+@dataclasses.dataclass
+class ToySection:
+    """drafter.toyfam: the family's own keys."""
+
+    heads: int = 2
+
+
 def toy_check(d) -> list[str]:
     return [TOO_LONG] if d.block_size > 8 else []
 
 
 def toy_parameters(d, shapes: dict) -> int:
-    return shapes["hidden_size"] * d.num_layers  # a head of H per layer, say
+    return shapes["hidden_size"] * d.toyfam.heads  # heads of H values, say
 
 
 INFO = FamilyInfo(
@@ -50,6 +58,7 @@ INFO = FamilyInfo(
     vllm_method="toyfam",
     sglang_algorithm="TOYFAM",
     anchor_drafts=False,
+    section=ToySection,
     check=toy_check,
     head_parameters=toy_parameters,
     rates=(
@@ -60,13 +69,15 @@ INFO = FamilyInfo(
 
 
 def register(monkeypatch):
-    """The family's module (DFlash's pieces under its own name) and its registry line: nothing else."""
+    """The family's module (DFlash's pieces under its own name) and its registry line: nothing else (the
+    drafter section's dataclass made from the registry as config.py makes it at import)."""
     from flashdraft import dflash
 
     module = types.ModuleType(MODULE)
     module.FAMILY = dataclasses.replace(dflash.FAMILY, name=NAME)
     monkeypatch.setitem(sys.modules, MODULE, module)
     monkeypatch.setitem(FAMILIES, NAME, INFO)
+    monkeypatch.setattr(config, "DrafterConfig", config.drafter_config_class(FAMILIES))
     return module
 
 
@@ -105,7 +116,16 @@ def test_the_registry_line_finds_the_family_s_module(monkeypatch):
     module = register(monkeypatch)
     assert family(NAME) is module.FAMILY and family_info(NAME) is INFO
     assert family_name_of_export({"architectures": ["ToyFamModel"]}) == NAME
-    assert INFO.drafts(8) == 7 and not INFO.needs_last_hidden(DrafterConfig(family=NAME))
+    assert INFO.drafts(8) == 7 and not INFO.needs_last_hidden(config.DrafterConfig(family=NAME))
+
+
+def test_the_family_s_section_is_read_and_enters_its_runs_key_only(monkeypatch):
+    register(monkeypatch)
+    toy = base_config(family=NAME, toyfam={"heads": 3})
+    assert toy.drafter.toyfam == ToySection(heads=3)
+    assert '"toyfam": {"heads": 3}' in run_config(toy.train, toy.drafter)
+    plain = base_config(family="dflash", toyfam={"heads": 3})
+    assert "toyfam" not in run_config(plain.train, plain.drafter)
 
 
 def test_the_family_s_checks_are_the_config_check_s(monkeypatch):
@@ -118,8 +138,8 @@ def test_the_family_s_checks_are_the_config_check_s(monkeypatch):
 
 def test_the_family_s_heads_count_in_the_memory_estimate(monkeypatch):
     register(monkeypatch)
-    toy, plain = base_config(family=NAME), base_config(family="dflash")
-    heads = QWEN3_8B["hidden_size"] * toy.drafter.num_layers
+    toy, plain = base_config(family=NAME, toyfam={"heads": 3}), base_config(family="dflash")
+    heads = QWEN3_8B["hidden_size"] * 3
     assert drafter_parameters(toy, QWEN3_8B) == drafter_parameters(plain, QWEN3_8B) + heads
 
 

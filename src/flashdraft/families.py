@@ -2,10 +2,10 @@
 needs stored per token. No torch here: the config check and the CPU jobs (the data plan, the planner)
 read it. A family's module (flashdraft.dflash, flashdraft.dspark) holds its `FAMILY`: the drafter, its
 training loss, export and loader, and its evaluation proposer. Its line below holds what needs no torch:
-what it stores, how it is exported and served, its config checks, its parameters beside the backbone and
-its measured factors on the planner's rates, so that the config check, the planner and the memory
-estimate ask the registry and never name a family. Adding one: a module and a line below
-(docs/architecture.md, "Adding a drafter family")."""
+its config section (drafter.<family>), what it stores, how it is exported and served, its config checks,
+its parameters beside the backbone and its measured factors on the planner's rates, so that the config,
+the config check, the planner and the memory estimate ask the registry and never name a family. Adding
+one: a module and a line below (docs/architecture.md, "Adding a drafter family")."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ class FamilyInfo:
     # its section's loss weights whose terms read the target's last hidden state (`last_hidden`): with all
     # of them 0 the shards need not hold it (empty: a family with `last_hidden` always needs it)
     teacher_weights: tuple[str, ...] = ()
+    # the dataclass of its own keys, drafter.<family> (config.DrafterConfig holds one per family that has
+    # one, and only the run's family's enters its run key, config.run_config); None: no keys of its own
+    section: type | None = None
     # (drafter_cfg) -> the config's problems that only this family has, one line each naming the key
     # (config_check.config_problems reports them with the rest)
     check: Callable = _no_problems
@@ -99,7 +102,18 @@ class Family:
     loss_options: Callable = lambda train_cfg, drafter_cfg, spec: None
 
 
-# DSpark's checks, parameters and rates (drafter.dspark: config.DSparkConfig)
+# DSpark's section, checks, parameters and rates
+
+
+@dataclass
+class DSparkConfig:
+    """drafter.dspark (drafter.family dspark): its heads and its loss's weights (DeepSpec's Qwen3 recipe)."""
+
+    markov_rank: int = 256  # r of the vanilla Markov head (markov_w1 [V, r], markov_w2 [r, V]); 0: none
+    ce_weight: float = 0.1  # the block CE's weight in the loss
+    l1_weight: float = 0.9  # the L1 distance to the target's distribution
+    confidence_weight: float = 1.0  # the confidence head's BCE; 0: no confidence head
+    confidence_with_markov: bool = True  # the confidence head reads the Markov features of the previous token
 
 
 def _dspark_problems(d) -> list[str]:
@@ -170,6 +184,7 @@ FAMILIES: dict[str, FamilyInfo] = {
         anchor_drafts=True,
         draft_weights=("ce_weight", "l1_weight"),
         teacher_weights=("l1_weight", "confidence_weight"),
+        section=DSparkConfig,
         check=_dspark_problems,
         head_parameters=_dspark_parameters,
         rates=_DSPARK_RATES,
