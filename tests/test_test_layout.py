@@ -14,6 +14,7 @@ SRC = Path(flashdraft.__file__).resolve().parent
 COVERED_BY = {
     "config_check": "test_config.py",
     "drafter_io": ("test_model.py", "test_finetune.py"),  # export and load back; drafter.init_from
+    "dspark_decode": "test_dspark.py",
     "errors": "test_user_errors.py",
     "estimate": "test_plan.py",
     "estimate_inputs": "test_plan.py",
