@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import json
 import math
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -24,9 +25,7 @@ from flashdraft.drafter_io import export_drafter, load_drafter
 from flashdraft.dspark import (
     FAMILY,
     DSparkDrafter,
-    DSparkProposer,
     DSparkSpec,
-    GraphPicks,
     dspark_chunk,
     dspark_labels,
     dspark_loss,
@@ -35,6 +34,7 @@ from flashdraft.dspark import (
     dspark_summarize,
     init_weights,
 )
+from flashdraft.dspark_decode import DSparkProposer, GraphPicks
 from flashdraft.errors import UserError
 from flashdraft.families import family, family_of_export
 from flashdraft.loss import compiled_chunk, sample_anchors, train_forward
@@ -901,8 +901,14 @@ def test_init_from_a_deepspec_checkpoint(tmp_path):
 
 
 def test_the_family_seam():
+    """The family's parts, and training's import of its module brings no decoding engine (dspark_decode,
+    with the proposer, is imported by the family's proposer only)."""
+    engines = "{'flashdraft.speculative', 'transformers'}"
+    code = f"import sys, flashdraft.dspark; print(sorted({engines} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
     assert family("dspark") is FAMILY
-    assert (FAMILY.spec, FAMILY.drafter, FAMILY.proposer) == (DSparkSpec, DSparkDrafter, DSparkProposer)
+    assert (FAMILY.spec, FAMILY.drafter) == (DSparkSpec, DSparkDrafter)
     assert FAMILY.init_weights is init_weights and FAMILY.name == "dspark"
     cfg = DrafterConfig(dspark=DSparkConfig(confidence_weight=0.0))
     target = types.SimpleNamespace(

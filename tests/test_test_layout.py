@@ -14,10 +14,10 @@ SRC = Path(flashdraft.__file__).resolve().parent
 COVERED_BY = {
     "config_check": "test_config.py",
     "drafter_io": ("test_model.py", "test_finetune.py"),  # export and load back; drafter.init_from
+    "dspark_decode": "test_dspark.py",
     "errors": "test_user_errors.py",
     "estimate": "test_plan.py",
     "estimate_inputs": "test_plan.py",
-    "families": ("test_checkpoint.py", "test_dspark.py"),  # the registry; a family's seam and its exports
     "float8": "test_config.py",
     "hf_config": ("test_config.py", "test_model.py"),  # reading config.json; plain_target_config
     "hidden_verify": ("test_hidden.py", "test_hidden_recovery.py"),

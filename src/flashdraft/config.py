@@ -20,6 +20,7 @@ from typing import Any
 
 from .errors import UserError
 from .families import FAMILIES, family_info
+from .families import DSparkConfig as DSparkConfig  # drafter.dspark's section, for its users
 from .io import parse_bytes
 
 
@@ -140,18 +141,9 @@ class HiddenConfig:
 
 
 @dataclass
-class DSparkConfig:
-    """drafter.family dspark: its heads and its loss's weights (DeepSpec's Qwen3 recipe)."""
+class DrafterKeys:
+    """The drafter section's keys every family reads; DrafterConfig adds each family's own section."""
 
-    markov_rank: int = 256  # r of the vanilla Markov head (markov_w1 [V, r], markov_w2 [r, V]); 0: none
-    ce_weight: float = 0.1  # the block CE's weight in the loss
-    l1_weight: float = 0.9  # the L1 distance to the target's distribution
-    confidence_weight: float = 1.0  # the confidence head's BCE; 0: no confidence head
-    confidence_with_markov: bool = True  # the confidence head reads the Markov features of the previous token
-
-
-@dataclass
-class DrafterConfig:
     family: str = "dflash"  # a key of families.FAMILIES: dflash | dspark
     num_layers: int = 5  # K: draft layers, also the number of target layers fused
     block_size: int = 16
@@ -159,7 +151,21 @@ class DrafterConfig:
     mask_token_id: int | None = None  # None: len(tokenizer), the first unused embedding row
     sliding_window: int | None = None  # W >= block_size: a block query sees the W positions up to its own
     init_from: str | None = None  # a drafter export (ours or a released one) that training starts from
-    dspark: DSparkConfig = field(default_factory=DSparkConfig)  # family dspark: its heads and loss weights
+
+
+def drafter_config_class(families: dict) -> type:
+    """The drafter section's dataclass: DrafterKeys and a field per family with keys of its own, named as
+    the family and holding its section (families.FamilyInfo.section: drafter.dspark a DSparkConfig)."""
+    cls = dataclasses.make_dataclass(
+        "DrafterConfig",
+        [(name, i.section, field(default_factory=i.section)) for name, i in families.items() if i.section],
+        bases=(DrafterKeys,),
+    )
+    cls.__module__, cls.__doc__ = __name__, "The drafter section: DrafterKeys and each family's own section."
+    return cls
+
+
+DrafterConfig = drafter_config_class(FAMILIES)
 
 
 @dataclass
@@ -551,11 +557,7 @@ def needs_last_hidden(drafter: DrafterConfig) -> bool:
     """Whether drafter.family trains on the target's last hidden state, which its hidden shards then hold
     per token beside the K layers' features (the `last_hidden` column; families.FamilyInfo.last_hidden):
     a family that has one, where a term reading it has a weight (FamilyInfo.teacher_weights)."""
-    info = family_info(drafter.family)
-    section = getattr(drafter, drafter.family, None)
-    if not info.last_hidden or not info.teacher_weights or section is None:
-        return info.last_hidden
-    return any(getattr(section, k) for k in info.teacher_weights)
+    return family_info(drafter.family).needs_last_hidden(drafter)
 
 
 def feature_layers(num_target_layers: int, drafter: DrafterConfig) -> list[int]:

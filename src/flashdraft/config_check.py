@@ -183,7 +183,7 @@ def config_problems(cfg: Config, target: dict | None = None) -> tuple[list[str],
     found.run(_check_global_batch, t, world)
     found.run(_check_window, cfg.drafter)
     found.run(_check_draft_weights, cfg.drafter)
-    found.run(_check_dspark_heads, cfg.drafter)
+    found.run(_check_family, cfg.drafter)
     found.run(_one_of, "train.loss", t.loss, OBJECTIVES)
     found.run(_one_of, "train.compile_scope", t.compile_scope, COMPILE_SCOPES)
     if t.fp8 is not None and t.fp8 not in FP8_RECIPES:
@@ -282,16 +282,11 @@ def _check_draft_weights(d) -> None:
         )
 
 
-def _check_dspark_heads(d) -> None:
-    """A DSpark confidence head that reads the Markov features needs a Markov head."""
-    h = d.dspark
-    if d.family == "dspark" and not h.markov_rank and h.confidence_weight and h.confidence_with_markov:
-        raise UserError(
-            "config key drafter.dspark.confidence_with_markov: true reads the Markov head's "
-            "features, and drafter.dspark.markov_rank 0 builds none; set it false (the "
-            "confidence head reads the slot's hidden state alone), or "
-            "drafter.dspark.confidence_weight: 0 (no confidence head)"
-        )
+def _check_family(d) -> None:
+    """What only drafter.family has to check (families.FamilyInfo.check)."""
+    from .families import family_info
+
+    Problems(family_info(d.family).check(d)).raise_all()
 
 
 def _check_chars(p) -> None:
@@ -341,10 +336,6 @@ def _check_window(d) -> None:
         raise UserError(
             f"config key drafter.sliding_window ({w}) < drafter.block_size ({bs}): a window must hold a "
             "whole block; use a window of at least the block size, or null for none"
-        )
-    if d.family == "dspark" and w is not None:
-        raise UserError(
-            "config key drafter.sliding_window: drafter.family dspark has no sliding window; set null"
         )
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import ClassVar
 
 import torch
@@ -31,8 +30,7 @@ from . import drafter_io
 from .config import DrafterConfig, DSparkConfig, needs_last_hidden
 from .families import FAMILIES, Family
 from .loss import compiled_chunk, simulated_tau, train_forward
-from .model import DFlashDrafter, DraftCache, DrafterSpec
-from .proposer import Proposer
+from .model import DFlashDrafter, DrafterSpec
 
 NUM_ANCHORS = 512  # DeepSpec's loader requires config.num_anchors (its training sampler's): its recipe's
 
@@ -452,126 +450,6 @@ def dspark_summarize(stats, block_size: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# drafting
-
-
-class GraphPicks:
-    """`DSparkDrafter.pick_block`'s left-to-right Markov picks as CUDA graphs, one greedy and one sampling,
-    replayed after the draft session's step instead of a dozen small kernels per slot launched one by one.
-    The slots' hidden states, the last token, the temperature and one uniform per slot (drawn from the
-    caller's generator before the replay) sit in static buffers; a sample is the inverse of its
-    distribution's CDF at that uniform (the distribution pick_block's torch.multinomial samples). A block
-    shorter than the graph's runs all slots: a slot's pick depends on those before it only."""
-
-    def __init__(self, drafter: DSparkDrafter, lm_head_weight, block_size: int):
-        from .step import Graphs
-
-        dev = lm_head_weight.device
-        self.drafter, self.head, self.vocab = drafter, lm_head_weight, drafter.spec.vocab_size
-        self.h = torch.zeros(block_size, drafter.spec.hidden_size, dtype=drafter.fc.weight.dtype, device=dev)
-        self.last = torch.zeros(1, dtype=torch.long, device=dev)
-        self.temperature = torch.ones(1, device=dev)
-        self.uniform = torch.zeros(block_size, device=dev)
-        self.graphs = Graphs(dev)
-
-    def _picks(self, sampled: bool):
-        base = (self.h @ self.head.to(self.h.dtype).T).float()
-        prev, picks, qs = self.last, [], []
-        for k in range(self.h.shape[0]):
-            base[k] += self.drafter.markov_bias(prev)[0].float()
-            if sampled:
-                qs.append(torch.softmax(base[k] / self.temperature, -1))
-                cdf = qs[-1].cumsum(-1)
-                prev = torch.searchsorted(cdf, self.uniform[k : k + 1] * cdf[-1:]).clamp_(max=self.vocab - 1)
-            else:
-                prev = base[k].argmax(-1, keepdim=True)
-            picks.append(prev)
-        return torch.cat(picks), torch.stack(qs) if sampled else None
-
-    @torch.inference_mode()
-    def __call__(self, h, last_token: int, temperature: float, generator=None):
-        """pick_block(h, last_token, ...)'s drafts `[n]` and distributions `[n, V]` (None at T=0)."""
-        if not self.graphs.ready:
-            self.graphs.capture({s: partial(self._picks, s) for s in (False, True)})
-        n, sampled = h.shape[0], temperature > 0
-        self.h[:n].copy_(h)
-        self.last.fill_(int(last_token))
-        if sampled:
-            self.temperature.fill_(temperature)
-            u = self.uniform
-            u.copy_(torch.rand(u.shape, generator=generator, device=u.device))
-        drafts, q = self.graphs.run(sampled, self._picks, sampled)
-        return drafts[:n].clone(), None if q is None else q[:n].clone()
-
-
-class DSparkProposer(Proposer):
-    """A DSpark drafter: one parallel block over the target features of the verified context, then its
-    slots picked left to right with the Markov bias (`DSparkDrafter.pick_block`); min(B, max_draft) drafts.
-    The context's keys/values live in a `DraftCache`, or after `static(max_len)` in a
-    `session.DraftSession` (static cache, CUDA-graph steps; the picks run after its step);
-    `cached=False` recomputes them every step (the reference). `confidence_threshold` > 0: the proposal
-    stops before the first slot whose confidence (sigmoid) is below it, as DeepSpec's evaluator can
-    (default off)."""
-
-    uses_features = True
-
-    def __init__(
-        self, drafter, embed_weight, lm_head_weight, cached: bool = True, confidence_threshold: float = 0.0
-    ):
-        self.drafter, self.embed, self.head, self.cached = drafter, embed_weight, lm_head_weight, cached
-        self.block_size, self.threshold = drafter.spec.block_size, confidence_threshold
-        self.session, self.picks = None, None
-        self.reset()
-
-    def static(self, max_len: int) -> DSparkProposer:
-        """Draft over a static cache of `max_len` context positions (a cached proposer only)."""
-        if self.cached:
-            from .session import DraftSession
-
-            self.session = DraftSession(self.drafter, self.embed, self.head, max_len, hidden_states=True)
-            if self.session.graphs.on and self.drafter.markov_head is not None:
-                self.picks = GraphPicks(self.drafter, self.head, self.block_size)
-            self.reset()
-        return self
-
-    def reset(self):
-        self.cache, self.features = DraftCache(), None
-        if self.session is not None:
-            self.session.reset()
-
-    def propose(self, tokens, new_features, max_draft, temperature, generator):
-        size = min(self.block_size, max(max_draft, 1))  # the block always runs: it takes in the new features
-        if self.session is not None:
-            self.session.extend(new_features)
-            assert self.session.length == len(tokens) - 1, "the drafter's context is the verified tokens"
-            h = self.session.draft(tokens[-1], size)
-        elif self.cached:
-            h = self.drafter.block_hidden_cached(
-                new_features, tokens[-1], self.embed, self.cache, len(tokens) - 1, size
-            )
-        else:
-            f = self.features
-            self.features = new_features if f is None else torch.cat([f, new_features], 1)
-            h = self.drafter.block_hidden(self.features, tokens[-1], self.embed, size)
-        if self.picks is not None:
-            drafts, q = self.picks(h, tokens[-1], temperature, generator)
-        else:
-            drafts, q, _ = self.drafter.pick_block(h, tokens[-1], self.head, temperature, generator)
-        n = min(max_draft, self._confident(h, tokens[-1], drafts))
-        return drafts[:n].tolist(), None if q is None else q[:n]
-
-    @torch.no_grad()
-    def _confident(self, h, last_token: int, drafts) -> int:
-        """Slots before the first below the confidence threshold (all without a threshold or a head)."""
-        if self.threshold <= 0 or self.drafter.confidence_head is None:
-            return len(drafts)
-        prev = torch.cat([torch.tensor([last_token], device=drafts.device), drafts[:-1]])
-        conf = self.drafter.confidence(h, self.drafter.prev_embeds(prev)).float().sigmoid()
-        low = (conf < self.threshold).nonzero()
-        return int(low[0, 0]) if len(low) else len(drafts)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # the family: the trainer's calls (train_step.Step carries the run's loss options) and init_from
 
 
@@ -630,6 +508,13 @@ def normalizer(step, t: dict, anchors, valid):
     )
 
 
+def proposer(drafter, embed_weight, lm_head_weight, cached: bool = True, **kw):
+    """The evaluation's DSparkProposer (dspark_decode.py, imported here only: it brings the engines)."""
+    from .dspark_decode import DSparkProposer
+
+    return DSparkProposer(drafter, embed_weight, lm_head_weight, cached, **kw)
+
+
 def metric_names(block_size: int) -> list[str]:
     return [
         "loss",
@@ -658,7 +543,7 @@ FAMILY = Family(
     summarize=dspark_summarize,
     metric_names=metric_names,
     stats_size=dspark_stats_size,
-    proposer=DSparkProposer,
+    proposer=proposer,
     init_weights=init_weights,
     loss_options=loss_options,
 )

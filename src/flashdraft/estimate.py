@@ -10,13 +10,14 @@ one. Of the disk it reads only the committed benchmark results its rates come fr
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .config import Config, feature_layers, needs_last_hidden, stream_chunk_tokens, train_world
 from .config_check import check_stream
 from .errors import UserError
 from .estimate_inputs import Tokens
+from .families import FAMILIES, family_info
 from .hf_config import attention_shape
 from .io import FP8, bytes_per_token, human_bytes
 from .results import figure
@@ -36,7 +37,7 @@ class Rate:
 
 # Per-GPU rates measured on one H200 (where noted, an H100) with a Qwen3-8B-shaped target, read from the
 # benchmarks' committed results: a rerun benchmark's file is the planner's new rate.
-RATES = {
+MEASURED = {
     # at the benchmark's answer length (its `setup`), longer on average than production's assumed answers
     "regenerate": Rate("regenerate_1024_qwen3-8b.json", "tokens_per_s_per_gpu", "new tokens/s"),
     "precompute_bfloat16": Rate("precompute_hidden_gpu_qwen3-8b.json", "bfloat16.tokens_per_s", "tokens/s"),
@@ -55,11 +56,6 @@ RATES = {
     "train_fp8_speedup": Rate(
         "train_drafter_qwen3-8b_fp8.json", "comparison.speedup_vs_baseline", "x", scaled=False
     ),
-    # drafter.family dspark against dflash, the same block (7) and data, one process, bf16 (measured on
-    # one H100): the factor on the training rates above (its heads and the target's distribution cost more)
-    "train_dspark_factor": Rate(
-        "train_drafter_qwen3-8b_dspark_vs_dflash.json", "comparison.speedup_vs_baseline", "x", scaled=False
-    ),
     "train_launch_fp8": Rate(
         "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
         "first_step.warm.launch_to_first_step_s",
@@ -70,14 +66,6 @@ RATES = {
         "train_drafter_qwen3-8b_fp8_vs_bf16_layer.json",
         "first_step.resumed.launch_to_first_step_s",
         "s",
-        scaled=False,
-    ),
-    # drafter.family dspark's decoding against dflash's at the same block (7) and acceptance, the static
-    # engine at batch 1 (its drafting step with the Markov picks, and a verify one token wider; one H100)
-    "eval_dspark_factor": Rate(
-        "eval_decode_qwen3-8b_dspark_vs_dflash.json",
-        "dspark_over_dflash.tokens_per_s_at_equal_tau",
-        "x",
         scaled=False,
     ),
     "eval_target_only": Rate("eval_decode_qwen3-8b.json", "modes.target_only.tokens_per_s", "new tokens/s"),
@@ -99,6 +87,29 @@ RATES = {
     "checkpoint_write": Rate("checkpoint_io_qwen3-8b.json", "write_gb_per_s", "GB/s", scaled=False),
     "checkpoint_read": Rate("checkpoint_io_qwen3-8b.json", "read_gb_per_s", "GB/s", scaled=False),
 }
+
+
+class RateTable(Mapping):
+    """The planner's rates: MEASURED, and each drafter family's factors on the training and evaluation
+    rates, measured against dflash (families.FamilyInfo.rates: the files, and which runs of the family pay
+    them), read from the registry at each look-up."""
+
+    def _rates(self) -> dict[str, Rate]:
+        factors = {r.name: Rate(r.file, r.key, "x", scaled=False) for i in FAMILIES.values() for r in i.rates}
+        return {**MEASURED, **factors}
+
+    def __getitem__(self, key: str) -> Rate:
+        return self._rates()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rates())
+
+    def __len__(self) -> int:
+        return len(self._rates())
+
+
+RATES = RateTable()
+
 # The target those benchmarks ran (`shapes.target` of eval_decode_qwen3-8b.json): rates scale from it.
 REFERENCE_TARGET = {
     "hidden_size": 4096,
@@ -204,23 +215,18 @@ class Run:
 
     def train_keys(self, split: Split) -> list[str]:
         """The rates training is planned with: the per-GPU rate, and the measured factors of train.fp8 and
-        of a drafter family other than dflash."""
+        of the drafter family (family_rates)."""
         return (
             [self.train_key(split)]
             + (["train_fp8_speedup"] if self.cfg.train.fp8 else [])
-            + (["train_dspark_factor"] if self.dspark_costs("train") else [])
+            + self.family_rates("train")
         )
 
-    def dspark_costs(self, stage: str) -> bool:
-        """Whether a dspark drafter pays the measured factor against dflash at `stage` (train, eval): in
-        training for its Markov head or a term reading the target's distribution (the L1 and confidence
-        terms), in decoding for its Markov picks one after another. A heads-off one (markov_rank 0, CE
-        only: the DSpark paper's DFlash baseline) runs at DFlash's rates: the backbone and one CE over the
-        vocabulary per slot, one argmax over the block (not measured apart)."""
+    def family_rates(self, stage: str) -> list[str]:
+        """The measured factors against dflash that drafter.family pays at `stage` (train, eval):
+        families.FamilyInfo.rates, none for dflash."""
         d = self.cfg.drafter
-        if d.family != "dspark":
-            return False
-        return bool(d.dspark.markov_rank) or (stage == "train" and needs_last_hidden(d))
+        return family_info(d.family).rate_keys(d, stage)
 
     def train_rate(self, split: Split) -> float:
         """Training tokens/s per GPU."""
@@ -261,10 +267,8 @@ class Run:
 
     def eval_keys(self) -> list[str]:
         """The rates evaluation is planned with: target-only, the speculative decoders, and the measured
-        factor of a drafter family other than dflash."""
-        return ["eval_target_only", "eval_speculative"] + (
-            ["eval_dspark_factor"] if self.dspark_costs("eval") else []
-        )
+        factors of the drafter family (family_rates)."""
+        return ["eval_target_only", "eval_speculative"] + self.family_rates("eval")
 
     def eval_prompt_s(self) -> float:
         """One evaluation prompt on one GPU: target-only and every speculative decoder, at each of

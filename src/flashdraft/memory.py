@@ -93,13 +93,11 @@ def layer_parameters(c: dict) -> int:
 
 
 def family_parameters(cfg: Config, shapes: dict) -> int:
-    """The trained parameters of drafter.family's heads beside the DFlash backbone (DSpark's Markov head,
-    markov_w1 [V, r] and markov_w2 [r, V], and its confidence head over [h; W1[x]])."""
-    if cfg.drafter.family != "dspark":
-        return 0
-    d, v, h = cfg.drafter.dspark, shapes["vocab_size"], shapes["hidden_size"]
-    conf = (h + (d.markov_rank if d.confidence_with_markov else 0) + 1) if d.confidence_weight else 0
-    return 2 * v * d.markov_rank + conf
+    """The trained parameters of drafter.family's heads beside the DFlash backbone
+    (families.FamilyInfo.head_parameters: DSpark's Markov and confidence heads)."""
+    from .families import family_info
+
+    return family_info(cfg.drafter.family).head_parameters(cfg.drafter, shapes)
 
 
 def drafter_parameters(cfg: Config, shapes: dict) -> int:

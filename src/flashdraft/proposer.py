@@ -1,5 +1,6 @@
 """What speculative decoding (speculative.py) asks of a drafter: the `Proposer` base class, in a module of
-its own so that a drafter family's module defines its proposer without importing the engines."""
+its own so that a proposer needing no engine defines it without importing them; a drafter family's
+proposer over the target's features extends speculative.DFlashProposer, which holds the draft context."""
 
 from __future__ import annotations
 

@@ -35,9 +35,14 @@ class DFlashProposer(Proposer):
 
     The context's keys/values live in a `DraftCache` that grows by the positions each verify step
     accepts, or, after `static(max_len)`, in a `session.DraftSession` (static cache, CUDA-graph steps);
-    `cached=False` recomputes them over the whole context every step (the reference)."""
+    `cached=False` recomputes them over the whole context every step (the reference).
+
+    A family whose drafts come from the block otherwise (dspark.DSparkProposer) keeps this context handling
+    and overrides how the block is run and made drafts: `hidden_states` (the block's output is its slots'
+    hidden states, not logits), `slots`, `cached_block`, `uncached_block` and `block_drafts`."""
 
     uses_features = True
+    hidden_states = False  # the block's output: the hidden states of all its slots (else logits of 1..B-1)
 
     def __init__(self, drafter, embed_weight, lm_head_weight, cached: bool = True):
         self.drafter, self.embed, self.head, self.cached = drafter, embed_weight, lm_head_weight, cached
@@ -47,7 +52,9 @@ class DFlashProposer(Proposer):
     def static(self, max_len: int) -> DFlashProposer:
         """Draft over a static cache of `max_len` context positions (a cached proposer only)."""
         if self.cached:
-            self.session = DraftSession(self.drafter, self.embed, self.head, max_len)
+            self.session = DraftSession(
+                self.drafter, self.embed, self.head, max_len, hidden_states=self.hidden_states
+            )
             self.reset()
         return self
 
@@ -60,19 +67,37 @@ class DFlashProposer(Proposer):
     def propose(self, tokens, new_features, max_draft, temperature, generator):
         """new_features: target features of the positions verified since the last call; the context is
         every verified token but the last, which anchors the block. At most `max_draft` drafts."""
-        size = min(self.block_size, max_draft + 1)
+        out = self.block(tokens, new_features, self.slots(max_draft))
+        return self.block_drafts(out, tokens[-1], max_draft, temperature, generator)
+
+    def block(self, tokens, new_features, size: int):
+        """The block [last token, MASK x (size-1)] after the verified context, which takes in
+        `new_features`: in the static session, over the DraftCache, or over the whole context."""
         if self.session is not None:
             self.session.extend(new_features)
             assert self.session.length == len(tokens) - 1, "the drafter's context is the verified tokens"
-            logits = self.session.draft(tokens[-1], size)
-        elif self.cached:
-            logits = self.drafter.predict_block_cached(
-                new_features, tokens[-1], self.embed, self.head, self.cache, len(tokens) - 1, size
-            )
-        else:
-            f = self.features
-            self.features = new_features if f is None else torch.cat([f, new_features], 1)
-            logits = self.drafter.predict_block(self.features, tokens[-1], self.embed, self.head, size)
+            return self.session.draft(tokens[-1], size)
+        if self.cached:
+            return self.cached_block(new_features, tokens[-1], len(tokens) - 1, size)
+        f = self.features
+        self.features = new_features if f is None else torch.cat([f, new_features], 1)
+        return self.uncached_block(self.features, tokens[-1], size)
+
+    def slots(self, max_draft: int) -> int:
+        """The block's size for at most `max_draft` drafts: the anchor's slot predicts nothing."""
+        return min(self.block_size, max_draft + 1)
+
+    def cached_block(self, new_features, last_token: int, position: int, size: int):
+        return self.drafter.predict_block_cached(
+            new_features, last_token, self.embed, self.head, self.cache, position, size
+        )
+
+    def uncached_block(self, features, last_token: int, size: int):
+        return self.drafter.predict_block(features, last_token, self.embed, self.head, size)
+
+    def block_drafts(self, logits, last_token: int, max_draft: int, temperature, generator):
+        """The drafts and their distributions (None at T=0) from the block's output: slots 1..size-1's
+        logits, each picked on its own."""
         logits = logits.float()
         if temperature == 0:
             return logits.argmax(-1).tolist(), None
