@@ -19,7 +19,6 @@ from pathlib import Path
 from flashdraft import memory
 from flashdraft.config import Config, DrafterConfig, TargetConfig, TrainConfig, load_section
 from flashdraft.errors import cli
-from flashdraft.export import export_stream
 from flashdraft.io import log, write_json
 from flashdraft.train import train
 from flashdraft.train_data import train_data
@@ -87,28 +86,14 @@ def main(argv=None):
         opt(args.compile_cache),
         args.stop_at,
     )
-    result = train(job) if data.trains else export_stream(job)
-    if result["stopped"]:
-        sys.exit(128 + result["signal"] if result["signal"] else 0)  # stopped by a signal: not finished
+    result = train(job)
+    if result.stopped:
+        sys.exit(128 + result.signal if result.signal else 0)  # stopped by a signal: not finished
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    if not data.exports:
-        keys = (
-            "chunk",
-            "step",
-            "first_step_done_s",
-            "first_step_done_at",
-            "seconds",
-            "compile_cache",
-            "trained_already",
-        )
-        summary = {k: result[k] for k in keys}
-        if args.done:
-            write_json(args.done, summary)
-        print(json.dumps(summary))
-    else:
-        last = result["rows"][-1] if result["rows"] else {}
-        print(json.dumps({**last, "compile_cache": result["compile_cache"]}))
+    if args.done:
+        write_json(args.done, result.to_json())
+    print(json.dumps(result.to_json()))
 
 
 if __name__ == "__main__":

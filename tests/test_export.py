@@ -1,6 +1,6 @@
 """The export of a trained run (export.py): the drafter's weights (the last step's, or the best
-validation's) in the DFlash format, the metrics CSV, export.json and val_split.json; stream mode's export
-from the run's last checkpoint."""
+validation's) in the DFlash format, the metrics CSV, export.json and val_split.json; stream mode's train
+job (train_data.PlanData), which exports the run's last checkpoint."""
 
 import csv
 import json
@@ -19,7 +19,8 @@ from flashdraft.drafter_io import load_drafter
 from flashdraft.errors import UserError
 from flashdraft.metrics import metric_fields
 from flashdraft.model import DFlashDrafter
-from flashdraft.train_data import run_dir
+from flashdraft.train import train
+from flashdraft.train_data import PlanData, run_dir
 from flashdraft.validate import Best
 
 VERSION = {"commit": "abc1234", "dirty": False}
@@ -152,23 +153,16 @@ def stream_job(tmp_path, total: int):
         )
     )
     drafter_cfg = DrafterConfig(num_layers=2, block_size=B, target_layer_ids=[1, 3], mask_token_id=99)
-    checked = []
-    data = dict(
-        check=lambda cfg, world: checked.append(world),
-        shards=[],
+    checked, cfg = [], TrainConfig(val_samples=0)
+    plan = SimpleNamespace(
+        dir=tmp_path / "plan",
+        meta={"total_steps": total},
         fingerprint="plan-1",
-        total=total,
-        plan=SimpleNamespace(dir=tmp_path / "plan"),
         tokenizer_length=None,
+        check=lambda cfg, world: checked.append(world),
     )
-    j = job(
-        tmp_path,
-        TrainConfig(val_samples=0),
-        data=data,
-        checkpoints=tmp_path / "checkpoints",
-        drafter=drafter_cfg,
-        target=target,
-    )
+    j = job(tmp_path, cfg, checkpoints=tmp_path / "checkpoints", drafter=drafter_cfg, target=target)
+    j.data = PlanData(plan, cfg)  # the plan's answers without its files
     return j, run_dir(j.checkpoints, j.cfg, drafter_cfg, j.data), checked
 
 
@@ -188,20 +182,21 @@ def checkpoint(run, step: int, weights: dict) -> None:
     )
 
 
-def test_stream_export_waits_for_every_chunk_then_exports_the_last_checkpoint(tmp_path, monkeypatch):
+def test_stream_train_job_waits_for_every_chunk_then_exports_the_last_checkpoint(tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)  # one process
     j, run, checked = stream_job(tmp_path, total=4)
     with pytest.raises(UserError, match=r"trained to step 0 of 4: train every chunk of the plan .*plan"):
-        export.export_stream(j)
+        train(j)
     assert checked == [1]
     checkpoint(run, 2, drafter(1).state_dict())
     with pytest.raises(UserError, match="trained to step 2 of 4"):
-        export.export_stream(j)
+        train(j)
     last = drafter(2).state_dict()
     checkpoint(run, 4, last)
-    result = export.export_stream(j)
-    assert result["step"] == 4 and result["run_dir"] == str(run) and not result["stopped"]
-    assert result["rows"] == ROWS[:1] * 4
+    result = train(j)
+    assert result.step == 4 and result.run_dir == str(run) and not result.stopped
+    assert result.rows == ROWS[:1] * 4
+    assert result.to_json() == {**ROWS[0], "compile_cache": {}}  # the line the job prints
     saved = tensors(j.out)
     assert saved.keys() == last.keys() and all(torch.equal(v, last[k]) for k, v in saved.items())
     assert json.loads((j.out / "config.json").read_text()) == tiny_spec().to_config_dict("float32")

@@ -3,7 +3,7 @@ best validation's) in its family's format, the final metrics CSV, export.json (w
 and why) and, with validation, val_split.json (its samples) beside the metrics.
 
 Store mode exports at the end of its training job (train.py); stream mode's train job exports the run
-that every chunk trained (`export_stream`), from its last checkpoint, building no optimizer or step.
+that every chunk trained (`export_checkpoint`), from its last checkpoint, building no optimizer or step.
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import checkpoint_dirs, checkpoint_step, read_model, read_state
-from .distributed import Dist, barrier, log, setup_dist, teardown_dist
+from .checkpoint import checkpoint_step, read_model, read_state
+from .distributed import Dist, log
 from .drafter_io import export_drafter
-from .errors import UserError
 from .io import code_version, write_json
 from .metrics import metric_fields, write_metrics
 from .model import DrafterSpec
-from .train_data import run_dir
 from .train_step import load_spec, resolve
 from .validate import Best, export_choice
 
@@ -57,33 +55,17 @@ def export_run(
         )
 
 
-def export_stream(job) -> dict:
+def export_checkpoint(d: Dist, job, run: Path, last: Path) -> list[dict]:
     """Stream mode's train job (job.data: a train_data.PlanData): export the run that every chunk of the
-    plan trained, from its last checkpoint; returns the summary train.train returns."""
-    d = setup_dist()
-    try:
-        cfg, data = job.cfg, job.data
-        data.check(cfg, d.world)
-        run = run_dir(job.checkpoints, cfg, job.drafter, data)
-        found = checkpoint_dirs(run)
-        step = checkpoint_step(found[-1]) if found else 0
-        if step < data.total:
-            raise UserError(
-                f"the run is trained to step {step} of {data.total}: train every chunk of the "
-                f"plan {data.plan.dir} first (the train_chunk jobs)"
-            )
-        spec = load_spec(job.target, job.drafter, data.tokenizer_length)
-        dtype = resolve(cfg, d.device).amp_dtype
-        state = read_state(json.loads((found[-1] / "state.json").read_text()))
-        log(
-            d,
-            f"resumed from {found[-1]}: step {step}/{data.total}, saved by {state['position'].world} rank(s)",
-        )
-        best = Best(run, d, state["best"], dtype) if cfg.val_samples else None
-        rows = state["metrics"]["rows"]
-        model = read_model(found[-1]) if d.main else {}  # rank 0 writes the export
-        export_run(d, job, spec, run, model, best, step, rows, dtype)
-        barrier(d)
-        return {"step": step, "stopped": False, "run_dir": str(run), "rows": rows, "compile_cache": {}}
-    finally:
-        teardown_dist(d)
+    plan trained from its last checkpoint `last`, building no optimizer or step; returns its logged rows."""
+    cfg, data = job.cfg, job.data
+    step = checkpoint_step(last)
+    spec = load_spec(job.target, job.drafter, data.tokenizer_length)
+    dtype = resolve(cfg, d.device).amp_dtype
+    state = read_state(json.loads((last / "state.json").read_text()))
+    log(d, f"resumed from {last}: step {step}, the run's last, saved by {state['position'].world} rank(s)")
+    best = Best(run, d, state["best"], dtype) if cfg.val_samples else None
+    rows = state["metrics"]["rows"]
+    model = read_model(last) if d.main else {}  # rank 0 writes the export
+    export_run(d, job, spec, run, model, best, step, rows, dtype)
+    return rows

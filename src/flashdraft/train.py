@@ -3,8 +3,9 @@ checkpoints. A job (`TrainJob`: the configs, the target, its data, directories, 
 then the loop below runs; the pieces live by concern:
 
 - train_setup.py: the job, the run it sets up (drafter, parallel mode, optimizer, checkpointer, resume);
-- train_data.py: what the job trains on (store mode's shards, a stream-mode chunk): the seam the loop
-  asks where to start, stop and what to prune, so it never asks which mode it runs in;
+- train_data.py: what the job trains on (store mode's shards, a stream-mode chunk, a stream run every
+  chunk trained): the seam the loop asks where to start, stop, what to prune and what to export, so it
+  never asks which mode it runs in; the job's result (`TrainResult`);
 - distributed.py: process group, collectives, stop signals, the parallel mode;
 - batches.py: buckets, each epoch's micro-batch plan, a rank's share of the global batch, the loader;
 - train_step.py: the drafter, the target's frozen head, one forward+backward (shared with the warmup);
@@ -46,10 +47,10 @@ from .distributed import (
     teardown_dist,
 )
 from .errors import UserError
-from .export import export_run
+from .export import export_checkpoint, export_run
 from .io import process_age
 from .metrics import MetricsLogger
-from .train_data import TrainData, run_dir
+from .train_data import TrainResult, run_dir
 from .train_setup import Run, TrainJob, setup
 from .train_step import anchors_for, batch_normalizer, forward_backward, row_slices
 from .validate import Best, due
@@ -140,7 +141,7 @@ def optimizer_step(run: Run) -> tuple[float, torch.Tensor]:
 
 def after_step(
     run: Run, job: TrainJob, at: Position, epoch_len: int, lr: float, grad_norm, metrics, best: Best | None
-) -> dict | None:
+) -> TrainResult | None:
     """Validation, the logged row, the checkpoint and a stop after optimizer step `at.step`; returns the
     job's summary when it stops here (a signal, --stop-at), else None."""
     cfg, d, step = run.cfg, run.d, at.step
@@ -174,18 +175,12 @@ def after_step(
         f"stopped {why} after step {step}, checkpoint saved; rerun the same command to resume from "
         f"{run.run_dir}",
     )
-    return {
-        "step": step,
-        "stopped": True,
-        "signal": signalled,
-        "run_dir": str(run.run_dir),
-        "rows": metrics.rows,
-    }
+    return TrainResult(step, str(run.run_dir), metrics.rows, stopped=True, signal=signalled)
 
 
 def train_steps(
     run: Run, job: TrainJob, at: Position, metrics: MetricsLogger, best: Best | None
-) -> dict | None:
+) -> TrainResult | None:
     """The loop, from `at` to the job's stop; returns the summary of a job stopped early, else None."""
     cfg, seen = run.cfg, set()
     while at.step < run.stop:
@@ -217,10 +212,11 @@ def train_steps(
     return None
 
 
-def train(job: TrainJob) -> dict:
-    """Train (or resume) and export; returns a summary. job.stop_at: save a checkpoint after that step and
-    return without exporting (a deliberate preemption). SIGTERM or Ctrl-C stops at the next log step with
-    a checkpoint. A stream chunk (train_data.ChunkData) trains its steps and exports nothing."""
+def train(job: TrainJob) -> TrainResult:
+    """Train (or resume) and export; returns the job's result. job.stop_at: save a checkpoint after that
+    step and return without exporting (a deliberate preemption). SIGTERM or Ctrl-C stops at the next log
+    step with a checkpoint. A stream chunk (train_data.ChunkData) trains its steps and exports nothing;
+    stream mode's train job (train_data.PlanData) trains nothing and exports the run's last checkpoint."""
     d = setup_dist()
     try:
         with stop_signals_caught():
@@ -232,42 +228,37 @@ def train(job: TrainJob) -> dict:
         teardown_dist(d)
 
 
-def trained_already(d: Dist, data: TrainData, run: Path, past: Path) -> dict:
-    """A job whose steps the run has passed (a stream chunk run again: a train key the chunks do not depend
-    on, a plan made again when an earlier train.seed comes back, --forcerun, a job stopped at the chunk's
-    last step) trains nothing and removes nothing but the checkpoints inside it, which its end supersedes
-    (what the finished job prunes)."""
+def trained_already(d: Dist, job: TrainJob, run: Path, past: Path) -> TrainResult:
+    """A job whose steps the run has passed trains nothing and removes nothing but what its end supersedes
+    (what the finished job prunes), and exports the run where its mode does (stream mode's train job, from
+    the last checkpoint). A stream chunk run again (a train key the chunks do not depend on, a plan made
+    again when an earlier train.seed comes back, --forcerun, a job stopped at the chunk's last step) is
+    one: the checkpoints inside it go."""
+    data = job.data
     barrier(d)  # every rank has looked before rank 0 removes anything
     if d.main:
         data.finish(run, 0)
     barrier(d)
-    start, end = data.steps
+    step = data.stop(checkpoint_step(past))
     log(
         d,
-        f"{data.name} is trained already: {past} holds step {checkpoint_step(past)}, at or past the "
-        f"chunk's steps {start}..{end}; nothing to train",
+        f"{data.name} is trained already: {past} holds step {checkpoint_step(past)}, at or past its end "
+        f"(step {step}); nothing to train",
     )
-    return {
-        "step": end,
-        "stopped": False,
-        "run_dir": str(run),
-        "rows": [],
-        "compile_cache": {},
-        **data.summary(),
-        "first_step_done_s": None,
-        "first_step_done_at": None,
-        "seconds": process_age(),
-        "trained_already": str(past),
-    }
+    rows = data.export(lambda: export_checkpoint(d, job, run, past))
+    barrier(d)
+    return TrainResult(
+        step, str(run), rows or [], **data.summary(), seconds=process_age(), trained_already=str(past)
+    )
 
 
-def _train(d: Dist, job: TrainJob) -> dict:
+def _train(d: Dist, job: TrainJob) -> TrainResult:
     log(d, f"started {d.world} process(es); rank 0 on {d.device}")
     cfg, data = job.cfg, job.data
     data.check(cfg, d.world)
     run_path = run_dir(job.checkpoints, cfg, job.drafter, data)
     if (past := data.trained(run_path)) is not None:
-        return trained_already(d, data, run_path, past)
+        return trained_already(d, job, run_path, past)
     run, state = setup(d, job, run_path)
     at = replace(state["position"], world=d.world)  # saved by this job's processes from here on
     metrics = MetricsLogger(
@@ -298,39 +289,33 @@ def _train(d: Dist, job: TrainJob) -> dict:
             f"{torch.cuda.max_memory_reserved(d.device) / 2**30:.2f} GiB reserved",
             every_rank=True,
         )
-    summary = {
-        "step": at.step,
-        "stopped": False,
-        "run_dir": str(run_path),
-        "rows": metrics.rows,
-        "compile_cache": cache_counters(),
-        "peak_gpu_bytes": peak,
-    }
-    if not data.exports:
-        if d.main:
-            data.finish(run_path, cfg.keep_checkpoints)
-        barrier(d)
-        log(d, f"trained {data.name}: steps {data.steps[0]}..{at.step} of {run.total}")
-        done = run.first_step_done or (None, None)
-        return {
-            **summary,
-            **data.summary(),
-            "first_step_done_s": done[0],
-            "first_step_done_at": done[1],
-            "seconds": process_age(),
-            "trained_already": None,
-        }
-    export_run(
-        d,
-        job,
-        run.spec,
-        run_path,
-        run.checkpointer.model_state(),
-        best,
-        at.step,
-        metrics.rows,
-        run.step.amp_dtype,
-        run.drafter,
+    if d.main:
+        data.finish(run_path, cfg.keep_checkpoints)
+    data.export(
+        lambda: export_run(
+            d,
+            job,
+            run.spec,
+            run_path,
+            run.checkpointer.model_state(),
+            best,
+            at.step,
+            metrics.rows,
+            run.step.amp_dtype,
+            run.drafter,
+        )
     )
     barrier(d)
-    return summary
+    log(d, f"trained to step {at.step} of {run.total}{data.where()}")
+    done = run.first_step_done or (None, None)
+    return TrainResult(
+        at.step,
+        str(run_path),
+        metrics.rows,
+        compile_cache=cache_counters(),
+        peak_gpu_bytes=peak,
+        **data.summary(),
+        first_step_done_s=done[0],
+        first_step_done_at=done[1],
+        seconds=process_age(),
+    )

@@ -1,27 +1,30 @@
 """What a training job trains on: the data seam between the hidden states on disk and the loop.
 
-A `TrainData` says which samples the run numbers and their lengths, the samples this job reads (its
-`store`) and the validation subset, what the run key depends on, where the job starts and stops within
-the run, what a finished job prunes, and whether it exports. The loop in train.py asks these questions and
-never which mode it runs in:
+A `TrainData` (a protocol every mode implements whole) says which samples the run numbers and their
+lengths, the samples this job reads (its `store`) and the validation subset, what the run key depends on,
+where the job starts and stops within the run, when the run has passed its end, what a finished job prunes,
+and what it exports. The loop in train.py asks these questions and never which mode it runs in:
 
 - `StoreData` (hidden.mode: store): every sample of the hidden shards, from the run's latest checkpoint to
   its end, then the export; the validation split (train.val_samples) comes out of the shards' samples.
 - `ChunkData` (hidden.mode: stream, a train_chunk job): one chunk of the data plan, from the checkpoint
   where the previous chunk ended to the chunk's end; a chunk whose end the run has passed is trained.
 - `PlanData` (hidden.mode: stream, the train job): the run every chunk trained, nothing left to train:
-  export.py exports it.
+  the job exports the run's last checkpoint.
 
-`Plan` is stream mode's data plan as training reads it (stream.py writes it: the data_plan job).
+`TrainResult` is what a training job returns, whatever its mode. `Plan` is stream mode's data plan as
+training reads it (stream.py writes it: the data_plan job).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from .batches import micro_per_step
 from .checkpoint import checkpoint_dirs, checkpoint_step, run_key
@@ -31,6 +34,98 @@ from .hidden import HiddenStore, StoreView, require_last_hidden
 from .holdout import split_record, val_split
 
 FORMAT = "flashdraft.plan/1"
+T = TypeVar("T")
+
+
+class TrainData(Protocol):
+    """What a training job trains on, asked the same questions in every mode."""
+
+    shards: list[str]  # the run key's hidden shards (none in stream mode: the plan's fingerprint stands)
+    protect: frozenset[int]  # checkpoint steps the job never prunes
+
+    @property
+    def name(self) -> str:
+        """What the job trains, for its log lines."""
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The run key's data (None: the shards' manifests)."""
+
+    @property
+    def tokenizer_length(self) -> int | None:
+        """len(tokenizer) of the target (None: the job loads the tokenizer)."""
+
+    @property
+    def store(self):
+        """The samples this job trains on, by the run's sample numbers."""
+
+    @property
+    def val_store(self):
+        """The validation samples (None: no validation)."""
+
+    @property
+    def lengths(self) -> list[int]:
+        """The run's samples' lengths, by their numbers."""
+
+    def check(self, cfg: TrainConfig, world: int) -> None:
+        """One line when the data was made for another training than this one."""
+
+    def trained(self, run_dir: Path) -> Path | None:
+        """The checkpoint at or past the job's end, when the run has passed it (nothing to train)."""
+
+    def begin(self, run_dir: Path) -> None:
+        """(Main rank, before the latest checkpoint is read.) A checkpoint to start from exists."""
+
+    def stop(self, total: int) -> int:
+        """The step the job stops at, of a run of `total` steps."""
+
+    def where(self) -> str:
+        """Where in the run the job trains, for the log (a clause after a comma, or nothing)."""
+
+    def finish(self, run_dir: Path, keep: int) -> None:
+        """(Main rank, once the job's steps are trained.) Prunes what the job no longer needs."""
+
+    def export(self, write: Callable[[], T]) -> T | None:
+        """The trained run's export: `write`'s result, or None where the job exports nothing."""
+
+    def summary(self) -> dict:
+        """What the job's result says of its data (TrainResult's fields)."""
+
+    def val_split(self) -> dict | None:
+        """The validation split, for a user to inspect (val_split.json)."""
+
+
+@dataclass
+class TrainResult:
+    """What a training job returns, whatever its mode. `to_json` is the JSON line it prints: a chunk's
+    summary (train_chunk's --done file), else the last logged row and the compile caches' counters."""
+
+    step: int  # the run's step the job ended at
+    run_dir: str
+    rows: list[dict]  # the logged rows (none for a chunk trained already)
+    stopped: bool = False  # by a signal or --stop-at, with a checkpoint: not finished
+    signal: int = 0  # the signal that stopped it (0: --stop-at or not stopped)
+    compile_cache: dict = field(default_factory=dict)
+    peak_gpu_bytes: int | None = None
+    chunk: dict | None = None  # the stream chunk it trained
+    first_step_done_s: float | None = None  # the process's age when its first step ended
+    first_step_done_at: float | None = None  # and the time
+    seconds: float | None = None  # the process's age at the end
+    trained_already: str | None = None  # the checkpoint past the job's end it found, having trained nothing
+
+    def to_json(self) -> dict:
+        if self.chunk is not None:
+            keys = (
+                "chunk",
+                "step",
+                "first_step_done_s",
+                "first_step_done_at",
+                "seconds",
+                "compile_cache",
+                "trained_already",
+            )
+            return {k: getattr(self, k) for k in keys}
+        return {**(self.rows[-1] if self.rows else {}), "compile_cache": self.compile_cache}
 
 
 def split_store(store, cfg: TrainConfig):
@@ -62,11 +157,10 @@ class StoreData:
     """Store mode: the hidden shards' samples; the job trains from the run's latest checkpoint to its end
     and exports."""
 
+    name = "the run"
     fingerprint = None  # the run key reads the shards' manifests
     tokenizer_length = None  # the training job loads the tokenizer
     protect: frozenset[int] = frozenset()
-    trains = True
-    exports = True
 
     def __init__(self, shards: list[str], cfg: TrainConfig):
         self.shards, self.cfg = [str(s) for s in shards], cfg
@@ -105,6 +199,9 @@ class StoreData:
     def finish(self, run_dir: Path, keep: int) -> None:
         pass
 
+    def export(self, write: Callable[[], T]) -> T | None:
+        return write()
+
     def summary(self) -> dict:
         return {}
 
@@ -135,9 +232,6 @@ class ChunkData(_Planned):
     """Stream mode, one chunk of the plan: its shards hold the chunk's samples; the job trains the chunk's
     steps from the checkpoint where the previous chunk ended (or an attempt of this one stopped), keeps
     the chunk's end and no checkpoint inside it, and exports nothing."""
-
-    trains = True
-    exports = False
 
     def __init__(self, plan: Plan, chunk: Chunk, shards: list[str], val_shards, cfg: TrainConfig):
         self.plan, self.chunk, self.shards, self.val_shards, self.cfg = plan, chunk, shards, val_shards, cfg
@@ -182,6 +276,9 @@ class ChunkData(_Planned):
         """(Main rank, once the chunk has trained.) Its end stays, the checkpoints inside it go."""
         prune_chunk(run_dir, self.chunk.start_step, self.chunk.end_step, keep)
 
+    def export(self, write: Callable[[], T]) -> T | None:
+        return None  # the train job exports the run every chunk trained (PlanData)
+
     def summary(self) -> dict:
         """What the job's summary (train_chunk's JSON) says of its data."""
         return {"chunk": asdict(self.chunk)}
@@ -191,10 +288,16 @@ class ChunkData(_Planned):
 
 
 class PlanData(_Planned):
-    """Stream mode's train job: the run that every chunk of the plan trained, to export."""
+    """Stream mode's train job: the run that every chunk of the plan trained, nothing left to train: the
+    job exports its last checkpoint, reading no samples and building no optimizer or step."""
 
-    trains = False
-    exports = True
+    name = "the run"
+    protect: frozenset[int] = frozenset()
+    store = val_store = None  # no sample is read
+
+    @property
+    def lengths(self) -> list[int]:
+        return []
 
     def __init__(self, plan: Plan, cfg: TrainConfig):
         self.plan, self.cfg, self.shards = plan, cfg, []
@@ -203,11 +306,37 @@ class PlanData(_Planned):
     def total(self) -> int:
         return self.plan.meta["total_steps"]
 
+    def trained(self, run_dir: Path) -> Path | None:
+        """The run's last checkpoint, once it holds the plan's last step; one line before."""
+        found = checkpoint_dirs(run_dir)
+        step = checkpoint_step(found[-1]) if found else 0
+        if step < self.total:
+            raise UserError(
+                f"the run is trained to step {step} of {self.total}: train every chunk of the "
+                f"plan {self.plan.dir} first (the train_chunk jobs)"
+            )
+        return found[-1]
+
+    def begin(self, run_dir: Path) -> None:
+        pass
+
+    def stop(self, total: int) -> int:
+        return total
+
+    def where(self) -> str:
+        return ""
+
+    def finish(self, run_dir: Path, keep: int) -> None:
+        pass  # every chunk pruned its own
+
+    def export(self, write: Callable[[], T]) -> T | None:
+        return write()
+
+    def summary(self) -> dict:
+        return {}
+
     def val_split(self) -> dict | None:
         return self.plan.val_split() if self.cfg.val_samples else None
-
-
-TrainData = StoreData | ChunkData | PlanData
 
 
 def train_data(
