@@ -193,16 +193,27 @@ class DSparkDrafter(DFlashDrafter):
             q = torch.softmax(base / temperature, -1)
             return torch.multinomial(q, 1, generator=generator)[:, 0], q, base
         prev = torch.tensor([last_token], device=h.device)
-        picks, qs = [], []
-        for k in range(h.shape[0]):
-            base[k] += self.markov_bias(prev)[0].float()
+
+        def choose(k, logits):
             if temperature == 0:
-                prev = base[k].argmax(-1, keepdim=True)
-            else:
-                qs.append(torch.softmax(base[k] / temperature, -1))
-                prev = torch.multinomial(qs[-1], 1, generator=generator)
+                return logits.argmax(-1, keepdim=True), None
+            q = torch.softmax(logits / temperature, -1)
+            return torch.multinomial(q, 1, generator=generator), q
+
+        return (*self.markov_picks(base, prev, choose), base)
+
+    def markov_picks(self, base, prev, choose):
+        """The Markov picks of pick_block (and of dspark_decode.GraphPicks): slot by slot, the base logits
+        `base` `[n, V]` float32 biased in place by the Markov bias of the token before (`prev` `[1]` for
+        slot 0, then each pick), then `choose(k, logits) -> (pick [1], distribution [V] or None)`. Returns
+        (picks `[n]`, the distributions `[n, V]` or None)."""
+        picks, qs = [], []
+        for k in range(base.shape[0]):
+            base[k] += self.markov_bias(prev)[0].float()
+            prev, q = choose(k, base[k])
             picks.append(prev)
-        return torch.cat(picks), torch.stack(qs) if qs else None, base
+            qs += [] if q is None else [q]
+        return torch.cat(picks), torch.stack(qs) if qs else None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -32,17 +32,15 @@ class GraphPicks:
 
     def _picks(self, sampled: bool):
         base = (self.h @ self.head.to(self.h.dtype).T).float()
-        prev, picks, qs = self.last, [], []
-        for k in range(self.h.shape[0]):
-            base[k] += self.drafter.markov_bias(prev)[0].float()
-            if sampled:
-                qs.append(torch.softmax(base[k] / self.temperature, -1))
-                cdf = qs[-1].cumsum(-1)
-                prev = torch.searchsorted(cdf, self.uniform[k : k + 1] * cdf[-1:]).clamp_(max=self.vocab - 1)
-            else:
-                prev = base[k].argmax(-1, keepdim=True)
-            picks.append(prev)
-        return torch.cat(picks), torch.stack(qs) if sampled else None
+
+        def choose(k, logits):
+            if not sampled:
+                return logits.argmax(-1, keepdim=True), None
+            q = torch.softmax(logits / self.temperature, -1)
+            cdf = q.cumsum(-1)
+            return torch.searchsorted(cdf, self.uniform[k : k + 1] * cdf[-1:]).clamp_(max=self.vocab - 1), q
+
+        return self.drafter.markov_picks(base, self.last, choose)
 
     @torch.inference_mode()
     def __call__(self, h, last_token: int, temperature: float, generator=None):
